@@ -1,0 +1,14 @@
+"""pagedllm: an LLM inference and serving engine on a paged KV cache."""
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm import LLM
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.errors import InvalidRequestError, ModelLoadError
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "InvalidRequestError", "ModelLoadError",
+           "__version__"]

@@ -1,0 +1,1 @@
+"""Paged attention: metadata, backend interface + registry, the Attention layer."""

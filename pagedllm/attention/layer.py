@@ -1,0 +1,35 @@
+"""The Attention module models call: shapes in, shapes out, the backend does the rest."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionSpec, get_attention_backend
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Paged attention over this layer's slice of the KV cache.
+
+    The model runner binds `kv_cache` ([2, num_blocks, block_size, KVH, D]) once after
+    allocating the cache; until then the layer cannot run.
+    """
+
+    def __init__(self, spec: AttentionSpec, backend: str) -> None:
+        super().__init__()
+        self.spec = spec
+        self.impl = get_attention_backend(backend)(spec)
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
+        assert self.kv_cache is not None, "KV cache not bound (ModelRunner.initialize_kv_cache)"
+        spec = self.spec
+        num_tokens = q.shape[0]
+        out = self.impl.forward(q.view(num_tokens, spec.num_heads, spec.head_size),
+                                k.view(num_tokens, spec.num_kv_heads, spec.head_size),
+                                v.view(num_tokens, spec.num_kv_heads, spec.head_size),
+                                self.kv_cache, attn_metadata)
+        return out.reshape(num_tokens, spec.num_heads * spec.head_size)

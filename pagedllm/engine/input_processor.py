@@ -1,0 +1,74 @@
+"""InputProcessor: user prompts (text or token ids) -> validated Requests."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pagedllm.config import ModelConfig
+from pagedllm.errors import InvalidRequestError
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+# A prompt: text, {"prompt": text}, {"prompt_token_ids": [...]}, or a list of token ids.
+PromptType = Union[str, dict, list]
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+        self.max_model_len = model_config.max_model_len
+        self.vocab_size = model_config.hf_config.vocab_size
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id_of(tokenizer, model_config.hf_config)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"prompt must be a string or token ids, got "
+                                      f"{type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine was started without a tokenizer: "
+                                      "pass prompt_token_ids")
+        return prompt, self.tokenizer.encode(prompt) if prompt else []
+
+    def process(self, req_id: str, prompt: PromptType, params: SamplingParams,
+                arrival_time: float | None = None) -> tuple[Request, str | None]:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got "
+                                      f"{type(params).__name__}")
+        text, ids = self.tokenize(prompt)
+        self.validate_prompt(ids)
+        # Room left for output; generation also stops at max_model_len in the scheduler.
+        max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
+        request = Request(req_id, ids, params, self.eos_token_id, arrival_time,
+                          max_tokens=max_tokens)
+        return request, text
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"The decoder prompt (length {len(ids)}) is longer than the maximum model "
+                f"length of {self.max_model_len}. Make sure that `max_model_len` is no "
+                f"smaller than the number of text tokens.")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids out of vocabulary (size {self.vocab_size}): "
+                                      f"{bad[:5]}")
+
+
+def eos_token_id_of(tokenizer: Any | None, hf_config: Any) -> int | None:
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return eos

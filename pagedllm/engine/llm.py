@@ -1,0 +1,104 @@
+"""LLM: the offline entry point (generate, chat) over an LLMEngine."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.errors import InvalidRequestError
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """`LLM(model=None, **engine_args)`; keywords are EngineArgs fields.
+
+    `skip_tokenizer_init=True` runs without a tokenizer (token-id prompts only).
+    """
+
+    def __init__(self, model: str | None = None, *, skip_tokenizer_init: bool = False,
+                 **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise TypeError(f"unknown LLM arguments {sorted(unknown)}; "
+                            f"valid: {EngineArgs.field_names()}")
+        args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args, skip_tokenizer_init)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} "
+                                      f"sampling params")
+        req_ids = self._add_all(prompts, params)
+        return self._run(req_ids, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init is set)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            # The template already holds the special tokens: don't let encode add BOS again.
+            text = tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **(chat_template_kwargs or {}))
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _add_all(self, prompts: Sequence[PromptType],
+                 params: Sequence[SamplingParams]) -> list[str]:
+        engine = self.llm_engine
+        req_ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                req_id = str(next(self._counter))
+                engine.add_request(req_id, prompt, sp)
+                req_ids.append(req_id)
+        except Exception:
+            # All or nothing: a bad prompt must not leave its batch-mates queued.
+            engine.abort_request(req_ids)
+            raise
+        return req_ids
+
+    def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        pbar = None
+        if use_tqdm and len(req_ids) > 1:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(req_ids), desc="Processed prompts", dynamic_ncols=True)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    if pbar is not None:
+                        pbar.update(1)
+        if pbar is not None:
+            pbar.close()
+        return [finished[r] for r in req_ids]

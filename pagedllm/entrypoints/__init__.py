@@ -1,0 +1,1 @@
+"""User entry points: the CLI and (later) the OpenAI-compatible server."""

@@ -1,0 +1,20 @@
+"""Typed user-facing errors.
+
+Anything a user can cause (a bad prompt, a bad parameter, a missing model) raises one
+of these; `assert` is kept for internal invariants only. The server maps
+`InvalidRequestError` to HTTP 400 with an OpenAI-style error body.
+"""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request (prompt or sampling parameters) the engine cannot serve as given."""
+
+
+class ModelLoadError(ValueError):
+    """The model path, format or architecture cannot be loaded."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core stopped; in-flight and new requests fail with this."""

@@ -1,0 +1,1 @@
+"""Executors run the model runner(s): in-process today; multi-process / Ray later."""

@@ -1,0 +1,83 @@
+"""Weight and tokenizer loading.
+
+Loaders yield `(hf_name, tensor)` pairs under Hugging Face checkpoint names, one tensor at
+a time, converted to the requested dtype; models own the mapping onto their parameters
+(fusing, sharding, tying). Weight formats are a name registry with lazy imports so that
+`gguf` is imported only for GGUF models.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from pagedllm.errors import ModelLoadError
+
+
+class WeightFormat(Protocol):
+    """A weight format module: one streaming entry point."""
+
+    def iter_weights(self, model_path: str, hf_config: Any, dtype: torch.dtype
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(hf_name, tensor)` for every tensor, one at a time, in `dtype`."""
+        ...
+
+
+_FORMATS: dict[str, str] = {
+    "safetensors": "pagedllm.loader.safetensors",  # HF directories (also .bin fallback)
+    "gguf": "pagedllm.loader.gguf_cache",  # GGUF through the conversion cache
+}
+
+
+def detect_format(model_path: str) -> str:
+    """Name of the weight format of `model_path`: a directory -> safetensors, .gguf -> gguf."""
+    if os.path.isdir(model_path) or model_path.endswith(".safetensors"):
+        return "safetensors"
+    if model_path.endswith(".gguf"):
+        return "gguf"
+    raise ModelLoadError(f"cannot tell the weight format of {model_path!r}: pass an HF model "
+                         f"directory or a .gguf file")
+
+
+def get_format(name: str) -> WeightFormat:
+    """The format module registered under `name`, imported on first use."""
+    if name not in _FORMATS:
+        raise ModelLoadError(f"unknown weight format {name!r} (known: {', '.join(_FORMATS)})")
+    return importlib.import_module(_FORMATS[name])  # type: ignore[return-value]
+
+
+def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype,
+                 load_format: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream `(hf_name, tensor)` pairs of a model, converted to `dtype`.
+
+    `load_format` overrides the format detected from the path. Path and format errors
+    raise here; errors inside the files raise when the stream is consumed.
+    """
+    if not os.path.exists(model_path):
+        raise ModelLoadError(f"model path does not exist: {model_path!r}")
+    fmt = get_format(load_format or detect_format(model_path))
+    return fmt.iter_weights(model_path, hf_config, dtype)
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None) -> Any:
+    """The transformers tokenizer of a model, with its chat template when it has one.
+
+    `tokenizer_path` (a directory or a .gguf file) overrides the model's own. GGUF tokenizers
+    come from the file's metadata through the conversion cache.
+    """
+    source = tokenizer_path or model_path
+    if source.endswith(".gguf") and Path(source).is_file():
+        from pagedllm.loader.gguf_cache import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(source)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {source!r}: {e}") from e

@@ -1,0 +1,233 @@
+"""GGUF weights as a stream of `(hf_name, tensor)` pairs.
+
+A GGUF file (llama.cpp's format) stores tensors under llama.cpp names (`blk.3.attn_q.weight`),
+in ggml's dimension order, often block-quantized. `GGUFWeights` memory-maps the file with
+`gguf.GGUFReader`, checks every tensor up front (known name, supported type), and then
+dequantizes one tensor at a time with `gguf.quants.dequantize`, renamed to the Hugging Face
+checkpoint name and converted to the requested dtype. For llama it also undoes the q/k row
+permutation that llama.cpp's converter applies (see `_unpermute_rows`).
+
+Architectures are a per-architecture name table (`_ARCHS`); adding gpt2/phi3 means adding
+a table entry (plus any tensor transform they need), not new control flow.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from pagedllm.errors import ModelLoadError
+
+_QT = gguf.GGMLQuantizationType
+
+SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset({
+    _QT.F32, _QT.F16, _QT.BF16,
+    _QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1, _QT.Q8_0,
+    _QT.Q2_K, _QT.Q3_K, _QT.Q4_K, _QT.Q5_K, _QT.Q6_K,
+})
+"""ggml tensor types this loader dequantizes (others raise ModelLoadError up front)."""
+
+
+@dataclass(frozen=True)
+class _ArchSpec:
+    """How one GGUF architecture's tensor names map onto its HF checkpoint names."""
+
+    hf_model_type: str
+    """`model_type` of the matching transformers config (documentation and sanity checks)."""
+    global_names: Mapping[str, str]
+    """Full GGUF name -> full HF name, for tensors outside the decoder layers."""
+    layer_names: Mapping[str, str]
+    """GGUF name after `blk.N.` -> HF name after `model.layers.N.`."""
+    permute_qk: bool = False
+    """True when llama.cpp's converter interleaved the q/k rows for its rope kernel."""
+    ignored: frozenset[str] = field(default_factory=frozenset)
+    """GGUF tensors with no HF counterpart (derived from the config on the HF side)."""
+
+
+_LLAMA_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    # Absent when the embeddings are tied; the model then ties lm_head itself.
+    "output.weight": "lm_head.weight",
+}
+_LLAMA_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_QWEN2_LAYER = {
+    **_LLAMA_LAYER,
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+}
+
+_ARCHS: Mapping[str, _ArchSpec] = {
+    # llama.cpp writes Llama 3.x rope scaling as a `rope_freqs` tensor; HF derives the same
+    # frequencies from config.rope_scaling, so it is skipped rather than yielded.
+    "llama": _ArchSpec("llama", _LLAMA_GLOBAL, _LLAMA_LAYER, permute_qk=True,
+                       ignored=frozenset({"rope_freqs.weight"})),
+    # llama.cpp's Qwen2 converter does not permute q/k (its rope runs in NEOX mode, which
+    # pairs rows like HF's rotate_half).
+    "qwen2": _ArchSpec("qwen2", _LLAMA_GLOBAL, _QWEN2_LAYER),
+}
+
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the stream, known before any data is read."""
+
+    hf_name: str
+    """Hugging Face checkpoint name."""
+    shape: tuple[int, ...]
+    """Shape in torch order (ggml's `ne` reversed)."""
+    gguf_index: int
+    """Index into `GGUFReader.tensors`."""
+    permute_heads: int | None = None
+    """Number of heads whose rows llama.cpp interleaved (q: n_head, k: n_head_kv); None: none."""
+
+
+def _read_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.get_field(key)
+    return default if f is None else f.contents()
+
+
+def _hf_name(spec: _ArchSpec, gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor under `spec`, or None when the name is unknown."""
+    if gguf_name in spec.global_names:
+        return spec.global_names[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in spec.layer_names:
+        return f"model.layers.{m.group(1)}.{spec.layer_names[m.group(2)]}"
+    return None
+
+
+class GGUFWeights:
+    """The tensors of one GGUF file, validated up front and dequantized on demand.
+
+    Opening parses the header (memory-mapped; no tensor data is read). `specs` lists the
+    stream's names and shapes before any dequantization, which lets the conversion cache
+    write a safetensors header ahead of the data.
+    """
+
+    def __init__(self, path: str) -> None:
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot read GGUF file {path!r}: {e}") from e
+        self.path = path
+        self.arch = str(_read_field(self.reader, "general.architecture", ""))
+        spec = _ARCHS.get(self.arch)
+        if spec is None:
+            raise ModelLoadError(f"GGUF architecture {self.arch!r} of {path!r} is not supported "
+                                 f"(supported: {', '.join(sorted(_ARCHS))})")
+        self.specs = self._plan(spec)
+
+    def _head_counts(self) -> tuple[int, int]:
+        num_heads = _read_field(self.reader, f"{self.arch}.attention.head_count")
+        if num_heads is None:
+            raise ModelLoadError(f"GGUF {self.path!r} lacks {self.arch}.attention.head_count")
+        num_kv_heads = _read_field(self.reader, f"{self.arch}.attention.head_count_kv", num_heads)
+        return int(num_heads), int(num_kv_heads)
+
+    def _plan(self, spec: _ArchSpec) -> list[TensorSpec]:
+        """Map every tensor to its HF name; fail on unknown names or types before reading data."""
+        num_heads, num_kv_heads = self._head_counts() if spec.permute_qk else (0, 0)
+        specs: list[TensorSpec] = []
+        unknown: list[str] = []
+        unsupported: list[str] = []
+        for i, t in enumerate(self.reader.tensors):
+            if t.name in spec.ignored:
+                continue
+            hf_name = _hf_name(spec, t.name)
+            if hf_name is None:
+                unknown.append(t.name)
+                continue
+            if t.tensor_type not in SUPPORTED_TYPES:
+                unsupported.append(f"{t.name} ({t.tensor_type.name})")
+            heads = None
+            if spec.permute_qk and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+                heads = num_heads
+            elif spec.permute_qk and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+                heads = num_kv_heads
+            # ggml lists dimensions fastest-varying first (ne[0] = row length): reversed,
+            # they are torch's row-major shape.
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            specs.append(TensorSpec(hf_name, shape, i, heads))
+        if unknown:
+            raise ModelLoadError(f"GGUF {self.path!r} ({self.arch}) has tensors with no known "
+                                 f"Hugging Face name: {', '.join(unknown)}")
+        if unsupported:
+            raise ModelLoadError(f"GGUF {self.path!r} has tensor types this loader cannot "
+                                 f"dequantize: {', '.join(unsupported)}")
+        return specs
+
+    def iter(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(hf_name, tensor)` one at a time, in file order, converted to `dtype`."""
+        for spec in self.specs:
+            yield spec.hf_name, self.load(spec, dtype)
+
+    def load(self, spec: TensorSpec, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantize one tensor to its HF layout and `dtype`."""
+        w = _to_torch(self.reader.tensors[spec.gguf_index], spec.shape)
+        if spec.permute_heads is not None:
+            w = _unpermute_rows(w, spec.permute_heads, spec.hf_name)
+        return w.to(dtype).contiguous()
+
+
+def _to_torch(t: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    """One GGUF tensor as a torch tensor of `shape`: float32 when quantized, else loss-free.
+
+    `t.data` is a read-only view into the memory map: F32/F16 as typed arrays already in
+    torch order, everything else (BF16 included) as raw bytes shaped [rows, bytes_per_row].
+    """
+    qtype = t.tensor_type
+    if qtype in (_QT.F32, _QT.F16):
+        # Copy: the map is read-only and the caller may keep the tensor past the reader.
+        return torch.from_numpy(np.array(t.data, copy=True)).reshape(shape)
+    if qtype == _QT.BF16:
+        # Keep bf16 exact instead of widening through numpy: two bytes per element.
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True)).reshape(-1)
+        return raw.view(torch.bfloat16).reshape(shape)
+    deq = gguf.quants.dequantize(t.data, qtype)  # float32, torch-order shape
+    return torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32)).reshape(shape)
+
+
+def _unpermute_rows(w: torch.Tensor, num_heads: int, name: str) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleave of q/k rows, back to HF's rotate_half layout.
+
+    HF rotates row j of a head (head_dim rows, half = head_dim / 2) together with row
+    j + half. ggml's llama rope rotates adjacent rows (2j, 2j + 1) instead, so llama.cpp's
+    converter reorders each head's rows: GGUF row `2*j + t` holds HF row `t*half + j`
+    (t in {0, 1}, j < half). Viewing the GGUF rows of a head as [half, 2] (index j, t) and
+    swapping to [2, half] (t, j) puts HF row `t*half + j` back at position `t*half + j`.
+    Works for weights [rows, cols] and biases [rows] alike (trailing dims ride along).
+    """
+    rows = w.shape[0]
+    if rows % (2 * num_heads):
+        raise ModelLoadError(f"{name}: {rows} rows do not split into {num_heads} heads of "
+                             f"even size, cannot undo llama.cpp's rotary permutation")
+    half = rows // num_heads // 2
+    # [num_heads, half (j), 2 (t), ...] -> [num_heads, 2 (t), half (j), ...]
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Uncached GGUF stream (the registry's `gguf` format goes through `gguf_cache`)."""
+    del hf_config  # the GGUF metadata is authoritative for its own layout
+    yield from GGUFWeights(model_path).iter(dtype)

@@ -1,0 +1,305 @@
+"""On-disk conversion cache for GGUF models: weights, config and tokenizer.
+
+Parsing a GGUF header (tens of thousands of vocabulary strings) and dequantizing its
+tensors takes seconds; transformers' GGUF config and tokenizer parsing takes seconds more.
+The first load of a file therefore writes what it produced under
+
+    cache_root()/gguf/<key>/
+        weights-<dtype>.safetensors   HF-named tensors in the requested dtype
+        config/                       `PretrainedConfig.save_pretrained`
+        tokenizer/                    `tokenizer.save_pretrained` (chat template included)
+        source.json                   which file the entry was made from (for humans)
+
+and later loads read only these. `<key>` hashes the format version, the file's size and
+mtime_ns, and sha256 of its first and last MiB: a rewritten or touched file gets a new
+entry, without hashing gigabytes on every start.
+
+Weights are stored in the requested dtype, one file per dtype: the cache then yields
+bit-for-bit what the uncached path yields (the dequantize-then-cast happens once, before
+writing), reads half the bytes in the common bfloat16 case, and stores half the bytes of a
+float32 copy. A dtype switch costs one more conversion, which is rare.
+
+Every entry part is written under a temporary name in the entry directory and published
+with `os.replace`, so a crash leaves either the old state or a complete part, never half
+of one. The weights file is written while the tensors stream to the caller (its header is
+computed from the GGUF tensor shapes before any data), and published only once the stream
+was consumed to the end. A cache that cannot be written (read-only disk, disk full) only
+costs speed: loading falls back to converting without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import struct
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from pagedllm.config import cache_root
+from pagedllm.errors import ModelLoadError
+from pagedllm.loader.gguf import GGUFWeights
+from pagedllm.loader.safetensors import iter_safetensors_file
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+"""Bump when the cached layout or the conversion changes; old entries are then ignored."""
+_HASH_BYTES = 1 << 20
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.float64: "F64"}
+
+
+def cache_key(path: str) -> str:
+    """Key of a GGUF file's cache entry (see the module docstring)."""
+    try:
+        st = os.stat(path)
+        h = hashlib.sha256(f"pagedllm-gguf-v{FORMAT_VERSION}:{st.st_size}:{st.st_mtime_ns}:"
+                           .encode())
+        with open(path, "rb") as f:
+            h.update(f.read(_HASH_BYTES))
+            if st.st_size > 2 * _HASH_BYTES:
+                f.seek(-_HASH_BYTES, os.SEEK_END)
+                h.update(f.read(_HASH_BYTES))
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF file {path!r}: {e}") from e
+    return h.hexdigest()[:32]
+
+
+def entry_dir(path: str) -> Path:
+    """Cache directory of a GGUF file (it may not exist yet)."""
+    return cache_root() / "gguf" / cache_key(path)
+
+
+def _ensure_entry(entry: Path, path: str) -> bool:
+    """Create the entry directory (with its source.json); False when the cache is unusable."""
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+        if not (entry / "source.json").exists():
+            st = os.stat(path)
+            info = {"path": os.path.abspath(path), "size": st.st_size,
+                    "mtime_ns": st.st_mtime_ns, "format_version": FORMAT_VERSION}
+            tmp = entry / f".tmp-{uuid.uuid4().hex}-source.json"
+            tmp.write_text(json.dumps(info, indent=1))
+            os.replace(tmp, entry / "source.json")
+        return True
+    except OSError as e:
+        logger.warning("GGUF cache disabled: cannot write %s (%s)", entry, e)
+        return False
+
+
+def _publish_dir(entry: Path, name: str, fill: Callable[[str], Any]) -> None:
+    """Fill a temporary directory with `fill(dir)`, then rename it to `entry/name`.
+
+    If a concurrent loader published first, the rename fails and our copy is dropped.
+    """
+    tmp = None
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=entry)
+        fill(tmp)
+        os.replace(tmp, entry / name)
+    except OSError as e:
+        if not (entry / name).is_dir():
+            logger.warning("could not cache %s in %s: %s", name, entry, e)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _StreamingSafetensorsWriter:
+    """Writes a safetensors file whose header is known before its data arrives.
+
+    Format: 8-byte little-endian header length, JSON header (name -> dtype, shape,
+    data_offsets relative to the data start), then the tensors' bytes back to back in
+    header order. Written to a temporary name; `commit` renames it into place.
+    """
+
+    def __init__(self, target: Path, specs: list[tuple[str, tuple[int, ...]]],
+                 dtype: torch.dtype) -> None:
+        self.target = target
+        self.tmp = target.with_name(f".tmp-{uuid.uuid4().hex}-{target.name}")
+        self.expected = iter(specs)
+        self.file: BinaryIO | None = open(self.tmp, "wb")
+        header = _header(specs, dtype)
+        self.file.write(struct.pack("<Q", len(header)))
+        self.file.write(header)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append the next tensor's bytes (it must be the next one of the header)."""
+        exp_name, exp_shape = next(self.expected)
+        assert (name, tuple(tensor.shape)) == (exp_name, exp_shape), (name, exp_name)
+        assert self.file is not None
+        self.file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    def commit(self) -> None:
+        """Flush to disk and publish under the target name."""
+        assert self.file is not None and next(self.expected, None) is None
+        file, self.file = self.file, None
+        try:
+            with file:
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(self.tmp, self.target)
+        except OSError:
+            self.tmp.unlink(missing_ok=True)
+            raise
+
+    def abort(self) -> None:
+        """Drop the partial file (no-op after commit)."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+            self.tmp.unlink(missing_ok=True)
+
+
+def _header(specs: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> bytes:
+    item_size = torch.empty((), dtype=dtype).element_size()
+    meta: dict[str, Any] = {"__metadata__": {"format": "pt",
+                                             "pagedllm_gguf_cache": str(FORMAT_VERSION)}}
+    offset = 0
+    for name, shape in specs:
+        num_bytes = math.prod(shape) * item_size
+        meta[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                      "data_offsets": [offset, offset + num_bytes]}
+        offset += num_bytes
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)  # pad so the data starts 8-byte aligned
+
+
+def _convert_and_fill(weights: GGUFWeights, dtype: torch.dtype, target: Path
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the dequantized tensors, writing each to the cache file before it is yielded.
+
+    The file is published only when the caller consumed the whole stream; an abandoned or
+    failed load removes it. A write error disables the cache for this load, not the load.
+    """
+    writer: _StreamingSafetensorsWriter | None = None
+    try:
+        writer = _StreamingSafetensorsWriter(
+            target, [(s.hf_name, s.shape) for s in weights.specs], dtype)
+    except OSError as e:
+        logger.warning("not caching GGUF weights at %s: %s", target, e)
+    try:
+        for spec in weights.specs:
+            tensor = weights.load(spec, dtype)
+            if writer is not None:
+                try:
+                    writer.write(spec.hf_name, tensor)
+                except OSError as e:
+                    logger.warning("not caching GGUF weights at %s: %s", target, e)
+                    writer.abort()
+                    writer = None
+            yield spec.hf_name, tensor
+        if writer is not None:
+            try:
+                writer.commit()
+            except OSError as e:
+                logger.warning("not caching GGUF weights at %s: %s", target, e)
+    finally:
+        if writer is not None:
+            writer.abort()
+
+
+def _open_cached(target: Path) -> bool:
+    """True when `target` is a readable safetensors file; a corrupt one is removed."""
+    if not target.is_file():
+        return False
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(target), framework="pt"):
+            return True
+    except Exception as e:  # SafetensorError: truncated or foreign file
+        logger.warning("discarding unreadable GGUF cache file %s: %s", target, e)
+        target.unlink(missing_ok=True)
+        return False
+
+
+def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """GGUF weights as `(hf_name, tensor)`: from the cache when present, else converted
+    (and cached on the way)."""
+    del hf_config  # the GGUF metadata is authoritative for its own layout
+    entry = entry_dir(model_path)
+    target = entry / f"weights-{str(dtype).removeprefix('torch.')}.safetensors"
+    if dtype in _ST_DTYPES and _open_cached(target):
+        yield from iter_safetensors_file(target, dtype)
+        return
+    weights = GGUFWeights(model_path)
+    if dtype not in _ST_DTYPES or not _ensure_entry(entry, model_path):
+        yield from weights.iter(dtype)
+        return
+    yield from _convert_and_fill(weights, dtype, target)
+
+
+def _split(path: str) -> tuple[str, str]:
+    p = Path(path)
+    return str(p.parent), p.name
+
+
+def _parse_config(path: str) -> Any:
+    """The transformers config from the GGUF metadata (slow: parses the whole header)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    directory, name = _split(path)
+    try:
+        cfg = AutoConfig.from_pretrained(directory, gguf_file=name)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the model config of {path!r}: {e}") from e
+    if not getattr(cfg, "architectures", None):
+        # GGUF-derived configs carry model_type but no architectures list.
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type)
+        cfg.architectures = [arch] if arch else []
+    return cfg
+
+
+def load_gguf_config(path: str) -> Any:
+    """The `transformers.PretrainedConfig` of a GGUF file, cached after the first parse.
+
+    Equal to `AutoConfig.from_pretrained(dir, gguf_file=name)` plus `architectures` filled
+    in from the model type (GGUF metadata carries none).
+    """
+    from transformers import AutoConfig
+
+    entry = entry_dir(path)
+    if (entry / "config" / "config.json").is_file():
+        try:
+            cfg = AutoConfig.from_pretrained(str(entry / "config"))
+            cfg.name_or_path = _split(path)[0]  # as transformers' own GGUF load sets it
+            return cfg
+        except (OSError, ValueError) as e:
+            logger.warning("ignoring unreadable cached config in %s: %s", entry, e)
+    cfg = _parse_config(path)
+    if _ensure_entry(entry, path):
+        _publish_dir(entry, "config", cfg.save_pretrained)
+    return cfg
+
+
+def load_gguf_tokenizer(path: str) -> Any:
+    """The tokenizer (with chat template) from a GGUF file's metadata, cached after the first
+    parse as a regular transformers tokenizer directory."""
+    from transformers import AutoTokenizer
+
+    entry = entry_dir(path)
+    if (entry / "tokenizer").is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(entry / "tokenizer"))
+        except (OSError, ValueError) as e:
+            logger.warning("ignoring unreadable cached tokenizer in %s: %s", entry, e)
+    directory, name = _split(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the tokenizer of {path!r}: {e}") from e
+    if _ensure_entry(entry, path):
+        _publish_dir(entry, "tokenizer", tokenizer.save_pretrained)
+    return tokenizer

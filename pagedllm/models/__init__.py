@@ -1,0 +1,1 @@
+"""Model families (one file each), their shared layers and the architecture registry."""

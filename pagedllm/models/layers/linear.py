@@ -1,0 +1,123 @@
+"""Linear layers that know how they are split for tensor parallelism.
+
+Each parameter carries a `weight_loader(param, loaded, shard_id=None)` so a model's
+`load_weights` can fill fused projections (qkv_proj, gate_up_proj) from the separate HF
+tensors and, with tp_size > 1, keep only this rank's slice. With tp_size == 1 (today's
+executors) the slices are whole tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with W of shape [output_size, input_size] (this rank's part)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: str | int | None = None) -> None:
+        _copy_checked(param.data, loaded)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"weight shape mismatch: expected {tuple(dst.shape)}, "
+                         f"got {tuple(src.shape)}")
+    dst.copy_(src)
+
+
+def _rank_slice(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    if size == 1:
+        return t
+    part = t.shape[dim] // size
+    return t.narrow(dim, rank * part, part)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks (no communication after it)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(input_size, output_size // tp_size, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        _copy_checked(param.data, _rank_slice(loaded, 0, self.tp_rank, self.tp_size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; the partial outputs need an all-reduce (TP > 1)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(input_size // tp_size, output_size, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        dim = 1 if param.dim() == 2 else None
+        src = loaded if dim is None else _rank_slice(loaded, dim, self.tp_rank, self.tp_size)
+        _copy_checked(param.data, src)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: with tp_size > 1 the bias must be added once, after the all-reduce.
+        return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections stored as one matrix (e.g. gate_up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        if shard_id is None:  # checkpoint already fused
+            return super().weight_loader(param, loaded)
+        sizes = [s // self.tp_size for s in self.output_sizes]
+        offset = sum(sizes[:shard_id])
+        src = _rank_slice(loaded, 0, self.tp_rank, self.tp_size)
+        _copy_checked(param.data.narrow(0, offset, sizes[shard_id]), src)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matrix: rows [q | k | v] of this rank's heads."""
+
+    def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.head_size = head_size
+        self.num_heads = num_heads // tp_size
+        # MQA/GQA with fewer KV heads than ranks replicates KV heads.
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        # Ranks sharing one KV head when KV heads are replicated (1 otherwise).
+        self.kv_replicas = max(1, tp_size // num_kv_heads)
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        total = (self.q_size + 2 * self.kv_size) * tp_size
+        super().__init__(hidden_size, total, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        if shard_id is None:  # checkpoint already fused
+            return super().weight_loader(param, loaded)
+        offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
+                   "v": (self.q_size + self.kv_size, self.kv_size)}
+        offset, size = offsets[shard_id]
+        # This rank's slice index: its q heads, or the KV head group it reads.
+        rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        src = loaded if self.tp_size == 1 else loaded.narrow(0, rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), src)

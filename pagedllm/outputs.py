@@ -1,0 +1,53 @@
+"""What the engine returns: RequestOutput holding one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token, its rank in the distribution, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request."""
+
+    index: int
+    """Which of the request's n samples this is."""
+    text: str
+    """Generated text (detokenized output_token_ids, cut at a stop string)."""
+    token_ids: list[int]
+    """Generated token ids."""
+    cumulative_logprob: float | None = None
+    """Sum of the chosen tokens' logprobs (when logprobs were requested)."""
+    logprobs: list[dict[int, Logprob]] | None = None
+    """Per generated token: the chosen token and the top-k alternatives."""
+    finish_reason: str | None = None
+    """"stop", "length", "abort", or None while still running."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended generation, if any."""
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and its completions so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Timestamps (arrival, first token, finish) for latency reporting."""

@@ -1,0 +1,1 @@
+"""Token sampling for a whole batch at once."""

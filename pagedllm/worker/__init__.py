@@ -1,0 +1,1 @@
+"""Model runner side: persistent input batch, KV cache sizing, one forward per step."""

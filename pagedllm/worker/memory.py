@@ -1,0 +1,55 @@
+"""KV cache sizing and allocation."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.attention.layer import Attention
+from pagedllm.config import CacheConfig, SchedulerConfig
+
+GiB = 1 << 30
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """K and V bytes of one block summed over every attention layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * block_size * layer.spec.num_kv_heads * layer.spec.head_size * elem
+               for layer in attention_layers(model))
+
+
+def determine_num_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerConfig,
+                         dtype: torch.dtype) -> int:
+    """Blocks that fit kv_cache_space (or the num_kv_blocks override), block 0 included.
+
+    Never more than every sequence at full length needs: beyond that, memory (and the
+    scheduler's per-block bookkeeping) would be spent on blocks nobody can use.
+    """
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    per_block = kv_bytes_per_block(model, cache.block_size, dtype)
+    fit = int(cache.kv_cache_space * GiB) // per_block
+    blocks_per_seq = -(-sched.max_model_len // cache.block_size)
+    useful = sched.max_num_seqs * blocks_per_seq + 1
+    num_blocks = min(fit, useful)
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_space={cache.kv_cache_space} GiB holds {fit} blocks of "
+                         f"{per_block} bytes; at least 2 are needed")
+    return num_blocks
+
+
+def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int,
+                      dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, KVH, D] tensor per attention layer, bound to it."""
+    caches = []
+    for layer in attention_layers(model):
+        shape = (2, num_blocks, block_size, layer.spec.num_kv_heads, layer.spec.head_size)
+        # zeros, not empty: padded reads of unused slots must be finite (masked later).
+        cache = torch.zeros(shape, dtype=dtype, device=device)
+        layer.kv_cache = cache
+        caches.append(cache)
+    return caches

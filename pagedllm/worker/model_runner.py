@@ -1,0 +1,126 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import EngineConfig
+from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedllm.sample.sampler import Sampler
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.memory import allocate_kv_cache, determine_num_blocks
+from pagedllm.worker.model_loader import load_model
+
+
+@dataclass
+class StepInputs:
+    """Model inputs of one step, in scheduling order."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_metadata: AttentionMetadata
+    req_ids: list[str]
+    # Flattened token index of each sampling request's last scheduled token.
+    logits_indices: torch.Tensor  # [N]
+    # Rows (in the input batch) of the requests that sample, in logits order.
+    sample_rows: np.ndarray
+    # Position of each sampling request in req_ids.
+    sample_positions: np.ndarray
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device.device)
+        self.dtype = getattr(torch, config.model.dtype)
+        self.block_size = config.cache.block_size
+        self.max_model_len = config.scheduler.max_model_len
+        self.model = load_model(config.model, config.device.attention_backend,
+                                self.device, self.dtype)
+        self.vocab_size = config.model.hf_config.vocab_size
+        self.sampler = Sampler()
+        self.input_batch: InputBatch | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    def determine_num_blocks(self) -> int:
+        return determine_num_blocks(self.model, self.config.cache, self.config.scheduler,
+                                    self.dtype)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size,
+                                           self.dtype, self.device)
+        max_blocks_per_req = -(-(self.max_model_len + 1) // self.block_size)
+        self.input_batch = InputBatch(self.config.scheduler.max_num_seqs, self.max_model_len,
+                                      max_blocks_per_req, self.vocab_size, self.device)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        inputs = self._prepare_inputs(so)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
+        sampled_ids: list[list[int]] = [[] for _ in inputs.req_ids]
+        if len(inputs.sample_rows):
+            md = self.input_batch.sampling_metadata(inputs.sample_rows)
+            sampled = self.sampler(logits, md).cpu().numpy()  # the step's one host sync
+            self.input_batch.append_sampled(inputs.sample_rows, sampled)
+            for pos, tok in zip(inputs.sample_positions.tolist(), sampled.tolist()):
+                sampled_ids[pos] = [tok]
+        return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_ids)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            batch.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            batch.add_request(new)
+        for cached in so.scheduled_cached_reqs:
+            row = batch.req_id_to_row[cached.req_id]
+            batch.num_computed_tokens[row] = cached.num_computed_tokens
+            if cached.new_block_ids:
+                batch.append_blocks(row, cached.new_block_ids)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        batch, block_size = self.input_batch, self.block_size
+        req_ids = list(so.num_scheduled_tokens)
+        rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), np.int64, len(req_ids))
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), np.int64, len(req_ids))
+        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        computed = batch.num_computed_tokens[rows]
+        # Token t belongs to request req_of[t] and sits at position computed + offset.
+        req_of = np.repeat(np.arange(len(req_ids)), num_sched)
+        positions = computed[req_of] + (np.arange(total) - query_start_loc[req_of])
+        token_rows = rows[req_of]
+        input_ids = batch.token_ids[token_rows, positions]
+        # slot = block_table[pos // block_size] * block_size + pos % block_size
+        block_ids = batch.block_table[token_rows, positions // block_size].astype(np.int64)
+        slot_mapping = block_ids * block_size + positions % block_size
+        seq_lens = computed + num_sched
+        max_seq_len = int(seq_lens.max())
+        num_blocks = -(-max_seq_len // block_size)
+        # A request samples once its sequence is fully computed (prefill done or decoding).
+        samples = seq_lens >= batch.num_tokens[rows]
+        sample_positions = np.nonzero(samples)[0]
+        dev = self.device
+        md = AttentionMetadata(
+            num_reqs=len(req_ids), num_actual_tokens=total,
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev, torch.int32),
+            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
+            block_table=torch.from_numpy(batch.block_table[rows, :num_blocks]).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            max_query_len=int(num_sched.max()), max_seq_len=max_seq_len,
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+        return StepInputs(
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            attn_metadata=md, req_ids=req_ids,
+            logits_indices=torch.from_numpy(query_start_loc[1:][samples] - 1).to(dev),
+            sample_rows=rows[samples], sample_positions=sample_positions)

@@ -1,0 +1,205 @@
+"""Property test: random add / step / abort sequences keep the DESIGN.md §2 invariants.
+
+A fake runner mirrors what the real one must do with the contracts: it keeps its own
+copy of each request (tokens, block_ids, num_computed_tokens) built only from
+`SchedulerOutput`, "writes" K/V into a slot -> context map through the block table and
+checks every token it attends to was written for the same context. So a wrong prefix
+hit, a block handed to two requests, or a bad preemption shows up as a wrong read.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings, target
+from hypothesis import strategies as st
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.errors import InvalidRequestError
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 24
+EOS = 3
+MAX_STEPS = 3000
+
+
+def fake_next_token(token_ids: list[int]) -> int:
+    """Deterministic 'greedy model': depends on the whole context (EOS now and then)."""
+    return (sum(token_ids) * 7 + len(token_ids)) % 10
+
+
+@dataclass
+class _RunnerRequest:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class FakeRunner:
+    block_size: int
+    requests: dict[str, _RunnerRequest] = field(default_factory=dict)
+    # slot -> the context (token ids up to and including that position) whose K/V it holds
+    kv: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def slot(self, state: _RunnerRequest, pos: int) -> int:
+        block_id = state.block_ids[pos // self.block_size]
+        assert block_id != 0, "the null block must never hold K/V"
+        return block_id * self.block_size + pos % self.block_size
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in out.finished_req_ids | out.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            assert new.req_id not in self.requests
+            self.requests[new.req_id] = _RunnerRequest(
+                new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
+                new.num_computed_tokens)
+        for cached in out.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            assert cached.num_computed_tokens == state.num_computed_tokens
+            state.block_ids.extend(cached.new_block_ids)
+        req_ids = [r.req_id for r in out.scheduled_new_reqs + out.scheduled_cached_reqs]
+        assert sorted(req_ids) == sorted(out.num_scheduled_tokens)
+        # Every layer writes this step's K/V for all requests before any attention reads.
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            end = state.num_computed_tokens + out.num_scheduled_tokens[req_id]
+            assert end <= len(state.token_ids)
+            for pos in range(state.num_computed_tokens, end):
+                self.kv[self.slot(state, pos)] = tuple(state.token_ids[:pos + 1])
+            state.num_computed_tokens = end
+        sampled: list[list[int]] = []
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            for pos in range(state.num_computed_tokens):
+                assert self.kv.get(self.slot(state, pos)) == tuple(state.token_ids[:pos + 1])
+            if state.num_computed_tokens == len(state.token_ids):
+                token = fake_next_token(state.token_ids)
+                state.token_ids.append(token)
+                sampled.append([token])
+            else:
+                sampled.append([])  # partial prefill
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """DESIGN.md §2 invariants plus the scheduler's own bookkeeping."""
+    kv = sched.kv_cache_manager
+    pool = kv.block_pool
+    assert set(kv.req_to_blocks) == {r.req_id for r in sched.running}
+    holdings = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks)
+    assert sum(b.ref_cnt for b in pool.blocks) == sum(holdings.values())
+    assert all(b.ref_cnt == holdings[b.block_id] for b in pool.blocks)
+    free_ids = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    assert len(free_ids) == len(set(free_ids)) == pool.get_num_free_blocks()
+    assert set(free_ids) == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
+    assert 0 not in free_ids and 0 not in holdings
+    for block_hash, block in pool.cached_block_hash_to_block.items():
+        assert block.block_hash == block_hash
+    assert sum(b.block_hash is not None for b in pool.blocks) == len(
+        pool.cached_block_hash_to_block)
+    assert len(sched.running) <= sched.max_num_seqs
+    assert all(r.status == RequestStatus.RUNNING for r in sched.running)
+    assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+               for r in sched.waiting)
+    assert len(sched.requests) == len(sched.running) + len(sched.waiting)
+
+
+def do_step(sched: Scheduler, runner: FakeRunner) -> None:
+    out = sched.schedule()
+    assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+    assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
+    assert len(out.num_scheduled_tokens) <= sched.max_num_seqs
+    assert all(n > 0 for n in out.num_scheduled_tokens.values())
+    sched.update_from_output(out, runner.execute(out))
+    for request in sched.running:
+        assert runner.requests[request.req_id].token_ids[:request.num_tokens] == \
+            request.all_token_ids
+    check_invariants(sched)
+
+
+# Prompts share prefixes of a fixed base sequence so prefix-cache hits are common.
+_BASE = [1, 2, 0, 1, 1, 2, 2, 0, 1, 0, 2, 1, 0, 0, 2, 1]
+_PROMPTS = st.builds(lambda k, suffix: _BASE[:k] + suffix, st.integers(0, 10),
+                     st.lists(st.integers(0, 2), max_size=4)).filter(bool)
+_ADD = st.tuples(st.just("add"), _PROMPTS, st.integers(4, 12))
+_STEP = st.tuples(st.just("step"))
+_ABORT = st.tuples(st.just("abort"), st.integers(0, 50))
+# Weights: add 3, step 4, abort 1.
+_OPS = st.one_of(_ADD, _ADD, _ADD, _STEP, _STEP, _STEP, _STEP, _ABORT)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> dict:
+    chunked = draw(st.booleans())
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    # 8..32 usable slots: a few requests fit, growing ones run out (preemption).
+    num_slots = draw(st.integers(8, 32))
+    return dict(
+        block_size=block_size,
+        num_blocks=1 + -(-num_slots // block_size),
+        enable_prefix_caching=draw(st.booleans()),
+        enable_chunked_prefill=chunked,
+        budget=draw(st.integers(1, 12)) if chunked else MAX_MODEL_LEN,
+        max_num_seqs=draw(st.integers(1, 6)),
+        ops=draw(st.lists(_OPS, min_size=16, max_size=60)),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(scenario=scenarios())
+def test_random_operations_keep_invariants(scenario: dict) -> None:
+    block_size, num_blocks = scenario["block_size"], scenario["num_blocks"]
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=scenario["max_num_seqs"],
+                        max_num_batched_tokens=scenario["budget"],
+                        max_model_len=MAX_MODEL_LEN,
+                        enable_chunked_prefill=scenario["enable_chunked_prefill"]),
+        CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
+                    enable_prefix_caching=scenario["enable_prefix_caching"]),
+        num_blocks)
+    runner = FakeRunner(block_size)
+    added: list[Request] = []
+    for op in scenario["ops"]:
+        if op[0] == "add":
+            request = Request(f"r{len(added)}", op[1], SamplingParams(max_tokens=op[2]),
+                              eos_token_id=EOS)
+            fits = -(-len(op[1]) // block_size) <= num_blocks - 1
+            try:
+                sched.add_request(request)
+                assert fits
+                added.append(request)
+            except InvalidRequestError:
+                assert not fits
+        elif op[0] == "step":
+            do_step(sched, runner)
+        elif added:
+            req_id = added[op[1] % len(added)].req_id
+            sched.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+            check_invariants(sched)
+
+    for _ in range(MAX_STEPS):
+        if not sched.has_unfinished_requests():
+            break
+        do_step(sched, runner)
+    # Steer generation towards the interesting schedules.
+    target(float(sched.num_preemptions), label="preemptions")
+    assert not sched.has_unfinished_requests()
+    assert all(r.is_finished for r in added)
+    assert sched.kv_cache_manager.get_num_free_blocks() == num_blocks - 1
+    for request in added:
+        if request.status != RequestStatus.FINISHED_ABORTED:
+            _check_greedy_output(request)
+
+
+def _check_greedy_output(request: Request) -> None:
+    """Outputs are what the fake model gives for each context, whatever the batching."""
+    prompt_len = request.num_prompt_tokens
+    for i, token in enumerate(request.output_token_ids):
+        assert token == fake_next_token(request.all_token_ids[:prompt_len + i])
+    assert request.status.finish_reason in ("stop", "length")

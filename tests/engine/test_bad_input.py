@@ -1,0 +1,117 @@
+"""Bad input gets a clear ValueError naming the limit and the value, and loses nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import LlamaConfig
+
+from pagedllm import LLM, EngineArgs, InvalidRequestError, LLMEngine, SamplingParams
+from pagedllm.errors import ModelLoadError
+from tests.utils import random_prompts, save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=128, eos_token_id=None, bos_token_id=None)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_bad"), cfg)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_path):
+    # 64 tokens max; 8 blocks of 4 tokens -> 7 usable blocks = 28 tokens of cache.
+    return LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+               block_size=4, num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": 0}, "top_k"),
+    ({"top_k": -2}, "top_k")])
+def test_sampling_params_validated(kwargs, field):
+    with pytest.raises(ValueError, match=field) as e:
+        SamplingParams(**kwargs)
+    assert str(list(kwargs.values())[0]) in str(e.value)
+
+
+def test_prompt_longer_than_max_model_len(llm):
+    with pytest.raises(InvalidRequestError, match=r"length 65\).*maximum model length of 64"):
+        llm.generate([{"prompt_token_ids": [1] * 65}], use_tqdm=False)
+
+
+def test_prompt_larger_than_kv_cache(llm):
+    # 40 tokens need 10 blocks of 4; the cache has 7 usable.
+    with pytest.raises(InvalidRequestError, match=r"40.*10.*7"):
+        llm.generate([{"prompt_token_ids": [1] * 40}], use_tqdm=False)
+
+
+def test_empty_prompt(llm):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([{"prompt_token_ids": []}], use_tqdm=False)
+
+
+def test_token_id_out_of_vocab(llm):
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        llm.generate([{"prompt_token_ids": [5, 128]}], use_tqdm=False)
+
+
+def test_bad_prompt_in_generate_leaves_engine_clean(llm):
+    with pytest.raises(InvalidRequestError):
+        llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": []}], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=3),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_one_bad_request_does_not_lose_others(tiny_path):
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(tiny_path), dtype="float32", max_model_len=64),
+        skip_tokenizer_init=True)
+    params = SamplingParams(temperature=0, max_tokens=5)
+    good = random_prompts(4, 128, 2, 10)
+    accepted = []
+    for i, prompt in enumerate(good[:2] + [[1] * 100] + good[2:] + [[]]):
+        try:
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+            accepted.append(str(i))
+        except InvalidRequestError:
+            pass
+    assert accepted == ["0", "1", "3", "4"]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert sorted(done) == accepted
+    assert all(len(o.outputs[0].token_ids) == 5 for o in done.values())
+
+
+def test_abort_request(tiny_path):
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(tiny_path), dtype="float32"), skip_tokenizer_init=True)
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=50))
+    engine.add_request("b", {"prompt_token_ids": [4, 5]}, SamplingParams(max_tokens=3))
+    engine.step()
+    outs = engine.abort_request("a")
+    assert outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    kv = engine.engine_core.scheduler.kv_cache_manager
+    assert kv.block_pool.get_num_free_blocks() == engine.engine_core.num_blocks - 1
+
+
+def test_model_path_missing():
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM("/nonexistent/model/dir")
+
+
+def test_unsupported_architecture(tmp_path, tiny_path):
+    cfg = json.loads((tiny_path / "config.json").read_text())
+    cfg["architectures"] = ["MadeUpForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="MadeUpForCausalLM.*LlamaForCausalLM"):
+        LLM(str(tmp_path), skip_tokenizer_init=True)
