@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -31,6 +30,7 @@ class WeightFormat(Protocol):
 _FORMATS: dict[str, str] = {
     "safetensors": "pagedllm.loader.safetensors",  # HF directories (also .bin fallback)
     "gguf": "pagedllm.loader.gguf_cache",  # GGUF through the conversion cache
+    "gguf_uncached": "pagedllm.loader.gguf",  # GGUF dequantized on every load
 }
 
 
@@ -71,7 +71,7 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None) -> Any:
     come from the file's metadata through the conversion cache.
     """
     source = tokenizer_path or model_path
-    if source.endswith(".gguf") and Path(source).is_file():
+    if source.endswith(".gguf"):
         from pagedllm.loader.gguf_cache import load_gguf_tokenizer
 
         return load_gguf_tokenizer(source)

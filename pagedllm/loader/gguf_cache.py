@@ -66,8 +66,8 @@ def cache_key(path: str) -> str:
                            .encode())
         with open(path, "rb") as f:
             h.update(f.read(_HASH_BYTES))
-            if st.st_size > 2 * _HASH_BYTES:
-                f.seek(-_HASH_BYTES, os.SEEK_END)
+            if st.st_size > _HASH_BYTES:  # the last MiB, or the rest of a file under 2 MiB
+                f.seek(max(_HASH_BYTES, st.st_size - _HASH_BYTES))
                 h.update(f.read(_HASH_BYTES))
     except OSError as e:
         raise ModelLoadError(f"cannot read GGUF file {path!r}: {e}") from e
