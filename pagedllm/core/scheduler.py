@@ -209,7 +209,8 @@ class Scheduler:
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params,
                 block_ids=kv.get_block_ids(request.req_id),
-                num_computed_tokens=num_computed_tokens))
+                num_computed_tokens=num_computed_tokens,
+                eos_token_id=request.eos_token_id))
             step.add(request, num_new_tokens)
 
     # ---------------------------------------------------------------- update
