@@ -235,6 +235,8 @@ def load_hf_config(path: str) -> Any:
             cfg = load_gguf_config(path)
         else:
             cfg = AutoConfig.from_pretrained(path)
+    except ModelLoadError:
+        raise
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot read the model config at {path!r}: {e}") from e
     if not getattr(cfg, "architectures", None):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Hermetic: converted GGUF weights etc. go to a per-session directory, not ~/.cache.
+os.environ.setdefault("PAGEDLLM_CACHE_DIR", tempfile.mkdtemp(prefix="pagedllm-test-cache-"))

@@ -176,7 +176,7 @@ class GGUFWeights:
                                  f"dequantize: {', '.join(unsupported)}")
         return specs
 
-    def iter(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield `(hf_name, tensor)` one at a time, in file order, converted to `dtype`."""
         for spec in self.specs:
             yield spec.hf_name, self.load(spec, dtype)
@@ -230,4 +230,4 @@ def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Uncached GGUF stream (the registry's `gguf` format goes through `gguf_cache`)."""
     del hf_config  # the GGUF metadata is authoritative for its own layout
-    yield from GGUFWeights(model_path).iter(dtype)
+    yield from GGUFWeights(model_path).iter_weights(dtype)

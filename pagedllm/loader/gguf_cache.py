@@ -106,7 +106,7 @@ def _publish_dir(entry: Path, name: str, fill: Callable[[str], Any]) -> None:
         tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=entry)
         fill(tmp)
         os.replace(tmp, entry / name)
-    except OSError as e:
+    except Exception as e:  # a cache that cannot be written costs speed, never the load
         if not (entry / name).is_dir():
             logger.warning("could not cache %s in %s: %s", name, entry, e)
     finally:
@@ -127,10 +127,14 @@ class _StreamingSafetensorsWriter:
         self.target = target
         self.tmp = target.with_name(f".tmp-{uuid.uuid4().hex}-{target.name}")
         self.expected = iter(specs)
-        self.file: BinaryIO | None = open(self.tmp, "wb")
         header = _header(specs, dtype)
-        self.file.write(struct.pack("<Q", len(header)))
-        self.file.write(header)
+        self.file: BinaryIO | None = open(self.tmp, "wb")
+        try:
+            self.file.write(struct.pack("<Q", len(header)))
+            self.file.write(header)
+        except OSError:
+            self.abort()
+            raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append the next tensor's bytes (it must be the next one of the header)."""
@@ -235,7 +239,7 @@ def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype
         return
     weights = GGUFWeights(model_path)
     if dtype not in _ST_DTYPES or not _ensure_entry(entry, model_path):
-        yield from weights.iter(dtype)
+        yield from weights.iter_weights(dtype)
         return
     yield from _convert_and_fill(weights, dtype, target)
 

@@ -49,7 +49,7 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
 
 
 def test_weights_equal_transformers_gguf_loading(real_path, hf_state):
-    ours = dict(GGUFWeights(str(real_path)).iter(torch.float32))
+    ours = dict(GGUFWeights(str(real_path)).iter_weights(torch.float32))
     # Tied embeddings: the file has no output.weight; transformers' lm_head is embed_tokens.
     assert "lm_head.weight" not in ours
     assert set(ours) == set(hf_state) - {"lm_head.weight"}
