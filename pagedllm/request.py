@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.core.contracts import PromptLogprobsChunk, SampleLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -62,6 +66,12 @@ class Request:
         self.stop_reason: int | str | None = None
         # Hashes of this request's full blocks, extended lazily by the KV cache manager.
         self.block_hashes: list[bytes] = []
+        # Logprobs of each output token (logprobs requests only), parallel to
+        # output_token_ids.
+        self.output_logprobs: list[SampleLogprobs] = []
+        # Logprobs of prompt tokens 1.. (prompt_logprobs requests only); entry i scores
+        # prompt token i + 1. Filled chunk by chunk as the prompt is prefilled.
+        self.prompt_logprobs: list[SampleLogprobs] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,6 +92,14 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
+        """Record a chunk of prompt logprobs; entries already held (a prompt recomputed
+        after preemption) are skipped, so each prompt token is scored once."""
+        # Entry i of self.prompt_logprobs scores prompt token i + 1.
+        skip = len(self.prompt_logprobs) - (chunk.start - 1)
+        if skip >= 0:
+            self.prompt_logprobs.extend(chunk.entries[skip:])
 
     def __repr__(self) -> str:
         return (f"Request({self.req_id!r}, status={self.status.value}, "

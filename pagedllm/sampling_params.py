@@ -1,10 +1,95 @@
-"""SamplingParams: how one request picks its tokens, validated on construction."""
+"""SamplingParams: how one request picks its tokens, validated on construction.
+
+Pure Python (core/ imports it and must not pull in torch). Field names, defaults and
+meanings follow vLLM's `SamplingParams`, so the OpenAI server can copy request fields
+straight across.
+"""
 
 from __future__ import annotations
 
+import copy
+import enum
+import json
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.errors import InvalidRequestError
+
+
+class RequestOutputKind(enum.Enum):
+    """What each streamed `RequestOutput` carries."""
+
+    CUMULATIVE = 0
+    """Everything generated so far (text, token ids, logprobs)."""
+    DELTA = 1
+    """Only what is new since the previous output."""
+    FINAL_ONLY = 2
+    """Nothing until the request finishes, then everything."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain generation to a grammar; exactly one of the constraint fields is set.
+
+    Compiled by xgrammar on the model runner side (cached per constraint).
+    """
+
+    json: str | dict | None = None
+    """A JSON schema (dict or JSON text): the output is a JSON value matching it."""
+    regex: str | None = None
+    """The output matches this regular expression."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar (GBNF dialect, start rule `root`)."""
+    json_object: bool | None = None
+    """The output is any JSON object (OpenAI's response_format json_object)."""
+    disable_any_whitespace: bool = False
+    """JSON without free whitespace between tokens (compact; small models loop less)."""
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise InvalidRequestError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar or "
+                f"json_object, got {kinds or 'none'}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise InvalidRequestError(
+                    f"structured_outputs.choice must be a non-empty list of strings, "
+                    f"got {self.choice!r}")
+            self.choice = list(self.choice)
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise InvalidRequestError(
+                    f"structured_outputs.json is not valid JSON: {e}") from e
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        for name in ("json", "regex", "choice", "grammar", "json_object"):
+            if getattr(self, name) not in (None, False):
+                return name
+        raise AssertionError("validated on construction")
+
+    def cache_key(self) -> tuple:
+        """Hashable identity of the constraint (compiled grammars are cached by it)."""
+        value: Any = getattr(self, self.kind)
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        elif isinstance(value, list):
+            value = tuple(value)
+        return (self.kind, value, self.disable_any_whitespace)
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not (isinstance(value, (int, float)) and low <= value <= high):
+        raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value}.")
 
 
 @dataclass
@@ -12,48 +97,218 @@ class SamplingParams:
     """Per-request sampling options, with vLLM's meanings.
 
     Invalid values raise `InvalidRequestError` (a ValueError) naming the field.
+    Sampling order (as vLLM): allowed_token_ids, bad_words, min_tokens, logit_bias,
+    structured output mask -> penalties -> greedy or temperature -> min_p -> top_k ->
+    top_p -> draw. Logprobs are computed from the raw logits before all of it.
     """
 
+    n: int = 1
+    """Completions to return for the prompt (they share its KV through the prefix cache)."""
+    best_of: int | None = None
+    """Completions to generate; the n with the highest cumulative logprob are returned."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated (in [-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per earlier occurrence of a token in the output (in [-2, 2])."""
+    repetition_penalty: float = 1.0
+    """Divides positive / multiplies negative logits of tokens in prompt or output (> 0)."""
     temperature: float = 1.0
     """Softmax temperature; 0 means greedy (argmax)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p."""
     top_k: int = -1
     """Keep only the k most likely tokens; -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely one's."""
     seed: int | None = None
     """Per-request seed: the output is reproducible whatever else is in the batch."""
+    stop: str | list[str] | None = None
+    """Strings that end generation; the text is cut before them."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation (finish_reason "stop", stop_reason the id)."""
+    bad_words: list[str] | None = None
+    """Words never to generate (their last token is masked after the others)."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string at the end of the text."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks use this for exact output lengths)."""
     max_tokens: int | None = 16
     """Most tokens to generate (None: up to max_model_len)."""
     min_tokens: int = 0
     """EOS and stop_token_ids are masked until this many tokens were generated."""
-    stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end generation (finish_reason "stop", stop_reason the id)."""
-    ignore_eos: bool = False
-    """Keep generating past EOS (benchmarks use this for exact output lengths)."""
+    logprobs: int | None = None
+    """Return the logprobs of this many most likely tokens per step, plus the chosen one."""
+    prompt_logprobs: int | None = None
+    """Return the logprobs of this many most likely tokens per prompt position."""
+    detokenize: bool = True
+    """Produce text (stop strings need it)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+    spaces_between_special_tokens: bool = True
+    """Slow tokenizers only: separate special tokens by spaces in the text."""
+    logit_bias: dict[int, float] | None = None
+    """token id -> value added to its logit before sampling (JSON string keys accepted)."""
+    allowed_token_ids: list[int] | None = None
+    """Sample only among these token ids."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What streamed outputs carry (LLM.generate always returns final outputs)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Grammar constraint (JSON schema, regex, choice, EBNF, any JSON object)."""
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    """Set by the input processor: bad_words tokenized (with and without leading space)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        if self.logit_bias is not None:
+            self.logit_bias = self._parse_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._verify()
 
+    # ------------------------------------------------------------------ checks
+
+    @staticmethod
+    def _parse_logit_bias(bias: Any) -> dict[int, float]:
+        if not isinstance(bias, dict):
+            raise InvalidRequestError(f"logit_bias must be a dict of token id -> bias, "
+                                      f"got {type(bias).__name__}")
+        parsed: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                token_id, bias_value = int(key), float(value)
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError(
+                    f"logit_bias must map token ids to numbers, got {key!r}: {value!r}") from e
+            if token_id < 0 or not math.isfinite(bias_value):
+                raise InvalidRequestError(
+                    f"logit_bias entries need a token id >= 0 and a finite bias, "
+                    f"got {key!r}: {value!r}")
+            parsed[token_id] = bias_value
+        return parsed
+
     def _verify(self) -> None:
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1 or self.top_k == 0:
-            raise InvalidRequestError(
-                f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        self._verify_counts()
+        self._verify_sampling()
+        self._verify_stops()
+        if self.output_kind not in RequestOutputKind:
+            raise InvalidRequestError(f"output_kind must be a RequestOutputKind, "
+                                      f"got {self.output_kind!r}")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequestError(f"structured_outputs must be StructuredOutputsParams, "
+                                      f"got {type(self.structured_outputs).__name__}")
+
+    def _verify_counts(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise InvalidRequestError(f"n must be at least 1, got {self.n}.")
+        if self.best_of is not None and (not isinstance(self.best_of, int)
+                                         or self.best_of < self.n):
+            raise InvalidRequestError(f"best_of must be greater than or equal to n, got "
+                                      f"n={self.n} and best_of={self.best_of}.")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.min_tokens < 0:
-            raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens "
-                                      f"({self.max_tokens})")
+            raise InvalidRequestError(f"min_tokens must be less than or equal to max_tokens="
+                                      f"{self.max_tokens}, got {self.min_tokens}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise InvalidRequestError(f"{name} must be a non-negative integer, "
+                                          f"got {value}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}.")
+
+    def _verify_sampling(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be non-negative, got "
+                                      f"{self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
+            raise InvalidRequestError(
+                f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if not isinstance(self.repetition_penalty, (int, float)) or not (
+                0.0 < self.repetition_penalty < math.inf):
+            raise InvalidRequestError(f"repetition_penalty must be greater than zero, got "
+                                      f"{self.repetition_penalty}.")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids
+                or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            raise InvalidRequestError(f"allowed_token_ids must be a non-empty list of "
+                                      f"non-negative integers, got {self.allowed_token_ids}.")
+
+    def _verify_stops(self) -> None:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, "
+                                      f"got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise InvalidRequestError("stop cannot contain an empty string.")
+        if self.stop and not self.detokenize:
+            raise InvalidRequestError("stop strings are only supported when detokenize is "
+                                      "True. Set detokenize=True to use stop.")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise InvalidRequestError(f"bad_words must be non-empty strings, "
+                                      f"got {self.bad_words!r}")
+
+    # ------------------------------------------------------------------ derived
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters held back while streaming, so a stop string is never half-sent."""
+        if self.stop and not self.include_stop_str_in_output:
+            return max(len(s) for s in self.stop) - 1
+        return 0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the prompt: best_of, or n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    def clone(self) -> SamplingParams:
+        """A deep copy that skips re-validation (the fields were checked already)."""
+        return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """Options of `LLM.beam_search` (vLLM's BeamSearchParams)."""
+
+    beam_width: int
+    """Beams kept after each step."""
+    max_tokens: int
+    """Steps to run (tokens per beam at most)."""
+    ignore_eos: bool = False
+    """When False, a beam that emits EOS is complete and leaves the search."""
+    temperature: float = 0.0
+    """Temperature of the per-step requests (the scores always use raw logprobs)."""
+    length_penalty: float = 1.0
+    """Score = cum_logprob / len(tokens) ** length_penalty (prompt included, as vLLM)."""
+    include_stop_str_in_output: bool = False
+    """Keep the EOS text in the decoded beams."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise InvalidRequestError(f"beam_width must be at least 1, got {self.beam_width}.")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be non-negative, got "
+                                      f"{self.temperature}.")

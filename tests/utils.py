@@ -58,3 +58,87 @@ def hf_greedy_no_eos(model, prompt_ids: list[int], max_new_tokens: int) -> list[
             out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values,
                         use_cache=True)
     return out_ids
+
+
+def pagedllm_sequence_logprobs(llm, token_ids: list[int], chunk_size: int | None = None,
+                               ) -> torch.Tensor:
+    """log_softmax of pagedllm's logits at every position of one sequence ([len, vocab]
+    float32): row i is the distribution of the token after token_ids[:i + 1].
+
+    Runs the engine's loaded model directly (no scheduler) over a private KV cache, so the
+    engine's cache and prefix-cache contents stay untouched. `chunk_size` splits the
+    prefill into chunks that attend to the earlier, cached ones, as chunked prefill does.
+    """
+    import numpy as np
+
+    from pagedllm.attention.metadata import AttentionMetadata
+    from pagedllm.worker.memory import attention_layers
+
+    runner = llm.llm_engine.engine_core.executor.runner
+    model, device, block_size = runner.model, runner.device, runner.block_size
+    num_tokens = len(token_ids)
+    num_blocks = -(-num_tokens // block_size)
+    layers = attention_layers(model)
+    saved = [layer.kv_cache for layer in layers]
+    # Block 0 is the null block; the sequence owns blocks 1..num_blocks in order, so
+    # position p lives in slot (1 + p // block_size) * block_size + p % block_size.
+    block_table = torch.arange(1, num_blocks + 1, dtype=torch.int32, device=device)[None]
+    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    chunk_size = chunk_size or num_tokens
+    logits = []
+    try:
+        for layer, cache in zip(layers, saved):
+            spec = layer.spec
+            layer.kv_cache = torch.zeros(
+                (2, num_blocks + 1, block_size, spec.num_kv_heads, spec.head_size),
+                dtype=cache.dtype, device=device)
+        with torch.inference_mode():
+            for start in range(0, num_tokens, chunk_size):
+                end = min(num_tokens, start + chunk_size)
+                positions = torch.arange(start, end, device=device)
+                qsl, seq_lens = np.array([0, end - start]), np.array([end])
+                md = AttentionMetadata(
+                    num_reqs=1, num_actual_tokens=end - start,
+                    query_start_loc=torch.from_numpy(qsl).to(device, torch.int32),
+                    seq_lens=torch.from_numpy(seq_lens).to(device, torch.int32),
+                    block_table=block_table, slot_mapping=positions + block_size,
+                    max_query_len=end - start, max_seq_len=end,
+                    query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+                hidden = model(ids[start:end], positions, md)
+                logits.append(model.compute_logits(hidden).float())
+    finally:
+        for layer, cache in zip(layers, saved):
+            layer.kv_cache = cache
+    return torch.log_softmax(torch.cat(logits), dim=-1).cpu()
+
+
+def hf_sequence_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """transformers' log_softmax at every position of one sequence ([len, vocab] float32),
+    aligned with `pagedllm_sequence_logprobs`."""
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def chosen_logprobs(logprobs: torch.Tensor, prompt_len: int, output_ids: list[int],
+                    ) -> torch.Tensor:
+    """Log-probabilities [len(output_ids)] of the generated tokens, from sequence
+    logprobs of prompt + output_ids (token j was chosen at row prompt_len - 1 + j)."""
+    rows = torch.arange(prompt_len - 1, prompt_len - 1 + len(output_ids))
+    return logprobs[rows, torch.tensor(output_ids)]
+
+
+def scale_saved_weights(path: Path, scales: dict[str, float]) -> Path:
+    """Multiply, in place, every tensor of a saved tiny model whose name contains a key of
+    `scales` by its value: sharper attention scores, logits or router choices, so that
+    soft-caps bind and positional / windowing bugs change the outputs."""
+    from safetensors.torch import load_file, save_file
+
+    file = Path(path) / "model.safetensors"
+    tensors = load_file(file)
+    for name, tensor in tensors.items():
+        for key, factor in scales.items():
+            if key in name:
+                tensor.mul_(factor)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return Path(path)

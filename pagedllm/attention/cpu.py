@@ -1,5 +1,8 @@
-"""cpu: paged attention built from torch's SDPA, shaped for CPU speed.
+"""cpu: paged attention shaped for CPU speed.
 
+The native kernel (csrc/cpu_attention.cpp, built on first use) writes K/V and attends the
+whole mixed batch in one call, reading the context through the block table. Without a
+C++ compiler the pure-torch path below runs instead:
 - Decodes (query length 1) of the whole batch run as ONE SDPA call over their gathered
   contexts, padded to the longest and masked by length.
 - Prefill chunks run one SDPA call per request (a block-diagonal mask over the whole
@@ -14,23 +17,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import cpu_kernels
 from pagedllm.attention.backend import AttentionSpec, write_kv_cache
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import TorchRefAttention, gather_context
 
 
 class CpuAttention:
-    def __init__(self, spec: AttentionSpec) -> None:
+    def __init__(self, spec: AttentionSpec, use_kernel: bool | None = None) -> None:
         self.spec = spec
         self.group = spec.num_heads // spec.num_kv_heads
         self._ref = None
         if spec.logits_soft_cap is not None or spec.alibi_slopes is not None:
             self._ref = TorchRefAttention(spec)
+        # use_kernel=False forces the torch path (tests compare both).
+        self.use_kernel = use_kernel is not False and cpu_kernels.load_cpu_kernels()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         if self._ref is not None:
             return self._ref.forward(query, key, value, kv_cache, attn_metadata)
+        md = attn_metadata
+        if self.use_kernel:
+            out = torch.empty_like(query)
+            cpu_kernels.paged_attention(
+                out, query, key, value, kv_cache, md.slot_mapping, md.block_table,
+                md.seq_lens, md.query_start_loc, self.spec.scale, self.spec.sliding_window)
+            return out
+        return self._forward_torch(query, key, value, kv_cache, md)
+
+    def _forward_torch(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                       ) -> torch.Tensor:
         write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
         md = attn_metadata
         qsl = md.query_start_loc_cpu

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.attention import forward_context  # noqa: F401 (registers pagedllm::attention)
 from pagedllm.attention.backend import AttentionSpec, get_attention_backend
 from pagedllm.attention.metadata import AttentionMetadata
 
@@ -21,10 +22,22 @@ class Attention(nn.Module):
         self.spec = spec
         self.impl = get_attention_backend(backend)(spec)
         self.kv_cache: torch.Tensor | None = None
+        # Position among the model's attention layers (set with kv_cache); compiled runs
+        # name the layer by it (attention/forward_context.py).
+        self.layer_index = -1
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
+                attn_metadata: AttentionMetadata | None) -> torch.Tensor:
+        """q [T, H*D], k/v [T, KVH*D] -> [T, H*D].
+
+        attn_metadata None: a compiled forward; the metadata is in the forward context.
+        """
+        if attn_metadata is None:
+            return torch.ops.pagedllm.attention(q, k, v, self.layer_index)
+        return self.attend(q, k, v, attn_metadata)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_metadata: AttentionMetadata) -> torch.Tensor:
         assert self.kv_cache is not None, "KV cache not bound (ModelRunner.initialize_kv_cache)"
         spec = self.spec
         num_tokens = q.shape[0]

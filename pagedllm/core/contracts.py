@@ -66,13 +66,24 @@ class SchedulerOutput:
 
 @dataclass
 class SampleLogprobs:
-    """Logprobs of one sampled token: the chosen one first, then the top-k."""
+    """Logprobs of one token position: the chosen (or actual prompt) token first, then
+    the top-k of the model's raw log-softmax (ranks 1..k, in that order)."""
 
     # [chosen, top1, top2, ...]
     token_ids: list[int]
     logprobs: list[float]
     # Rank of the chosen token in the full distribution (1 = most likely).
     chosen_rank: int
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Prompt logprobs of the prompt positions one step computed (chunked prefill)."""
+
+    # Prompt index of the token the first entry scores (>= 1: token 0 has no logprob).
+    start: int
+    # One entry per prompt token start, start + 1, ...
+    entries: list[SampleLogprobs]
 
 
 @dataclass
@@ -83,10 +94,12 @@ class ModelRunnerOutput:
     req_ids: list[str]
     # Per request: the sampled token ids ([] while its prompt is still being prefilled).
     sampled_token_ids: list[list[int]]
-    # Per request, per sampled token (None when no request asked for logprobs).
+    # Per request, one entry per sampled token ([] for requests that did not ask);
+    # None when no request of the step asked for logprobs.
     logprobs: list[list[SampleLogprobs]] | None = None
-    # req_id -> prompt logprobs of the tokens computed this step (prompt_logprobs requests).
-    prompt_logprobs: dict[str, list[SampleLogprobs | None]] | None = None
+    # req_id -> prompt logprobs of the prompt tokens scored this step (prompt_logprobs
+    # requests only; None when there are none).
+    prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -188,6 +188,9 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs and step.token_budget > 0:
             request = self.waiting[0]
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
+            if request.sampling_params.prompt_logprobs is not None:
+                # Prompt logprobs need the logits of every prompt position: no cache hits.
+                computed_blocks, num_computed_tokens = [], 0
             # >= 1: the last token is never a prefix hit.
             num_new_tokens = request.num_tokens - num_computed_tokens
             if num_new_tokens > step.token_budget:
@@ -225,13 +228,18 @@ class Scheduler:
         del scheduler_output  # everything needed is on the requests already
         updated: list[Request] = []
         finished: set[str] = set()
-        for req_id, token_ids in zip(model_runner_output.req_ids,
-                                     model_runner_output.sampled_token_ids):
+        self._record_prompt_logprobs(model_runner_output)
+        all_logprobs = model_runner_output.logprobs
+        for i, (req_id, token_ids) in enumerate(zip(model_runner_output.req_ids,
+                                                    model_runner_output.sampled_token_ids)):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING or not token_ids:
                 continue  # unknown/aborted, or a partial prefill that sampled nothing
-            for token_id in token_ids:
+            logprobs = all_logprobs[i] if all_logprobs is not None else None
+            for j, token_id in enumerate(token_ids):
                 request.append_output_token_ids([token_id])
+                if logprobs:
+                    request.output_logprobs.append(logprobs[j])
                 if self._check_stop(request, token_id):
                     break  # tokens after the stop point are dropped
             updated.append(request)
@@ -241,6 +249,12 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.req_id not in finished]
         return updated
+
+    def _record_prompt_logprobs(self, model_runner_output: ModelRunnerOutput) -> None:
+        for req_id, chunk in (model_runner_output.prompt_logprobs or {}).items():
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.add_prompt_logprobs(chunk)
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Set a FINISHED_* status if `token_id` (just appended) ends the request."""

@@ -14,9 +14,12 @@ class IncrementalDetokenizer:
     """Feeds output token ids one by one; `text` is the decoded output so far."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int],
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # Only slow (Python) tokenizers have this option; fast ones ignore it, as in vLLM.
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.text = ""
         self.token_ids: list[int] = []
         backend = getattr(tokenizer, "_tokenizer", None)
@@ -33,8 +36,9 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         if self._stream is None:
             # Slow tokenizers: decode the whole output and take the new suffix.
-            full = self.tokenizer.decode(self.token_ids,
-                                         skip_special_tokens=self.skip_special_tokens)
+            full = self.tokenizer.decode(
+                self.token_ids, skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens)
             delta = full[len(self.text):] if not full.endswith("\ufffd") else ""
             self.text += delta
             return delta

@@ -45,6 +45,7 @@ class InputProcessor:
                                       f"{type(params).__name__}")
         text, ids = self.tokenize(prompt)
         self.validate_prompt(ids)
+        self.validate_params(params)
         # Room left for output; generation also stops at max_model_len in the scheduler.
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         request = Request(req_id, ids, params, self.eos_token_id, arrival_time,
@@ -63,6 +64,40 @@ class InputProcessor:
         if bad:
             raise InvalidRequestError(f"token ids out of vocabulary (size {self.vocab_size}): "
                                       f"{bad[:5]}")
+
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Checks that need the vocabulary or the tokenizer; tokenizes bad_words."""
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            ids = getattr(params, name) or ()
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name} contains token ids out of vocabulary "
+                                          f"(size {self.vocab_size}): {bad[:5]}")
+        needs_tokenizer = [name for name, used in (
+            ("stop", params.stop), ("bad_words", params.bad_words),
+            ("structured_outputs", params.structured_outputs)) if used]
+        if needs_tokenizer and self.tokenizer is None:
+            raise InvalidRequestError(f"{needs_tokenizer[0]} needs a tokenizer, and this "
+                                      f"engine was started without one")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
+        if params.structured_outputs is not None:
+            from pagedllm.sample.structured_output import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs)
+
+    def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each word as it would appear at the start of the text and after a space (the
+        second only when the space makes a different first token), as vLLM does."""
+        token_ids: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            token_ids.append(plain)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                token_ids.append(spaced)
+        return token_ids
 
 
 def eos_token_id_of(tokenizer: Any | None, hf_config: Any) -> int | None:

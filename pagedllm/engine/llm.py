@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.config import EngineArgs
+from pagedllm.engine.beam_search import beam_search
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidRequestError
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import BeamSearchOutput, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -47,8 +48,19 @@ class LLM:
         if len(params) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} "
                                       f"sampling params")
+        # Offline: only the final output of each request is wanted (as vLLM's LLM).
+        final = {id(p): _final_only(p) for p in params}
+        params = [final[id(p)] for p in params]
         req_ids = self._add_all(prompts, params)
         return self._run(req_ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search over the engine (each step runs every live beam as a one-token
+        request with 2 * beam_width logprobs; the prefix cache keeps that cheap)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return beam_search(self.llm_engine, prompts, params, self._counter)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -102,3 +114,12 @@ class LLM:
         if pbar is not None:
             pbar.close()
         return [finished[r] for r in req_ids]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if not isinstance(params, SamplingParams) or (
+            params.output_kind == RequestOutputKind.FINAL_ONLY):
+        return params  # the input processor rejects non-SamplingParams
+    params = params.clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params

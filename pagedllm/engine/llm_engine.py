@@ -10,6 +10,7 @@ from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.parallel_sampling import DeferredSiblings, fan_out
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -18,13 +19,16 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """add_request / step / abort_request over an in-process EngineCore.
+    """add_request / step / abort_request over an EngineCore.
 
     A request that fails validation raises InvalidRequestError from add_request and
-    leaves every other request untouched.
+    leaves every other request untouched. `engine_core` defaults to an in-process
+    EngineCore; the server passes an EngineCoreClient (same interface, the core runs in
+    another process and step() returns what arrived from it).
     """
 
-    def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False) -> None:
+    def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False,
+                 engine_core: Any = None) -> None:
         self.config = config
         self.tokenizer = None
         if not skip_tokenizer_init:
@@ -33,7 +37,9 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.model.path, config.model.tokenizer)
         self.input_processor = InputProcessor(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config)
+        # Samples 2..n of n > 1 requests, waiting for sample 1 to fill the prefix cache.
+        self.deferred = DeferredSiblings()
+        self.engine_core = engine_core if engine_core is not None else EngineCore(config)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, skip_tokenizer_init: bool = False,
@@ -43,22 +49,46 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
+        """Validate and queue a request; n > 1 / best_of fan out into child requests
+        "{request_id}_{i}" that share the prompt's KV blocks (see parallel_sampling)."""
         if self.output_processor.has_request(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         request, text = self.input_processor.process(
             request_id, prompt, params or SamplingParams(), arrival_time)
-        self.engine_core.add_request(request)
-        self.output_processor.add_request(request, text)
+        requests = fan_out(request)
+        if len(requests) > 1:
+            taken = [r.req_id for r in requests if self.output_processor.has_request(r.req_id)]
+            if taken:
+                raise InvalidRequestError(f"request id {taken[0]!r} is already in use")
+        self.engine_core.add_request(requests[0])
+        if self.config.cache.enable_prefix_caching:
+            self.deferred.add(requests[0], requests[1:])
+        else:
+            for child in requests[1:]:
+                self.engine_core.add_request(child)
+        self.output_processor.add_request(requests, text, request.sampling_params,
+                                          request_id)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort user requests (all their samples); unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        return self.output_processor.process(self.engine_core.abort_requests(ids))
+        child_ids = [c for r in ids for c in (self.output_processor.child_req_ids(r) or [r])]
+        aborted = self.deferred.abort(set(child_ids))
+        aborted += self.engine_core.abort_requests(child_ids)
+        return self.output_processor.process(aborted)
 
     def step(self) -> list[RequestOutput]:
-        return self.output_processor.process(self.engine_core.step())
+        """One engine step; requests ended by a stop string are finished in the core."""
+        for child in self.deferred.release():
+            self.engine_core.add_request(child)
+        outputs = self.output_processor.process(self.engine_core.step())
+        to_stop = self.output_processor.take_reqs_to_stop()
+        if to_stop:
+            self.engine_core.stop_requests(to_stop)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine_core.has_unfinished_requests()
+        return self.engine_core.has_unfinished_requests() or len(self.deferred) > 0
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

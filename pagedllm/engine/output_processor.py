@@ -1,6 +1,14 @@
-"""OutputProcessor: Requests updated by a step -> RequestOutputs with text.
+"""OutputProcessor: Requests updated by a step -> RequestOutputs with text and logprobs.
 
-Keeps per-request text state (incremental detokenizer) between steps.
+Keeps per-request text state between steps. A user request ("parent") owns one engine
+request per sample ("child": the request itself when n == 1, else ids "{id}_{i}");
+children are aggregated into one RequestOutput with one CompletionOutput each.
+
+Per child and step: new tokens are detokenized incrementally, stop strings searched in
+the new text (a match ends the child: text cut, finish_reason "stop", stop_reason the
+string, and the child id is queued in `reqs_to_stop` for the engine to finish it in the
+scheduler), and logprobs converted to `Logprob` dicts. While streaming, the last
+len(longest stop) - 1 characters are held back so a stop string is never half-sent.
 """
 
 from __future__ import annotations
@@ -9,68 +17,287 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.core.contracts import SampleLogprobs as RunnerLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.request import Request
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+def find_stop_string(text: str, num_new_chars: int, stops: list[str],
+                     ) -> tuple[str, int] | None:
+    """Earliest stop string that ends in the last `num_new_chars` characters of `text`.
+
+    A stop string ending in the new text starts at or after
+    len(text) - num_new_chars - len(stop) + 1, so only that tail is searched (the
+    match may straddle old and new text: split across tokens). Returns (stop, index).
+    """
+    best: tuple[str, int] | None = None
+    for stop in stops:
+        start = max(0, len(text) - num_new_chars - len(stop) + 1)
+        idx = text.find(stop, start)
+        if idx != -1 and (best is None or idx < best[1]):
+            best = (stop, idx)
+    return best
 
 
 @dataclass
-class RequestState:
+class ChildState:
+    """Text and logprob state of one engine request."""
+
     req_id: str
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    # What the previous DELTA output already carried.
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    # Whether something changed since the last output (DELTA skips unchanged children).
+    is_updated: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def visible_text(self) -> str:
+        """The text that may be sent now: all of it once finished, else minus holdback."""
+        hold = 0 if self.finished else self.params.output_text_buffer_length
+        return self.text[:len(self.text) - hold] if hold else self.text
+
+
+@dataclass
+class ParentRequest:
+    """One user request: its prompt, options and children."""
+
+    request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    detokenizer: IncrementalDetokenizer | None
+    params: SamplingParams
     arrival_time: float
-    num_processed: int = 0
+    children: list[ChildState]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     first_token_time: float | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    sent_prompt_logprobs: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+        self.children: dict[str, tuple[ParentRequest, ChildState]] = {}
+        # Children ended by a stop string this step: the engine must finish them in the
+        # scheduler (EngineCore.stop_requests). Drained by `take_reqs_to_stop`.
+        self.reqs_to_stop: list[str] = []
+        self._token_text: dict[int, str] = {}
 
-    def add_request(self, request: Request, prompt: str | None) -> None:
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        self.states[request.req_id] = RequestState(
-            request.req_id, prompt, request.prompt_token_ids, detok, request.arrival_time)
+    def add_request(self, request: Request | list[Request], prompt: str | None,
+                    params: SamplingParams | None = None,
+                    request_id: str | None = None) -> None:
+        """Track a user request whose engine requests are `request` (one per sample).
+
+        `params` and `request_id` are the user's (default: the single request's own).
+        """
+        requests = request if isinstance(request, list) else [request]
+        first = requests[0]
+        params = params or first.sampling_params
+        children = [ChildState(r.req_id, i, r.sampling_params, self._detokenizer(r))
+                    for i, r in enumerate(requests)]
+        parent = ParentRequest(request_id or first.req_id, prompt, first.prompt_token_ids,
+                               params, first.arrival_time, children)
+        self.parents[parent.request_id] = parent
+        for child in children:
+            self.children[child.req_id] = (parent, child)
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
+        sp = request.sampling_params
+        if self.tokenizer is None or not sp.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                      sp.skip_special_tokens,
+                                      sp.spaces_between_special_tokens)
 
     def has_request(self, req_id: str) -> bool:
-        return req_id in self.states
+        return req_id in self.parents or req_id in self.children
+
+    def child_req_ids(self, request_id: str) -> list[str]:
+        """Engine request ids of a user request ([] if unknown)."""
+        parent = self.parents.get(request_id)
+        return [c.req_id for c in parent.children] if parent is not None else []
+
+    def take_reqs_to_stop(self) -> list[str]:
+        ids, self.reqs_to_stop = self.reqs_to_stop, []
+        return ids
 
     def process(self, requests: list[Request]) -> list[RequestOutput]:
-        """One RequestOutput per updated request; finished ones are forgotten."""
+        """RequestOutputs of the user requests touched by `requests`; finished ones are
+        forgotten. Call `take_reqs_to_stop` afterwards and stop those in the engine."""
         now = time.monotonic()
-        outputs = []
+        touched: dict[str, ParentRequest] = {}
         for req in requests:
-            state = self.states.get(req.req_id)
-            if state is None:
+            entry = self.children.get(req.req_id)
+            if entry is None or entry[1].finished:
                 continue
-            new_ids = req.output_token_ids[state.num_processed:]
-            state.num_processed = req.num_output_tokens
-            if new_ids and state.first_token_time is None:
-                state.first_token_time = now
-            if state.detokenizer is not None and new_ids:
-                state.detokenizer.add_tokens(new_ids)
-            outputs.append(self._make_output(req, state, now))
-            if req.is_finished:
-                del self.states[req.req_id]
+            parent, child = entry
+            self._update_child(parent, child, req, now)
+            touched[parent.request_id] = parent
+        outputs = []
+        for parent in touched.values():
+            out = self._make_output(parent, now)
+            if out is not None:
+                outputs.append(out)
+            if parent.finished:
+                del self.parents[parent.request_id]
+                for child in parent.children:
+                    self.children.pop(child.req_id, None)
         return outputs
 
-    def _make_output(self, req: Request, state: RequestState, now: float) -> RequestOutput:
-        text = state.detokenizer.text if state.detokenizer is not None else ""
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=list(req.output_token_ids),
-            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason)
-        metrics = {"arrival_time": state.arrival_time}
-        if state.first_token_time is not None:
-            metrics["first_token_time"] = state.first_token_time
+    # ------------------------------------------------------------------ per child
+
+    def _update_child(self, parent: ParentRequest, child: ChildState, req: Request,
+                      now: float) -> None:
+        new_ids = req.output_token_ids[len(child.token_ids):]
+        child.is_updated = True
+        child.num_cached_tokens = req.num_cached_tokens
+        if new_ids and parent.first_token_time is None:
+            parent.first_token_time = now
+        if child.params.logprobs is not None:
+            self._add_logprobs(child, req.output_logprobs[len(child.token_ids):])
+        child.token_ids.extend(new_ids)
+        if parent.prompt_logprobs is None and req.sampling_params.prompt_logprobs is not None:
+            parent.prompt_logprobs = self._prompt_logprobs(req)
+        if child.detokenizer is not None and new_ids:
+            delta = child.detokenizer.add_tokens(new_ids)
+            child.text = child.detokenizer.text
+            if self._check_stop_strings(child, len(delta)):
+                self.reqs_to_stop.append(child.req_id)
+                return
         if req.is_finished:
+            child.finish_reason = req.status.finish_reason
+            child.stop_reason = req.stop_reason
+
+    def _check_stop_strings(self, child: ChildState, num_new_chars: int) -> bool:
+        sp = child.params
+        if not sp.stop or not num_new_chars or len(child.token_ids) < sp.min_tokens:
+            return False
+        found = find_stop_string(child.text, num_new_chars, sp.stop)
+        if found is None:
+            return False
+        stop, idx = found
+        end = idx + len(stop) if sp.include_stop_str_in_output else idx
+        child.text = child.text[:end]
+        child.finish_reason, child.stop_reason = "stop", stop
+        return True
+
+    def _add_logprobs(self, child: ChildState, entries: list[RunnerLogprobs]) -> None:
+        if child.logprobs is None:
+            child.logprobs, child.cumulative_logprob = [], 0.0
+        for entry in entries:
+            child.logprobs.append(self._logprob_dict(entry, child.detokenizer is not None))
+            child.cumulative_logprob += entry.logprobs[0]
+
+    def _logprob_dict(self, entry: RunnerLogprobs, decode: bool) -> dict[int, Logprob]:
+        """Chosen token first (with its rank in the whole vocabulary), then the top-k."""
+        chosen = entry.token_ids[0]
+        out = {chosen: Logprob(entry.logprobs[0], entry.chosen_rank,
+                               self._decode_token(chosen) if decode else None)}
+        for rank, (token_id, logprob) in enumerate(zip(entry.token_ids[1:],
+                                                       entry.logprobs[1:]), start=1):
+            if token_id not in out:
+                out[token_id] = Logprob(logprob, rank,
+                                        self._decode_token(token_id) if decode else None)
+        return out
+
+    def _decode_token(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def _prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
+        """Built once the whole prompt is scored; the first token has no logprob."""
+        if len(req.prompt_logprobs) < req.num_prompt_tokens - 1:
+            return None
+        decode = self.tokenizer is not None and req.sampling_params.detokenize
+        return [None] + [self._logprob_dict(e, decode) for e in req.prompt_logprobs]
+
+    # ------------------------------------------------------------------ outputs
+
+    def _make_output(self, parent: ParentRequest, now: float) -> RequestOutput | None:
+        sp = parent.params
+        kind = sp.output_kind
+        num_samples = len(parent.children)
+        if (kind == RequestOutputKind.FINAL_ONLY or num_samples > sp.n) and not parent.finished:
+            return None  # best_of needs every sample to rank them
+        if kind == RequestOutputKind.DELTA:
+            completions = [self._delta_completion(c) for c in parent.children
+                           if c.is_updated]
+        else:
+            completions = [self._completion(c) for c in parent.children]
+        if num_samples > sp.n:
+            completions = self._best(completions, sp)
+        for child in parent.children:
+            child.is_updated = False
+        prompt_logprobs = parent.prompt_logprobs
+        if kind == RequestOutputKind.DELTA:
+            # Deltas carry the prompt logprobs once, in the first output.
+            if parent.sent_prompt_logprobs:
+                prompt_logprobs = None
+            parent.sent_prompt_logprobs = prompt_logprobs is not None
+        metrics = {"arrival_time": parent.arrival_time}
+        if parent.first_token_time is not None:
+            metrics["first_token_time"] = parent.first_token_time
+        if parent.finished:
             metrics["finished_time"] = now
-        return RequestOutput(request_id=req.req_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=[completion],
-                             finished=req.is_finished, num_cached_tokens=req.num_cached_tokens,
-                             metrics=metrics)
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids, outputs=completions,
+            finished=parent.finished, prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=max(c.num_cached_tokens for c in parent.children),
+            metrics=metrics)
+
+    @staticmethod
+    def _completion(child: ChildState) -> CompletionOutput:
+        return CompletionOutput(
+            index=child.index, text=child.visible_text(), token_ids=list(child.token_ids),
+            cumulative_logprob=child.cumulative_logprob,
+            logprobs=list(child.logprobs) if child.logprobs is not None else None,
+            finish_reason=child.finish_reason, stop_reason=child.stop_reason)
+
+    @staticmethod
+    def _delta_completion(child: ChildState) -> CompletionOutput:
+        text = child.visible_text()
+        start_tok = child.num_sent_tokens
+        delta = CompletionOutput(
+            index=child.index, text=text[child.num_sent_chars:],
+            token_ids=child.token_ids[start_tok:],
+            cumulative_logprob=child.cumulative_logprob,
+            logprobs=child.logprobs[start_tok:] if child.logprobs is not None else None,
+            finish_reason=child.finish_reason, stop_reason=child.stop_reason)
+        child.num_sent_chars = len(text)
+        child.num_sent_tokens = len(child.token_ids)
+        return delta
+
+    @staticmethod
+    def _best(completions: list[CompletionOutput], sp: SamplingParams,
+              ) -> list[CompletionOutput]:
+        """best_of: the n completions with the highest cumulative logprob, re-indexed."""
+        ranked = sorted(completions, key=lambda c: c.cumulative_logprob
+                        if c.cumulative_logprob is not None else float("-inf"), reverse=True)
+        best = ranked[:sp.n]
+        for i, completion in enumerate(best):
+            completion.index = i
+            if sp.logprobs is None:
+                completion.logprobs = None  # computed only for the ranking
+        return best

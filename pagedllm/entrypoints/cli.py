@@ -1,4 +1,4 @@
-"""`pagedllm` command line: generate, models (serve, chat and bench plug in here).
+"""`pagedllm` command line: serve, chat, generate, models (bench plugs in here).
 
 Engine flags are derived from the EngineArgs dataclass, one per field, so every
 subcommand that starts an engine shares them and --help documents each.
@@ -41,6 +41,21 @@ def _scalar_type(hint: Any) -> type:
     return args[0]
 
 
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags beyond the engine's."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model name(s) clients use (default: the model argument)")
+    parser.add_argument("--log-stats-interval", type=float, default=5.0,
+                        help="seconds between throughput log lines while busy (0: off)")
+    parser.add_argument("--uvicorn-log-level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's log level")
+
+
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
     if getattr(ns, "model_pos", None):
@@ -73,6 +88,21 @@ def _cmd_models(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from pagedllm.entrypoints.openai.server import serve
+
+    asyncio.run(serve(ns, engine_args_from(ns)))
+    return 0
+
+
+def _cmd_chat(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.chat import run_chat
+
+    return run_chat(engine_args_from(ns), ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                           description="Serve MODEL (default: the bundled SmolLM2) with "
+                                       "OpenAI's API on http://HOST:PORT/v1.")
+    add_serve_args(serve)
+    add_engine_args(serve, positional_model=True)
+    serve.set_defaults(func=_cmd_serve)
+    chat = sub.add_parser("chat", help="interactive chat in the terminal (reads stdin lines)")
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--max-tokens", type=int, default=512, help="tokens per reply at most")
+    chat.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    chat.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    chat.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    add_engine_args(chat, positional_model=True)
+    chat.set_defaults(func=_cmd_chat)
     models = sub.add_parser("models", help="list supported model architectures")
     models.set_defaults(func=_cmd_models)
     return parser
@@ -93,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import logging
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, datefmt="%m-%d %H:%M:%S",
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     ns = build_parser().parse_args(argv)
     return ns.func(ns)
 

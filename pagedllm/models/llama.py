@@ -1,12 +1,21 @@
-"""Llama family: Llama 1-3, SmolLM, TinyLlama (and Mistral-style configs).
+"""Llama family (Llama 1-3, SmolLM, TinyLlama, Mistral) and the parts other Llama-shaped
+decoders are built from.
 
 Pre-norm decoder: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)). q/k/v and gate/up are
-fused into single matmuls and filled from HF's separate tensors on load.
+fused into single matmuls and filled from HF's separate tensors on load. Families that
+differ from Llama only in a few switches (Qwen2, Qwen3, Phi-3, Mixtral) are a
+`LlamaModel` built with a `LlamaVariant`; Gemma 2/3 reuse the attention and MLP.
+
+RoPE: every HF rope_type goes through transformers' own frequency init (layers/rotary.py),
+so linear, llama3, yarn and longrope match HF. NOTE: HF's `dynamic` (NTK) rope recomputes
+the frequencies of the whole sequence once it grows past max_position_embeddings;
+within that range (the default max_model_len) it equals plain rope, which is what runs here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,12 +24,12 @@ from torch import nn
 from pagedllm.attention.backend import AttentionSpec
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.models.layers.activation import SiluAndMul
+from pagedllm.models.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.models.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
 from pagedllm.models.layers.norm import RMSNorm
-from pagedllm.models.layers.rotary import get_rope
+from pagedllm.models.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS, load_stacked_weights
 
 
@@ -28,49 +37,96 @@ def head_dim_of(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+def rotary_dim_of(cfg: Any, head_dim: int) -> int:
+    """Rotated dims per head: head_dim * partial_rotary_factor (Phi-3-small, Phi-4-mini)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor", None)
+    return int(head_dim * (factor or 1.0))
+
+
+def layer_sliding_window(cfg: Any, layer_idx: int) -> int | None:
+    """Sliding window of one layer: per layer through HF's `layer_types` when the config
+    has them (Qwen2/3 max_window_layers, Gemma's alternation), else config-wide (Mistral)."""
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+def gated_act(name: str) -> nn.Module:
+    """act(gate) * up over a fused [.., 2d] gate_up output, by HF activation name."""
+    if name in ("silu", "swish"):
+        return SiluAndMul()
+    if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        return GeluAndMul("tanh")
+    if name == "gelu":
+        return GeluAndMul("none")
+    raise ValueError(f"unsupported gated activation {name!r}")
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str, sliding_window: int | None = None) -> None:
+    """qkv_proj -> (per-head q/k RMSNorm) -> RoPE -> paged attention -> o_proj.
+
+    `qk_norm_offset` None means no q/k norm; 0.0 is Qwen3's RMSNorm, 1.0 Gemma 3's (1 + w).
+    `rotary_emb` is shared by the layers that use the same frequencies.
+    """
+
+    def __init__(self, cfg: Any, attn_backend: str, rotary_emb: RotaryEmbedding, *,
+                 sliding_window: int | None = None, qkv_bias: bool = False,
+                 o_bias: bool = False, qk_norm_offset: float | None = None,
+                 scale: float | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim_of(cfg)
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        bias = getattr(cfg, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim,
-                                          cfg.num_attention_heads, num_kv_heads, bias=bias)
+                                          cfg.num_attention_heads, num_kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim,
-                                        cfg.hidden_size, bias=bias)
+                                        cfg.hidden_size, bias=o_bias)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.rotary_emb = get_rope(cfg, self.head_dim)
+        self.q_norm = self.k_norm = None
+        if qk_norm_offset is not None:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, qk_norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, qk_norm_offset)
+        self.rotary_emb = rotary_emb
         spec = AttentionSpec(num_heads=cfg.num_attention_heads, num_kv_heads=num_kv_heads,
-                             head_size=self.head_dim, scale=self.head_dim ** -0.5,
-                             sliding_window=sliding_window)
+                             head_size=self.head_dim,
+                             scale=self.head_dim ** -0.5 if scale is None else scale,
+                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         self.attn = Attention(spec, attn_backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            # Normalized over each head's D dims: [T, H*D] -> [T, H, D] -> [T, H*D].
+            num_tokens = q.shape[0]
+            q = self.q_norm(q.reshape(num_tokens, -1, self.head_dim)).reshape(num_tokens, -1)
+            k = self.k_norm(k.reshape(num_tokens, -1, self.head_dim)).reshape(num_tokens, -1)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    """down(act(gate(x)) * up(x)) with gate/up fused into one matmul."""
+
+    def __init__(self, cfg: Any, act: str | None = None) -> None:
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = gated_act(act or getattr(cfg, "hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str, sliding_window: int | None = None) -> None:
+    def __init__(self, cfg: Any, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, attn_backend, sliding_window)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn, self.mlp = self_attn, mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -80,12 +136,39 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@dataclass(frozen=True)
+class LlamaVariant:
+    """What a Llama-shaped family changes; defaults are Llama's (and Mistral's)."""
+
+    # Bias on q/k/v and on o_proj; None: the config's `attention_bias`.
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    # RMSNorm over each q and k head before RoPE (Qwen3).
+    qk_norm: bool = False
+    # Builds the feed-forward block of a layer from the config (Mixtral: sparse MoE).
+    make_mlp: Callable[[Any], nn.Module] = LlamaMLP
+    # (fused param, checkpoint part, shard id); () for checkpoints stored fused (Phi-3).
+    stacked_params: tuple[tuple[str, str, str | int], ...] = LLAMA_STACKED_PARAMS
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str, sliding_window: int | None = None) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 variant: LlamaVariant = LlamaVariant()) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, attn_backend, sliding_window)
-                                    for _ in range(cfg.num_hidden_layers))
+        head_dim = head_dim_of(cfg)
+        # One cos/sin table for all layers (it can be max_position_embeddings long).
+        rotary_emb = get_rope(cfg, head_dim, rotary_dim_of(cfg, head_dim))
+        bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = bias if variant.qkv_bias is None else variant.qkv_bias
+        o_bias = bias if variant.o_bias is None else variant.o_bias
+        qk_norm_offset = 0.0 if variant.qk_norm else None
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, LlamaAttention(
+                cfg, attn_backend, rotary_emb, sliding_window=layer_sliding_window(cfg, i),
+                qkv_bias=qkv_bias, o_bias=o_bias, qk_norm_offset=qk_norm_offset),
+                variant.make_mlp(cfg))
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -100,10 +183,11 @@ class LlamaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden];
     compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab]."""
 
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 variant: LlamaVariant = LlamaVariant()) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg, attn_backend, getattr(cfg, "sliding_window", None))
+        self.config, self.variant = cfg, variant
+        self.model = LlamaModel(cfg, attn_backend, variant)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -118,4 +202,4 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("rotary_emb.inv_freq",) + (("lm_head.",) if self.tie_word_embeddings else ())
-        return load_stacked_weights(self, weights, LLAMA_STACKED_PARAMS, skip=skip)
+        return load_stacked_weights(self, weights, self.variant.stacked_params, skip=skip)

@@ -65,3 +65,23 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
         raise ModelLoadError(f"weights missing from checkpoint: {sorted(missing)[:10]}")
     return loaded
 
+
+
+def split_interleaved_qkv(fused: torch.Tensor, num_heads: int, head_size: int,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [H*D, ...] of a head-major fused query_key_value weight [H*3*D, in] or bias.
+
+    GPT-NeoX and Bloom store the rows as [H, 3, D] (q, k, v of head 0, then of head 1, ...),
+    not [3, H, D]; splitting here lets the q | k | v shards load like Llama's (TP-correct).
+    """
+    rows = fused.view(num_heads, 3, head_size, *fused.shape[1:])
+    return tuple(rows[:, i].reshape(num_heads * head_size, *fused.shape[1:])
+                 for i in range(3))  # type: ignore[return-value]
+
+
+# q/k/v only, for checkpoints whose MLP is not gated (GPT-2, OPT, GPT-NeoX, Bloom).
+QKV_STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+)

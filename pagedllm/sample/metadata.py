@@ -1,10 +1,28 @@
-"""Per-step sampling parameters of the requests that sample, gathered into tensors."""
+"""Per-step sampling parameters of the requests that sample, gathered into tensors.
+
+Every optional part is None when no row of the step uses it, so the sampler skips its
+work entirely (the common case: plain temperature or greedy sampling).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class PenaltyMetadata:
+    """Inputs of presence / frequency / repetition penalties. Rows without one are
+    neutral (0, 0, 1); a penalty no row of the step uses is None."""
+
+    presence: torch.Tensor | None  # [N] float32
+    frequency: torch.Tensor | None  # [N] float32
+    repetition: torch.Tensor | None  # [N] float32
+    # How often each token occurs in the row's output so far.
+    output_token_counts: torch.Tensor  # [N, V] int64
+    # Tokens present in the row's prompt; None when no row uses repetition_penalty.
+    prompt_token_mask: torch.Tensor | None  # [N, V] bool
 
 
 @dataclass
@@ -18,10 +36,24 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     # [N] float32, None when no row uses top-p (< 1).
-    top_p: torch.Tensor | None
+    top_p: torch.Tensor | None = None
     # [N] int64 (vocab size = disabled), None when no row uses top-k.
-    top_k: torch.Tensor | None
+    top_k: torch.Tensor | None = None
+    # [N] float32, None when no row uses min-p (> 0).
+    min_p: torch.Tensor | None = None
     # row -> torch.Generator for requests with a seed (reproducible whatever the batch).
-    generators: dict[int, torch.Generator]
-    # row -> token ids to mask (-inf) this step: EOS / stop ids until min_tokens.
-    banned_token_ids: dict[int, list[int]]
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # None when every row is neutral.
+    penalties: PenaltyMetadata | None = None
+    # (row index [B], token id [B]) pairs set to -inf: EOS / stop ids until min_tokens,
+    # the last token of a bad word whose prefix was just generated.
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (row index [B], token id [B], bias [B]) added to the logits.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # [N, V] bool, True where a token is NOT allowed (rows without a list: all False).
+    disallowed_mask: torch.Tensor | None = None
+    # xgrammar token bitmask of the structured-output rows, and those rows.
+    grammar_bitmask: torch.Tensor | None = None  # [M, ceil(V / 32)] int32
+    grammar_rows: list[int] | None = None
+    # Most top-k logprobs any row asked for (0: chosen token only); None: no row asked.
+    max_num_logprobs: int | None = None

@@ -1,62 +1,79 @@
 """Sampler: logits [N, vocab] -> one token id per row, all rows in one pass.
 
-Steps: (1) mask banned ids (min_tokens), (2) greedy argmax for greedy rows,
-(3) temperature, (4) top-k then top-p on the sorted distribution (skipped when unused),
-(5) sample by the exponential race argmax(p / q), q ~ Exp(1) — per-request generators
-draw q for seeded rows so their choice does not depend on the rest of the batch.
+Steps (vLLM's order; each is skipped when no row of the step uses it):
+ 1. raw logprobs: log_softmax of the model's logits, before any transform
+ 2. masks: allowed_token_ids, bad words and min_tokens bans, grammar bitmask;
+    then logit_bias
+ 3. penalties: repetition, frequency, presence
+ 4. greedy rows: argmax of the result
+ 5. random rows: temperature, min_p, top_k, top_p, then the exponential race
+    argmax(p / q), q ~ Exp(1); seeded rows draw q from their own generator
+ 6. logprobs of the chosen token (with its rank) and the top-k, from step 1
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.ops import (apply_min_p, apply_penalties, apply_top_k_top_p,
+                                 exponential_race)
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [N] int64
+    # None when no row asked for logprobs.
+    logprobs: LogprobsTensors | None = None
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """logits [N, V] float32 -> sampled token ids [N] int64."""
-        for row, ids in md.banned_token_ids.items():
-            logits[row, ids] = float("-inf")
-        greedy = logits.argmax(dim=-1)
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """logits [N, V] float32 (modified in place) -> sampled token ids [N] int64."""
+        logits = logits.float()
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self.apply_logits_processors(logits, md)
+        sampled = self.sample(logits, md)
+        lp = None
+        if raw_logprobs is not None:
+            lp = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
+
+    @staticmethod
+    def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Steps 2-3: masks, logit bias, penalties (argmax-changing transforms)."""
+        if md.disallowed_mask is not None:
+            logits.masked_fill_(md.disallowed_mask, float("-inf"))
+        if md.banned is not None:
+            logits[md.banned] = float("-inf")
+        if md.grammar_bitmask is not None:
+            import xgrammar
+
+            xgrammar.apply_token_bitmask_inplace(logits, md.grammar_bitmask,
+                                                 indices=md.grammar_rows)
+        if md.logit_bias is not None:
+            rows, ids, bias = md.logit_bias
+            logits.index_put_((rows, ids), bias, accumulate=True)
+        if md.penalties is not None:
+            logits = apply_penalties(logits, md.penalties)
+        return logits
+
+    @staticmethod
+    def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Steps 4-5: greedy rows take the argmax, the others draw."""
+        greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
             return greedy
         logits = logits / md.temperature[:, None]
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        sampled = exponential_race(probs, md.generators)
-        if md.all_random:
+        sampled = exponential_race(torch.softmax(logits, dim=-1), md.generators)
+        if greedy is None:
             return sampled
         return torch.where(md.is_greedy, greedy, sampled)
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask (-inf) tokens outside each row's top-k and top-p nucleus."""
-    if top_k is None and top_p is None:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=False)  # ascending
-    vocab = logits.shape[-1]
-    if top_k is not None:
-        # Ascending order: the k largest are the last k; the threshold is at index V - k.
-        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab))[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        cum = probs.cumsum(dim=-1)
-        # Drop the low tail whose total mass is <= 1 - top_p; the top token always stays.
-        drop = cum <= (1 - top_p[:, None])
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
-                     ) -> torch.Tensor:
-    """Sample one id per row: argmax(p / q) with q ~ Exp(1) is a draw from p."""
-    q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        q.exponential_()
-    for row, gen in generators.items():
-        q[row].exponential_(generator=gen)
-    return (probs / q).argmax(dim=-1)

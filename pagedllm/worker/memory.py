@@ -46,7 +46,8 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """One [2, num_blocks, block_size, KVH, D] tensor per attention layer, bound to it."""
     caches = []
-    for layer in attention_layers(model):
+    for index, layer in enumerate(attention_layers(model)):
+        layer.layer_index = index
         shape = (2, num_blocks, block_size, layer.spec.num_kv_heads, layer.spec.head_size)
         # zeros, not empty: padded reads of unused slots must be finite (masked later).
         cache = torch.zeros(shape, dtype=dtype, device=device)

@@ -9,11 +9,16 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
-from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.contracts import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from pagedllm.loader import load_tokenizer
+from pagedllm.models.layers.linear import pack_linear_weights
+from pagedllm.sample.logprobs import LogprobsTensors
 from pagedllm.sample.sampler import Sampler
+from pagedllm.sample.structured_output import GrammarManager
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.memory import allocate_kv_cache, determine_num_blocks
 from pagedllm.worker.model_loader import load_model
+from pagedllm.worker.sampling_state import prompt_logprobs_chunks
 
 
 @dataclass
@@ -41,8 +46,14 @@ class ModelRunner:
         self.max_model_len = config.scheduler.max_model_len
         self.model = load_model(config.model, config.device.attention_backend,
                                 self.device, self.dtype)
+        if self.device.type == "cpu":
+            pack_linear_weights(self.model)
         self.vocab_size = config.model.hf_config.vocab_size
         self.sampler = Sampler()
+        # Structured output: the tokenizer is loaded on the first grammar request.
+        self.grammar = GrammarManager(
+            lambda: load_tokenizer(config.model.path, config.model.tokenizer),
+            self.vocab_size)
         self.input_batch: InputBatch | None = None
         self.kv_caches: list[torch.Tensor] = []
 
@@ -55,7 +66,8 @@ class ModelRunner:
                                            self.dtype, self.device)
         max_blocks_per_req = -(-(self.max_model_len + 1) // self.block_size)
         self.input_batch = InputBatch(self.config.scheduler.max_num_seqs, self.max_model_len,
-                                      max_blocks_per_req, self.vocab_size, self.device)
+                                      max_blocks_per_req, self.vocab_size, self.device,
+                                      self.grammar)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -66,13 +78,32 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
         sampled_ids: list[list[int]] = [[] for _ in inputs.req_ids]
+        output = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_ids)
         if len(inputs.sample_rows):
             md = self.input_batch.sampling_metadata(inputs.sample_rows)
-            sampled = self.sampler(logits, md).cpu().numpy()  # the step's one host sync
+            sampler_output = self.sampler(logits, md)
+            sampled = sampler_output.sampled_token_ids.cpu().numpy()  # the one host sync
             self.input_batch.append_sampled(inputs.sample_rows, sampled)
             for pos, tok in zip(inputs.sample_positions.tolist(), sampled.tolist()):
                 sampled_ids[pos] = [tok]
-        return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_ids)
+            if sampler_output.logprobs is not None:
+                output.logprobs = self._sample_logprobs(inputs, sampler_output.logprobs)
+        if self.input_batch.sampling.has_prompt_logprobs():
+            output.prompt_logprobs = prompt_logprobs_chunks(
+                self.model, hidden, self.input_batch, inputs.req_ids,
+                inputs.attn_metadata.query_start_loc_cpu)
+        return output
+
+    def _sample_logprobs(self, inputs: StepInputs, lp: LogprobsTensors,
+                         ) -> list[list[SampleLogprobs]]:
+        """Per request of the step: [SampleLogprobs] if it sampled and asked, else []."""
+        per_row = lp.tolists(self.input_batch.sampling.num_logprobs[inputs.sample_rows]
+                             .tolist())
+        out: list[list[SampleLogprobs]] = [[] for _ in inputs.req_ids]
+        for pos, entry in zip(inputs.sample_positions.tolist(), per_row):
+            if entry is not None:
+                out[pos] = [entry]
+        return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch

@@ -25,3 +25,39 @@ class GeluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
+
+
+class GeluTanh(nn.Module):
+    """GELU's tanh approximation: HF's gelu_new, gelu_fast, gelu_pytorch_tanh and Bloom's
+    bloom_gelu are all this formula (they differ only in how the constants are spelled)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")
+
+
+class QuickGelu(nn.Module):
+    """x * sigmoid(1.702 x) (HF's quick_gelu)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+# HF activation name (config.activation_function / hidden_act) -> module factory.
+_ACTIVATIONS = {
+    "gelu": nn.GELU,
+    "gelu_new": GeluTanh,
+    "gelu_fast": GeluTanh,
+    "gelu_pytorch_tanh": GeluTanh,
+    "bloom_gelu": GeluTanh,
+    "quick_gelu": QuickGelu,
+    "relu": nn.ReLU,
+    "silu": nn.SiLU,
+    "swish": nn.SiLU,
+}
+
+
+def get_act_fn(name: str) -> nn.Module:
+    """The element-wise activation HF calls `name` (ACT2FN's keys)."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]()

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.models.layers.linear import can_pack, cpu_linear, pack_weight
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
@@ -25,8 +27,16 @@ class LMHead(nn.Module):
         self.bias = (nn.Parameter(torch.empty(vocab_size), requires_grad=False)
                      if bias else None)
 
+    # oneDNN-packed copy of `weight` for eager CPU runs (pack_for_cpu), else None. The plain
+    # weight stays: it may be the (tied) embedding table.
+    packed_weight: torch.Tensor | None = None
+
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
+    def pack_for_cpu(self) -> None:
+        if can_pack(self.weight):
+            self.packed_weight = pack_weight(self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight, self.bias).float()
+        return cpu_linear(hidden, self.weight, self.bias, self.packed_weight).float()

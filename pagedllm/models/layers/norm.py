@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -19,3 +20,27 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x * (self.weight.float() + self.offset)).to(dtype)
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / std * w + b over the last dim, in float32 (nn.LayerNorm's math).
+
+    `elementwise_affine=False` (some OPT checkpoints) has no parameters; `bias=False` keeps
+    the scale only.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True) -> None:
+        super().__init__()
+        self.hidden_size, self.eps = hidden_size, eps
+        self.weight = self.bias = None
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+            if bias:
+                self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        out = F.layer_norm(x.float(), (self.hidden_size,), weight, bias, self.eps)
+        return out.to(x.dtype)

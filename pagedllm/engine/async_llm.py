@@ -1,0 +1,254 @@
+"""AsyncLLM: the asyncio front end of the server.
+
+    API process (event loop)                          engine-core process
+    generate() -> LLMEngine.add_request -> EngineCoreClient --ZMQ--> EngineCore loop
+    per-request asyncio.Queue <- LLMEngine.step() <- output loop <--ZMQ--/
+
+Tokenization, detokenization and stop strings run here, in the LLMEngine's input and
+output processors; the engine process only schedules and runs the model, so the event
+loop stays free to answer HTTP while a batch runs. One output-loop task receives the
+core's batches, records metrics, and routes each RequestOutput to its request's queue.
+If the core process dies, every waiting request gets EngineDeadError within
+`POLL_INTERVAL_S` and new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.engine.core_client import EngineCoreClient
+from pagedllm.engine.core_proc import EngineCoreOutputs
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.errors import EngineDeadError, InvalidRequestError
+from pagedllm.metrics import EngineMetrics
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How often the output loop checks that the core process is alive while it is silent.
+POLL_INTERVAL_S = 0.2
+UTILITY_TIMEOUT_S = 10.0
+
+
+class EngineGenerateError(RuntimeError):
+    """The engine failed one request for a reason that is not the client's fault."""
+
+
+class AsyncLLM:
+    """`async for out in llm.generate(prompt, params, request_id)`, over an engine process.
+
+    Build with `await AsyncLLM.from_engine_args(args)` (waits for the model to load) and
+    stop with `shutdown()`. Must be used from one event loop.
+    """
+
+    def __init__(self, config: EngineConfig, model_name: str = "",
+                 log_stats_interval_s: float = 10.0) -> None:
+        self.config = config
+        # The core starts loading the model while this process loads the tokenizer.
+        self.core_client = EngineCoreClient(config)
+        try:
+            self.engine = LLMEngine(config, engine_core=self.core_client)
+        except BaseException:
+            self.core_client.shutdown()
+            raise
+        self.tokenizer = self.engine.tokenizer
+        self.metrics = EngineMetrics(model_name or config.model.path)
+        self.log_stats_interval_s = log_stats_interval_s
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._utility_futures: dict[int, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    async def from_engine_args(cls, args: EngineArgs, model_name: str = "",
+                               log_stats_interval_s: float = 10.0) -> AsyncLLM:
+        llm = cls(args.create_engine_config(), model_name, log_stats_interval_s)
+        try:
+            await llm.start()
+        except BaseException:
+            llm.shutdown()
+            raise
+        return llm
+
+    async def start(self) -> None:
+        await self.core_client.wait_ready()
+        self._tasks.append(asyncio.create_task(self._output_loop(), name="engine-outputs"))
+        if self.log_stats_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._log_loop(), name="engine-stats"))
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def is_dead(self) -> bool:
+        return self.core_client.is_dead
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.core_client.dead_reason
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine process is gone."""
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+        if not self.core_client.proc.is_alive():
+            self.core_client.mark_dead(
+                f"engine core process died (exit code {self.core_client.proc.exitcode})")
+            self._fail_all()
+            raise EngineDeadError(self.dead_reason)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len
+
+    @property
+    def num_kv_cache_tokens(self) -> int:
+        """Tokens the whole KV cache holds (block 0 is the null block)."""
+        return (self.core_client.num_blocks - 1) * self.core_client.block_size
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Submit a request now; return the stream of its outputs (the last `finished`).
+
+        Raises InvalidRequestError for a bad prompt or parameters and EngineDeadError
+        when the engine process is gone. Closing the stream early aborts the request
+        (its KV blocks are freed), which is what a client disconnect does; a stream
+        never iterated must be aborted with `abort(request_id)`.
+        """
+        self.check_health()
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str,
+                      queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine has already dropped it
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """`add_request` and iterate its stream (closing this closes the stream)."""
+        stream = self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a live request (no-op when it is finished or unknown)."""
+        try:
+            self.engine.abort_request([request_id])
+        except EngineDeadError:
+            pass
+        self._drain_local_finishes()
+
+    async def call_utility(self, method: str) -> Any:
+        """Run a utility on the core ("get_stats", "reset_prefix_cache", "ping")."""
+        self.check_health()
+        call_id = self.core_client.call_utility(method)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_futures[call_id] = future
+        try:
+            result = await asyncio.wait_for(future, UTILITY_TIMEOUT_S)
+        finally:
+            self._utility_futures.pop(call_id, None)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    # ------------------------------------------------------------------ output loop
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                batch = await self.core_client.get_output(POLL_INTERVAL_S)
+                if batch is not None:
+                    self._process_batch(batch)
+        except EngineDeadError:
+            self._fail_all()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a front-end bug: fail loudly rather than hang requests
+            logger.exception("output loop failed")
+            self.core_client.mark_dead(f"output processing failed: {e!r}")
+            self._fail_all()
+
+    def _process_batch(self, batch: EngineCoreOutputs) -> None:
+        self.metrics.observe_scheduler_stats(batch.scheduler_stats)
+        self.metrics.observe_outputs(batch, self.core_client.requests)
+        for result in batch.utility_results:
+            future = self._utility_futures.get(result.call_id)
+            if future is not None and not future.done():
+                future.set_result(pickle.loads(result.result))
+        for err in batch.errors:
+            # The core rejected the request at admission: drop the front end's state too.
+            self.engine.abort_request([err.req_id])
+            queue = self._queues.get(err.req_id)
+            if queue is not None:
+                queue.put_nowait(InvalidRequestError(err.message) if err.is_invalid
+                                 else EngineGenerateError(err.message))
+        self.core_client.push_outputs(batch)
+        outputs = self.engine.step()
+        # LLMEngine.step() hands requests it held back (n > 1 siblings waiting for their
+        # leader's first token) to the core *before* applying the batch. If this batch
+        # gave the leader that token and the core is now idle, no further batch would
+        # trigger the next step(): take it now (no batch pending, so it is cheap).
+        outputs += self.engine.step()
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        self._drain_local_finishes()
+
+    def _drain_local_finishes(self) -> None:
+        """Metrics of requests finished in this process (aborts, stop strings)."""
+        for req in self.core_client.finished_locally:
+            self.metrics.observe_finished(req)
+        self.core_client.finished_locally.clear()
+
+    def _fail_all(self) -> None:
+        error = EngineDeadError(self.dead_reason or "engine core is dead")
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        for future in self._utility_futures.values():
+            if not future.done():
+                future.set_exception(error)
+
+    async def _log_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.log_stats_interval_s)
+            self.metrics.stats_log.log()
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()
+        self.core_client.shutdown()

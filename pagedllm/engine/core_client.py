@@ -1,0 +1,222 @@
+"""EngineCoreClient: the front end's handle on the engine-core process.
+
+It offers EngineCore's request interface (add_request, abort_requests, stop_requests,
+step, has_unfinished_requests), so an `LLMEngine` — tokenizer, input and output
+processing, stop strings — runs unchanged on top of it in the API process, while the
+schedule/execute loop runs in a spawned process (`core_proc.py`).
+
+The front end keeps a mirror `Request` per live request: the one its InputProcessor
+built. Output batches from the core are queued by `push_outputs` and applied to the
+mirrors by the next `step()`, which never blocks. Receiving is asyncio (`get_output`).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.core_proc import (GROWING_ATTRS, AddRequest, CoreInput, CoreOutput,
+                                       EngineCoreOutputs, EngineDead, EngineReady,
+                                       FinishRequests, Shutdown, UtilityCall,
+                                       run_engine_core)
+from pagedllm.errors import EngineDeadError
+from pagedllm.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCoreClient:
+    """Spawns the engine-core process and talks to it over two ipc sockets."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-")
+        input_addr = f"ipc://{self._tmpdir}/input"
+        output_addr = f"ipc://{self._tmpdir}/output"
+        # Sends are synchronous and never block (NOBLOCK, unbounded queue); receiving
+        # is asyncio, so the two sockets live in two contexts.
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(input_addr)
+        self._actx = zmq.asyncio.Context()
+        self._output = self._actx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(output_addr)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreOutput)
+
+        ctx = multiprocessing.get_context("spawn")
+        self.proc = ctx.Process(
+            target=run_engine_core, name="pagedllm-engine-core", daemon=True,
+            args=(config, input_addr, output_addr, os.getpid(),
+                  logging.getLogger("pagedllm").getEffectiveLevel()))
+        self.proc.start()
+        self.num_blocks = 0
+        self.block_size = config.cache.block_size
+        self.engine_pid: int | None = None
+        self.dead_reason: str | None = None
+        # Mirrors of the live requests, by req_id.
+        self.requests: dict[str, Request] = {}
+        # Output batches received and not yet applied by step().
+        self._pending: list[EngineCoreOutputs] = []
+        # Requests finished here (abort, stop string) since the front end last took them
+        # (for metrics); their status says why.
+        self.finished_locally: list[Request] = []
+        self._call_ids = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def wait_ready(self, timeout_s: float = 1800.0) -> None:
+        """Wait for the core's start-up (model load, KV cache) or raise EngineDeadError."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = await self._recv(timeout_s=0.5)
+            if isinstance(msg, EngineReady):
+                self.num_blocks, self.engine_pid = msg.num_blocks, msg.pid
+                logger.info("engine core ready (pid %d) after %.1f s", msg.pid,
+                            time.monotonic() - deadline + timeout_s)
+                return
+            if isinstance(msg, EngineDead):
+                self.mark_dead(msg.message)
+                raise EngineDeadError(msg.message)
+        self.mark_dead(f"engine core did not start within {timeout_s:.0f} s")
+        raise EngineDeadError(self.dead_reason)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the core process (politely, then by signal) and close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.dead_reason is None:
+            self.dead_reason = "the engine was shut down"
+        if self.proc.is_alive():
+            try:
+                self._input.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.proc.join(timeout_s)
+        for stop in (self.proc.terminate, self.proc.kill):
+            if self.proc.is_alive():
+                stop()
+                self.proc.join(2.0)
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._ctx.term()
+        self._actx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ EngineCore interface
+
+    def add_request(self, request: Request) -> None:
+        self._send(AddRequest(request=pickle.dumps(request)))
+        self.requests[request.req_id] = request
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
+        return self._finish(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def stop_requests(self, req_ids: Iterable[str]) -> list[Request]:
+        """Finish requests as "stop" (a stop string was found in their text)."""
+        return self._finish(req_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[Request]:
+        """Apply the received output batches to the mirrors; return the updated ones."""
+        updated: dict[str, Request] = {}
+        for batch in self._pending:
+            for out in batch.outputs:
+                req = self.requests.get(out.req_id)
+                if req is None:
+                    continue  # finished here meanwhile (abort, stop string)
+                req.append_output_token_ids(out.new_token_ids)
+                req.status = RequestStatus(out.status)
+                req.stop_reason = out.stop_reason
+                req.num_cached_tokens = out.num_cached_tokens
+                if out.extras is not None:
+                    for attr, values in pickle.loads(out.extras).items():
+                        if attr in GROWING_ATTRS:
+                            getattr(req, attr).extend(values)
+                if req.is_finished:
+                    del self.requests[out.req_id]
+                updated[out.req_id] = req
+        self._pending.clear()
+        return list(updated.values())
+
+    # ------------------------------------------------------------------ transport
+
+    def push_outputs(self, batch: EngineCoreOutputs) -> None:
+        """Queue a received batch for the next step()."""
+        self._pending.append(batch)
+
+    async def get_output(self, timeout_s: float) -> EngineCoreOutputs | None:
+        """The next output batch, or None after timeout_s; EngineDeadError when the
+        process is gone (checked on every timeout, so death is seen within timeout_s)."""
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+        msg = await self._recv(timeout_s)
+        if isinstance(msg, EngineDead):
+            self.mark_dead(msg.message)
+            raise EngineDeadError(msg.message)
+        return msg if isinstance(msg, EngineCoreOutputs) else None
+
+    async def _recv(self, timeout_s: float) -> CoreOutput | None:
+        if await self._output.poll(timeout=int(timeout_s * 1000), flags=zmq.POLLIN):
+            return self._decoder.decode(await self._output.recv(copy=False))
+        if not self.proc.is_alive():
+            self.mark_dead(f"engine core process died (exit code {self.proc.exitcode})")
+            raise EngineDeadError(self.dead_reason)
+        return None
+
+    def call_utility(self, method: str) -> int:
+        """Send a utility call; its result comes back in an output batch under the id."""
+        self._call_ids += 1
+        self._send(UtilityCall(call_id=self._call_ids, method=method))
+        return self._call_ids
+
+    def _finish(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        done = []
+        for req_id in ([req_ids] if isinstance(req_ids, str) else req_ids):
+            req = self.requests.pop(req_id, None)
+            if req is not None:
+                req.status = status
+                done.append(req)
+        if done:
+            self.finished_locally.extend(done)
+            if not self.is_dead:
+                self._send(FinishRequests([r.req_id for r in done], status.value))
+        return done
+
+    def _send(self, msg: CoreInput) -> None:
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+        try:
+            # With no connected peer (the core died) a PUSH send would block: NOBLOCK.
+            self._input.send(self._encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.Again as e:
+            self.mark_dead("engine core is not reading its input socket")
+            raise EngineDeadError(self.dead_reason) from e
+
+    def mark_dead(self, reason: str) -> None:
+        """Record why the core is gone (the first reason wins); sends fail from now on."""
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            logger.error("engine core is dead: %s", reason)

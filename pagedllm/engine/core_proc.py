@@ -1,0 +1,324 @@
+"""The engine-core process: EngineCore's schedule -> execute -> update loop behind ZMQ.
+
+The API process (front end) tokenizes, detokenizes and applies stop strings; this
+process only moves token ids, like vLLM V1's EngineCoreProc. Two PUSH/PULL sockets:
+
+    front end --(AddRequest | FinishRequests | UtilityCall | Shutdown)--> core
+    front end <--(EngineCoreOutputs: per-step token deltas + scheduler stats)-- core
+
+Messages are msgspec structs in msgpack. A `Request` and per-token extras (logprobs)
+travel pickled inside them: both sides run the same code, the socket is local, and the
+sampling fields keep growing, so an explicit schema would only lag behind.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import signal
+import time
+import traceback
+from typing import Any
+
+import msgspec
+
+from pagedllm.config import EngineConfig
+from pagedllm.errors import InvalidRequestError
+from pagedllm.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+# Request list attributes that only grow (besides output_token_ids) and must reach the
+# front end's mirror of the request: only their new entries travel each step.
+GROWING_ATTRS = ("output_logprobs", "prompt_logprobs")
+
+
+# ------------------------------------------------------------------ front end -> core
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request: bytes
+    """The pickled, validated `Request` (built by the front end's InputProcessor)."""
+
+
+class FinishRequests(msgspec.Struct, tag="finish"):
+    req_ids: list[str]
+    status: str
+    """RequestStatus value: finished_aborted (client gone) or finished_stopped (stop string)."""
+
+
+class UtilityCall(msgspec.Struct, tag="utility"):
+    call_id: int
+    method: str
+    """One of EngineCoreProc.UTILITIES."""
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+CoreInput = AddRequest | FinishRequests | UtilityCall | Shutdown
+
+
+# ------------------------------------------------------------------ core -> front end
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request gained in one step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    status: str
+    """RequestStatus value after the step."""
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    """time.monotonic() of the step that first scheduled it (first output only)."""
+    extras: bytes | None = None
+    """Pickled {attr: new entries} of GROWING_ATTRS, when any grew."""
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    """Fraction of usable KV blocks held by requests."""
+    prefix_cache_queries: int
+    """Cumulative prompt tokens looked up in the prefix cache."""
+    prefix_cache_hits: int
+    """Cumulative prompt tokens served from it."""
+    num_preemptions: int
+    num_free_blocks: int
+    num_blocks: int
+
+
+class RequestError(msgspec.Struct, array_like=True):
+    req_id: str
+    message: str
+    is_invalid: bool
+    """True for InvalidRequestError (a 400), False for an engine failure."""
+
+
+class UtilityResult(msgspec.Struct, array_like=True):
+    call_id: int
+    result: bytes
+    """Pickled return value."""
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats
+    timestamp: float
+    errors: list[RequestError] = []
+    utility_results: list[UtilityResult] = []
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    num_blocks: int
+    block_size: int
+    pid: int
+
+
+class EngineDead(msgspec.Struct, tag="dead"):
+    message: str
+
+
+CoreOutput = EngineCoreOutputs | EngineReady | EngineDead
+
+
+class EngineCoreProc:
+    """Runs an EngineCore and serves the sockets until Shutdown or the parent exits."""
+
+    UTILITIES = ("get_stats", "reset_prefix_cache", "ping")
+
+    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
+                 parent_pid: int) -> None:
+        import zmq
+
+        from pagedllm.engine.engine_core import EngineCore
+
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context()
+        self.input_sock = self.ctx.socket(zmq.PULL)
+        self.input_sock.connect(input_addr)
+        self.output_sock = self.ctx.socket(zmq.PUSH)
+        self.output_sock.setsockopt(zmq.LINGER, 1000)
+        self.output_sock.connect(output_addr)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(CoreInput)
+        try:
+            self.core = EngineCore(config)
+        except BaseException as e:
+            self._send(EngineDead(f"engine start-up failed: {e!r}"))
+            raise
+        # req_id -> how many entries of each per-token list were already sent.
+        self._num_sent: dict[str, dict[str, int]] = {}
+        # req_id -> monotonic time of its first scheduling step (None once reported).
+        self._first_scheduled: dict[str, float | None] = {}
+        self._running = True
+        self._send(EngineReady(num_blocks=self.core.num_blocks,
+                               block_size=config.cache.block_size, pid=os.getpid()))
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        while self._running:
+            busy = self.core.has_unfinished_requests()
+            # Idle: block on the socket, waking every second to notice an orphaned process.
+            if self.input_sock.poll(0 if busy else 1000):
+                errors, results = self._handle_inputs()
+            elif not busy:
+                if os.getppid() != self.parent_pid:
+                    logger.warning("front end exited; engine core stops")
+                    return
+                continue
+            else:
+                errors, results = [], []
+            if not self._running:
+                return
+            outputs = self._step() if self.core.has_unfinished_requests() else []
+            self._send(EngineCoreOutputs(outputs=outputs, scheduler_stats=self._stats(),
+                                         timestamp=time.monotonic(), errors=errors,
+                                         utility_results=results))
+
+    def _handle_inputs(self) -> tuple[list[RequestError], list[UtilityResult]]:
+        import zmq
+
+        errors: list[RequestError] = []
+        results: list[UtilityResult] = []
+        while True:
+            try:
+                frame = self.input_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return errors, results
+            msg = self.decoder.decode(frame)
+            if isinstance(msg, AddRequest):
+                request: Request = pickle.loads(msg.request)
+                try:
+                    self.core.add_request(request)
+                except InvalidRequestError as e:
+                    errors.append(RequestError(request.req_id, str(e), True))
+                except Exception as e:  # one bad request must not stop the engine
+                    logger.exception("add_request %s failed", request.req_id)
+                    errors.append(RequestError(request.req_id, repr(e), False))
+            elif isinstance(msg, FinishRequests):
+                status = RequestStatus(msg.status)
+                if status == RequestStatus.FINISHED_STOPPED:
+                    done = self.core.stop_requests(msg.req_ids)
+                else:
+                    done = self.core.abort_requests(msg.req_ids)
+                for req in done:
+                    self._forget(req.req_id)
+            elif isinstance(msg, UtilityCall):
+                results.append(UtilityResult(msg.call_id, pickle.dumps(self._utility(msg))))
+            else:
+                self._running = False
+                return errors, results
+
+    def _step(self) -> list[EngineCoreOutput]:
+        step_start = time.monotonic()
+        updated = self.core.step()
+        # Requests this step scheduled for the first time: their queue time ends at
+        # step_start (reported with their first output, which may come steps later when
+        # a long prompt is prefilled in chunks).
+        for req in itertools.chain(self.core.scheduler.running, updated):
+            self._first_scheduled.setdefault(req.req_id, step_start)
+        outputs = [self._make_output(req) for req in updated]
+        for req in updated:
+            if req.is_finished:
+                self._forget(req.req_id)
+        return outputs
+
+    def _make_output(self, req: Request) -> EngineCoreOutput:
+        sent = self._num_sent.setdefault(req.req_id, {})
+        num_tokens = sent.get("output_token_ids", 0)
+        sent["output_token_ids"] = req.num_output_tokens
+        # None once reported: the key stays so setdefault above does not record it again.
+        first_scheduled = self._first_scheduled.get(req.req_id)
+        self._first_scheduled[req.req_id] = None
+        extras: dict[str, Any] = {}
+        for attr in GROWING_ATTRS:
+            values = getattr(req, attr, None)
+            if values and len(values) > sent.get(attr, 0):
+                extras[attr] = values[sent.get(attr, 0):]
+                sent[attr] = len(values)
+        return EngineCoreOutput(
+            req_id=req.req_id, new_token_ids=req.output_token_ids[num_tokens:],
+            status=req.status.value, stop_reason=req.stop_reason,
+            num_cached_tokens=req.num_cached_tokens, first_scheduled_time=first_scheduled,
+            extras=pickle.dumps(extras) if extras else None)
+
+    def _forget(self, req_id: str) -> None:
+        self._num_sent.pop(req_id, None)
+        self._first_scheduled.pop(req_id, None)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _stats(self) -> SchedulerStats:
+        sched = self.core.scheduler
+        kv = sched.kv_cache_manager
+        return SchedulerStats(
+            num_running=sched.num_running, num_waiting=sched.num_waiting,
+            kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=sched.num_preemptions,
+            num_free_blocks=kv.get_num_free_blocks(), num_blocks=self.core.num_blocks)
+
+    def _utility(self, call: UtilityCall) -> Any:
+        if call.method == "get_stats":
+            stats = self._stats()
+            return {f: getattr(stats, f) for f in stats.__struct_fields__} | {
+                "engine_pid": os.getpid()}
+        if call.method == "reset_prefix_cache":
+            return self.core.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+        if call.method == "ping":
+            return "pong"
+        return RuntimeError(f"unknown utility {call.method!r}")
+
+    def _send(self, msg: CoreOutput) -> None:
+        self.output_sock.send(self.encoder.encode(msg), copy=False)
+
+    def close(self) -> None:
+        self.core.shutdown()
+        self.input_sock.close(linger=0)
+        self.output_sock.close()
+        self.ctx.term()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (best effort)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
+                    parent_pid: int, log_level: int = logging.INFO) -> None:
+    """Entry point of the spawned engine process."""
+    logging.basicConfig(level=log_level, datefmt="%m-%d %H:%M:%S",
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    _die_with_parent()
+    # SIGTERM unwinds through `finally` so the sockets close cleanly.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which stops us
+    proc = None
+    try:
+        proc = EngineCoreProc(config, input_addr, output_addr, parent_pid)
+        proc.run()
+    except SystemExit:
+        pass
+    except BaseException as e:
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        if proc is not None:
+            proc._send(EngineDead(f"engine core failed: {e!r}"))
+        raise SystemExit(1) from e
+    finally:
+        if proc is not None:
+            proc.close()

@@ -1,0 +1,318 @@
+"""Pydantic models of the OpenAI-compatible API (the subset pagedllm serves).
+
+Request models accept OpenAI's fields plus vLLM's extra sampling fields (top_k, min_p,
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...); `sampling_kwargs()`
+maps them onto `SamplingParams` keyword arguments with vLLM's names.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are accepted (clients send newer OpenAI fields) and ignored.
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+# ------------------------------------------------------------------ errors, models
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    """OpenAI's error body ({"error": {...}}), with vLLM's top-level object "error"."""
+
+    object: Literal["error"] = "error"
+    error: ErrorInfo
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedllm"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+# ------------------------------------------------------------------ sampling fields
+
+class SamplingFields(OpenAIBaseModel):
+    """Fields shared by completions and chat requests (OpenAI's and vLLM's)."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    request_id: str | None = None
+
+    def common_sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams keywords of the shared fields (None = the engine's default)."""
+        kw: dict[str, Any] = {
+            "n": self.n, "best_of": self.best_of, "temperature": self.temperature,
+            "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty, "seed": self.seed,
+            "stop": self.stop, "stop_token_ids": self.stop_token_ids,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "logit_bias": self.logit_bias, "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words, "prompt_logprobs": self.prompt_logprobs,
+        }
+        structured = self.structured_outputs_kwargs()
+        if structured is not None:
+            kw["structured_outputs"] = structured
+        return kw
+
+    def structured_outputs_kwargs(self) -> dict[str, Any] | None:
+        """StructuredOutputsParams keywords from structured_outputs / guided_* fields."""
+        if self.structured_outputs is not None:
+            return dict(self.structured_outputs)
+        for field, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, field)
+            if value is not None:
+                return {key: value}
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# ------------------------------------------------------------------ completions
+
+class CompletionRequest(SamplingFields):
+    prompt: list[int] | list[list[int]] | str | list[str]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        return self.common_sampling_kwargs() | {"max_tokens": self.max_tokens,
+                                                "logprobs": self.logprobs}
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# ------------------------------------------------------------------ chat
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str | None:
+        """The content as one string (text parts of a multi-part content joined)."""
+        if isinstance(self.content, list):
+            return "".join(p.get("text", "") for p in self.content
+                           if p.get("type") in ("text", "input_text"))
+        return self.content
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str = "schema"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM extras
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
+        num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.common_sampling_kwargs() | {"max_tokens": max_tokens,
+                                                "logprobs": num_logprobs}
+
+    def structured_outputs_kwargs(self) -> dict[str, Any] | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return super().structured_outputs_kwargs()
+        if fmt.type == "json_object":
+            return {"json_object": True}
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            return {"json_object": True}
+        return {"json": fmt.json_schema.json_schema}
+
+
+class ChatLogprobTop(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(ChatLogprobTop):
+    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIBaseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ------------------------------------------------------------------ tokenize
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

@@ -1,0 +1,165 @@
+"""POST /v1/chat/completions: the model's chat template, n, logprobs + top_logprobs,
+max_tokens / max_completion_tokens, response_format (json_object, json_schema), streaming."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
+                                                  ChatCompletionResponse,
+                                                  ChatCompletionResponseChoice,
+                                                  ChatCompletionStreamResponse, ChatLogprobs,
+                                                  ChatLogprobTop, ChatLogprobToken,
+                                                  ChatMessage, ChatResponseMessage,
+                                                  ChatStreamChoice, DeltaMessage, UsageInfo,
+                                                  random_id)
+from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSEResponse,
+                                                        clamp_logprob, merge_streams, sse,
+                                                        sse_error)
+from pagedllm.errors import InvalidRequestError
+from pagedllm.outputs import Logprob
+
+
+@dataclass
+class _ChoiceState:
+    num_chars: int = 0
+    num_tokens: int = 0
+    is_finished: bool = False
+
+
+class OpenAIServingChat(OpenAIServing):
+
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     ) -> ChatCompletionResponse | SSEResponse:
+        self.check_model(request.model)
+        if request.top_logprobs is not None:
+            if not 0 <= request.top_logprobs <= 20:
+                raise InvalidRequestError(f"top_logprobs must be between 0 and 20, got "
+                                          f"{request.top_logprobs}")
+            if not request.logprobs:
+                raise InvalidRequestError("top_logprobs requires logprobs to be true")
+        text, ids = self.render_chat(request.messages, request.add_generation_prompt,
+                                     request.continue_final_message, request.chat_template,
+                                     request.chat_template_kwargs)
+        requested = request.max_completion_tokens or request.max_tokens
+        if requested is not None and requested < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {requested}.")
+        max_tokens = self.check_length(len(ids), requested, kind="messages")
+        params = self.sampling_params(request.sampling_kwargs(max_tokens), request.stream)
+        request_id = request.request_id or random_id("chatcmpl")
+        streams = self.add_requests(request_id, [(text, ids)], [params])
+        if request.stream:
+            return SSEResponse(self._stream(request, request_id, streams))
+        final = None
+        try:
+            async for _, out in merge_streams(streams):
+                final = out
+        finally:
+            self.abort_all(request_id, 1)  # no-op unless cancelled
+        assert final is not None
+        choices = []
+        for out in sorted(final.outputs, key=lambda o: o.index):
+            logprobs = (self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
+                        if request.logprobs else None)
+            choices.append(ChatCompletionResponseChoice(
+                index=out.index, message=ChatResponseMessage(content=out.text),
+                logprobs=logprobs, finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason))
+        num_completion = sum(len(o.token_ids) for o in final.outputs)
+        usage = UsageInfo(prompt_tokens=len(final.prompt_token_ids),
+                          completion_tokens=num_completion,
+                          total_tokens=len(final.prompt_token_ids) + num_completion)
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=usage)
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """The prompt text of a conversation through the chat template, and its ids."""
+        if not messages:
+            raise InvalidRequestError("messages must not be empty")
+        conversation = [{"role": m.role, "content": m.text() or ""} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                **(chat_template_kwargs or {}))
+        except Exception as e:  # jinja errors, a missing template: the request's fault
+            raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
+        # The template holds the special tokens already: don't let encode add BOS again.
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _logprobs(self, token_ids: list[int], logprobs: list | None,
+                  num_top: int) -> ChatLogprobs:
+        content = []
+        for k, token_id in enumerate(token_ids):
+            step: dict[int, Logprob] | None = logprobs[k] if logprobs and k < len(
+                logprobs) else None
+            chosen = step.get(token_id) if step else None
+            token = self.token_text(token_id, chosen)
+            top = []
+            if step:
+                ranked = sorted((lp.rank, t, lp) for t, lp in step.items()
+                                if lp.rank is not None and lp.rank <= num_top)
+                top = [self._top(t, lp) for _, t, lp in ranked[:num_top]]
+            content.append(ChatLogprobToken(
+                token=token, logprob=clamp_logprob(chosen.logprob) if chosen else -9999.0,
+                bytes=list(token.encode("utf-8")), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def _top(self, token_id: int, lp: Logprob) -> ChatLogprobTop:
+        token = self.token_text(token_id, lp)
+        return ChatLogprobTop(token=token, logprob=clamp_logprob(lp.logprob),
+                              bytes=list(token.encode("utf-8")))
+
+    # ------------------------------------------------------------------ streaming
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str,
+                      streams: list) -> AsyncIterator[str]:
+        states = {i: _ChoiceState() for i in range(request.n)}
+        num_prompt_tokens = 0
+
+        def chunk(choice: ChatStreamChoice) -> str:
+            return sse(ChatCompletionStreamResponse(
+                id=request_id, model=self.model_name, choices=[choice]).model_dump_json())
+
+        try:
+            # OpenAI's first chunk per choice carries the role.
+            for i in range(request.n):
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                         content="")))
+            async for _, ro in merge_streams(streams):
+                num_prompt_tokens = len(ro.prompt_token_ids)
+                for out in ro.outputs:
+                    st = states.setdefault(out.index, _ChoiceState())
+                    if st.is_finished:
+                        continue
+                    delta = out.text[st.num_chars:] if len(out.text) > st.num_chars else ""
+                    new_ids = out.token_ids[st.num_tokens:]
+                    logprobs = None
+                    if request.logprobs and new_ids:
+                        new_lps = out.logprobs[st.num_tokens:] if out.logprobs else None
+                        logprobs = self._logprobs(new_ids, new_lps, request.top_logprobs or 0)
+                    st.num_chars = max(st.num_chars, len(out.text))
+                    st.num_tokens = len(out.token_ids)
+                    st.is_finished = out.finish_reason is not None
+                    if delta or logprobs or st.is_finished:
+                        yield chunk(ChatStreamChoice(
+                            index=out.index, delta=DeltaMessage(content=delta or None),
+                            logprobs=logprobs, finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason))
+            if request.include_usage:
+                num_completion = sum(s.num_tokens for s in states.values())
+                usage = UsageInfo(prompt_tokens=num_prompt_tokens,
+                                  completion_tokens=num_completion,
+                                  total_tokens=num_prompt_tokens + num_completion)
+                yield sse(ChatCompletionStreamResponse(
+                    id=request_id, model=self.model_name, choices=[],
+                    usage=usage).model_dump_json())
+        except Exception as e:
+            yield sse_error(e)
+        finally:
+            self.abort_all(request_id, 1)
+        yield sse("[DONE]")

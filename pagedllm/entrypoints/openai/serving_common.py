@@ -1,0 +1,239 @@
+"""Shared pieces of the OpenAI handlers: errors, prompt checks, SamplingParams, SSE.
+
+Handlers raise typed exceptions (`InvalidRequestError` -> 400, `ModelNotFoundError` ->
+404, `EngineDeadError` -> 503, anything else -> 500); server.py maps them to OpenAI's
+error body. Once a stream has started, errors travel as a `data: {"error": ...}` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagedllm.errors import EngineDeadError, InvalidRequestError
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+class ModelNotFoundError(LookupError):
+    """The request names a model this server does not serve (404)."""
+
+
+def error_status(exc: BaseException) -> HTTPStatus:
+    if isinstance(exc, ModelNotFoundError):
+        return HTTPStatus.NOT_FOUND
+    if isinstance(exc, ValueError):  # InvalidRequestError is one
+        return HTTPStatus.BAD_REQUEST
+    if isinstance(exc, EngineDeadError):
+        return HTTPStatus.SERVICE_UNAVAILABLE
+    return HTTPStatus.INTERNAL_SERVER_ERROR
+
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    info = ErrorInfo(message=message, type=_ERROR_TYPES.get(status, HTTPStatus(status).phrase),
+                     param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def exception_message(exc: BaseException) -> str:
+    if isinstance(exc, EngineDeadError):
+        return f"The engine is not running: {exc}"
+    return str(exc) or type(exc).__name__
+
+
+class OpenAIServing:
+    """What every handler needs: the engine, the served names, checks and conversions."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise ModelNotFoundError(f"The model `{model}` does not exist.")
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None,
+                     kind: str = "messages") -> int:
+        """vLLM's context-length checks; returns the resolved max_tokens."""
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("The prompt is empty: give at least one token.")
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your request has {num_prompt_tokens} input tokens. Please reduce "
+                f"the length of the input {kind}.")
+        # The core would reject it too, but only after a stream had started.
+        if num_prompt_tokens > self.engine.num_kv_cache_tokens:
+            raise InvalidRequestError(
+                f"The prompt has {num_prompt_tokens} tokens but the KV cache holds only "
+                f"{self.engine.num_kv_cache_tokens}. Please reduce the length of the input "
+                f"{kind}.")
+        if max_tokens is None:
+            return self.max_model_len - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {num_prompt_tokens + max_tokens} tokens "
+                f"({num_prompt_tokens} in the {kind}, {max_tokens} in the completion). "
+                f"Please reduce the length of the {kind} or completion.")
+        return max_tokens
+
+    @staticmethod
+    def sampling_params(kwargs: dict[str, Any], stream: bool) -> SamplingParams:
+        """SamplingParams from request fields (None = the engine default).
+
+        A field this engine does not know is ignored at its neutral value and refused
+        otherwise, so a request never silently loses a constraint.
+        """
+        kw: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            if value is None:
+                continue
+            if name not in _SAMPLING_FIELDS:
+                if value in (False, 0, 1, [], {}):
+                    continue
+                raise InvalidRequestError(f"`{name}` is not supported by this server.")
+            kw[name] = value
+        if isinstance(kw.get("structured_outputs"), dict):
+            from pagedllm.sampling_params import StructuredOutputsParams
+
+            try:
+                kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
+            except TypeError as e:
+                raise InvalidRequestError(f"invalid structured_outputs: {e}") from e
+        if "output_kind" in _SAMPLING_FIELDS:
+            from pagedllm.sampling_params import RequestOutputKind
+
+            # Streams diff cumulative outputs (robust to any n / stop-string buffering);
+            # non-streaming requests only need the final output.
+            kw["output_kind"] = (RequestOutputKind.CUMULATIVE if stream
+                                 else RequestOutputKind.FINAL_ONLY)
+        return SamplingParams(**kw)
+
+    def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
+                     params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
+        """Submit one engine request per prompt (ids `{request_id}-{i}`); all or none."""
+        streams = []
+        try:
+            for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
+                prompt = {"prompt": text, "prompt_token_ids": ids}
+                streams.append(self.engine.add_request(f"{request_id}-{i}", prompt, sp))
+        except BaseException:
+            self.abort_all(request_id, len(streams))
+            raise
+        return streams
+
+    def abort_all(self, request_id: str, num_prompts: int) -> None:
+        for i in range(num_prompts):
+            self.engine.abort(f"{request_id}-{i}")
+
+    # ------------------------------------------------------------------ logprobs
+
+    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
+
+
+def clamp_logprob(value: float) -> float:
+    """JSON has no -inf: clamp like vLLM."""
+    return max(value, -9999.0)
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]],
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (stream index, output), in arrival order.
+
+    Closing the merged iterator (or cancelling its consumer) closes every stream, which
+    aborts their unfinished requests.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, done))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    status = int(error_status(exc))
+    return sse(json.dumps(error_body(exception_message(exc), status)))
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that stop (and close their generator) when the client leaves.
+
+    Starlette notices a disconnect only when a send fails; a slow generation could keep
+    a gone client's request running. Here a listener races the stream and cancels it.
+    """
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.create_task(self.stream_response(send))
+        listener = asyncio.create_task(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, listener):
+                task.cancel()
+            await asyncio.gather(stream, listener, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+        if stream.done() and not stream.cancelled() and stream.exception() is not None:
+            if not isinstance(stream.exception(), OSError):  # the client went away
+                raise stream.exception()

@@ -1,0 +1,213 @@
+"""POST /v1/completions: prompts as text, token ids, or lists of either; n, best_of,
+echo, logprobs, stop, seed, streaming with usage."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagedllm.entrypoints.openai.protocol import (CompletionLogprobs, CompletionRequest,
+                                                  CompletionResponse,
+                                                  CompletionResponseChoice, UsageInfo,
+                                                  random_id)
+from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSEResponse,
+                                                        clamp_logprob, merge_streams, sse,
+                                                        sse_error)
+from pagedllm.errors import InvalidRequestError
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+Prompt = tuple[str | None, list[int]]  # (text or None, token ids)
+
+
+@dataclass
+class _ChoiceState:
+    """What a stream has sent of one choice so far."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    is_finished: bool = False
+    # Characters before this choice's next token (logprobs text_offset).
+    offset: int = 0
+
+
+@dataclass
+class _StreamState:
+    choices: dict[int, _ChoiceState] = field(default_factory=dict)
+    num_prompt_tokens: dict[int, int] = field(default_factory=dict)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+
+    async def create_completion(self, request: CompletionRequest,
+                                ) -> CompletionResponse | SSEResponse:
+        self.check_model(request.model)
+        if request.suffix is not None:
+            raise InvalidRequestError("suffix is not currently supported")
+        if request.logprobs is not None and not 0 <= request.logprobs <= 20:
+            raise InvalidRequestError(f"logprobs must be between 0 and 20, got "
+                                      f"{request.logprobs}")
+        prompts = self._parse_prompts(request)
+        kwargs = request.sampling_kwargs()
+        if request.echo and request.logprobs is not None:
+            kwargs["prompt_logprobs"] = request.logprobs
+        params = []
+        for _, ids in prompts:
+            max_tokens = self.check_length(len(ids), request.max_tokens, kind="prompt")
+            params.append(self.sampling_params(kwargs | {"max_tokens": max_tokens},
+                                               request.stream))
+        request_id = request.request_id or random_id("cmpl")
+        streams = self.add_requests(request_id, prompts, params)
+        if request.stream:
+            return SSEResponse(self._stream(request, request_id, prompts, streams))
+        try:
+            finals: list[RequestOutput | None] = [None] * len(prompts)
+            async for i, out in merge_streams(streams):
+                finals[i] = out
+        finally:
+            self.abort_all(request_id, len(prompts))  # no-op unless cancelled
+        return self._response(request, request_id, prompts, finals)
+
+    def _parse_prompts(self, request: CompletionRequest) -> list[Prompt]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty")
+        prompts: list[Prompt] = []
+        for p in prompt:
+            if isinstance(p, str):
+                prompts.append((p, self.tokenizer.encode(
+                    p, add_special_tokens=request.add_special_tokens)))
+            else:
+                prompts.append((None, list(p)))
+        return prompts
+
+    # ------------------------------------------------------------------ full response
+
+    def _response(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
+                  finals: list[RequestOutput | None]) -> CompletionResponse:
+        choices = []
+        num_prompt_tokens = num_completion_tokens = 0
+        for i, ro in enumerate(finals):
+            assert ro is not None, "every stream ends with a finished output"
+            num_prompt_tokens += len(ro.prompt_token_ids)
+            for out in sorted(ro.outputs, key=lambda o: o.index):
+                num_completion_tokens += len(out.token_ids)
+                text, logprobs = out.text, None
+                prefix, prompt_lp = "", None
+                if request.echo:
+                    prefix = self._prompt_text(prompts[i])
+                    if request.logprobs is not None:
+                        prompt_lp = self._logprobs(ro.prompt_token_ids,
+                                                   ro.prompt_logprobs, request.logprobs, 0)
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(out.token_ids, out.logprobs, request.logprobs,
+                                              len(prefix), prompt_lp)
+                choices.append(CompletionResponseChoice(
+                    index=i * request.n + out.index, text=prefix + text, logprobs=logprobs,
+                    finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+        usage = UsageInfo(prompt_tokens=num_prompt_tokens,
+                          completion_tokens=num_completion_tokens,
+                          total_tokens=num_prompt_tokens + num_completion_tokens)
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                  usage=usage)
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        text, ids = prompt
+        return text if text is not None else self.tokenizer.decode(ids)
+
+    def _logprobs(self, token_ids: list[int], logprobs: list | None, num_top: int,
+                  offset: int, into: CompletionLogprobs | None = None) -> CompletionLogprobs:
+        """OpenAI's completion logprobs of `token_ids`; entries of `logprobs` may be None
+        (the first prompt token), and a missing list gives None logprobs."""
+        result = into if into is not None else CompletionLogprobs()
+        if result.tokens:
+            offset = result.text_offset[-1] + len(result.tokens[-1])
+        if logprobs and len(logprobs) < len(token_ids):  # prompt logprobs skip token 0
+            logprobs = [None] * (len(token_ids) - len(logprobs)) + list(logprobs)
+        for k, token_id in enumerate(token_ids):
+            step: dict[int, Logprob] | None = logprobs[k] if logprobs else None
+            chosen = step.get(token_id) if step else None
+            token = self.token_text(token_id, chosen)
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+            if chosen is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.token_logprobs.append(clamp_logprob(chosen.logprob))
+            top = {self.token_text(t, lp): clamp_logprob(lp.logprob)
+                   for t, lp in step.items()
+                   if t != token_id and lp.rank is not None and lp.rank <= num_top}
+            top[token] = clamp_logprob(chosen.logprob)
+            result.top_logprobs.append(top)
+        return result
+
+    # ------------------------------------------------------------------ streaming
+
+    async def _stream(self, request: CompletionRequest, request_id: str,
+                      prompts: list[Prompt], streams: list) -> AsyncIterator[str]:
+        state = _StreamState()
+        try:
+            async for i, ro in merge_streams(streams):
+                state.num_prompt_tokens[i] = len(ro.prompt_token_ids)
+                for out in ro.outputs:
+                    chunk = self._chunk(request, request_id, prompts, state, i, ro, out)
+                    if chunk is not None:
+                        yield sse(chunk.model_dump_json(exclude_none=False))
+            if request.include_usage:
+                num_prompt = sum(state.num_prompt_tokens.values())
+                num_completion = sum(c.num_tokens for c in state.choices.values())
+                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                                  total_tokens=num_prompt + num_completion)
+                final = CompletionResponse(id=request_id, model=self.model_name, choices=[],
+                                           usage=usage)
+                yield sse(final.model_dump_json())
+        except Exception as e:
+            yield sse_error(e)
+        finally:
+            self.abort_all(request_id, len(prompts))
+        yield sse("[DONE]")
+
+    def _chunk(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
+               state: _StreamState, i: int, ro: RequestOutput,
+               out: CompletionOutput) -> CompletionResponse | None:
+        index = i * request.n + out.index
+        st = state.choices.get(index)
+        prefix, logprobs = "", None
+        if st is None:
+            st = state.choices[index] = _ChoiceState()
+            if request.echo:
+                prefix = self._prompt_text(prompts[i])
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(ro.prompt_token_ids, ro.prompt_logprobs,
+                                              request.logprobs, 0)
+        if st.is_finished:
+            return None
+        # Cumulative output: send what is new. A shorter text (a stop string cut what
+        # was held back) sends nothing more.
+        delta_text = out.text[st.num_chars:] if len(out.text) > st.num_chars else ""
+        new_ids = out.token_ids[st.num_tokens:]
+        if request.logprobs is not None and new_ids:
+            new_lps = out.logprobs[st.num_tokens:] if out.logprobs else None
+            logprobs = self._logprobs(new_ids, new_lps, request.logprobs,
+                                      st.offset + len(prefix), logprobs)
+        st.offset += len(prefix) + len(delta_text)
+        st.num_chars = max(st.num_chars, len(out.text))
+        st.num_tokens = len(out.token_ids)
+        st.is_finished = out.finish_reason is not None
+        if not (prefix or delta_text or st.is_finished or logprobs):
+            return None
+        choice = CompletionResponseChoice(index=index, text=prefix + delta_text,
+                                          logprobs=logprobs, finish_reason=out.finish_reason,
+                                          stop_reason=out.stop_reason)
+        chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
+        if request.stream_options and request.stream_options.continuous_usage_stats:
+            num_completion = sum(c.num_tokens for c in state.choices.values())
+            num_prompt = sum(state.num_prompt_tokens.values())
+            chunk.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                                    total_tokens=num_prompt + num_completion)
+        return chunk

@@ -1,0 +1,175 @@
+"""Prometheus metrics of a serving engine, and the periodic stats log line.
+
+Everything lives on one `EngineMetrics` instance with its own CollectorRegistry (no
+process-global registry), fed by the front end from the engine core's output batches:
+per-request token counts and timestamps (time.monotonic, shared across processes on
+Linux) and the scheduler's stats (running/waiting, KV usage, prefix-cache counters).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from pagedllm.engine.core_proc import EngineCoreOutputs, SchedulerStats
+    from pagedllm.request import Request
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                 1.0, 2.5, 5.0, 10.0, 20.0)
+
+
+class EngineMetrics:
+    """vLLM-style `pagedllm:*` metrics, labelled with the served model name."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        reg, labels = self.registry, ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"pagedllm:{name}", doc, labels + list(extra), registry=reg)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pagedllm:{name}", doc, labels, registry=reg)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets, registry=reg)
+
+        self.request_success = counter("request_success", "Finished requests, by finish "
+                                       "reason (stop, length, abort).", ("finished_reason",))
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted.")
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits",
+                                         "Prompt tokens served from the prefix cache.")
+        self.num_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc",
+                                    "Fraction of KV cache blocks in use (0..1).")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
+                              _LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Mean time between output "
+                              "tokens of a request (first to last).", _TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.",
+                             _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        # req_id -> time of its first token.
+        self._first_token_time: dict[str, float] = {}
+        # Previous cumulative values of the core's counters (Prometheus takes increments).
+        self._last_stats: SchedulerStats | None = None
+        self.stats_log = StatsLog()
+
+    def _labels(self, metric: Counter | Gauge | Histogram):
+        return metric.labels(model_name=self.model_name)
+
+    def render(self) -> bytes:
+        """The exposition text of this registry."""
+        return generate_latest(self.registry)
+
+    # ------------------------------------------------------------------ recording
+
+    def observe_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self._labels(self.num_running).set(stats.num_running)
+        self._labels(self.num_waiting).set(stats.num_waiting)
+        self._labels(self.kv_cache_usage).set(stats.kv_cache_usage)
+        last = self._last_stats
+        for metric, now, before in (
+                (self.prefix_cache_queries, stats.prefix_cache_queries,
+                 last.prefix_cache_queries if last else 0),
+                (self.prefix_cache_hits, stats.prefix_cache_hits,
+                 last.prefix_cache_hits if last else 0),
+                (self.num_preemptions, stats.num_preemptions,
+                 last.num_preemptions if last else 0)):
+            if now > before:
+                self._labels(metric).inc(now - before)
+        self._last_stats = stats
+        self.stats_log.scheduler_stats = stats
+
+    def observe_outputs(self, batch: EngineCoreOutputs, requests: dict[str, Request]) -> None:
+        """Record one batch; call before it is applied to the `requests` mirrors."""
+        ts = batch.timestamp
+        for out in batch.outputs:
+            req = requests.get(out.req_id)
+            if req is None:
+                continue
+            if out.first_scheduled_time is not None:
+                self._labels(self.queue_time).observe(
+                    max(0.0, out.first_scheduled_time - req.arrival_time))
+            num_new = len(out.new_token_ids)
+            if num_new:
+                self._labels(self.generation_tokens).inc(num_new)
+                self.stats_log.num_generation_tokens += num_new
+                if out.req_id not in self._first_token_time:
+                    self._first_token_time[out.req_id] = ts
+                    self._labels(self.ttft).observe(max(0.0, ts - req.arrival_time))
+                    self._labels(self.prompt_tokens).inc(req.num_prompt_tokens)
+                    self.stats_log.num_prompt_tokens += req.num_prompt_tokens
+            if out.status.startswith("finished"):
+                reason = {"finished_stopped": "stop", "finished_length": "length"}.get(
+                    out.status, "abort")
+                self._finish(req, reason, ts, req.num_output_tokens + num_new)
+
+    def observe_finished(self, req: Request) -> None:
+        """A request finished by the front end (client gone, stop string)."""
+        self._finish(req, req.status.finish_reason or "abort", time.monotonic(),
+                     req.num_output_tokens)
+
+    def _finish(self, req: Request, reason: str, ts: float, num_output_tokens: int) -> None:
+        self._labels(self.e2e).observe(max(0.0, ts - req.arrival_time))
+        first = self._first_token_time.pop(req.req_id, None)
+        if first is not None and num_output_tokens > 1:
+            self._labels(self.tpot).observe((ts - first) / (num_output_tokens - 1))
+        self.request_success.labels(model_name=self.model_name,
+                                    finished_reason=reason).inc()
+
+
+class StatsLog:
+    """The periodic "Avg prompt throughput ..." line, as vLLM prints it."""
+
+    def __init__(self) -> None:
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.scheduler_stats: SchedulerStats | None = None
+        self._last_time = time.monotonic()
+        self._last_queries = 0
+        self._last_hits = 0
+        self._was_idle = True
+
+    def log(self) -> str | None:
+        """Log (and return) the line if anything happened since the last one."""
+        now = time.monotonic()
+        elapsed = max(now - self._last_time, 1e-6)
+        stats = self.scheduler_stats
+        running = stats.num_running if stats else 0
+        waiting = stats.num_waiting if stats else 0
+        is_idle = not (self.num_prompt_tokens or self.num_generation_tokens or running
+                       or waiting)
+        line = None
+        if not (is_idle and self._was_idle):
+            queries = (stats.prefix_cache_queries if stats else 0) - self._last_queries
+            hits = (stats.prefix_cache_hits if stats else 0) - self._last_hits
+            line = (f"Avg prompt throughput: {self.num_prompt_tokens / elapsed:.1f} tokens/s, "
+                    f"Avg generation throughput: "
+                    f"{self.num_generation_tokens / elapsed:.1f} tokens/s, "
+                    f"Running: {running} reqs, Waiting: {waiting} reqs, "
+                    f"KV cache usage: {100 * (stats.kv_cache_usage if stats else 0):.1f}%, "
+                    f"Prefix cache hit rate: {100 * hits / queries if queries else 0:.1f}%")
+            logger.info(line)
+        if stats:
+            self._last_queries, self._last_hits = (stats.prefix_cache_queries,
+                                                   stats.prefix_cache_hits)
+        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self._last_time = now
+        self._was_idle = is_idle
+        return line

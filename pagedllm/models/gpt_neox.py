@@ -1,0 +1,155 @@
+"""GPT-NeoX (Pythia, GPT-NeoX-20B, ...): partial rotary, optionally parallel residual.
+
+- Rotary covers the first `partial_rotary_factor` (transformers < 5: `rotary_pct`) of each
+  head's dims, rotating halves (NeoX style); the rest pass through unchanged.
+- `use_parallel_residual`: x + attn(ln1(x)) + mlp(ln2(x)); otherwise the usual sequential
+  pre-norm block: x += attn(ln1(x)); x += mlp(ln2(x)).
+- `query_key_value` rows are head-major ([H, 3, D]); they are split into q/k/v shards on
+  load so `qkv_proj` holds [q | k | v] like every other model.
+- The LM head is a separate `embed_out` matrix (untied by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionSpec
+from pagedllm.attention.layer import Attention
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.models.layers.activation import get_act_fn
+from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.models.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
+                                           RowParallelLinear)
+from pagedllm.models.layers.norm import LayerNorm
+from pagedllm.models.layers.rotary import get_rope
+from pagedllm.models.utils import (QKV_STACKED_PARAMS, load_stacked_weights,
+                                   split_interleaved_qkv)
+
+# Buffers older checkpoints carry (causal masks, rotary tables); not weights.
+_BUFFERS = (".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
+
+
+def partial_rotary_factor(cfg: Any) -> float:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("partial_rotary_factor", getattr(cfg, "rotary_pct", 1.0)))
+
+
+class GPTNeoXAttention(nn.Module):
+    def __init__(self, cfg: Any, attn_backend: str) -> None:
+        super().__init__()
+        hidden, num_heads = cfg.hidden_size, cfg.num_attention_heads
+        self.head_size = hidden // num_heads
+        bias = getattr(cfg, "attention_bias", True)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, num_heads, num_heads,
+                                          bias=bias)
+        self.dense = RowParallelLinear(hidden, hidden, bias=bias)
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        rotary_dim = int(self.head_size * partial_rotary_factor(cfg))
+        self.rotary_emb = get_rope(cfg, self.head_size, rotary_dim=rotary_dim,
+                                   is_neox_style=True)
+        spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_heads,
+                             head_size=self.head_size, scale=self.head_size ** -0.5)
+        self.attn = Attention(spec, attn_backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, 3 * hidden]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.dense(self.attn(q, k, v, attn_metadata))
+
+
+class GPTNeoXMLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size,
+                                                  bias=True)
+        self.act = get_act_fn(cfg.hidden_act)
+        self.dense_4h_to_h = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+                                               bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
+
+
+class GPTNeoXLayer(nn.Module):
+    def __init__(self, cfg: Any, attn_backend: str) -> None:
+        super().__init__()
+        self.use_parallel_residual = cfg.use_parallel_residual
+        self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
+        self.post_attention_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
+        self.attention = GPTNeoXAttention(cfg, attn_backend)
+        self.mlp = GPTNeoXMLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        attn_out = self.attention(positions, self.input_layernorm(x), attn_metadata)
+        if self.use_parallel_residual:
+            # Both branches read the block input x.
+            return x + attn_out + self.mlp(self.post_attention_layernorm(x))
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GPTNeoXModel(nn.Module):
+    def __init__(self, cfg: Any, attn_backend: str) -> None:
+        super().__init__()
+        self.embed_in = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(GPTNeoXLayer(cfg, attn_backend)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.final_layer_norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_in(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(positions, x, attn_metadata)
+        return self.final_layer_norm(x)
+
+
+class GPTNeoXForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden];
+    compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab]."""
+
+    def __init__(self, cfg: Any, attn_backend: str) -> None:
+        super().__init__()
+        self.config = cfg
+        self.gpt_neox = GPTNeoXModel(cfg, attn_backend)
+        self.embed_out = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.embed_out.tie(self.gpt_neox.embed_in)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.gpt_neox(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.embed_out(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skip = ("embed_out.", "lm_head.") if self.tie_word_embeddings else ()
+        cfg = self.config
+        split = _split_qkv(weights, cfg.num_attention_heads,
+                           cfg.hidden_size // cfg.num_attention_heads)
+        # transformers 5 calls the head lm_head in memory but saves it as embed_out.
+        return load_stacked_weights(self, split, QKV_STACKED_PARAMS, skip=skip,
+                                    rename={"lm_head.": "embed_out."})
+
+
+def _split_qkv(weights: Iterable[tuple[str, torch.Tensor]], num_heads: int, head_size: int,
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drop buffers; split head-major `query_key_value` tensors into q/k/v_proj ones."""
+    for name, tensor in weights:
+        if name.endswith(_BUFFERS):
+            continue
+        if ".query_key_value." not in name:
+            yield name, tensor
+            continue
+        parts = split_interleaved_qkv(tensor, num_heads, head_size)
+        for part, t in zip(("q_proj", "k_proj", "v_proj"), parts):
+            yield name.replace(".query_key_value.", f".{part}."), t

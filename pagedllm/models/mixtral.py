@@ -1,0 +1,113 @@
+"""Mixtral: Mistral's attention with a sparse mixture-of-experts feed-forward.
+
+Each token's router logits pick the top-k experts; their softmax probabilities, taken over
+all experts and renormalized over the chosen k (HF's MixtralTopKRouter), weight the
+experts' SiLU-gated MLP outputs. Expert weights are stacked into [num_experts, ...]
+parameters, filled from HF's per-expert `experts.{e}.w1/w2/w3` tensors on load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.models.layers.linear import LinearBase
+from pagedllm.models.llama import LlamaForCausalLM, LlamaVariant
+from pagedllm.models.utils import LLAMA_STACKED_PARAMS
+
+
+class ExpertLinear(nn.Module):
+    """One linear map per expert: weight [num_experts, sum(output_sizes), input_size].
+
+    Shard (e, j) of a checkpoint is expert e's j-th output block (w13: w1 = gate rows,
+    then w3 = up rows), as MergedColumnParallelLinear stacks them for a dense MLP.
+    """
+
+    def __init__(self, num_experts: int, output_sizes: list[int], input_size: int) -> None:
+        super().__init__()
+        self.output_sizes = output_sizes
+        self.weight = nn.Parameter(torch.empty(num_experts, sum(output_sizes), input_size),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: tuple[int, int] | None = None) -> None:
+        if shard_id is None:  # all experts at once, already stacked
+            dst = param.data
+        else:
+            expert, j = shard_id
+            offset = sum(self.output_sizes[:j])
+            dst = param.data[expert].narrow(0, offset, self.output_sizes[j])
+        if dst.shape != loaded.shape:
+            raise ValueError(f"weight shape mismatch: expected {tuple(dst.shape)}, "
+                             f"got {tuple(loaded.shape)}")
+        dst.copy_(loaded)
+
+
+class MixtralMoE(nn.Module):
+    """x [T, hidden] -> sum over its top-k experts of weight * expert_mlp(x) [T, hidden]."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate = LinearBase(hidden, self.num_experts, bias=False)  # the router
+        self.experts = nn.Module()
+        self.experts.w13 = ExpertLinear(self.num_experts, [inter, inter], hidden)
+        self.experts.w2 = ExpertLinear(self.num_experts, [hidden], inter)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights [T, k] float32, topk_ids [T, k]) as HF computes them."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
+        return topk_weights / topk_weights.sum(dim=-1, keepdim=True), topk_ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.route(x)
+        # Each (token, slot) pair is one row of work; group the rows by expert so every
+        # expert runs one matmul over all of its tokens (no loop over tokens).
+        flat_ids = topk_ids.flatten()  # [T*k]: row r is token r // k, slot r % k
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // self.top_k  # [T*k] token of each sorted row
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # host sync
+        rows = x[token_of]  # [T*k, hidden]
+        out = torch.empty_like(rows)
+        w13, w2 = self.experts.w13.weight, self.experts.w2.weight
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            gate, up = F.linear(rows[start:end], w13[expert]).chunk(2, dim=-1)
+            out[start:end] = F.linear(F.silu(gate) * up, w2[expert])
+            start = end
+        # As HF: the float32 routing weight scales the expert output before the sum.
+        out = (out * topk_weights.flatten()[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, out)
+
+
+def _expert_stacked_params(num_experts: int) -> tuple[tuple[str, str, Any], ...]:
+    """HF's `experts.{e}.w1/w3` -> rows of w13[e]; `experts.{e}.w2` -> w2[e]."""
+    return tuple(entry for e in range(num_experts) for entry in (
+        ("experts.w13", f"experts.{e}.w1", (e, 0)),
+        ("experts.w13", f"experts.{e}.w3", (e, 1)),
+        ("experts.w2", f"experts.{e}.w2", (e, 0))))
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: Any, attn_backend: str) -> None:
+        variant = LlamaVariant(make_mlp=MixtralMoE, stacked_params=(
+            LLAMA_STACKED_PARAMS + _expert_stacked_params(cfg.num_local_experts)))
+        super().__init__(cfg, attn_backend, variant)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
+            # The MoE block sits where Llama's MLP does: HF calls it block_sparse_moe.
+            for name, tensor in weights:
+                yield name.replace(".block_sparse_moe.", ".mlp."), tensor
+
+        return super().load_weights(renamed())

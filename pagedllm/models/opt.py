@@ -1,0 +1,144 @@
+"""OPT: learned positions (offset 2), ReLU MLP, pre- or post-LayerNorm blocks.
+
+- `do_layer_norm_before` (all sizes but 350m): x += attn(ln(x)); x += mlp(ln(x)), then a
+  final LayerNorm. Otherwise (opt-350m): x = ln(x + attn(x)); x = ln(x + mlp(x)), and no
+  final LayerNorm.
+- `word_embed_proj_dim != hidden_size` (opt-350m): token embeddings and the LM head live
+  in the smaller dim; `project_in` / `project_out` map to and from the hidden size.
+- Position p reads row p + 2 of `embed_positions` (fairseq reserved rows 0 and 1).
+q/k/v are separate in the checkpoint and fused into `qkv_proj` on load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionSpec
+from pagedllm.attention.layer import Attention
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.models.layers.activation import get_act_fn
+from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.models.layers.linear import (ColumnParallelLinear, LinearBase,
+                                           QKVParallelLinear, RowParallelLinear)
+from pagedllm.models.layers.norm import LayerNorm
+from pagedllm.models.utils import QKV_STACKED_PARAMS, load_stacked_weights
+
+# Rows 0 and 1 of embed_positions are never read by position ids >= 0.
+POSITION_OFFSET = 2
+
+
+def _layer_norm(cfg: Any) -> LayerNorm:
+    return LayerNorm(cfg.hidden_size, 1e-5,
+                     elementwise_affine=getattr(cfg, "layer_norm_elementwise_affine", True))
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, cfg: Any, attn_backend: str) -> None:
+        super().__init__()
+        hidden, num_heads = cfg.hidden_size, cfg.num_attention_heads
+        head_dim = hidden // num_heads
+        bias = getattr(cfg, "enable_bias", True)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_heads, bias=bias)
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=bias)
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        # HF scales q by head_dim ** -0.5 before q k^T; the backend's scale is the same.
+        spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_heads,
+                             head_size=head_dim, scale=head_dim ** -0.5)
+        self.attn = Attention(spec, attn_backend)
+
+    def forward(self, x: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, 3 * hidden]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.out_proj(self.attn(q, k, v, attn_metadata))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, attn_backend: str) -> None:
+        super().__init__()
+        bias = getattr(cfg, "enable_bias", True)
+        self.do_layer_norm_before = cfg.do_layer_norm_before
+        self.self_attn = OPTAttention(cfg, attn_backend)
+        self.self_attn_layer_norm = _layer_norm(cfg)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_dim, bias=bias)
+        self.activation_fn = get_act_fn(cfg.activation_function)
+        self.fc2 = RowParallelLinear(cfg.ffn_dim, cfg.hidden_size, bias=bias)
+        self.final_layer_norm = _layer_norm(cfg)
+
+    def forward(self, x: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        pre = self.do_layer_norm_before
+        h = self.self_attn_layer_norm(x) if pre else x
+        x = x + self.self_attn(h, attn_metadata)
+        if not pre:
+            x = self.self_attn_layer_norm(x)
+        h = self.final_layer_norm(x) if pre else x
+        x = x + self.fc2(self.activation_fn(self.fc1(h)))
+        return x if pre else self.final_layer_norm(x)
+
+
+class OPTDecoder(nn.Module):
+    def __init__(self, cfg: Any, attn_backend: str) -> None:
+        super().__init__()
+        hidden, proj_dim = cfg.hidden_size, cfg.word_embed_proj_dim or cfg.hidden_size
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, proj_dim)
+        self.embed_positions = VocabEmbedding(cfg.max_position_embeddings + POSITION_OFFSET,
+                                              hidden)
+        self.project_in = self.project_out = None
+        if proj_dim != hidden:
+            self.project_in = LinearBase(proj_dim, hidden, bias=False)
+            self.project_out = LinearBase(hidden, proj_dim, bias=False)
+        self.final_layer_norm = None
+        if cfg.do_layer_norm_before and not getattr(cfg, "_remove_final_layer_norm", False):
+            self.final_layer_norm = _layer_norm(cfg)
+        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, attn_backend)
+                                    for _ in range(cfg.num_hidden_layers))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, word_embed_proj_dim]
+        if self.project_in is not None:
+            x = self.project_in(x)  # [T, hidden]
+        x = x + self.embed_positions(positions + POSITION_OFFSET)
+        for layer in self.layers:
+            x = layer(x, attn_metadata)
+        if self.final_layer_norm is not None:
+            x = self.final_layer_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)  # [T, word_embed_proj_dim]
+        return x
+
+
+class OPTModel(nn.Module):
+    def __init__(self, cfg: Any, attn_backend: str) -> None:
+        super().__init__()
+        self.decoder = OPTDecoder(cfg, attn_backend)
+
+
+class OPTForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, word_embed_proj_dim];
+    compute_logits(hidden [N, word_embed_proj_dim]) -> float32 logits [N, vocab]."""
+
+    def __init__(self, cfg: Any, attn_backend: str) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = OPTModel(cfg, attn_backend)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.word_embed_proj_dim or cfg.hidden_size)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
+        if self.tie_word_embeddings:
+            self.lm_head.tie(self.model.decoder.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model.decoder(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skip = ("lm_head.",) if self.tie_word_embeddings else ()
+        # facebook/opt-* checkpoints name the decoder without the "model." prefix.
+        return load_stacked_weights(self, weights, QKV_STACKED_PARAMS, skip=skip,
+                                    rename={"decoder.": "model.decoder."})

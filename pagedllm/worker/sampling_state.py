@@ -1,0 +1,290 @@
+"""SamplingState: per-row sampling parameters of the InputBatch, gathered per step.
+
+Scalar parameters live in preallocated numpy arrays indexed by row, so gathering a
+step's rows is one fancy-index per parameter; rare per-request extras (logit bias,
+allowed ids, bad words, grammar matchers) live in dicts flagged by a per-row bool
+array, so a step only loops over the rows that have them. Every part of the metadata
+that no row of the step uses is left None and costs nothing in the sampler.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedllm.core.contracts import NewRequestData, PromptLogprobsChunk
+from pagedllm.sample.logprobs import gather_logprobs
+from pagedllm.sample.metadata import PenaltyMetadata, SamplingMetadata
+from pagedllm.sample.ops import output_token_counts
+from pagedllm.sample.structured_output import GrammarManager, accept_tokens, fill_bitmask
+
+if TYPE_CHECKING:
+    from pagedllm.worker.input_batch import InputBatch
+
+
+class SamplingState:
+    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device,
+                 token_ids: np.ndarray, num_tokens: np.ndarray,
+                 num_prompt_tokens: np.ndarray, grammar: GrammarManager | None = None,
+                 ) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        # Views of the InputBatch arrays (never reallocated): the token history.
+        self.token_ids = token_ids
+        self.num_tokens = num_tokens
+        self.num_prompt_tokens = num_prompt_tokens
+        self.grammar = grammar
+        n = max_num_reqs
+        self.temperature = np.ones(n, dtype=np.float32)
+        self.is_greedy = np.zeros(n, dtype=bool)
+        self.top_p = np.ones(n, dtype=np.float32)
+        self.top_k = np.full(n, vocab_size, dtype=np.int64)
+        self.min_p = np.zeros(n, dtype=np.float32)
+        self.presence = np.zeros(n, dtype=np.float32)
+        self.frequency = np.zeros(n, dtype=np.float32)
+        self.repetition = np.ones(n, dtype=np.float32)
+        self.min_tokens = np.zeros(n, dtype=np.int64)
+        # -1: not requested.
+        self.num_logprobs = np.full(n, -1, dtype=np.int64)
+        self.num_prompt_logprobs = np.full(n, -1, dtype=np.int64)
+        self.has_generator = np.zeros(n, dtype=bool)
+        self.has_extra = np.zeros(n, dtype=bool)  # bias, allowed ids or bad words
+        self.has_grammar = np.zeros(n, dtype=bool)
+        self.generators: dict[int, torch.Generator] = {}
+        self.min_tokens_ids: dict[int, list[int]] = {}  # masked until min_tokens
+        self.logit_bias: dict[int, tuple[list[int], list[float]]] = {}
+        self.allowed_token_ids: dict[int, list[int]] = {}
+        self.bad_words: dict[int, list[list[int]]] = {}
+        self.matchers: dict[int, object] = {}
+        self._bitmask: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ rows
+
+    def add(self, row: int, new: NewRequestData) -> None:
+        sp = new.sampling_params
+        self.is_greedy[row] = sp.is_greedy
+        self.temperature[row] = 1.0 if sp.is_greedy else sp.temperature
+        self.top_p[row] = sp.top_p
+        self.top_k[row] = sp.top_k if sp.top_k > 0 else self.vocab_size
+        self.min_p[row] = sp.min_p
+        self.presence[row] = sp.presence_penalty
+        self.frequency[row] = sp.frequency_penalty
+        self.repetition[row] = sp.repetition_penalty
+        self.min_tokens[row] = sp.min_tokens
+        self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        self.num_prompt_logprobs[row] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
+        ban = list(sp.stop_token_ids)
+        if new.eos_token_id is not None and not sp.ignore_eos:
+            ban.append(new.eos_token_id)
+        if sp.min_tokens and ban:
+            self.min_tokens_ids[row] = ban
+        if sp.logit_bias:
+            self.logit_bias[row] = (list(sp.logit_bias), list(sp.logit_bias.values()))
+        if sp.allowed_token_ids:
+            self.allowed_token_ids[row] = list(sp.allowed_token_ids)
+        if sp.bad_words_token_ids:
+            self.bad_words[row] = sp.bad_words_token_ids
+        self.has_extra[row] = (row in self.logit_bias or row in self.allowed_token_ids
+                               or row in self.bad_words)
+        self._add_generator(row, new)
+        if sp.structured_outputs is not None:
+            assert self.grammar is not None, "structured outputs need a GrammarManager"
+            self.matchers[row] = self.grammar.new_matcher(
+                sp.structured_outputs, new.eos_token_id, new.output_token_ids)
+            self.has_grammar[row] = True
+
+    def _add_generator(self, row: int, new: NewRequestData) -> None:
+        sp = new.sampling_params
+        self.has_generator[row] = sp.seed is not None and not sp.is_greedy
+        if not self.has_generator[row]:
+            return
+        gen = torch.Generator(device=self.device).manual_seed(sp.seed)
+        # Resumed after preemption: replay the draws of the tokens already sampled
+        # (V per step), so a seeded request's output does not depend on preemption.
+        scratch = torch.empty(self.vocab_size, device=self.device)
+        for _ in new.output_token_ids:
+            scratch.exponential_(generator=gen)
+        self.generators[row] = gen
+
+    def remove(self, row: int) -> None:
+        for extra in (self.generators, self.min_tokens_ids, self.logit_bias,
+                      self.allowed_token_ids, self.bad_words, self.matchers):
+            extra.pop(row, None)
+        self.has_generator[row] = self.has_extra[row] = self.has_grammar[row] = False
+        self.min_tokens[row] = 0
+        self.num_logprobs[row] = self.num_prompt_logprobs[row] = -1
+
+    def accept_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Advance the grammar matchers of `rows` with their sampled tokens."""
+        if not self.matchers:
+            return
+        idx = np.nonzero(self.has_grammar[rows])[0]
+        if len(idx):
+            accept_tokens([self.matchers[r] for r in rows[idx].tolist()],
+                          token_ids[idx].tolist())
+
+    def has_prompt_logprobs(self) -> bool:
+        """True while some live request asked for prompt logprobs."""
+        return bool((self.num_prompt_logprobs >= 0).any())
+
+    # ------------------------------------------------------------------ per step
+
+    def metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """Gather the sampling state of `rows` (the rows that sample, in logits order)."""
+        dev = self.device
+        is_greedy = self.is_greedy[rows]
+        md = SamplingMetadata(
+            temperature=torch.from_numpy(self.temperature[rows]).to(dev),
+            is_greedy=torch.from_numpy(is_greedy).to(dev),
+            all_greedy=bool(is_greedy.all()), all_random=not bool(is_greedy.any()))
+        if not md.all_greedy:
+            top_p, top_k, min_p = self.top_p[rows], self.top_k[rows], self.min_p[rows]
+            if (top_p < 1).any():
+                md.top_p = torch.from_numpy(top_p).to(dev)
+            if (top_k < self.vocab_size).any():
+                md.top_k = torch.from_numpy(top_k).to(dev)
+            if (min_p > 0).any():
+                md.min_p = torch.from_numpy(min_p).to(dev)
+            seeded = np.nonzero(self.has_generator[rows])[0]
+            md.generators = {i: self.generators[r]
+                             for i, r in zip(seeded.tolist(), rows[seeded].tolist())}
+        md.penalties = self._penalties(rows)
+        md.banned = self._banned(rows)
+        if self.has_extra[rows].any():
+            md.logit_bias, md.disallowed_mask = self._bias_and_allowed(rows)
+        if self.matchers:
+            self._grammar_bitmask(rows, md)
+        num_logprobs = self.num_logprobs[rows]
+        if (num_logprobs >= 0).any():
+            md.max_num_logprobs = int(num_logprobs.max())
+        return md
+
+    def _penalties(self, rows: np.ndarray) -> PenaltyMetadata | None:
+        presence, frequency = self.presence[rows], self.frequency[rows]
+        repetition = self.repetition[rows]
+        use_repetition = bool((repetition != 1).any())
+        use_presence, use_frequency = bool(presence.any()), bool(frequency.any())
+        if not (use_repetition or use_presence or use_frequency):
+            return None
+        dev = self.device
+        num_prompt, num_tokens = self.num_prompt_tokens[rows], self.num_tokens[rows]
+        # [N, L]: the rows' token histories, padded to the longest.
+        ids = torch.from_numpy(self.token_ids[rows, :int(num_tokens.max())]).to(dev)
+        prompt_end = torch.from_numpy(num_prompt).to(dev)
+        counts = output_token_counts(ids, prompt_end,
+                                     torch.from_numpy(num_tokens).to(dev), self.vocab_size)
+        prompt_mask = None
+        if use_repetition:
+            prompt_mask = output_token_counts(ids, torch.zeros_like(prompt_end), prompt_end,
+                                              self.vocab_size) > 0
+        return PenaltyMetadata(
+            presence=torch.from_numpy(presence).to(dev) if use_presence else None,
+            frequency=torch.from_numpy(frequency).to(dev) if use_frequency else None,
+            repetition=torch.from_numpy(repetition).to(dev) if use_repetition else None,
+            output_token_counts=counts, prompt_token_mask=prompt_mask)
+
+    def _banned(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """min_tokens bans and bad-word bans as (logits row, token id) pairs."""
+        pairs_rows: list[int] = []
+        pairs_ids: list[int] = []
+        num_output = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        for i in np.nonzero(num_output < self.min_tokens[rows])[0].tolist():
+            ids = self.min_tokens_ids.get(int(rows[i]), ())
+            pairs_rows += [i] * len(ids)
+            pairs_ids += ids
+        if self.bad_words:
+            for i in np.nonzero(self.has_extra[rows])[0].tolist():
+                row = int(rows[i])
+                for token_id in self._bad_word_bans(row):
+                    pairs_rows.append(i)
+                    pairs_ids.append(token_id)
+        if not pairs_rows:
+            return None
+        return (torch.tensor(pairs_rows, device=self.device),
+                torch.tensor(pairs_ids, device=self.device))
+
+    def _bad_word_bans(self, row: int) -> list[int]:
+        """Last tokens of bad words whose other tokens end the row's output (vLLM)."""
+        words = self.bad_words.get(row)
+        if not words:
+            return []
+        start, end = int(self.num_prompt_tokens[row]), int(self.num_tokens[row])
+        banned = []
+        for word in words:
+            prefix_len = len(word) - 1
+            if prefix_len > end - start:
+                continue
+            if prefix_len == 0 or self.token_ids[row, end - prefix_len:end].tolist() == \
+                    word[:-1]:
+                banned.append(word[-1])
+        return banned
+
+    def _bias_and_allowed(self, rows: np.ndarray):
+        dev, n = self.device, len(rows)
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        disallowed = None
+        for i in np.nonzero(self.has_extra[rows])[0].tolist():
+            row = int(rows[i])
+            if row in self.logit_bias:
+                ids, values = self.logit_bias[row]
+                bias_rows += [i] * len(ids)
+                bias_ids += ids
+                bias_values += values
+            if row in self.allowed_token_ids:
+                if disallowed is None:
+                    disallowed = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=dev)
+                disallowed[i] = True
+                disallowed[i, self.allowed_token_ids[row]] = False
+        bias = None
+        if bias_rows:
+            bias = (torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev),
+                    torch.tensor(bias_values, dtype=torch.float32, device=dev))
+        return bias, disallowed
+
+    def _grammar_bitmask(self, rows: np.ndarray, md: SamplingMetadata) -> None:
+        idx = np.nonzero(self.has_grammar[rows])[0]
+        if not len(idx):
+            return
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+            self._bitmask = self.grammar.allocate_bitmask(len(self.temperature))
+        bitmask = self._bitmask[:len(rows)]
+        logits_rows = idx.tolist()
+        fill_bitmask([self.matchers[r] for r in rows[idx].tolist()], logits_rows, bitmask)
+        md.grammar_bitmask = bitmask.to(self.device)
+        md.grammar_rows = logits_rows
+
+
+def prompt_logprobs_chunks(model: torch.nn.Module, hidden: torch.Tensor, batch: InputBatch,
+                           req_ids: list[str], query_start_loc: np.ndarray,
+                           ) -> dict[str, PromptLogprobsChunk] | None:
+    """Prompt logprobs of the prompt positions computed this step.
+
+    The hidden state at position p predicts token p + 1, so a request whose scheduled
+    positions are [c, c + n) scores prompt tokens c + 1 .. min(c + n, P - 1) with
+    P = num_prompt_tokens (the last prompt position predicts the first output token,
+    which is sampled, not scored). Loops over the (rare) requests that asked.
+    """
+    sampling = batch.sampling
+    chunks: dict[str, PromptLogprobsChunk] = {}
+    for i, req_id in enumerate(req_ids):
+        row = batch.req_id_to_row[req_id]
+        k = int(sampling.num_prompt_logprobs[row])
+        if k < 0:
+            continue
+        computed = int(batch.num_computed_tokens[row])
+        num_sched = int(query_start_loc[i + 1] - query_start_loc[i])
+        end = min(computed + num_sched, int(batch.num_prompt_tokens[row]) - 1)
+        if end <= computed:
+            continue
+        # Flattened token index of position p: query_start_loc[i] + (p - computed).
+        first = int(query_start_loc[i])
+        logits = model.compute_logits(hidden[first:first + end - computed]).float()
+        targets = torch.from_numpy(batch.token_ids[row, computed + 1:end + 1]).to(logits.device)
+        lp = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, k)
+        entries = lp.tolists([k] * (end - computed))
+        chunks[req_id] = PromptLogprobsChunk(start=computed + 1, entries=entries)
+    return chunks or None

@@ -1,0 +1,119 @@
+"""logprobs and prompt_logprobs equal transformers' log-softmax (float32, raw logits:
+before temperature and penalties) on a tiny random Llama, across chunked prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from pagedllm import LLM, SamplingParams
+from tests.utils import random_prompts, save_tiny_model
+
+VOCAB = 256
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=False,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_logprobs"), cfg, seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_path):
+    return AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_path):
+    # 16-token steps: the longer prompts are prefilled in chunks (prompt logprobs too).
+    return LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True,
+               max_num_batched_tokens=16, block_size=4)
+
+
+def reference(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """[len, V]: row i is the distribution of the token after token_ids[:i + 1]."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def check_entry(entry: dict, ref_row: torch.Tensor, chosen: int, k: int) -> None:
+    """One position's dict: the chosen token with its rank, plus the top-k."""
+    assert chosen in entry and len(entry) in (k, k + 1)
+    for token_id, lp in entry.items():
+        assert abs(lp.logprob - float(ref_row[token_id])) < ATOL, (token_id, lp)
+    assert entry[chosen].rank == int((ref_row >= ref_row[chosen]).sum())
+    top = sorted((lp.rank, t) for t, lp in entry.items() if t != chosen or lp.rank <= k)
+    assert [rank for rank, _ in top][:k] == list(range(1, k + 1))
+    expected_top = ref_row.topk(k).values
+    got_top = torch.tensor([entry[t].logprob for _, t in top][:k])
+    torch.testing.assert_close(got_top, expected_top, atol=ATOL, rtol=0)
+
+
+def test_sample_logprobs_match_transformers(llm, hf_model):
+    prompts = random_prompts(4, VOCAB, 5, 30, seed=11)
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=8, logprobs=5,
+                             repetition_penalty=1.3) for i in range(3)]
+    params.append(SamplingParams(temperature=0, max_tokens=8))  # no logprobs
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, prompt in zip(outs[:3], prompts):
+        completion = out.outputs[0]
+        ref = reference(hf_model, prompt + completion.token_ids)
+        assert len(completion.logprobs) == len(completion.token_ids) == 8
+        for j, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            check_entry(entry, ref[len(prompt) - 1 + j], token, 5)
+        chosen = sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs))
+        assert completion.cumulative_logprob == pytest.approx(chosen, abs=1e-6)
+        assert out.prompt_logprobs is None
+    assert outs[3].outputs[0].logprobs is None
+    assert outs[3].outputs[0].cumulative_logprob is None
+
+
+def test_logprobs_zero_returns_the_chosen_token_only(llm, hf_model):
+    prompt = random_prompts(1, VOCAB, 6, 6, seed=12)[0]
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0, max_tokens=4, logprobs=0),
+                       use_tqdm=False)[0].outputs[0]
+    ref = reference(hf_model, prompt + out.token_ids)
+    for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert list(entry) == [token] and entry[token].rank == 1
+        assert abs(entry[token].logprob - float(ref[len(prompt) - 1 + j, token])) < ATOL
+
+
+@pytest.mark.parametrize("length", [3, 17, 45])
+def test_prompt_logprobs_match_transformers(llm, hf_model, length):
+    prompt = random_prompts(1, VOCAB, length, length, seed=length)[0]
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    # Twice: the second run must not take prompt positions from the prefix cache.
+    for _ in range(2):
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        ref = reference(hf_model, prompt)
+        assert len(out.prompt_logprobs) == length and out.prompt_logprobs[0] is None
+        for i in range(1, length):
+            check_entry(out.prompt_logprobs[i], ref[i - 1], prompt[i], 3)
+
+
+def test_logprobs_survive_preemption(tiny_path, hf_model):
+    # 13 usable 4-token blocks for four 20-token prompts + 10 outputs: requests are
+    # preempted and recomputed; their prompt is then scored twice but recorded once.
+    small = LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True, block_size=4,
+                num_kv_blocks=14)
+    prompts = random_prompts(4, VOCAB, 20, 20, seed=13)
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=2, prompt_logprobs=1)
+    outs = small.generate([{"prompt_token_ids": p} for p in prompts], params,
+                          use_tqdm=False)
+    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
+    for out, prompt in zip(outs, prompts):
+        completion = out.outputs[0]
+        ref = reference(hf_model, prompt + completion.token_ids)
+        assert len(out.prompt_logprobs) == len(prompt)
+        for i in range(1, len(prompt)):
+            check_entry(out.prompt_logprobs[i], ref[i - 1], prompt[i], 1)
+        assert len(completion.logprobs) == 10
+        for j, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            check_entry(entry, ref[len(prompt) - 1 + j], token, 2)

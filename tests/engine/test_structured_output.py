@@ -1,0 +1,111 @@
+"""Structured output (xgrammar) with the bundled SmolLM2: JSON schemas, regex, choice,
+EBNF grammar and json_object, all in one batch next to an unconstrained request."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pagedllm import InvalidRequestError, SamplingParams, StructuredOutputsParams
+
+SCHEMAS = [
+    {"type": "object",
+     "properties": {"name": {"type": "string", "maxLength": 16},
+                    "age": {"type": "integer"}},
+     "required": ["name", "age"]},
+    {"type": "object",
+     "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Rome"]},
+                    "population": {"type": "number"}, "capital": {"type": "boolean"}},
+     "required": ["city", "population", "capital"]},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
+    {"type": "object",
+     "properties": {"title": {"type": "string", "maxLength": 20},
+                    "tags": {"type": "array", "maxItems": 3,
+                             "items": {"type": "string", "maxLength": 10}}},
+     "required": ["title", "tags"]},
+]
+PROMPTS = ["Describe a person in JSON:", "Give facts about a European city as JSON:",
+           "List a few numbers as a JSON array:", "A blog post as JSON:"]
+EOS = 2  # <|im_end|>
+
+
+def check_schema(value, schema: dict) -> None:
+    """The subset of JSON Schema used above (jsonschema itself when installed)."""
+    try:
+        import jsonschema
+    except ImportError:
+        jsonschema = None
+    if jsonschema is not None:
+        jsonschema.validate(value, schema)
+        return
+    kind = schema["type"]
+    types = {"object": dict, "array": list, "string": str, "boolean": bool,
+             "integer": int, "number": (int, float)}
+    assert isinstance(value, types[kind]), (value, schema)
+    if kind in ("integer", "number"):
+        assert not isinstance(value, bool)
+    if "enum" in schema:
+        assert value in schema["enum"]
+    if kind == "string" and "maxLength" in schema:
+        assert len(value) <= schema["maxLength"]
+    if kind == "array":
+        assert schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value))
+        for item in value:
+            check_schema(item, schema["items"])
+    if kind == "object":
+        assert set(schema.get("required", ())) <= set(value)
+        for key, item in value.items():
+            check_schema(item, schema["properties"][key])
+
+
+@pytest.fixture(scope="module")
+def outputs(default_llm):
+    constraints = [StructuredOutputsParams(json=s) for s in SCHEMAS[:3]]
+    constraints.append(StructuredOutputsParams(json=json.dumps(SCHEMAS[3]),
+                                               disable_any_whitespace=True))
+    constraints += [
+        StructuredOutputsParams(regex=r"\d{3}-\d{4}"),
+        StructuredOutputsParams(choice=["yes", "no", "maybe so"]),
+        StructuredOutputsParams(grammar='root ::= ("cat" | "dog") " says " ("hi" | "bye")'),
+        StructuredOutputsParams(json_object=True),
+    ]
+    prompts = PROMPTS + ["My phone number is", "Is the sky blue? Answer:",
+                         "An animal speaks:", "Some data in JSON:"]
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=c)
+              for c in constraints]
+    # An unconstrained neighbour: masks must stay on their own rows.
+    prompts.append("The capital of France is")
+    params.append(SamplingParams(temperature=0, max_tokens=4))
+    return default_llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_json_schema(outputs, i):
+    completion = outputs[i].outputs[0]
+    # The grammar ends the output: EOS is allowed only once the value is complete.
+    assert completion.finish_reason == "stop" and completion.token_ids[-1] == EOS
+    check_schema(json.loads(completion.text), SCHEMAS[i])
+    if i == 3:  # disable_any_whitespace: no free whitespace (no newlines, no indent)
+        assert "\n" not in completion.text and "  " not in completion.text
+
+
+def test_regex_choice_grammar_and_json_object(outputs):
+    texts = [o.outputs[0].text for o in outputs[4:8]]
+    assert re.fullmatch(r"\d{3}-\d{4}", texts[0])
+    assert texts[1] in ("yes", "no", "maybe so")
+    assert re.fullmatch(r"(cat|dog) says (hi|bye)", texts[2])
+    assert isinstance(json.loads(texts[3]), (dict, list))
+    assert all(o.outputs[0].finish_reason == "stop" for o in outputs[4:8])
+    assert "Paris" in outputs[8].outputs[0].text
+
+
+@pytest.mark.parametrize("kwargs", [{"json": '{"type": "object", "properties": 5'},
+                                    {"regex": "(abc"}, {"grammar": "root ::= "},
+                                    {"choice": []}, {"json": "{}", "regex": "a"}])
+def test_invalid_constraints_rejected_up_front(default_llm, kwargs):
+    with pytest.raises(InvalidRequestError, match="structured_outputs"):
+        default_llm.generate(["x"], SamplingParams(
+            structured_outputs=StructuredOutputsParams(**kwargs)), use_tqdm=False)
+    assert not default_llm.llm_engine.has_unfinished_requests()

@@ -1,0 +1,54 @@
+"""The CLI: serve / generate / chat share the EngineArgs flags; `chat` reads stdin."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+
+import pytest
+
+from pagedllm.config import EngineArgs
+from pagedllm.entrypoints.cli import build_parser, engine_args_from
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+def test_engine_flags_shared_and_documented(command):
+    sub = _subparser(command)
+    by_dest = {a.dest: a for a in sub._actions}
+    for f in dataclasses.fields(EngineArgs):
+        assert f.name in by_dest, f"{command} lacks --{f.name}"
+        assert by_dest[f.name].help, f"--{f.name} has no help"
+    text = sub.format_help()
+    assert "--max-num-seqs" in text and "--kv-cache-space" in text
+
+
+def test_serve_arguments():
+    ns = build_parser().parse_args(["serve", "/models/qwen2", "--port", "8001",
+                                    "--max-num-seqs", "64", "--api-key", "secret"])
+    args = engine_args_from(ns)
+    assert args.model == "/models/qwen2" and args.max_num_seqs == 64
+    assert (ns.port, ns.api_key, ns.host) == (8001, "secret", "127.0.0.1")
+    default = build_parser().parse_args(["serve"])
+    assert engine_args_from(default).model is None and default.port == 8000
+
+
+def test_chat_reads_stdin_lines():
+    from pagedllm.entrypoints.chat import run_chat
+
+    ns = build_parser().parse_args(["chat", "--dtype", "float32", "--temperature", "0",
+                                    "--max-tokens", "12", "--num-kv-blocks", "64",
+                                    "--max-model-len", "512"])
+    stdin = io.StringIO("What is the capital of France?\n\n/reset\n/exit\nignored\n")
+    stdout = io.StringIO()
+    assert run_chat(engine_args_from(ns), ns, stdin=stdin, stdout=stdout) == 0
+    lines = stdout.getvalue().splitlines()
+    assert "Paris" in stdout.getvalue()
+    assert "[conversation cleared]" in lines
+    assert "ignored" not in stdout.getvalue()

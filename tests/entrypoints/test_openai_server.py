@@ -1,0 +1,434 @@
+"""The OpenAI-compatible server with the real `openai` client, against the bundled
+SmolLM2-135M-Instruct (a chat template, a real tokenizer) served once for the module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.utils import MODEL_NAME, HealthProbe, RemoteServer
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 1024
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+               "--num-kv-blocks", "192", "--max-num-seqs", "32",
+               "--log-stats-interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer(SERVER_ARGS, api_key=API_KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                         timeout=120)
+
+
+def num_tokens(server: RemoteServer, text: str) -> int:
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text})
+    return r.json()["count"]
+
+
+# ------------------------------------------------------------------ basics
+
+def test_models_version_health(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_tokenize_detokenize(server):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == MAX_MODEL_LEN
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back["prompt"] == "Hello world"
+    chat = httpx.post(server.url + "/tokenize",
+                      json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    text = httpx.post(server.url + "/detokenize", json={"tokens": chat["tokens"]}).json()
+    assert "<|im_start|>user\nHi<|im_end|>" in text["prompt"]
+
+
+# ------------------------------------------------------------------ completions
+
+def test_completion_usage_and_logprobs(server, client):
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5,
+                                  temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == num_tokens(server, prompt)
+    assert r.usage.completion_tokens == 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 5
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == choice.text
+    assert all(v <= 0 for v in lp.token_logprobs)
+    for token, top in zip(lp.tokens, lp.top_logprobs):
+        assert token in top and 1 <= len(top) <= 3
+    # Greedy: the chosen token is the most likely one.
+    assert all(top[t] == max(top.values()) for t, top in zip(lp.tokens, lp.top_logprobs))
+
+
+def test_completion_prompt_forms_n_and_echo(server, client):
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "One, two,"}).json()["tokens"]
+    r = client.completions.create(model=MODEL_NAME, prompt=["Hello", "One, two,"],
+                                  max_tokens=3, n=2, temperature=1.0, seed=7,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == num_tokens(server, "Hello") + len(ids)
+    # Token-id prompts (one list, a list of lists) give the same greedy text as the
+    # string; echo puts the prompt text in front.
+    echo = client.completions.create(model=MODEL_NAME, prompt="One, two,", max_tokens=3,
+                                     temperature=0, echo=True)
+    text = echo.choices[0].text
+    assert text.startswith("One, two,") and len(text) > len("One, two,")
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=3,
+                                       temperature=0)
+    two = client.completions.create(model=MODEL_NAME, prompt=[ids, ids], max_tokens=3,
+                                    temperature=0)
+    expected = text[len("One, two,"):]
+    assert [c.text for c in by_ids.choices + two.choices] == [expected] * 3
+
+
+def test_completion_n_with_one_token(client):
+    """n > 1 whose first sample finishes in its first step: the held-back siblings
+    must still reach the (then idle) engine."""
+    r = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1, n=3,
+                                  temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert len(r.choices) == 3 and r.usage.completion_tokens == 3
+
+
+def test_completion_best_of(client):
+    r = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3, n=2,
+                                  best_of=3, temperature=1.0, seed=1,
+                                  extra_body={"ignore_eos": True})
+    assert len(r.choices) == 2
+
+
+def test_completion_stream_matches_full(server, client):
+    kw = dict(model=MODEL_NAME, prompt="Here is a list of fruits:", max_tokens=12,
+              temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) > 1  # incremental
+
+
+def test_completion_stream_raw_sse(server):
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                      headers=server.headers) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        assert json.loads(line[6:])["object"] == "text_completion"
+
+
+def test_completion_stop(client):
+    r = client.completions.create(model=MODEL_NAME, prompt="1, 2, 3, 4,", max_tokens=20,
+                                  temperature=0, stop=[" 7"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].stop_reason == " 7" or r.choices[0].model_extra["stop_reason"] == " 7"
+    assert r.choices[0].text.strip().startswith("5") and " 7" not in r.choices[0].text
+
+
+# ------------------------------------------------------------------ chat
+
+def test_chat(server, client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16,
+                                       temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant"
+    tokenized = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    assert r.usage.prompt_tokens == tokenized["count"]
+    assert r.usage.completion_tokens <= 16
+    # max_completion_tokens is honoured too.
+    r2 = client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                        max_completion_tokens=2, temperature=0)
+    assert r2.usage.completion_tokens == 2 and r2.choices[0].finish_reason == "length"
+
+
+def test_chat_stream_n2_logprobs(client):
+    messages = [{"role": "user", "content": "Say hello."}]
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0.8, seed=3, n=2,
+        logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
+    texts, roles, finish, num_logprobs = ["", ""], set(), {}, [0, 0]
+    usage = None
+    for chunk in stream:
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        choice = chunk.choices[0]
+        roles.add(choice.delta.role)
+        texts[choice.index] += choice.delta.content or ""
+        if choice.logprobs and choice.logprobs.content:
+            num_logprobs[choice.index] += len(choice.logprobs.content)
+            for tok in choice.logprobs.content:
+                assert len(tok.top_logprobs) == 2 and tok.logprob <= 0
+        if choice.finish_reason:
+            finish[choice.index] = choice.finish_reason
+    assert "assistant" in roles
+    assert finish == {0: "length", 1: "length"} and num_logprobs == [6, 6]
+    assert all(texts) and usage.completion_tokens == 12
+
+
+def test_chat_logprobs_full(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Count to three."}],
+        max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
+        extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for tok in content:
+        assert len(tok.top_logprobs) == 3 and tok.top_logprobs[0].token == tok.token
+        assert tok.bytes == list(tok.token.encode())
+
+
+def test_chat_json_schema(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=48, temperature=0,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person",
+                                                                "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    data = json.loads(r.choices[0].message.content)
+    assert set(data) == {"name", "age"}
+    assert isinstance(data["name"], str) and isinstance(data["age"], int)
+
+
+def test_chat_json_object(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=40, temperature=0,
+        messages=[{"role": "user", "content": "Give me a JSON object with a color."}],
+        response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+# ------------------------------------------------------------------ load, disconnects
+
+def test_concurrent_streams_keep_health_fast(server):
+    """32 streaming requests in one batch all finish with exact counts while /health,
+    timed from another process, answers within 100 ms."""
+    num_requests, max_tokens = 32, 8
+
+    async def run() -> list[tuple[int, int]]:
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY,
+                                     max_retries=0, timeout=300)
+
+        async def one(i: int) -> tuple[int, int]:
+            stream = await aclient.completions.create(
+                model=MODEL_NAME, prompt=f"Story number {i}:", max_tokens=max_tokens,
+                temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True})
+            num_chunks, usage = 0, None
+            async for chunk in stream:
+                num_chunks += bool(chunk.choices)
+                usage = chunk.usage or usage
+            return usage.completion_tokens, num_chunks
+
+        return await asyncio.gather(*(one(i) for i in range(num_requests)))
+
+    probe = HealthProbe(server.port)
+    try:
+        results = asyncio.run(run())
+    finally:
+        latencies = probe.stop()
+    assert all(tokens == max_tokens and chunks >= 1 for tokens, chunks in results), results
+    assert len(latencies) > 10 and all(status == 200 for _, status in latencies)
+    worst = max(lat for lat, _ in latencies)
+    assert worst < 0.1, f"/health took {worst * 1000:.0f} ms"
+
+
+def _wait_idle(server: RemoteServer) -> dict:
+    """The engine's stats once nothing runs or waits (after at most ~10 s)."""
+    for _ in range(100):
+        stats = server.stats()
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            return stats
+        time.sleep(0.1)
+    return stats
+
+
+def test_disconnect_mid_stream_frees_request(server):
+    body = {"model": MODEL_NAME, "prompt": "Tell me a very long story.", "max_tokens": 500,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                      headers=server.headers, timeout=60) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+        assert server.stats()["num_running"] == 1
+    # The connection is closed: the request must be aborted and its blocks freed.
+    stats = _wait_idle(server)
+    assert stats["num_running"] == 0 and stats["num_front_end_requests"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"] - 1
+    metrics = httpx.get(server.url + "/metrics").text
+    assert f'pagedllm:num_requests_running{{model_name="{MODEL_NAME}"}} 0.0' in metrics
+    assert 'finished_reason="abort"' in metrics
+
+
+def test_disconnect_non_streaming_frees_request(server):
+    body = {"model": MODEL_NAME, "prompt": "Write an essay.", "max_tokens": 500,
+            "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, headers=server.headers,
+                   timeout=3)
+    stats = _wait_idle(server)
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"] - 1
+
+
+# ------------------------------------------------------------------ errors
+
+LONG_PROMPT = "hello " * (MAX_MODEL_LEN + 10)
+
+BAD_REQUESTS = [
+    # (id, path, raw body or json, expected status, text the message must contain)
+    ("invalid-json", "/v1/completions", b'{"prompt": "x", ', 400, "JSON"),
+    ("prompt-wrong-type", "/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("temperature-wrong-type", "/v1/completions", {"prompt": "x", "temperature": "hot"},
+     400, "temperature"),
+    ("negative-max-tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400,
+     "max_tokens"),
+    ("n-zero", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("bad-top-p", "/v1/completions", {"prompt": "x", "top_p": 7}, 400, "top_p"),
+    ("empty-prompt-list", "/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("token-out-of-vocab", "/v1/completions", {"prompt": [10 ** 9]}, 400, "vocab"),
+    ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("unknown-model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "gpt-9"),
+    ("prompt-too-long", "/v1/completions", {"prompt": LONG_PROMPT}, 400,
+     str(MAX_MODEL_LEN)),
+    ("prompt-plus-max-tokens-too-long", "/v1/completions",
+     {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "maximum context length"),
+    ("chat-missing-messages", "/v1/chat/completions", {"model": MODEL_NAME}, 400,
+     "messages"),
+    ("chat-empty-messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("chat-top-logprobs-too-many", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+      "top_logprobs": 50}, 400, "top_logprobs"),
+    ("chat-bad-response-format", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     400, "response_format"),
+    ("chat-prompt-too-long", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, str(MAX_MODEL_LEN)),
+]
+
+
+@pytest.mark.parametrize("path,body,status,needle", [b[1:] for b in BAD_REQUESTS],
+                         ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_request_gets_openai_error(server, path, body, status, needle):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + path, headers=server.headers | {
+        "content-type": "application/json"}, timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    payload = r.json()
+    assert payload["object"] == "error"
+    error = payload["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and error["code"] == status
+    assert needle in error["message"], error["message"]
+
+
+def test_prompt_too_long_message_gives_both_numbers(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=1)
+    message = e.value.body["message"]
+    assert str(MAX_MODEL_LEN) in message
+    assert str(num_tokens(server, LONG_PROMPT)) in message
+
+
+def test_api_key_required(server):
+    body = {"prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(server.url + "/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    # Health, metrics and tokenization stay open (as in vLLM).
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_server_survives_bad_requests(server, client):
+    for body in (b"\xff\xfe", b"[]", b"null", b'{"prompt": {"a": 1}}'):
+        r = httpx.post(server.url + "/v1/completions", content=body,
+                       headers=server.headers | {"content-type": "application/json"})
+        assert r.status_code == 400, (body, r.text)
+    r = httpx.post(server.url + "/v1/nope", headers=server.headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = client.completions.create(model=MODEL_NAME, prompt="Still alive?", max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+# ------------------------------------------------------------------ metrics
+
+def _samples(server: RemoteServer) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _value(samples: dict, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted((labels | {"model_name": MODEL_NAME}).items())))
+    return samples.get(key, 0.0)
+
+
+def test_metrics_parse_and_move(server, client):
+    before = _samples(server)
+    prompt = "Metrics are"
+    client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = _samples(server)
+    num_prompt = num_tokens(server, prompt)
+    for name, delta in (("pagedllm:prompt_tokens_total", num_prompt),
+                        ("pagedllm:generation_tokens_total", 3),
+                        ("pagedllm:time_to_first_token_seconds_count", 1),
+                        ("pagedllm:e2e_request_latency_seconds_count", 1),
+                        ("pagedllm:request_queue_time_seconds_count", 1),
+                        ("pagedllm:time_per_output_token_seconds_count", 1),
+                        ("pagedllm:prefix_cache_queries_total", num_prompt)):
+        assert _value(after, name) - _value(before, name) == delta, name
+    name = "pagedllm:request_success_total"
+    assert (_value(after, name, finished_reason="length")
+            - _value(before, name, finished_reason="length")) == 1
+    for gauge in ("pagedllm:num_requests_running", "pagedllm:num_requests_waiting",
+                  "pagedllm:kv_cache_usage_perc"):
+        assert _value(after, gauge) == 0.0
+    # The same prompt again is served from the prefix cache (if it spans a full block).
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 4
+    for _ in range(2):
+        client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=1)
+    final = _samples(server)
+    assert _value(final, "pagedllm:prefix_cache_hits_total") > _value(
+        after, "pagedllm:prefix_cache_hits_total")
+
+
+def test_stats_log_line(server):
+    """The periodic throughput line appears in the server log while it is busy."""
+    log = server.read_log()
+    assert "Avg prompt throughput" in log and "Prefix cache hit rate" in log

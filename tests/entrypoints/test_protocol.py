@@ -1,0 +1,96 @@
+"""Request models -> SamplingParams, and the metrics registry, without a server."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedllm.engine.core_proc import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.serving_common import OpenAIServing
+from pagedllm.errors import InvalidRequestError
+from pagedllm.metrics import EngineMetrics
+from pagedllm.request import Request
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+def test_completion_fields_map_to_sampling_params():
+    req = CompletionRequest(prompt="x", max_tokens=7, n=2, best_of=3, temperature=0.5,
+                            top_k=5, min_p=0.1, repetition_penalty=1.2, stop=["a"],
+                            stop_token_ids=[3], ignore_eos=True, min_tokens=2, seed=4,
+                            logprobs=2, logit_bias={"5": -1.0})
+    sp = OpenAIServing.sampling_params(req.sampling_kwargs(), stream=False)
+    assert (sp.max_tokens, sp.n, sp.best_of, sp.temperature, sp.top_k) == (7, 2, 3, 0.5, 5)
+    assert (sp.min_p, sp.repetition_penalty, sp.stop, sp.stop_token_ids) == (
+        0.1, 1.2, ["a"], [3])
+    assert sp.ignore_eos and sp.min_tokens == 2 and sp.seed == 4 and sp.logprobs == 2
+    assert sp.logit_bias == {5: -1.0}
+    assert sp.output_kind == RequestOutputKind.FINAL_ONLY
+    streaming = OpenAIServing.sampling_params(req.sampling_kwargs(), stream=True)
+    assert streaming.output_kind == RequestOutputKind.CUMULATIVE
+
+
+def test_unset_fields_keep_engine_defaults():
+    sp = OpenAIServing.sampling_params(CompletionRequest(prompt="x").sampling_kwargs(), False)
+    default = SamplingParams()
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.n) == (
+        default.temperature, default.top_p, default.top_k, 1)
+
+
+def test_chat_response_format_and_logprobs():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    sp = OpenAIServing.sampling_params(req.sampling_kwargs(10), stream=False)
+    assert sp.structured_outputs.json == schema and sp.logprobs == 3
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                response_format={"type": "json_object"})
+    sp = OpenAIServing.sampling_params(req.sampling_kwargs(10), stream=False)
+    assert sp.structured_outputs.json_object
+    multi = ChatCompletionRequest(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert multi.messages[0].text() == "ab"
+
+
+def test_unknown_sampling_field_refused_unless_neutral():
+    kw = {"temperature": 0.5, "not_a_field": 0}
+    assert OpenAIServing.sampling_params(kw, False).temperature == 0.5
+    with pytest.raises(InvalidRequestError, match="not_a_field"):
+        OpenAIServing.sampling_params({"not_a_field": 3}, False)
+
+
+def test_metrics_from_output_batches():
+    metrics = EngineMetrics("m")
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=2), eos_token_id=None,
+                  arrival_time=100.0)
+    stats = SchedulerStats(num_running=1, num_waiting=2, kv_cache_usage=0.25,
+                           prefix_cache_queries=3, prefix_cache_hits=0, num_preemptions=0,
+                           num_free_blocks=5, num_blocks=9)
+    first = EngineCoreOutputs(outputs=[EngineCoreOutput("r", [7], "running",
+                                                        first_scheduled_time=100.5)],
+                              scheduler_stats=stats, timestamp=101.0)
+    metrics.observe_scheduler_stats(stats)
+    metrics.observe_outputs(first, {"r": req})
+    req.append_output_token_ids([7])
+    last = EngineCoreOutputs(outputs=[EngineCoreOutput("r", [8], "finished_length")],
+                             scheduler_stats=stats, timestamp=101.5)
+    metrics.observe_outputs(last, {"r": req})
+    samples = {s.name: s.value for fam in text_string_to_metric_families(
+        metrics.render().decode()) for s in fam.samples if "bucket" not in s.name}
+    assert samples["pagedllm:prompt_tokens_total"] == 3
+    assert samples["pagedllm:generation_tokens_total"] == 2
+    assert samples["pagedllm:request_success_total"] == 1
+    assert samples["pagedllm:time_to_first_token_seconds_sum"] == pytest.approx(1.0)
+    assert samples["pagedllm:request_queue_time_seconds_sum"] == pytest.approx(0.5)
+    assert samples["pagedllm:e2e_request_latency_seconds_sum"] == pytest.approx(1.5)
+    assert samples["pagedllm:time_per_output_token_seconds_sum"] == pytest.approx(0.5)
+    assert samples["pagedllm:num_requests_waiting"] == 2
+    assert samples["pagedllm:kv_cache_usage_perc"] == 0.25
+    line = metrics.stats_log.log()
+    assert "Avg generation throughput" in line and "Running: 1 reqs, Waiting: 2 reqs" in line
+    assert "KV cache usage: 25.0%" in line
+    # Each instance has its own registry: a fresh one has recorded nothing.
+    fresh = [s for fam in text_string_to_metric_families(EngineMetrics("m").render().decode())
+             for s in fam.samples]
+    assert not [s for s in fresh if s.name == "pagedllm:prompt_tokens_total"]

@@ -1,0 +1,117 @@
+"""A live `pagedllm serve` in a subprocess, for tests that talk HTTP to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+MODEL_NAME = "SmolLM2-135M-Instruct"  # the served name of the bundled default model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    """`python -m pagedllm.entrypoints.cli serve --port FREE ARGS...`, ready on enter."""
+
+    def __init__(self, args: list[str], api_key: str | None = None,
+                 startup_timeout_s: float = 300.0) -> None:
+        self.port = free_port()
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port",
+               str(self.port), *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-server-",
+                                               suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self._wait_healthy(startup_timeout_s)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
+                                   f"{self.read_log()[-5000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout_s} s:\n"
+                           f"{self.read_log()[-5000:]}")
+
+    def read_log(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/debug/stats", timeout=10).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+HEALTH_PROBE = """
+import http.client, json, os, sys, time
+port, stop_file = int(sys.argv[1]), sys.argv[2]
+conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+latencies, end = [], time.monotonic() + 300
+while not os.path.exists(stop_file) and time.monotonic() < end:
+    t = time.perf_counter()
+    conn.request("GET", "/health")
+    response = conn.getresponse()
+    response.read()
+    latencies.append((time.perf_counter() - t, response.status))
+    time.sleep(0.05)
+print(json.dumps(latencies))
+"""
+
+
+class HealthProbe:
+    """A separate process timing GET /health every 50 ms until `stop()` (the test's own
+    event loop, busy parsing streams, would time itself rather than the server)."""
+
+    def __init__(self, port: int) -> None:
+        self._stop_file = tempfile.mktemp(prefix="pagedllm-probe-")
+        self.proc = subprocess.Popen([sys.executable, "-c", HEALTH_PROBE, str(port),
+                                      self._stop_file], stdout=subprocess.PIPE, text=True)
+
+    def stop(self) -> list[tuple[float, int]]:
+        """(latency in s, status) of every probe."""
+        open(self._stop_file, "w").close()
+        try:
+            out, _ = self.proc.communicate(timeout=60)
+        finally:
+            os.unlink(self._stop_file)
+        return [tuple(x) for x in json.loads(out)]

@@ -1,0 +1,227 @@
+"""Sampler transforms against transformers' logits processors on random logits, the
+per-row state gathering (penalty counts, bans, bias) and the sampling distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          SequenceBiasLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper)
+
+from pagedllm.core.contracts import NewRequestData
+from pagedllm.sample.logprobs import gather_logprobs
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.ops import apply_min_p, apply_top_k_top_p
+from pagedllm.sample.sampler import Sampler
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.sampling_state import SamplingState
+
+VOCAB = 64
+EOS = 1
+
+
+def make_state(requests: list[tuple[SamplingParams, list[int], list[int]]],
+               vocab: int = VOCAB) -> tuple[SamplingState, np.ndarray]:
+    """A SamplingState holding `requests` (params, prompt ids, output ids) in rows
+    placed out of order (rows 3, 0, 5, ...) so row != logits index is exercised."""
+    max_reqs, max_len = 2 * len(requests) + 2, 64
+    token_ids = np.zeros((max_reqs, max_len), dtype=np.int64)
+    num_tokens = np.zeros(max_reqs, dtype=np.int64)
+    num_prompt = np.zeros(max_reqs, dtype=np.int64)
+    state = SamplingState(max_reqs, vocab, torch.device("cpu"), token_ids, num_tokens,
+                          num_prompt)
+    rows = np.array([(3 + 2 * i) % max_reqs for i in range(len(requests))])
+    for row, (params, prompt, output) in zip(rows.tolist(), requests):
+        token_ids[row, :len(prompt) + len(output)] = prompt + output
+        num_tokens[row], num_prompt[row] = len(prompt) + len(output), len(prompt)
+        state.add(row, NewRequestData(req_id=str(row), prompt_token_ids=prompt,
+                                      output_token_ids=output, sampling_params=params,
+                                      block_ids=[], num_computed_tokens=0,
+                                      eos_token_id=EOS))
+    return state, rows
+
+
+def random_ids(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(0, VOCAB, n).tolist()
+
+
+def assert_same_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert torch.equal(torch.isinf(actual), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(actual[finite], expected[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_repetition_penalty_matches_transformers():
+    rng = np.random.default_rng(0)
+    penalties = [1.0, 1.3, 0.7, 2.0]
+    reqs = [(SamplingParams(repetition_penalty=p), random_ids(rng, 10), random_ids(rng, 6))
+            for p in penalties]
+    state, rows = make_state(reqs)
+    logits = torch.randn(len(reqs), VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    actual = Sampler.apply_logits_processors(logits.clone(), state.metadata(rows))
+    for i, (params, prompt, output) in enumerate(reqs):
+        ref = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(
+            torch.tensor([prompt + output]), logits[i:i + 1].clone())
+        assert_same_logits(actual[i:i + 1], ref)
+
+
+def test_frequency_and_presence_penalties():
+    rng = np.random.default_rng(1)
+    reqs = [(SamplingParams(frequency_penalty=f, presence_penalty=p), random_ids(rng, 8),
+             random_ids(rng, 20)) for f, p in [(0.5, 0.0), (0.0, 1.5), (-0.4, 0.3), (0, 0)]]
+    state, rows = make_state(reqs)
+    md = state.metadata(rows)
+    assert md.penalties is not None and md.penalties.prompt_token_mask is None
+    assert md.penalties.repetition is None
+    logits = torch.randn(len(reqs), VOCAB)
+    actual = Sampler.apply_logits_processors(logits.clone(), md)
+    for i, (params, prompt, output) in enumerate(reqs):
+        expected = logits[i].clone()
+        for token in set(output):  # prompt tokens are not penalized (OpenAI / vLLM)
+            expected[token] -= (params.frequency_penalty * output.count(token)
+                                + params.presence_penalty)
+        torch.testing.assert_close(actual[i], expected)
+
+
+def test_no_penalties_skips_the_work():
+    state, rows = make_state([(SamplingParams(), [1, 2], [3]),
+                              (SamplingParams(temperature=0), [4], [])])
+    md = state.metadata(rows)
+    assert md.penalties is None and md.banned is None and md.logit_bias is None
+    assert md.top_k is None and md.top_p is None and md.min_p is None
+    assert md.disallowed_mask is None and md.max_num_logprobs is None
+
+
+@pytest.mark.parametrize("name, values, warper", [
+    ("top_k", [1, 5, 20, VOCAB], TopKLogitsWarper),
+    ("top_p", [0.1, 0.5, 0.9, 1.0], TopPLogitsWarper),
+    ("min_p", [0.0, 0.05, 0.3, 1.0], MinPLogitsWarper),
+])
+def test_truncation_matches_transformers(name, values, warper):
+    logits = torch.randn(len(values), VOCAB, generator=torch.Generator().manual_seed(2)) * 2
+    param = torch.tensor(values)
+    if name == "min_p":
+        actual = apply_min_p(logits.clone(), param.float())
+    else:
+        kw = {"top_k": param.long(), "top_p": None} if name == "top_k" else \
+            {"top_k": None, "top_p": param.float()}
+        actual = apply_top_k_top_p(logits.clone(), **kw)
+    for i, value in enumerate(values):
+        if name == "min_p" and value == 0.0:
+            expected = logits[i:i + 1]  # MinPLogitsWarper rejects 0; 0 disables
+        else:
+            expected = warper(value)(None, logits[i:i + 1].clone())
+        assert_same_logits(actual[i:i + 1], expected)
+
+
+def test_top_k_then_top_p_matches_transformers_chain():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
+    top_k, top_p = [3, 10, 40], [0.5, 0.8, 0.95]
+    actual = apply_top_k_top_p(logits.clone(), torch.tensor(top_k), torch.tensor(top_p))
+    for i in range(3):
+        expected = TopPLogitsWarper(top_p[i])(None, TopKLogitsWarper(top_k[i])(
+            None, logits[i:i + 1].clone()))
+        assert_same_logits(actual[i:i + 1], expected)
+
+
+def test_logit_bias_and_allowed_token_ids():
+    bias = {5: 10.0, 7: -3.5, 63: 1.25}
+    reqs = [(SamplingParams(logit_bias=bias), [1], []),
+            (SamplingParams(), [1], []),
+            (SamplingParams(allowed_token_ids=[2, 9, 11]), [1], [])]
+    state, rows = make_state(reqs)
+    logits = torch.randn(3, VOCAB)
+    actual = Sampler.apply_logits_processors(logits.clone(), state.metadata(rows))
+    expected = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])(
+        torch.tensor([[1]]), logits[:1].clone())
+    torch.testing.assert_close(actual[0], expected[0])
+    torch.testing.assert_close(actual[1], logits[1])
+    allowed = torch.isfinite(actual[2]).nonzero().flatten().tolist()
+    assert allowed == [2, 9, 11]
+    torch.testing.assert_close(actual[2, allowed], logits[2, allowed])
+
+
+def test_min_tokens_and_bad_words_bans():
+    params = SamplingParams(min_tokens=3, stop_token_ids=[4])
+    words = SamplingParams(bad_words=["x"])
+    words.bad_words_token_ids = [[20], [30, 31, 32]]
+    reqs = [(params, [9, 9], [7]),  # 1 output < 3: EOS and 4 banned
+            (params, [9], [7, 7, 7]),  # 3 outputs: nothing banned
+            (words, [30], [30, 31]),  # ends with 30 31: 32 banned, 20 always
+            (words, [30, 31], [5])]  # prefix in the prompt only: 32 allowed
+    state, rows = make_state(reqs)
+    logits = Sampler.apply_logits_processors(torch.zeros(4, VOCAB), state.metadata(rows))
+    banned = [torch.isinf(row).nonzero().flatten().tolist() for row in logits]
+    assert banned == [[EOS, 4], [], [20, 32], [20]]
+
+
+def test_greedy_rows_equal_argmax_in_a_mixed_batch():
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(4))
+    reqs = [(SamplingParams(temperature=0), [1], []), (SamplingParams(top_k=1), [1], []),
+            (SamplingParams(temperature=1.5), [1], []),
+            (SamplingParams(top_k=1, temperature=0.3, seed=3), [1], [])]
+    state, rows = make_state(reqs)
+    out = Sampler()(logits.clone(), state.metadata(rows)).sampled_token_ids
+    argmax = logits.argmax(dim=-1)
+    assert out[[0, 1, 3]].tolist() == argmax[[0, 1, 3]].tolist()
+
+
+def _sample_n(params_list: list[SamplingParams], logits: torch.Tensor, num_steps: int,
+              ) -> list[list[int]]:
+    """num_steps draws per request from fixed logits (rows keep their generators)."""
+    state, rows = make_state([(p, [1], []) for p in params_list])
+    sampler, draws = Sampler(), [[] for _ in params_list]
+    for _ in range(num_steps):
+        out = sampler(logits.clone(), state.metadata(rows)).sampled_token_ids.tolist()
+        for i, token in enumerate(out):
+            draws[i].append(token)
+    return draws
+
+
+def test_seed_reproducible_whatever_the_batch():
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5))
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
+    alone = _sample_n([seeded], logits, 20)[0]
+    others = [SamplingParams(temperature=0.7), SamplingParams(temperature=0),
+              SamplingParams(seed=7, top_k=5), SamplingParams(min_p=0.1)]
+    batch_logits = torch.cat([torch.randn(2, VOCAB), logits, torch.randn(2, VOCAB)])
+    in_batch = _sample_n(others[:2] + [seeded] + others[2:], batch_logits, 20)[2]
+    assert in_batch == alone
+    assert _sample_n([SamplingParams(temperature=1.0, top_p=0.9, seed=43)], logits,
+                     20)[0] != alone
+
+
+def test_temperature_sampling_follows_softmax_chi_square():
+    """20000 draws over 8 tokens, T = 0.7: Pearson's statistic with 7 degrees of freedom
+    stays below 24.32, the 0.999 quantile of chi2(7); the same draws are far from the
+    T = 1 distribution (the test has power)."""
+    torch.manual_seed(0)
+    num_draws, temperature = 20000, 0.7
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0, 0.2, -2.0])
+    md = SamplingMetadata(temperature=torch.full((num_draws,), temperature),
+                          is_greedy=torch.zeros(num_draws, dtype=torch.bool),
+                          all_greedy=False, all_random=True)
+    draws = Sampler()(logits.expand(num_draws, -1).clone(), md).sampled_token_ids
+    observed = torch.bincount(draws, minlength=8).double()
+
+    def chi2(probs: torch.Tensor) -> float:
+        expected = probs.double() * num_draws
+        return float(((observed - expected) ** 2 / expected).sum())
+
+    assert chi2(torch.softmax(logits / temperature, dim=0)) < 24.32
+    assert chi2(torch.softmax(logits, dim=0)) > 100
+
+
+def test_logprobs_ranks_and_top_k():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(6))
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = torch.tensor([int(logits[0].argmax()), 5, 17])
+    out = gather_logprobs(logprobs, chosen, 4)
+    order = logprobs.argsort(dim=-1, descending=True)
+    for i in range(3):
+        assert out.token_ids[i, 0] == chosen[i]
+        assert out.token_ids[i, 1:].tolist() == order[i, :4].tolist()
+        torch.testing.assert_close(out.logprobs[i, 0], logprobs[i, chosen[i]])
+        assert int(out.ranks[i]) == order[i].tolist().index(int(chosen[i])) + 1
+    assert int(out.ranks[0]) == 1
