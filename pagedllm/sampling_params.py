@@ -223,8 +223,9 @@ class SamplingParams:
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise InvalidRequestError(f"{name} must be a non-negative integer, "
                                           f"got {value}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}.")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**63):
+            raise InvalidRequestError(f"seed must be a 64-bit integer, got {self.seed!r}.")
 
     def _verify_sampling(self) -> None:
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:

@@ -214,12 +214,9 @@ class AsyncLLM:
                 queue.put_nowait(InvalidRequestError(err.message) if err.is_invalid
                                  else EngineGenerateError(err.message))
         self.core_client.push_outputs(batch)
+        # Applies the batch; also hands held-back n > 1 siblings to the core once their
+        # leader has its first token.
         outputs = self.engine.step()
-        # LLMEngine.step() hands requests it held back (n > 1 siblings waiting for their
-        # leader's first token) to the core *before* applying the batch. If this batch
-        # gave the leader that token and the core is now idle, no further batch would
-        # trigger the next step(): take it now (no batch pending, so it is cheap).
-        outputs += self.engine.step()
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:

@@ -79,12 +79,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; requests ended by a stop string are finished in the core."""
-        for child in self.deferred.release():
-            self.engine_core.add_request(child)
         outputs = self.output_processor.process(self.engine_core.step())
         to_stop = self.output_processor.take_reqs_to_stop()
         if to_stop:
             self.engine_core.stop_requests(to_stop)
+        # After the outputs: a leader that got its first token (or finished) this step
+        # releases its siblings now, so the core never idles with siblings held back.
+        for child in self.deferred.release():
+            self.engine_core.add_request(child)
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -103,6 +103,38 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
     return run_chat(engine_args_from(ns), ns)
 
 
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    from pagedllm.bench import latency, serve, throughput
+
+    if ns.bench_command == "serve":
+        serve.run(ns)
+    else:
+        module = throughput if ns.bench_command == "throughput" else latency
+        module.run(ns, engine_args_from(ns))
+    return 0
+
+
+def _add_bench(sub: Any) -> None:
+    """`bench throughput | latency` (offline engines) and `bench serve` (HTTP client)."""
+    from pagedllm.bench import latency, serve, throughput
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON on stdout, summary on stderr)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    tp = kinds.add_parser("throughput", help="offline: all requests submitted at once")
+    throughput.add_cli_args(tp)
+    add_engine_args(tp)
+    lat = kinds.add_parser("latency", help="one request at a time: TTFT, decode speed, "
+                                           "start-up")
+    latency.add_cli_args(lat)
+    add_engine_args(lat)
+    # Repeating one prompt must recompute it, not hit the prefix cache.
+    lat.set_defaults(enable_prefix_caching=False)
+    srv = kinds.add_parser("serve", help="async client against a running OpenAI-compatible "
+                                         "server")
+    serve.add_cli_args(srv)
+    bench.set_defaults(func=_cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     add_engine_args(chat, positional_model=True)
     chat.set_defaults(func=_cmd_chat)
+    _add_bench(sub)
     models = sub.add_parser("models", help="list supported model architectures")
     models.set_defaults(func=_cmd_models)
     return parser

@@ -333,6 +333,16 @@ BAD_REQUESTS = [
     ("chat-bad-response-format", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
      400, "response_format"),
+    # Once killed the engine: the sampler cannot seed with more than 64 bits.
+    ("seed-too-large", "/v1/completions", {"prompt": "x", "seed": 2 ** 70}, 400, "seed"),
+    ("bad-regex", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(["}},
+     400, "regex"),
+    ("chat-max-completion-tokens-zero", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
+     "max_tokens"),
+    ("chat-image-content", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                 "image_url": {"url": "x"}}]}]}, 400, "text"),
     ("chat-prompt-too-long", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, str(MAX_MODEL_LEN)),
 ]

@@ -390,7 +390,7 @@ void attend_item_avx512(const Params<T>& p, const Item& item, Scratch& sc) {
   __mmask16 masks[4];
   for (int64_t c = sp.key_lo / 16 * 16; c < sp.key_hi; c += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, sp.key_hi - c));
-    if (c + 32 < sp.key_hi) prefetch_chunk<T, NV>(p, item, c + 32);
+    // if (c + 32 < sp.key_hi) prefetch_chunk<T, NV>(p, item, c + 32);
     // Heads of a token are adjacent in the cache: all of them per chunk reads it in order.
     for (int64_t h = 0; h < num_heads; ++h) {
       load_chunk<T, NV>(p, item, item.head_begin + h, c, n, kt, v);

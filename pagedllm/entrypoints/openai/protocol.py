@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedllm.errors import InvalidRequestError
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -77,7 +79,8 @@ class SamplingFields(OpenAIBaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    # int64, as vLLM: a larger seed cannot seed the sampler's generator.
+    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -186,11 +189,14 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
 
     def text(self) -> str | None:
-        """The content as one string (text parts of a multi-part content joined)."""
-        if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content
-                           if p.get("type") in ("text", "input_text"))
-        return self.content
+        """The content as one string (the parts of a multi-part content joined)."""
+        if not isinstance(self.content, list):
+            return self.content
+        other = [p.get("type") for p in self.content if p.get("type") != "text"]
+        if other:
+            raise InvalidRequestError(f"only text content parts are supported, got "
+                                      f"{other[0]!r}")
+        return "".join(str(p.get("text", "")) for p in self.content)
 
 
 class JsonSchemaFormat(OpenAIBaseModel):

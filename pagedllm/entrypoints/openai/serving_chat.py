@@ -42,7 +42,8 @@ class OpenAIServingChat(OpenAIServing):
         text, ids = self.render_chat(request.messages, request.add_generation_prompt,
                                      request.continue_final_message, request.chat_template,
                                      request.chat_template_kwargs)
-        requested = request.max_completion_tokens or request.max_tokens
+        requested = (request.max_completion_tokens if request.max_completion_tokens is not None
+                     else request.max_tokens)
         if requested is not None and requested < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {requested}.")
         max_tokens = self.check_length(len(ids), requested, kind="messages")

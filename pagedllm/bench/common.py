@@ -1,0 +1,131 @@
+"""Shared pieces of the benchmarks: workloads, statistics, reporting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedllm.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request of a workload: greedy, exactly max_tokens new tokens (EOS ignored)."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def add_workload_args(parser: argparse.ArgumentParser, lengths: bool = True,
+                      seed: bool = False) -> None:
+    """--dataset FILE.json, or random prompts (--random-input-len/--random-output-len).
+
+    The random workload's seed is `--seed`: the engine's flag where engine flags are
+    present, else added here (`seed=True`).
+    """
+    group = parser.add_argument_group("workload")
+    group.add_argument("--dataset", default=None,
+                       help="JSON list of {prompt_token_ids, max_tokens} objects")
+    if lengths:
+        group.add_argument("--random-input-len", type=int, default=128,
+                           help="prompt tokens of each random request (without --dataset)")
+        group.add_argument("--random-output-len", type=int, default=128,
+                           help="output tokens of each random request (without --dataset)")
+    group.add_argument("--num-prompts", type=int, default=None,
+                       help="requests to run: random ones to generate, or the first N of "
+                            "the dataset (default: all of it, or 64 random)")
+    if seed:
+        group.add_argument("--seed", type=int, default=0, help="seed of the random workload")
+
+
+def load_dataset(path: str) -> list[BenchRequest]:
+    """Read a workload file: a JSON list of {"prompt_token_ids": [...], "max_tokens": n}."""
+    try:
+        items = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise InvalidRequestError(f"cannot read dataset {path!r}: {e}") from e
+    if not isinstance(items, list) or not items:
+        raise InvalidRequestError(f"dataset {path!r} must be a non-empty JSON list")
+    requests = []
+    for i, item in enumerate(items):
+        try:
+            ids, max_tokens = item["prompt_token_ids"], int(item["max_tokens"])
+        except (TypeError, KeyError, ValueError) as e:
+            raise InvalidRequestError(f"dataset {path!r} item {i}: needs prompt_token_ids "
+                                      f"and max_tokens ({e})") from e
+        if not ids or max_tokens < 1:
+            raise InvalidRequestError(f"dataset {path!r} item {i}: empty prompt or "
+                                      f"max_tokens < 1")
+        requests.append(BenchRequest([int(t) for t in ids], max_tokens))
+    return requests
+
+
+def random_requests(num: int, input_len: int, output_len: int, vocab_size: int,
+                    seed: int = 0) -> list[BenchRequest]:
+    """`num` prompts of `input_len` uniform random token ids, each asking `output_len`."""
+    if input_len < 1 or output_len < 1 or num < 1:
+        raise InvalidRequestError("random workloads need input/output lengths and "
+                                  "--num-prompts >= 1")
+    rng = random.Random(seed)
+    return [BenchRequest([rng.randrange(vocab_size) for _ in range(input_len)], output_len)
+            for _ in range(num)]
+
+
+def workload_from_args(ns: argparse.Namespace, vocab_size: int,
+                       default_num: int = 64) -> list[BenchRequest]:
+    if ns.dataset:
+        requests = load_dataset(ns.dataset)
+        return requests[:ns.num_prompts] if ns.num_prompts else requests
+    return random_requests(ns.num_prompts or default_num, ns.random_input_len,
+                           ns.random_output_len, vocab_size, ns.seed)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated q-th percentile (0..100) of `values` (nan if empty)."""
+    if not values:
+        return float("nan")
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def summarize(values: list[float], name: str, scale: float = 1.0) -> dict[str, float]:
+    """{name: median, name_mean, name_p90, name_p99} of `values` times `scale`."""
+    scaled = [v * scale for v in values]
+    return {name: percentile(scaled, 50),
+            f"{name}_mean": sum(scaled) / len(scaled) if scaled else float("nan"),
+            f"{name}_p90": percentile(scaled, 90), f"{name}_p99": percentile(scaled, 99)}
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def emit(result: dict[str, Any], title: str, lines: list[str]) -> None:
+    """The result as JSON on stdout; a readable summary on stderr."""
+    print(f"\n===== {title} =====", file=sys.stderr)
+    for line in lines:
+        print(line, file=sys.stderr)
+    print(json.dumps(_finite(result), indent=2))
+    sys.stdout.flush()
+
+
+def _finite(value: Any) -> Any:
+    """NaN / inf -> null, so stdout is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

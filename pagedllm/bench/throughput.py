@@ -1,0 +1,109 @@
+"""`pagedllm bench throughput`: offline, every request submitted at once.
+
+Reports elapsed_s, requests_per_s, output_tokens_per_s, total_tokens_per_s and peak_rss_mb.
+`--backend hf` runs the same workload through transformers' `generate` instead
+(bench/hf_backend.py); `--backend both` runs pagedllm then HF and adds the speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import time
+from typing import Any
+
+from pagedllm.bench.common import (BenchRequest, add_workload_args, emit, peak_rss_mb,
+                                   workload_from_args)
+from pagedllm.config import EngineArgs
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_workload_args(parser)
+    parser.add_argument("--backend", choices=("pagedllm", "hf", "both"), default="pagedllm",
+                        help="pagedllm, transformers' generate (hf), or both for the speed-up")
+    parser.add_argument("--hf-batch-sizes", default="1,8,32,64",
+                        help="static batch sizes the hf backend tries (comma-separated); "
+                             "the fastest on a short probe runs the workload")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip the short untimed request run before measuring")
+
+
+def result_of(backend: str, requests: list[BenchRequest], num_output: int,
+              elapsed: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    num_prompt = sum(len(r.prompt_token_ids) for r in requests)
+    return {
+        "backend": backend,
+        "num_requests": len(requests),
+        "num_prompt_tokens": num_prompt,
+        "num_output_tokens": num_output,
+        "elapsed_s": elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "output_tokens_per_s": num_output / elapsed,
+        "total_tokens_per_s": (num_prompt + num_output) / elapsed,
+        "peak_rss_mb": peak_rss_mb(),
+        **(extra or {}),
+    }
+
+
+def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(**dataclasses.asdict(engine_args))
+    config = llm.llm_engine.config
+    requests = workload_from_args(ns, config.model.hf_config.vocab_size)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
+              for r in requests]
+    if not ns.no_warmup:
+        # One short request first: one-time costs (first allocations, lazy imports) are
+        # start-up, not throughput. Its prompt shares no prefix with the workload's.
+        warm = [int(t) % config.model.hf_config.vocab_size for t in range(7, 7 + 32)]
+        llm.generate([{"prompt_token_ids": warm}],
+                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    extra = {"model": config.model.path, "dtype": config.model.dtype,
+             "enable_prefix_caching": config.cache.enable_prefix_caching,
+             "num_cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outputs)}
+    del llm, outputs
+    gc.collect()
+    return result_of("pagedllm", requests, num_output, elapsed, extra)
+
+
+def run(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
+    if ns.backend == "hf":
+        from pagedllm.bench.hf_backend import run_hf
+
+        result = run_hf(ns, engine_args)
+    else:
+        result = run_pagedllm(ns, engine_args)
+        if ns.backend == "both":
+            from pagedllm.bench.hf_backend import run_hf
+
+            hf = run_hf(ns, engine_args)
+            result["hf"] = hf
+            result["speedup_vs_hf"] = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    emit(result, "throughput", _summary(result))
+    return result
+
+
+def _summary(r: dict[str, Any]) -> list[str]:
+    lines = [f"backend:              {r['backend']}",
+             f"requests:             {r['num_requests']}  (prompt tokens {r['num_prompt_tokens']}"
+             f", output tokens {r['num_output_tokens']})",
+             f"elapsed:              {r['elapsed_s']:.2f} s",
+             f"requests/s:           {r['requests_per_s']:.2f}",
+             f"output tokens/s:      {r['output_tokens_per_s']:.1f}",
+             f"total tokens/s:       {r['total_tokens_per_s']:.1f}",
+             f"peak RSS:             {r['peak_rss_mb']:.0f} MB"]
+    if "hf_batch_size" in r:
+        lines.append(f"hf batch size:        {r['hf_batch_size']}")
+    if "hf" in r:
+        lines.append(f"hf output tokens/s:   {r['hf']['output_tokens_per_s']:.1f} "
+                     f"(batch size {r['hf']['hf_batch_size']})")
+        lines.append(f"speed-up vs hf:       {r['speedup_vs_hf']:.1f}x")
+    return lines
