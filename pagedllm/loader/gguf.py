@@ -5,16 +5,18 @@ in ggml's dimension order, often block-quantized. `GGUFWeights` memory-maps the 
 `gguf.GGUFReader`, checks every tensor up front (known name, supported type), and then
 dequantizes one tensor at a time with `gguf.quants.dequantize`, renamed to the Hugging Face
 checkpoint name and converted to the requested dtype. For llama it also undoes the q/k row
-permutation that llama.cpp's converter applies (see `_unpermute_rows`).
+permutation that llama.cpp's converter applies (see `_unpermute_rows`); for GPT-2 it
+transposes the projections back to the checkpoint's `Conv1D` layout.
 
-Architectures are a per-architecture name table (`_ARCHS`); adding gpt2/phi3 means adding
-a table entry (plus any tensor transform they need), not new control flow.
+Architectures are a per-architecture table (`_ARCHS`): tensor names, the transforms llama.cpp's
+converter applied, and the config attributes transformers' GGUF config parsing leaves out
+(`complete_hf_config`). Adding an architecture means adding a table entry, not control flow.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +50,12 @@ class _ArchSpec:
     """True when llama.cpp's converter interleaved the q/k rows for its rope kernel."""
     ignored: frozenset[str] = field(default_factory=frozenset)
     """GGUF tensors with no HF counterpart (derived from the config on the HF side)."""
+    layer_prefix: str = "model.layers."
+    """HF name prefix of decoder layer N, before `N.`."""
+    transposed: frozenset[str] = field(default_factory=frozenset)
+    """Layer tensors (names after `blk.N.`) stored as the transpose of the HF checkpoint's."""
+    complete_config: Callable[[gguf.GGUFReader, dict[str, Any]], None] | None = None
+    """Fills, in a config dict parsed by transformers, what its GGUF table leaves out."""
 
 
 _LLAMA_GLOBAL = {
@@ -73,6 +81,72 @@ _QWEN2_LAYER = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
 }
+# Phi-3's checkpoint already stores q/k/v and gate/up fused, as llama.cpp does (`ffn_up`
+# holds [gate | up] rows); no q/k permutation (llama.cpp runs its rope in NEOX mode).
+_PHI3_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GPT2_GLOBAL = {
+    "token_embd.weight": "transformer.wte.weight",
+    "position_embd.weight": "transformer.wpe.weight",
+    "output_norm.weight": "transformer.ln_f.weight",
+    "output_norm.bias": "transformer.ln_f.bias",
+    "output.weight": "lm_head.weight",  # only when untied (GPT-2 itself ties)
+}
+_GPT2_LAYER = {
+    f"{gguf_part}.{kind}": f"{hf_part}.{kind}"
+    for gguf_part, hf_part in (("attn_norm", "ln_1"), ("attn_qkv", "attn.c_attn"),
+                               ("attn_output", "attn.c_proj"), ("ffn_norm", "ln_2"),
+                               ("ffn_up", "mlp.c_fc"), ("ffn_down", "mlp.c_proj"))
+    for kind in ("weight", "bias")
+}
+
+
+def _tensor_rows(reader: gguf.GGUFReader, name: str) -> int | None:
+    """First torch-order dimension of a tensor (ggml's last `ne`), None when absent."""
+    t = next((t for t in reader.tensors if t.name == name), None)
+    return None if t is None else int(t.shape[-1])
+
+
+def _complete_phi3_config(reader: gguf.GGUFReader, cfg: dict[str, Any]) -> None:
+    """Sliding window, partial rotary and longrope factors, which transformers drops."""
+    window = _read_field(reader, "phi3.attention.sliding_window")
+    if window is not None:  # llama.cpp writes 0 for "no window" (Phi-4-mini)
+        cfg["sliding_window"] = int(window) or None
+    cfg["vocab_size"] = _tensor_rows(reader, "token_embd.weight") or cfg.get("vocab_size")
+    rope = dict(cfg.get("rope_parameters") or {})
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    # llama.cpp stores int(partial_rotary_factor * hidden_size) // num_heads rotated dims.
+    rope_dims = _read_field(reader, "phi3.rope.dimension_count", head_dim)
+    rope["partial_rotary_factor"] = int(rope_dims) / head_dim
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:  # longrope (Phi-3 128k, Phi-3.5): HF keeps the factors in the config
+        rope["rope_type"] = "longrope"
+        rope["long_factor"] = np.asarray(factors["rope_factors_long.weight"].data).tolist()
+        rope["short_factor"] = np.asarray(factors["rope_factors_short.weight"].data).tolist()
+        orig = _read_field(reader, "phi3.rope.scaling.original_context_length")
+        if orig is None:
+            raise ModelLoadError("phi3 GGUF with rope factors lacks "
+                                 "phi3.rope.scaling.original_context_length")
+        cfg["original_max_position_embeddings"] = int(orig)
+    cfg["rope_parameters"] = rope
+
+
+def _complete_gpt2_config(reader: gguf.GGUFReader, cfg: dict[str, Any]) -> None:
+    """Sizes transformers' GPT-2 table misses (it maps context_length to an unused `n_ctx`
+    and takes vocab_size from the token list only): read off the tensors themselves."""
+    sizes = {"vocab_size": "token_embd.weight", "n_positions": "position_embd.weight",
+             "n_inner": "blk.0.ffn_up.weight"}  # ffn_up is c_fc transposed: [n_inner, n_embd]
+    for key, tensor_name in sizes.items():
+        rows = _tensor_rows(reader, tensor_name)
+        if rows is not None:
+            cfg[key] = rows
+
 
 _ARCHS: Mapping[str, _ArchSpec] = {
     # llama.cpp writes Llama 3.x rope scaling as a `rope_freqs` tensor; HF derives the same
@@ -82,6 +156,16 @@ _ARCHS: Mapping[str, _ArchSpec] = {
     # llama.cpp's Qwen2 converter does not permute q/k (its rope runs in NEOX mode, which
     # pairs rows like HF's rotate_half).
     "qwen2": _ArchSpec("qwen2", _LLAMA_GLOBAL, _QWEN2_LAYER),
+    # Longrope factors live in the HF config (`complete_config` moves them there).
+    "phi3": _ArchSpec("phi3", _LLAMA_GLOBAL, _PHI3_LAYER,
+                      ignored=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
+                      complete_config=_complete_phi3_config),
+    # GPT-2's checkpoint keeps its projections as Conv1D [in, out]; llama.cpp transposes
+    # them to ggml's [out, in] matmul layout, so they are transposed back here.
+    "gpt2": _ArchSpec("gpt2", _GPT2_GLOBAL, _GPT2_LAYER, layer_prefix="transformer.h.",
+                      transposed=frozenset({"attn_qkv.weight", "attn_output.weight",
+                                            "ffn_up.weight", "ffn_down.weight"}),
+                      complete_config=_complete_gpt2_config),
 }
 
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
@@ -94,11 +178,13 @@ class TensorSpec:
     hf_name: str
     """Hugging Face checkpoint name."""
     shape: tuple[int, ...]
-    """Shape in torch order (ggml's `ne` reversed)."""
+    """Shape of the HF tensor (ggml's `ne` reversed, then transposed when `transpose`)."""
     gguf_index: int
     """Index into `GGUFReader.tensors`."""
     permute_heads: int | None = None
     """Number of heads whose rows llama.cpp interleaved (q: n_head, k: n_head_kv); None: none."""
+    transpose: bool = False
+    """True when the file stores the transpose of the HF tensor (2-D)."""
 
 
 def _read_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -112,7 +198,7 @@ def _hf_name(spec: _ArchSpec, gguf_name: str) -> str | None:
         return spec.global_names[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in spec.layer_names:
-        return f"model.layers.{m.group(1)}.{spec.layer_names[m.group(2)]}"
+        return f"{spec.layer_prefix}{m.group(1)}.{spec.layer_names[m.group(2)]}"
     return None
 
 
@@ -167,7 +253,11 @@ class GGUFWeights:
             # ggml lists dimensions fastest-varying first (ne[0] = row length): reversed,
             # they are torch's row-major shape.
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            specs.append(TensorSpec(hf_name, shape, i, heads))
+            m = _LAYER_RE.fullmatch(t.name)
+            transpose = m is not None and m.group(2) in spec.transposed and len(shape) == 2
+            if transpose:
+                shape = shape[::-1]
+            specs.append(TensorSpec(hf_name, shape, i, heads, transpose))
         if unknown:
             raise ModelLoadError(f"GGUF {self.path!r} ({self.arch}) has tensors with no known "
                                  f"Hugging Face name: {', '.join(unknown)}")
@@ -183,7 +273,10 @@ class GGUFWeights:
 
     def load(self, spec: TensorSpec, dtype: torch.dtype) -> torch.Tensor:
         """Dequantize one tensor to its HF layout and `dtype`."""
-        w = _to_torch(self.reader.tensors[spec.gguf_index], spec.shape)
+        if spec.transpose:  # stored [out, in]; the HF checkpoint holds [in, out]
+            w = _to_torch(self.reader.tensors[spec.gguf_index], spec.shape[::-1]).t()
+        else:
+            w = _to_torch(self.reader.tensors[spec.gguf_index], spec.shape)
         if spec.permute_heads is not None:
             w = _unpermute_rows(w, spec.permute_heads, spec.hf_name)
         return w.to(dtype).contiguous()
@@ -224,6 +317,27 @@ def _unpermute_rows(w: torch.Tensor, num_heads: int, name: str) -> torch.Tensor:
     half = rows // num_heads // 2
     # [num_heads, half (j), 2 (t), ...] -> [num_heads, 2 (t), half (j), ...]
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def complete_hf_config(path: str, config: dict[str, Any]) -> dict[str, Any]:
+    """`config` (a dict transformers parsed from the GGUF at `path`) completed with what its
+    GGUF table leaves out for this architecture (GPT-2's sizes, Phi-3's sliding window,
+    partial rotary and longrope factors).
+
+    Only architectures with a `complete_config` re-read the header (seconds for a large
+    vocabulary, once: the config is cached); the others return `config` unchanged.
+    """
+    spec = next((s for s in _ARCHS.values()
+                 if s.hf_model_type == config.get("model_type") and s.complete_config), None)
+    if spec is None:
+        return config
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read GGUF file {path!r}: {e}") from e
+    config = dict(config)
+    spec.complete_config(reader, config)
+    return config
 
 
 def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype

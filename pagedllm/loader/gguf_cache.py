@@ -46,12 +46,12 @@ import torch
 
 from pagedllm.config import cache_root
 from pagedllm.errors import ModelLoadError
-from pagedllm.loader.gguf import GGUFWeights
+from pagedllm.loader.gguf import GGUFWeights, complete_hf_config
 from pagedllm.loader.safetensors import iter_safetensors_file
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when the cached layout or the conversion changes; old entries are then ignored."""
 _HASH_BYTES = 1 << 20
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -259,6 +259,10 @@ def _parse_config(path: str) -> Any:
         cfg = AutoConfig.from_pretrained(directory, gguf_file=name)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot read the model config of {path!r}: {e}") from e
+    as_dict = cfg.to_dict()
+    completed = complete_hf_config(path, as_dict)
+    if completed is not as_dict:
+        cfg = type(cfg).from_dict(completed)
     if not getattr(cfg, "architectures", None):
         # GGUF-derived configs carry model_type but no architectures list.
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type)
@@ -270,7 +274,8 @@ def load_gguf_config(path: str) -> Any:
     """The `transformers.PretrainedConfig` of a GGUF file, cached after the first parse.
 
     Equal to `AutoConfig.from_pretrained(dir, gguf_file=name)` plus `architectures` filled
-    in from the model type (GGUF metadata carries none).
+    in from the model type (GGUF metadata carries none) and, for some architectures, the
+    attributes transformers' GGUF parsing drops (`gguf.complete_hf_config`).
     """
     from transformers import AutoConfig
 
@@ -288,17 +293,40 @@ def load_gguf_config(path: str) -> Any:
     return cfg
 
 
+def _read_cached_tokenizer(entry: Path) -> Any | None:
+    """The cached tokenizer of an entry, None when absent or unreadable.
+
+    NOTE: read with the generic `PreTrainedTokenizerFast`, not `AutoTokenizer`: the saved
+    config names the class transformers picked for the architecture (e.g. `Qwen2Tokenizer`),
+    whose `__init__` rebuilds the normalizer and pre-tokenizer from its own defaults instead
+    of taking the GGUF-derived ones from tokenizer.json (a `qwen35` vocabulary came back
+    with Qwen2's split regex and an NFC normalizer added).
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    if not (entry / "tokenizer").is_dir():
+        return None
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(entry / "tokenizer"))
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring unreadable cached tokenizer in %s: %s", entry, e)
+        return None
+
+
 def load_gguf_tokenizer(path: str) -> Any:
     """The tokenizer (with chat template) from a GGUF file's metadata, cached after the first
-    parse as a regular transformers tokenizer directory."""
+    parse as a regular transformers tokenizer directory.
+
+    The first load also returns the tokenizer read back from the cache, so that it behaves
+    like every later load: transformers' freshly converted object can differ from its own
+    saved form (Phi-3's `</s>`, a plain token in the file, is still skipped as special).
+    """
     from transformers import AutoTokenizer
 
     entry = entry_dir(path)
-    if (entry / "tokenizer").is_dir():
-        try:
-            return AutoTokenizer.from_pretrained(str(entry / "tokenizer"))
-        except (OSError, ValueError) as e:
-            logger.warning("ignoring unreadable cached tokenizer in %s: %s", entry, e)
+    cached = _read_cached_tokenizer(entry)
+    if cached is not None:
+        return cached
     directory, name = _split(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
@@ -306,4 +334,5 @@ def load_gguf_tokenizer(path: str) -> Any:
         raise ModelLoadError(f"cannot read the tokenizer of {path!r}: {e}") from e
     if _ensure_entry(entry, path):
         _publish_dir(entry, "tokenizer", tokenizer.save_pretrained)
-    return tokenizer
+        cached = _read_cached_tokenizer(entry)
+    return tokenizer if cached is None else cached

@@ -326,35 +326,58 @@ def test_unsupported_type_and_arch_are_reported(tmp_path):
 
 K_TYPES = {"attn_q.weight": QT.Q2_K, "attn_k.weight": QT.Q3_K, "attn_v.weight": QT.Q4_K,
            "attn_output.weight": QT.Q5_K, "ffn_gate.weight": QT.Q6_K}
+# Byte offsets of the float16 scale fields (`d`, and `dmin` where the type has one) in one
+# 256-value block, from ggml's block structs (the order gguf.quants splits them in).
+K_SCALE_OFFSETS = {QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2),
+                   QT.Q6_K: (208,)}
+
+
+def random_k_blocks(rng: np.random.Generator, shape: tuple[int, int],
+                    qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Raw K-quant data for a [rows, cols] tensor (cols a multiple of 256): every byte random
+    (all quant and sub-block scale bits exercised), except the float16 super-block scales,
+    set to small finite values so the dequantized tensor is finite."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    raw = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+    for offset in K_SCALE_OFFSETS[qtype]:
+        scale = (rng.uniform(0.001, 0.05, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2]))
+        raw[..., offset:offset + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, cols // block_size * type_size)
 
 
 def test_k_quants_dequantize(tmp_path):
-    """gguf-py cannot quantize K-types: write random blocks (bytes < 0x40 keep every f16
-    scale finite) and check the loader returns their dequantization, un-permuted."""
+    """gguf-py cannot quantize K-types: write random blocks and check that the loader, uncached
+    and through the conversion cache (filling it, then reading it), returns their
+    dequantization by gguf.quants, un-permuted."""
     rng = np.random.default_rng(0)
     dim, heads, kv_heads = 256, 4, 2
     shapes = {"attn_q.weight": (dim, dim), "attn_k.weight": (dim // 2, dim),
-              "attn_v.weight": (dim // 2, dim), "attn_output.weight": (dim, dim),
-              "ffn_gate.weight": (dim, dim)}
-    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+              "attn_v.weight": (dim // 2, 2 * dim), "attn_output.weight": (dim, dim),
+              "ffn_gate.weight": (3 * dim // 4, dim)}
+    path = tmp_path / "k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     expected = {}
     for name, qtype in K_TYPES.items():
-        byte_shape = gguf.quant_shape_to_byte_shape(shapes[name], qtype)
-        raw = (rng.integers(0, 256, byte_shape, dtype=np.uint8) & 0x3F).astype(np.uint8)
+        raw = random_k_blocks(rng, shapes[name], qtype)
         writer.add_tensor(f"blk.0.{name}", raw, raw_dtype=qtype)
         deq = gguf.quants.dequantize(raw, qtype)
+        assert deq.shape == shapes[name] and np.isfinite(deq).all()
+        assert np.abs(deq).max() > 0.1  # the random bytes really decode to a spread of values
         n = {"attn_q.weight": heads, "attn_k.weight": kv_heads}.get(name)
         if n is not None:
             deq = deq[np.argsort(llamacpp_row_order(deq.shape[0], n))]
-        assert np.isfinite(deq).all()
-        expected[f"model.layers.0.{next(k for k, v in LAYER_NAMES.items() if v == name)}"] = deq
+        hf_name = f"model.layers.0.{next(k for k, v in LAYER_NAMES.items() if v == name)}"
+        expected[hf_name] = torch.from_numpy(np.array(deq, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    got = dict(GGUFWeights(str(tmp_path / "k.gguf")).iter_weights(torch.float32))
-    assert set(got) == set(expected)
-    for name, ref in expected.items():
-        assert torch.equal(got[name], torch.from_numpy(np.array(ref, np.float32))), name
+    for got in (dict(GGUFWeights(str(path)).iter_weights(torch.float32)),
+                dict(iter_weights(str(path), None, torch.float32)),  # converts, fills cache
+                dict(iter_weights(str(path), None, torch.float32))):  # reads the cache
+        assert set(got) == set(expected)
+        for name, ref in expected.items():
+            assert torch.equal(got[name], ref), name

@@ -85,6 +85,32 @@ def test_bf16_checkpoint_equals_rounded_reference(variants, reference):
         assert torch.equal(as_fp32[name], rounded.float()), name
 
 
+def _sequence_logprobs(model_dir: Path) -> list[torch.Tensor]:
+    """pagedllm's log-softmax at every position of a few fixed sequences, float32 engine."""
+    from pagedllm import LLM
+    from tests.utils import pagedllm_sequence_logprobs, random_prompts
+
+    llm = LLM(str(model_dir), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16,
+              max_model_len=64, attention_backend="torch_ref")
+    return [pagedllm_sequence_logprobs(llm, seq) for seq in random_prompts(3, 128, 8, 40, seed=3)]
+
+
+def test_layouts_give_the_same_logits(variants, tiny_llama, tmp_path):
+    """Sharded == single-file fp32 exactly. The bf16 checkpoint equals, exactly, the fp32
+    model with its weights rounded to bf16 (bf16 widens to fp32 without loss), and the
+    unrounded fp32 model within bf16 rounding error."""
+    rounded = tmp_path / "rounded"
+    copy.deepcopy(tiny_llama[1]).to(torch.bfloat16).to(torch.float32).save_pretrained(rounded)
+    single, sharded, bf16, single_rounded = (
+        _sequence_logprobs(variants["single"]), _sequence_logprobs(variants["sharded"]),
+        _sequence_logprobs(variants["bf16"]), _sequence_logprobs(rounded))
+    for i in range(len(single)):
+        assert torch.equal(sharded[i], single[i])
+        assert torch.equal(bf16[i], single_rounded[i])
+        assert not torch.equal(bf16[i], single[i])  # the rounding is visible in the logits
+        torch.testing.assert_close(bf16[i], single[i], atol=1e-2, rtol=0)
+
+
 def test_fp32_checkpoint_converts_to_requested_dtype(variants, reference):
     got = dict(iter_weights(str(variants["single"]), None, torch.float16))
     assert all(got[n].dtype == torch.float16 and torch.equal(got[n], reference[n].half())
