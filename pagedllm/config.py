@@ -141,6 +141,12 @@ class DeviceConfig:
     """Resolved device: "cpu" or "cuda"."""
     attention_backend: str
     """Name of the attention backend (see attention/backend.py)."""
+    num_threads: int = 1
+    """Intra-op threads of the engine process (CPU: its physical cores)."""
+    compile: bool = False
+    """Run the model through torch.compile (worker/compile.py) instead of eagerly."""
+    compile_cache_dir: str = ""
+    """On-disk cache of compiled graphs (under cache_root())."""
 
 
 @dataclass
@@ -184,6 +190,11 @@ class EngineArgs:
     attention_backend: str | None = _arg(None, "attention backend: torch_ref or cpu "
                                                "(default: the fastest for the device)")
     seed: int = _arg(0, "random seed for sampling of requests without their own seed")
+    num_threads: int | None = _arg(None, "intra-op threads (default: the physical cores this "
+                                         "process may run on, or env PAGEDLLM_NUM_THREADS)")
+    compile: bool = _arg(False, "compile the model with torch.compile (inductor; graphs "
+                                "cached on disk). Off by default: on CPU the eager path with "
+                                "native kernels is as fast and starts in seconds")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -212,8 +223,11 @@ class EngineArgs:
                                 max_model_len=max_model_len,
                                 enable_chunked_prefill=self.enable_chunked_prefill)
         backend = self.attention_backend or ("cpu" if device == "cpu" else "torch_ref")
-        return EngineConfig(model=model, cache=cache, scheduler=sched,
-                            device=DeviceConfig(device=device, attention_backend=backend))
+        device_config = DeviceConfig(
+            device=device, attention_backend=backend,
+            num_threads=_resolve_num_threads(self.num_threads), compile=self.compile,
+            compile_cache_dir=str(cache_root() / "inductor"))
+        return EngineConfig(model=model, cache=cache, scheduler=sched, device=device_config)
 
     def _resolve_model_path(self) -> str:
         if self.model is None:
@@ -248,6 +262,26 @@ def load_hf_config(path: str) -> Any:
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type)
         cfg.architectures = [arch] if arch else []
     return cfg
+
+
+def _resolve_num_threads(requested: int | None) -> int:
+    """Threads for torch's intra-op pool: one per physical core this process may use
+    (hyper-threads share a core's vector units and only add contention)."""
+    if requested is None and os.environ.get("PAGEDLLM_NUM_THREADS"):
+        requested = int(os.environ["PAGEDLLM_NUM_THREADS"])
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"num_threads must be >= 1, got {requested}")
+        return requested
+    import psutil
+
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    physical = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
+    logical = psutil.cpu_count() or physical
+    if allowed is None or allowed >= logical:
+        return physical
+    # A restricted affinity mask: assume it spans hyper-thread siblings evenly.
+    return max(1, allowed * physical // logical)
 
 
 def _resolve_device(device: str) -> str:

@@ -45,6 +45,13 @@ def add_workload_args(parser: argparse.ArgumentParser, lengths: bool = True,
         group.add_argument("--seed", type=int, default=0, help="seed of the random workload")
 
 
+def add_engine_bench_args(parser: argparse.ArgumentParser) -> None:
+    """Options of the benchmarks that start an engine in this process."""
+    parser.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="run without a tokenizer (prompts are token ids; outputs are "
+                             "not detokenized)")
+
+
 def load_dataset(path: str) -> list[BenchRequest]:
     """Read a workload file: a JSON list of {"prompt_token_ids": [...], "max_tokens": n}."""
     try:

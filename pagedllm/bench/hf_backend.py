@@ -18,7 +18,7 @@ from pagedllm.bench.throughput import result_of
 from pagedllm.config import EngineArgs
 
 # New tokens per request in the batch-size probe.
-_PROBE_TOKENS = 16
+_PROBE_TOKENS = 32
 
 
 def load_hf_model(path: str, dtype: torch.dtype) -> Any:

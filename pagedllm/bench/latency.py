@@ -16,13 +16,15 @@ from typing import Any
 
 import psutil
 
-from pagedllm.bench.common import (BenchRequest, add_workload_args, emit, load_dataset,
-                                   peak_rss_mb, random_requests, summarize)
+from pagedllm.bench.common import (BenchRequest, add_engine_bench_args, add_workload_args,
+                                   emit, load_dataset, peak_rss_mb, random_requests,
+                                   summarize)
 from pagedllm.config import EngineArgs
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser, lengths=False)
+    add_engine_bench_args(parser)
     parser.add_argument("--input-len", type=int, default=128,
                         help="prompt tokens (random prompt; without --dataset)")
     parser.add_argument("--output-len", type=int, default=128,
@@ -32,12 +34,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="untimed requests first (the first gives startup_s)")
 
 
-def time_request(engine: Any, req_id: str, request: BenchRequest) -> tuple[float, float, int]:
+def time_request(engine: Any, req_id: str, request: BenchRequest,
+                 detokenize: bool = True) -> tuple[float, float, int]:
     """(ttft_s, e2e_s, output tokens) of one request run alone on `engine`."""
     from pagedllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True,
-                            detokenize=True)
+                            detokenize=detokenize)
     start = time.perf_counter()
     engine.add_request(req_id, {"prompt_token_ids": request.prompt_token_ids}, params)
     ttft, num_tokens = None, 0
@@ -53,7 +56,7 @@ def run(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
     from pagedllm import LLM
 
     process_start = psutil.Process().create_time()  # epoch seconds
-    llm = LLM(**dataclasses.asdict(engine_args))
+    llm = LLM(skip_tokenizer_init=ns.skip_tokenizer_init, **dataclasses.asdict(engine_args))
     engine, config = llm.llm_engine, llm.llm_engine.config
     if ns.dataset:
         requests = load_dataset(ns.dataset)[:ns.num_prompts or None]
@@ -64,7 +67,8 @@ def run(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
     startup_s = None
     for i in range(ns.num_iters_warmup + ns.num_iters):
         request = requests[i % len(requests)]
-        ttft, e2e, num_tokens = time_request(engine, f"latency-{i}", request)
+        ttft, e2e, num_tokens = time_request(engine, f"latency-{i}", request,
+                                             not ns.skip_tokenizer_init)
         if startup_s is None:
             # Wall clock since the process began, at this first request's first token.
             startup_s = time.time() - process_start - (e2e - ttft)
@@ -75,7 +79,7 @@ def run(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
         if num_tokens > 1:
             decode_rates.append((num_tokens - 1) / (e2e - ttft))
     result = {"model": config.model.path, "dtype": config.model.dtype,
-              "num_iters": ns.num_iters,
+              "num_iters": ns.num_iters, "num_threads": config.device.num_threads,
               "input_len": len(requests[0].prompt_token_ids),
               "output_len": requests[0].max_tokens,
               **summarize(ttfts, "ttft_s"), **summarize(decode_rates, "decode_tokens_per_s"),

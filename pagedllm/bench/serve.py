@@ -163,6 +163,10 @@ def aggregate(results: list[RequestResult], duration: float) -> dict[str, Any]:
 
 
 def run(ns: argparse.Namespace) -> dict[str, Any]:
+    import logging
+
+    # httpx logs every request at INFO: thousands of lines over the summary.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     requests = workload_from_args(ns, ns.random_vocab_size)
     results, duration, model = asyncio.run(run_requests(ns, requests))
     result = {"base_url": ns.base_url, "model": model, "num_requests": len(requests),

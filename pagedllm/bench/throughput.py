@@ -13,13 +13,14 @@ import gc
 import time
 from typing import Any
 
-from pagedllm.bench.common import (BenchRequest, add_workload_args, emit, peak_rss_mb,
-                                   workload_from_args)
+from pagedllm.bench.common import (BenchRequest, add_engine_bench_args, add_workload_args,
+                                   emit, peak_rss_mb, workload_from_args)
 from pagedllm.config import EngineArgs
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser)
+    add_engine_bench_args(parser)
     parser.add_argument("--backend", choices=("pagedllm", "hf", "both"), default="pagedllm",
                         help="pagedllm, transformers' generate (hf), or both for the speed-up")
     parser.add_argument("--hf-batch-sizes", default="1,8,32,64",
@@ -49,25 +50,30 @@ def result_of(backend: str, requests: list[BenchRequest], num_output: int,
 def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(**dataclasses.asdict(engine_args))
+    llm = LLM(skip_tokenizer_init=ns.skip_tokenizer_init, **dataclasses.asdict(engine_args))
     config = llm.llm_engine.config
     requests = workload_from_args(ns, config.model.hf_config.vocab_size)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
-              for r in requests]
+    detokenize = not ns.skip_tokenizer_init
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
+                             detokenize=detokenize) for r in requests]
     if not ns.no_warmup:
         # One short request first: one-time costs (first allocations, lazy imports) are
         # start-up, not throughput. Its prompt shares no prefix with the workload's.
         warm = [int(t) % config.model.hf_config.vocab_size for t in range(7, 7 + 32)]
         llm.generate([{"prompt_token_ids": warm}],
-                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                     use_tqdm=False)
-    start = time.perf_counter()
+                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                    detokenize=detokenize), use_tqdm=False)
+    start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
     extra = {"model": config.model.path, "dtype": config.model.dtype,
              "enable_prefix_caching": config.cache.enable_prefix_caching,
+             "num_threads": config.device.num_threads,
+             # CPU seconds of this process per wall second: ~num_threads when the machine
+             # is ours; lower means other processes took cores from the run.
+             "cpu_utilization": cpu / elapsed,
              "num_cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outputs)}
     del llm, outputs
     gc.collect()

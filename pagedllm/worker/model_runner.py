@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,9 +45,18 @@ class ModelRunner:
         self.dtype = getattr(torch, config.model.dtype)
         self.block_size = config.cache.block_size
         self.max_model_len = config.scheduler.max_model_len
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.device.num_threads)
         self.model = load_model(config.model, config.device.attention_backend,
                                 self.device, self.dtype)
-        if self.device.type == "cpu":
+        # model(input_ids, positions, attn_metadata) -> hidden, eager or compiled.
+        self._forward = self.model
+        if config.device.compile:
+            from pagedllm.worker.compile import CompiledForward
+
+            self._forward = CompiledForward(self.model, Path(config.device.compile_cache_dir))
+        elif self.device.type == "cpu":
+            # Eager CPU: oneDNN-packed weights (compiled graphs pack their own).
             pack_linear_weights(self.model)
         self.vocab_size = config.model.hf_config.vocab_size
         self.sampler = Sampler()
@@ -75,7 +85,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(so)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
         sampled_ids: list[list[int]] = [[] for _ in inputs.req_ids]
         output = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_ids)

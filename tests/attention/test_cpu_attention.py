@@ -108,3 +108,14 @@ def test_cpu_all_decode_batch(dtype):
     md = make_metadata(computed, [1] * len(computed), 16, 64, seed=2)
     actual, expected = run_both(spec, md, dtype, 16, 64, seed=2)
     torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_chunks_ending_in_a_single_token_tile(dtype):
+    """Prefill chunks of 16k + 1 tokens end in one-token tiles (the decode code path),
+    here over contexts much longer than any pure decode of the batch."""
+    spec = AttentionSpec(num_heads=6, num_kv_heads=2, head_size=64, scale=0.125)
+    computed, query_lens = [0, 150, 3, 7], [17, 33, 1, 1]
+    md = make_metadata(computed, query_lens, 16, 64, seed=3)
+    actual, expected = run_both(spec, md, dtype, 16, 64, seed=3)
+    torch.testing.assert_close(actual, expected, **TOL[dtype])

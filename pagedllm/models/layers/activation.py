@@ -6,11 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.attention.cpu_kernels import cpu_ops_available
+
 
 class SiluAndMul(nn.Module):
     """[.., 2d] (gate | up) -> silu(gate) * up [.., d]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and cpu_ops_available(x):
+            out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+            torch.ops.pagedllm_cpu.silu_and_mul.default(out, x)
+            return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

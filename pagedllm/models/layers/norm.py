@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.attention.cpu_kernels import cpu_ops_available
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * w, computed in float32. `offset=1.0` gives Gemma's (1 + w) form."""
@@ -16,6 +18,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops_available(x):
+            # One fused native op, same float32 math (attention/csrc/cpu_ops.cpp).
+            rows = x.reshape(-1, x.shape[-1])
+            out = torch.empty(rows.shape, dtype=x.dtype)
+            torch.ops.pagedllm_cpu.rms_norm.default(out, rows, self.weight, self.eps, self.offset)
+            return out.view(x.shape)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

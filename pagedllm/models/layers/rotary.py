@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.attention.cpu_kernels import cpu_ops_available
+
 
 def rope_inv_freq(hf_config: Any, rotary_dim: int, layer_type: str | None = None,
                   ) -> tuple[torch.Tensor, float]:
@@ -60,7 +62,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H*D], k [T, KVH*D] -> rotated (q, k). NOTE: on CPU the native op rotates
+        q and k in place (they are fresh projections); use the returned tensors."""
         cos_t, sin_t = self._tables(q.device, q.dtype)
+        if (cpu_ops_available(q) and q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1
+                and k.stride(-1) == 1 and positions.dtype == torch.int64):
+            torch.ops.pagedllm_cpu.rotary_embedding.default(
+                q, k, positions, cos_t, sin_t, self.head_size, self.rotary_dim,
+                self.is_neox_style)
+            return q, k
         cos, sin = cos_t[positions], sin_t[positions]  # [T, rotary_dim // 2]
         return self._apply(q, cos, sin), self._apply(k, cos, sin)
 

@@ -1,0 +1,145 @@
+// Shared pieces of the paged attention kernels (cpu_attention.cpp): the parameters of a
+// call, work items, per-thread scratch and the query/output row helpers.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace pagedllm_attention {
+
+// Everything an item needs to find its queries, its context and its output.
+template <typename T>
+struct Params {
+  const T* q;           // [T, H, D] with strides qs0, qs1
+  T* out;               // [T, H, D] with strides os0, os1
+  const T* kc;          // K half of the cache: slot s, kv head h at kc + s * tok_stride + h * D
+  const int32_t* bt;    // block table rows, bt_stride apart
+  const int32_t* lens;  // seq_lens [R]
+  const int32_t* qsl;   // query_start_loc [R + 1]
+  int64_t qs0, qs1, os0, os1, bt_stride;
+  int64_t head_size, group, block_size, tok_stride;
+  int64_t cache_half;  // elements from a K entry to its V entry
+  int64_t sliding_window;  // 0: none
+  float scale;
+};
+
+// Query tokens [tok_begin, tok_end) of request `req`, KV heads [head_begin, head_end).
+struct Item {
+  int64_t req, head_begin, head_end, tok_begin, tok_end;
+};
+
+// Positions of an item: query token tok_begin + i sits at pos0 + i; keys [key_lo, key_hi)
+// cover what any of its rows may see.
+struct Span {
+  int64_t pos0, num_toks, key_lo, key_hi;
+};
+
+template <typename T>
+Span span_of(const Params<T>& p, const Item& item) {
+  const int64_t r = item.req;
+  const int64_t q_len = p.qsl[r + 1] - p.qsl[r];
+  Span s;
+  // The chunk's queries are the last q_len positions of the context.
+  s.pos0 = p.lens[r] - q_len + (item.tok_begin - p.qsl[r]);
+  s.num_toks = item.tok_end - item.tok_begin;
+  s.key_lo = p.sliding_window > 0 ? std::max<int64_t>(0, s.pos0 - p.sliding_window + 1) : 0;
+  s.key_hi = s.pos0 + s.num_toks;
+  return s;
+}
+
+// Cache slot of key position `pos` of request r: block_table[pos / B] * B + pos % B.
+template <typename T>
+inline int64_t slot_of(const Params<T>& p, int64_t r, int64_t pos) {
+  return static_cast<int64_t>(p.bt[r * p.bt_stride + pos / p.block_size]) * p.block_size +
+         pos % p.block_size;
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline void to_float(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
+}
+
+inline void to_float(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// exp(x) for x <= 0, Cephes' polynomial (~1 ulp); x below -87 (or -inf) gives ~1e-38.
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(float));
+  return p * scale;
+}
+
+// Per-thread buffers, sized for the largest item.
+struct Scratch {
+  std::vector<float> q, acc, m, l, k, v, s, probs, alpha;
+  std::vector<uint16_t> probs_b;
+  // Decode items: scores (then probabilities) of every row over the whole context.
+  std::vector<float> scores;
+  std::vector<uint16_t> scores_b;
+  Scratch(int64_t max_rows, int64_t head_size, int64_t keys, int64_t decode_scores)
+      : q(max_rows * head_size), acc(max_rows * head_size), m(max_rows), l(max_rows),
+        k(keys * head_size), v(keys * head_size), s(keys), probs(max_rows * 16),
+        alpha(max_rows), probs_b(max_rows * 16 + 2), scores(decode_scores),
+        scores_b(decode_scores + 2) {}
+};
+
+// Load the queries of KV head h as float32 times `scale`, rows i * G + g.
+template <typename T>
+void load_queries(const Params<T>& p, const Item& item, int64_t h, float* qf, float scale) {
+  const int64_t d = p.head_size;
+  for (int64_t i = 0; i < item.tok_end - item.tok_begin; ++i) {
+    for (int64_t g = 0; g < p.group; ++g) {
+      const T* src = p.q + (item.tok_begin + i) * p.qs0 + (h * p.group + g) * p.qs1;
+      float* dst = qf + (i * p.group + g) * d;
+      to_float(src, dst, d);
+      for (int64_t j = 0; j < d; ++j) dst[j] *= scale;
+    }
+  }
+}
+
+template <typename T>
+void store_outputs(const Params<T>& p, const Item& item, int64_t h, const float* acc,
+                   const float* l) {
+  const int64_t d = p.head_size;
+  const int64_t rows = (item.tok_end - item.tok_begin) * p.group;
+  for (int64_t row = 0; row < rows; ++row) {
+    T* dst = p.out + (item.tok_begin + row / p.group) * p.os0 +
+             (h * p.group + row % p.group) * p.os1;
+    // l > 0: every row sees at least its own key.
+    const float inv = 1.0f / l[row];
+    for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(acc[row * d + j] * inv);
+  }
+}
+
+}  // namespace pagedllm_attention

@@ -1,0 +1,99 @@
+// AVX-512 helpers shared by the CPU kernels: 16-lane float32 loads/stores from/to the
+// storage dtypes (float32, bfloat16, float16) and a vectorized exp. Conversions to
+// bfloat16 round to nearest even exactly like c10::BFloat16 (and torch's vectorized
+// kernels), so fused ops store the same bits the unfused torch ops would.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace pagedllm_simd {
+
+inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
+
+inline __m512 load16(const c10::BFloat16* src) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512 load16(const c10::Half* src) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+
+// The first lanes set in `mask`; the others read nothing and are 0.
+inline __m512 load16(const float* src, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, src);
+}
+
+inline __m512 load16(const c10::BFloat16* src, __mmask16 mask) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, src);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512 load16(const c10::Half* src, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, src));
+}
+
+// float32 -> bfloat16 bits (round to nearest even, as c10::BFloat16), in the low halves.
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_srli_epi32(rounded, 16);
+}
+
+inline void store16(float* dst, __m512 v, __mmask16 mask = 0xffff) {
+  _mm512_mask_storeu_ps(dst, mask, v);
+}
+
+inline void store16(c10::BFloat16* dst, __m512 v, __mmask16 mask = 0xffff) {
+  _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+
+inline void store16(c10::Half* dst, __m512 v, __mmask16 mask = 0xffff) {
+  _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// v rounded to T's precision and back to float32 (what storing then loading gives).
+template <typename T>
+inline __m512 round_to(__m512 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    return v;
+  }
+}
+
+// exp of 16 lanes, Cephes' polynomial (~1 ulp); x clamped to [-87, 88] (-inf gives
+// ~1e-38, not 0).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, k);
+}
+
+// Lanes [0, n) of a 16-lane mask (n in [0, 16]).
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+}  // namespace pagedllm_simd
+#endif  // __AVX512F__

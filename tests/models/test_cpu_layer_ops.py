@@ -1,0 +1,99 @@
+"""The fused native CPU ops behind RMSNorm, RotaryEmbedding and SiluAndMul match the
+layers' torch code (the fallback without a compiler); the single-token GEMV matches oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.config import cpu_has_avx512_bf16
+from pagedllm.models.layers import activation, norm, rotary
+from pagedllm.models.layers.activation import SiluAndMul
+from pagedllm.models.layers.linear import ColumnParallelLinear, pack_linear_weights
+from pagedllm.models.layers.norm import RMSNorm
+from pagedllm.models.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="native CPU ops not built")
+
+# float32 differs only by summation order / exp's last bit; bf16 by one rounding.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+
+
+def torch_path(monkeypatch, module):
+    monkeypatch.setattr(module, "cpu_ops_available", lambda x: False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm(monkeypatch, dtype, offset):
+    layer = RMSNorm(96, eps=1e-5, offset=offset)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, generator=gen))
+    layer = layer.to(dtype)
+    # Strided rows (a slice of a wider tensor) and a 3-D input (per-head q/k norm).
+    x = (torch.randn(7, 200, generator=gen) * 3).to(dtype)[:, 10:106]
+    x3 = torch.randn(5, 4, 96, generator=gen).to(dtype)
+    fused, fused3 = layer(x), layer(x3)
+    torch_path(monkeypatch, norm)
+    torch.testing.assert_close(fused, layer(x), **TOL[dtype])
+    torch.testing.assert_close(fused3, layer(x3), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [32, 16])  # full and partial rotary
+def test_rotary(monkeypatch, dtype, neox, rotary_dim):
+    head_size, num_heads, num_kv_heads = 32, 4, 2
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    layer = RotaryEmbedding(head_size, rotary_dim, 512, inv_freq, is_neox_style=neox)
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(9, (num_heads + 2 * num_kv_heads) * head_size, generator=gen).to(dtype)
+    positions = torch.tensor([0, 1, 2, 17, 100, 511, 3, 3, 64])
+
+    def run():
+        q, k, _ = qkv.clone().split([num_heads * head_size, num_kv_heads * head_size,
+                                     num_kv_heads * head_size], dim=-1)
+        return layer(positions, q, k)
+
+    fused_q, fused_k = run()
+    torch_path(monkeypatch, rotary)
+    ref_q, ref_k = run()
+    torch.testing.assert_close(fused_q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(fused_k, ref_k, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(monkeypatch, dtype):
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(6, 2 * 80, generator=gen) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp over/underflow edges
+    fused = SiluAndMul()(x)
+    torch_path(monkeypatch, activation)
+    torch.testing.assert_close(fused, SiluAndMul()(x), **TOL[dtype])
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="needs AVX512-BF16")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features", [8, 100, 576])
+def test_single_token_gemv_matches_onednn(bias, out_features):
+    """One token through a packed bf16 linear layer takes the native GEMV; several tokens
+    take oneDNN. Both agree (fp32 sums in a different order, one bf16 rounding)."""
+    gen = torch.Generator().manual_seed(3)
+    layer = ColumnParallelLinear(64, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_features, 64, generator=gen))
+        if bias:
+            layer.bias.copy_(torch.randn(out_features, generator=gen))
+    layer = layer.to(torch.bfloat16)
+    model = torch.nn.Sequential(layer)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    expected = torch.nn.functional.linear(x.float(), layer.weight.float(),
+                                          layer.bias.float() if bias else None)
+    pack_linear_weights(model)
+    assert layer.gemv_weight is not None
+    single = torch.cat([layer(x[i:i + 1]) for i in range(3)])
+    batched = layer(x)
+    torch.testing.assert_close(single.float(), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(single, batched, rtol=1e-2, atol=1e-2)
