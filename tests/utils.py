@@ -142,3 +142,16 @@ def scale_saved_weights(path: Path, scales: dict[str, float]) -> Path:
                 tensor.mul_(factor)
     save_file(tensors, file, metadata={"format": "pt"})
     return Path(path)
+
+
+def tiny_llama_config(**overrides):
+    """The tiny Llama most engine tests share: 2 layers, hidden 64, GQA 4:2, vocab 256,
+    untied head, no special tokens (so greedy runs never stop early)."""
+    from transformers import LlamaConfig
+
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+              pad_token_id=None)
+    kw.update(overrides)
+    return LlamaConfig(**kw)

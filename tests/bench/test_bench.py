@@ -10,20 +10,16 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from transformers import LlamaConfig
 
 from pagedllm.entrypoints.cli import main
-from tests.utils import save_tiny_model
+from tests.utils import save_tiny_model, tiny_llama_config
 
 VOCAB = 96
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, bos_token_id=None, eos_token_id=1,
-                      pad_token_id=None)
+    cfg = tiny_llama_config(vocab_size=VOCAB, eos_token_id=1)
     return str(save_tiny_model(tmp_path_factory.mktemp("tiny_bench"), cfg))
 
 

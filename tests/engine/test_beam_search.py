@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, BeamSearchParams
-from tests.utils import random_prompts, save_tiny_model
+from tests.utils import random_prompts, save_tiny_model, tiny_llama_config
 
 VOCAB = 32
 EOS = 3
@@ -16,10 +16,7 @@ EOS = 3
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=128, tie_word_embeddings=False,
-                      bos_token_id=None, eos_token_id=EOS, pad_token_id=None)
+    cfg = tiny_llama_config(vocab_size=VOCAB, max_position_embeddings=128, eos_token_id=EOS)
     return save_tiny_model(tmp_path_factory.mktemp("tiny_beam"), cfg, seed=7)
 
 

@@ -4,20 +4,16 @@ cache, best_of, output kinds, aborts."""
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig
 
 from pagedllm import LLM, LLMEngine, EngineArgs, RequestOutputKind, SamplingParams
-from tests.utils import hf_greedy, random_prompts, save_tiny_model
+from tests.utils import hf_greedy, random_prompts, save_tiny_model, tiny_llama_config
 
 VOCAB = 256
 
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, tie_word_embeddings=False,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = tiny_llama_config(vocab_size=VOCAB)
     # Larger weights than the default init: flatter distributions make seeds matter.
     return save_tiny_model(tmp_path_factory.mktemp("tiny_sampling"), cfg, seed=5)
 
