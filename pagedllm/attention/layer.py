@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from pagedllm.attention import forward_context  # noqa: F401 (registers pagedllm::attention)
 from pagedllm.attention.backend import AttentionSpec, get_attention_backend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.models.layers.module import Module
 
 
-class Attention(nn.Module):
+class Attention(Module):
     """Paged attention over this layer's slice of the KV cache.
 
     The model runner binds `kv_cache` ([2, num_blocks, block_size, KVH, D]) once after

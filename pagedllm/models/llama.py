@@ -28,6 +28,7 @@ from pagedllm.models.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.models.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
+from pagedllm.models.layers.module import Module
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS, load_stacked_weights
@@ -65,7 +66,7 @@ def gated_act(name: str) -> nn.Module:
     raise ValueError(f"unsupported gated activation {name!r}")
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(Module):
     """qkv_proj -> (per-head q/k RMSNorm) -> RoPE -> paged attention -> o_proj.
 
     `qk_norm_offset` None means no q/k norm; 0.0 is Qwen3's RMSNorm, 1.0 Gemma 3's (1 + w).
@@ -108,7 +109,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(Module):
     """down(act(gate(x)) * up(x)) with gate/up fused into one matmul."""
 
     def __init__(self, cfg: Any, act: str | None = None) -> None:
@@ -123,7 +124,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(Module):
     def __init__(self, cfg: Any, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn, self.mlp = self_attn, mlp
@@ -151,7 +152,7 @@ class LlamaVariant:
     stacked_params: tuple[tuple[str, str, str | int], ...] = LLAMA_STACKED_PARAMS
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(Module):
     def __init__(self, cfg: Any, attn_backend: str,
                  variant: LlamaVariant = LlamaVariant()) -> None:
         super().__init__()
@@ -179,7 +180,7 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Module):
     """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden];
     compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab]."""
 

@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.cpu_kernels import cpu_ops_available
+from pagedllm.models.layers.module import Module
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(Module):
     """[.., 2d] (gate | up) -> silu(gate) * up [.., d]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -21,7 +22,7 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-class GeluAndMul(nn.Module):
+class GeluAndMul(Module):
     """[.., 2d] (gate | up) -> gelu(gate) * up, with `approximate` as in HF's act names."""
 
     def __init__(self, approximate: str = "none") -> None:
@@ -33,7 +34,7 @@ class GeluAndMul(nn.Module):
         return F.gelu(gate, approximate=self.approximate) * up
 
 
-class GeluTanh(nn.Module):
+class GeluTanh(Module):
     """GELU's tanh approximation: HF's gelu_new, gelu_fast, gelu_pytorch_tanh and Bloom's
     bloom_gelu are all this formula (they differ only in how the constants are spelled)."""
 
@@ -41,7 +42,7 @@ class GeluTanh(nn.Module):
         return F.gelu(x, approximate="tanh")
 
 
-class QuickGelu(nn.Module):
+class QuickGelu(Module):
     """x * sigmoid(1.702 x) (HF's quick_gelu)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

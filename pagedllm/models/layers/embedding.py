@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.models.layers.linear import can_pack, cpu_linear, pack_weight
+from pagedllm.models.layers.module import Module
 
 
-class VocabEmbedding(nn.Module):
+class VocabEmbedding(Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
@@ -18,7 +19,7 @@ class VocabEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(Module):
     """hidden [N, hidden] -> logits [N, vocab] in float32 (sampling and logprobs need it)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:

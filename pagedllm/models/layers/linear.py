@@ -14,12 +14,13 @@ from torch import nn
 
 from pagedllm.attention.cpu_kernels import cpu_ops_available
 from pagedllm.config import cpu_has_avx512_bf16
+from pagedllm.models.layers.module import Module
 
 # Largest total of linear weights for which plain copies are kept for the GEMV (bytes).
 GEMV_MAX_BYTES = 2 << 30
 
 
-class LinearBase(nn.Module):
+class LinearBase(Module):
     """y = x W^T (+ b) with W of shape [output_size, input_size] (this rank's part)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool,

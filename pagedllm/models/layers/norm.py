@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.cpu_kernels import cpu_ops_available
+from pagedllm.models.layers.module import Module
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     """x / rms(x) * w, computed in float32. `offset=1.0` gives Gemma's (1 + w) form."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0) -> None:
@@ -30,7 +31,7 @@ class RMSNorm(nn.Module):
         return (x * (self.weight.float() + self.offset)).to(dtype)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(Module):
     """(x - mean) / std * w + b over the last dim, in float32 (nn.LayerNorm's math).
 
     `elementwise_affine=False` (some OPT checkpoints) has no parameters; `bias=False` keeps

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from pagedllm.attention.cpu_kernels import cpu_ops_available
+from pagedllm.models.layers.module import Module
 
 
 def rope_inv_freq(hf_config: Any, rotary_dim: int, layer_type: str | None = None,
@@ -36,7 +36,7 @@ def rope_inv_freq(hf_config: Any, rotary_dim: int, layer_type: str | None = None
     return inv_freq.float(), float(factor)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Module):
     """Applies RoPE to q [T, H*D] and k [T, KVH*D] in place of their first rotary_dim dims.
 
     `is_neox_style` rotates halves (HF's rotate_half); otherwise adjacent pairs (GPT-J).
