@@ -90,7 +90,7 @@ inline void row_scores(const T* const* kb, int n, const void* q, __mmask16 mask,
     const __m512 s = _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale));
     const float m_new = std::max(m, _mm512_mask_reduce_max_ps(mask, s));
     if (m_new > m) {
-      alpha = exp_nonpos(m - m_new);  // 0 on the first chunk (m = -inf)
+      alpha = exp_poly(m - m_new);  // 0 on the first chunk (m = -inf)
       l *= alpha;
       m = m_new;
     }

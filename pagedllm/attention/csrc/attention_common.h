@@ -12,6 +12,8 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace pagedllm_attention {
 
 // Everything an item needs to find its queries, its context and its output.
@@ -82,23 +84,8 @@ inline void to_float(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// exp(x) for x <= 0, Cephes' polynomial (~1 ulp); x below -87 (or -inf) gives ~1e-38.
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(float));
-  return p * scale;
-}
+// exp for the softmax rescaling (arguments are <= 0 there).
+using pagedllm_simd::exp_poly;
 
 // Per-thread buffers, sized for the largest item.
 struct Scratch {

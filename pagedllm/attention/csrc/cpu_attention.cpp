@@ -76,14 +76,14 @@ void attend_head_generic(const Params<T>& p, const Item& item, int64_t h, Scratc
       const float m_new = std::max(sc.m[row], blk_max);
       if (m_new > sc.m[row]) {
         // Rescale what was accumulated under the old max (nothing on the first block).
-        const float alpha = exp_nonpos(sc.m[row] - m_new);
+        const float alpha = exp_poly(sc.m[row] - m_new);
         sc.l[row] *= alpha;
         for (int64_t j = 0; j < d; ++j) ar[j] *= alpha;
         sc.m[row] = m_new;
       }
       float sum = 0.0f;
       for (int64_t t = t_lo; t < t_hi; ++t) {
-        s[t] = exp_nonpos(s[t] - m_new);
+        s[t] = exp_poly(s[t] - m_new);
         sum += s[t];
       }
       sc.l[row] += sum;

@@ -20,6 +20,8 @@
 
 namespace {
 
+using pagedllm_simd::exp_poly;
+
 template <typename T>
 inline float load_f(const T* p, int64_t i) {
   return static_cast<float>(p[i]);
@@ -184,24 +186,6 @@ void rotary_embedding(const at::Tensor& query, const at::Tensor& key,
 #undef PAGEDLLM_ROTATE
     default: TORCH_CHECK(false, "rotary_embedding: unsupported dtype ", query.scalar_type());
   }
-}
-
-// exp(x) by Cephes' polynomial (~1 ulp); x is clamped to [-87, 88].
-inline float exp_poly(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(float));
-  return p * scale;
 }
 
 // out [T, d] = silu(x[:, :d]) * x[:, d:], silu rounded to T before the product (as torch).
