@@ -27,8 +27,9 @@ from pagedllm.config import cache_root
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_ops.cpp"]
-_HEADERS = [_CSRC / name for name in ("simd.h", "attention_common.h", "attention_avx512.h")]
+_SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_ops.cpp", _CSRC / "cpu_decoder.cpp"]
+_HEADERS = [_CSRC / name for name in ("simd.h", "attention_common.h", "attention_avx512.h",
+                                       "ops.h")]
 # -ffp-contract=off: no fused multiply-adds the source does not spell out, so float32
 # element-wise ops round like torch's.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-ffp-contract=off",
@@ -119,7 +120,7 @@ def cpu_ops_available(x: torch.Tensor) -> bool:
 def _register_fakes() -> None:
     """Shape-only versions of the ops, so torch.compile can trace through them."""
     for name in ("paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-                 "gemv_bf16"):
+                 "gemv_bf16", "argmax"):
         torch.library.register_fake(f"pagedllm_cpu::{name}")(lambda *args, **kwargs: None)
 
 

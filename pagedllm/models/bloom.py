@@ -115,7 +115,7 @@ class BloomModel(nn.Module):
 
 class BloomForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden];
-    compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab]. Positions are
+    compute_logits(hidden [N, hidden]) -> logits [N, vocab] (model dtype). Positions are
     unused: ALiBi reads them from the attention metadata's sequence layout."""
 
     def __init__(self, cfg: Any, attn_backend: str) -> None:

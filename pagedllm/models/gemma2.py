@@ -86,7 +86,7 @@ class GemmaModel(nn.Module):
 
 class Gemma2ForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden];
-    compute_logits(hidden [N, hidden]) -> soft-capped float32 logits [N, vocab]."""
+    compute_logits(hidden [N, hidden]) -> soft-capped logits [N, vocab] (model dtype)."""
 
     def __init__(self, cfg: Any, attn_backend: str, qk_norm: bool = False) -> None:
         super().__init__()

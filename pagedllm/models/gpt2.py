@@ -99,7 +99,7 @@ class GPT2Model(nn.Module):
 
 class GPT2LMHeadModel(nn.Module):
     """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden];
-    compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab]."""
+    compute_logits(hidden [N, hidden]) -> logits [N, vocab] (model dtype)."""
 
     def __init__(self, cfg: Any, attn_backend: str) -> None:
         super().__init__()

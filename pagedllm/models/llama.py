@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionSpec
+from pagedllm.attention.cpu_kernels import cpu_ops_available
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.layers.activation import GeluAndMul, SiluAndMul
@@ -31,6 +32,7 @@ from pagedllm.models.layers.linear import (MergedColumnParallelLinear, QKVParall
 from pagedllm.models.layers.module import Module
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding, get_rope
+from pagedllm.models.native_layers import NativeLlamaLayers
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS, load_stacked_weights
 
 
@@ -172,17 +174,37 @@ class LlamaModel(Module):
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    # Run the layers as one native call on CPU when they fit (models/native_layers.py);
+    # False keeps the Python layers (tests compare the two).
+    use_native_layers = True
+    _native: NativeLlamaLayers | None = None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        native = self._native_layers(x, attn_metadata)
+        if native is not None:
+            return self.norm(native(positions, x, attn_metadata))
         for layer in self.layers:
             x = layer(positions, x, attn_metadata)
         return self.norm(x)
 
+    def _native_layers(self, x: torch.Tensor,
+                       attn_metadata: AttentionMetadata | None) -> NativeLlamaLayers | None:
+        # attn_metadata None: a compiled forward (torch.compile traces the Python layers).
+        if not self.use_native_layers or attn_metadata is None or not cpu_ops_available(x):
+            return None
+        if self._native is None or not self._native.is_current():
+            # Built once the weights are packed and the KV cache bound (first forward).
+            self._native = NativeLlamaLayers.build(self.layers)
+            if self._native is None:
+                self.use_native_layers = False
+        return self._native
+
 
 class LlamaForCausalLM(Module):
     """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden];
-    compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab]."""
+    compute_logits(hidden [N, hidden]) -> logits [N, vocab] (model dtype)."""
 
     def __init__(self, cfg: Any, attn_backend: str,
                  variant: LlamaVariant = LlamaVariant()) -> None:

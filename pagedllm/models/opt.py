@@ -119,7 +119,7 @@ class OPTModel(nn.Module):
 
 class OPTForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, word_embed_proj_dim];
-    compute_logits(hidden [N, word_embed_proj_dim]) -> float32 logits [N, vocab]."""
+    compute_logits(hidden [N, word_embed_proj_dim]) -> logits [N, vocab] (model dtype)."""
 
     def __init__(self, cfg: Any, attn_backend: str) -> None:
         super().__init__()

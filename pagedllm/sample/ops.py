@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.attention.cpu_kernels import cpu_ops_available
 from pagedllm.sample.metadata import PenaltyMetadata
 
 _NEG_INF = float("-inf")
@@ -69,6 +70,19 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, V] (any float dtype) -> index of each row's first maximum, int64 [N].
+
+    On CPU a native kernel reads the row once; torch's argmax is ~6 ms for 64 bfloat16
+    rows of a 49k vocabulary (and ~1 ms in float32) against ~0.2 ms.
+    """
+    if x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 and cpu_ops_available(x):
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        torch.ops.pagedllm_cpu.argmax.default(out, x)
+        return out
+    return x.argmax(dim=-1)
+
+
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
                      ) -> torch.Tensor:
     """Sample one id per row: argmax(p / q) with q ~ Exp(1) is a draw from p.
@@ -81,7 +95,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         q.exponential_()
     for row, gen in generators.items():
         q[row].exponential_(generator=gen)
-    return (probs / q).argmax(dim=-1)
+    return argmax_rows(probs / q)
 
 
 def output_token_counts(token_ids: torch.Tensor, start: torch.Tensor, end: torch.Tensor,

@@ -20,7 +20,7 @@ import torch
 from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import (apply_min_p, apply_penalties, apply_top_k_top_p,
-                                 exponential_race)
+                                 argmax_rows, exponential_race)
 
 
 @dataclass
@@ -32,7 +32,12 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """logits [N, V] float32 (modified in place) -> sampled token ids [N] int64."""
+        """logits [N, V] in the model's dtype (float32 logits are modified in place) ->
+        sampled token ids [N] int64."""
+        if md.all_greedy and md.max_num_logprobs is None and not self.transforms(md):
+            # Nothing but the argmax: no float32 copy of the logits (same result: the
+            # conversion is exact).
+            return SamplerOutput(sampled_token_ids=argmax_rows(logits))
         logits = logits.float()
         raw_logprobs = None
         if md.max_num_logprobs is not None:
@@ -43,6 +48,13 @@ class Sampler:
         if raw_logprobs is not None:
             lp = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
+
+    @staticmethod
+    def transforms(md: SamplingMetadata) -> bool:
+        """Whether any row of the step has an argmax-changing transform (steps 2-3)."""
+        return (md.disallowed_mask is not None or md.banned is not None
+                or md.grammar_bitmask is not None or md.logit_bias is not None
+                or md.penalties is not None)
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -66,7 +78,7 @@ class Sampler:
     @staticmethod
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Steps 4-5: greedy rows take the argmax, the others draw."""
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+        greedy = None if md.all_random else argmax_rows(logits)
         if md.all_greedy:
             return greedy
         logits = logits / md.temperature[:, None]

@@ -86,7 +86,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(so)
         hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V]
         sampled_ids: list[list[int]] = [[] for _ in inputs.req_ids]
         output = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_ids)
         if len(inputs.sample_rows):

@@ -32,8 +32,9 @@
 
 #include "attention_avx512.h"
 #include "attention_common.h"
+#include "ops.h"
 
-namespace {
+namespace pagedllm_ops {
 
 using namespace pagedllm_attention;
 
@@ -293,7 +294,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query,
   }
 }
 
-}  // namespace
+}  // namespace pagedllm_ops
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def(
@@ -302,4 +303,4 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
       "Tensor query_start_loc, float scale, int sliding_window, int q_tile) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("paged_attention", &pagedllm_ops::paged_attention); }

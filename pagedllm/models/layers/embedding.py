@@ -20,7 +20,8 @@ class VocabEmbedding(Module):
 
 
 class LMHead(Module):
-    """hidden [N, hidden] -> logits [N, vocab] in float32 (sampling and logprobs need it)."""
+    """hidden [N, hidden] -> logits [N, vocab] in the model's dtype (the sampler converts
+    to float32 only when it needs more than the argmax)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -40,4 +41,4 @@ class LMHead(Module):
             self.packed_weight = pack_weight(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return cpu_linear(hidden, self.weight, self.bias, self.packed_weight).float()
+        return cpu_linear(hidden, self.weight, self.bias, self.packed_weight)

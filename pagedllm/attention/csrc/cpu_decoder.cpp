@@ -1,0 +1,125 @@
+// The decoder layers of Llama-shaped models in one native call: the same ops, in the same
+// order, as LlamaDecoderLayer.forward runs on CPU (models/llama.py), so the outputs are
+// bit-identical; what goes away is the Python between them. At one token per step a
+// layer's kernels take ~190 us and the ~15 Python-level calls around them another
+// ~60 us; SmolLM2-135M has 30 layers per token.
+//
+// Per layer, `weights` holds kWeightsPerLayer optional tensors (see the enum); a linear
+// runs the native bfloat16 GEMV when it has a GEMV weight and the step has one token,
+// oneDNN's packed GEMM otherwise (models/layers/linear.py: cpu_linear).
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string_view>
+
+#include "ops.h"
+
+namespace pagedllm_ops {
+namespace {
+
+// Slots of one layer in the weight list.
+enum Slot : int64_t {
+  kInputNorm,
+  kQkv,  // 4 slots per linear: packed, GEMV weight, bias, GEMV (float32) bias
+  kO = kQkv + 4,
+  kPostNorm = kO + 4,
+  kGateUp,
+  kDown = kGateUp + 4,
+  kKvCache = kDown + 4,
+  kWeightsPerLayer,
+};
+
+using Weights = c10::List<std::optional<at::Tensor>>;
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(),
+                 c10::string_view(""));
+}
+
+// x [T, in] -> [T, out] through the linear whose 4 slots start at `base`.
+at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base) {
+  const std::optional<at::Tensor> gemv = w.get(base + 1);
+  if (gemv.has_value() && x.size(0) == 1 && x.stride(1) == 1) {
+    at::Tensor out = at::empty({1, gemv->size(0)}, x.options());
+    gemv_bf16(out, x, *gemv, w.get(base + 3));
+    return out;
+  }
+  return packed_linear(x, *w.get(base), w.get(base + 2));
+}
+
+at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
+  at::Tensor out = at::empty_like(x);
+  rms_norm(out, x, weight, eps, offset);
+  return out;
+}
+
+// x [T, hidden]: the embedded tokens in, the residual stream after the last layer out
+// (updated in place; the final norm is the caller's).
+void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
+                          const Weights& weights, at::IntArrayRef sliding_windows,
+                          const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                          const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_size, int64_t rotary_dim,
+                          bool is_neox, double scale, double eps, double norm_offset) {
+  const int64_t num_layers = static_cast<int64_t>(sliding_windows.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
+              "llama_decoder_layers: expected ", kWeightsPerLayer, " weights per layer");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "llama_decoder_layers: x is [T, hidden]");
+  const int64_t tokens = x.size(0);
+  const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const int64_t base = layer * kWeightsPerLayer;
+    auto w = [&](int64_t slot) { return *weights.get(base + slot); };
+    // Attention block: x += o_proj(attn(rope(qkv_proj(norm(x))))).
+    const at::Tensor qkv = linear(norm(x, w(kInputNorm), eps, norm_offset), weights, base + kQkv);
+    const at::Tensor q = qkv.narrow(1, 0, q_size);
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size);
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+    rotary_embedding(q, k, positions, cos, sin, head_size, rotary_dim, is_neox);
+    at::Tensor attn = at::empty({tokens, num_heads, head_size}, x.options());
+    paged_attention(attn, q.view({tokens, num_heads, head_size}),
+                    k.view({tokens, num_kv_heads, head_size}),
+                    v.view({tokens, num_kv_heads, head_size}), w(kKvCache), slot_mapping,
+                    block_table, seq_lens, query_start_loc, scale, sliding_windows[layer], 16);
+    x.add_(linear(attn.view({tokens, q_size}), weights, base + kO));
+    // MLP block: x += down(silu(gate) * up).
+    const at::Tensor gate_up = linear(norm(x, w(kPostNorm), eps, norm_offset), weights,
+                                      base + kGateUp);
+    at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, x.options());
+    silu_and_mul(act, gate_up);
+    x.add_(linear(act, weights, base + kDown));
+  }
+}
+
+}  // namespace
+}  // namespace pagedllm_ops
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def(
+      "llama_decoder_layers(Tensor(a!) x, Tensor positions, Tensor?[] weights, "
+      "int[] sliding_windows, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
+      "Tensor query_start_loc, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
+      "int head_size, int rotary_dim, bool is_neox, float scale, float eps, "
+      "float norm_offset) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("llama_decoder_layers", &pagedllm_ops::llama_decoder_layers);
+}
+
+// The oneDNN-packed weights in the list dispatch as MkldnnCPU tensors.
+TORCH_LIBRARY_IMPL(pagedllm_cpu, MkldnnCPU, m) {
+  m.impl("llama_decoder_layers", &pagedllm_ops::llama_decoder_layers);
+}

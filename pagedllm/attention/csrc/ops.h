@@ -1,0 +1,28 @@
+// The native CPU ops (cpu_ops.cpp, cpu_attention.cpp), callable from other C++ code
+// (cpu_decoder.cpp) without a trip through Python or the dispatcher. Semantics: the
+// docstrings of the TORCH_LIBRARY schemas and of pagedllm/attention/cpu_kernels.py.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace pagedllm_ops {
+
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+              double eps, double offset);
+void rotary_embedding(const at::Tensor& query, const at::Tensor& key,
+                      const at::Tensor& positions, const at::Tensor& cos,
+                      const at::Tensor& sin, int64_t head_size, int64_t rotary_dim,
+                      bool is_neox);
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x);
+void gemv_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+               const std::optional<at::Tensor>& bias);
+void paged_attention(const at::Tensor& out, const at::Tensor& query,
+                     const std::optional<at::Tensor>& key,
+                     const std::optional<at::Tensor>& value, const at::Tensor& kv_cache,
+                     const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     double scale, int64_t sliding_window, int64_t q_tile);
+
+}  // namespace pagedllm_ops

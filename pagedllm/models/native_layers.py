@@ -1,0 +1,100 @@
+"""The decoder layers of a Llama-shaped model as one native call on CPU.
+
+`LlamaDecoderLayer.forward` on CPU is a chain of native kernels (fused norms, packed
+linears, RoPE, paged attention, SiLU-and-mul) glued by ~15 Python-level calls per layer;
+at one token per step that glue is ~25% of the step. attention/csrc/cpu_decoder.cpp runs
+the same kernels in the same order from C++, so outputs are bit-identical to the Python
+layers (tests/models/test_native_layers.py) and the Python layers stay the reference
+(and what torch.compile, other devices and other families run).
+
+Applies when every layer is plain Llama: RMSNorm, fused qkv (+ bias), RoPE through the
+native op, the native paged attention (no soft-cap, no ALiBi), fused gate_up with SiLU,
+oneDNN-packed weights. Qwen3's q/k norm and Mixtral's experts keep the Python layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedllm.attention.cpu import CpuAttention
+from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.models.layers.activation import SiluAndMul
+from pagedllm.models.layers.linear import LinearBase
+from pagedllm.models.layers.norm import RMSNorm
+
+
+def _linear_slots(linear: LinearBase) -> list[torch.Tensor | None]:
+    # The order of one linear's slots in cpu_decoder.cpp.
+    return [linear.packed_weight, linear.gemv_weight, linear.bias, linear.gemv_bias]
+
+
+def _fits(layer: Any, spec: Any, rotary: Any, eps: float, offset: float) -> bool:
+    """Whether a decoder layer is the plain Llama layer the native stack runs, with the
+    shared attention shape, rotary table and norm parameters of the first layer."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.q_norm is not None or not isinstance(getattr(mlp, "act_fn", None), SiluAndMul):
+        return False  # Qwen3's q/k norm; Mixtral's experts, GELU MLPs
+    impl, own = attn.attn.impl, attn.attn.spec
+    if not (isinstance(impl, CpuAttention) and impl.use_kernel and impl._ref is None
+            and attn.attn.kv_cache is not None and attn.rotary_emb is rotary):
+        return False
+    if (own.num_heads, own.num_kv_heads, own.head_size, own.scale) != (
+            spec.num_heads, spec.num_kv_heads, spec.head_size, spec.scale):
+        return False
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return (all(isinstance(n, RMSNorm) and (n.eps, n.offset) == (eps, offset) for n in norms)
+            and all(lin.packed_weight is not None and lin.tp_size == 1 for lin in linears))
+
+
+class NativeLlamaLayers:
+    """Runs `layers` (LlamaDecoderLayer list) in one native call; build() checks they fit."""
+
+    def __init__(self, layers: Any, weights: list[torch.Tensor | None], spec: Any,
+                 rotary: Any, eps: float, norm_offset: float) -> None:
+        self.layers, self.weights, self.rotary = layers, weights, rotary
+        self.sliding_windows = [layer.self_attn.attn.spec.sliding_window or 0
+                                for layer in layers]
+        self.spec, self.eps, self.norm_offset = spec, eps, norm_offset
+        self.kv_caches = [layer.self_attn.attn.kv_cache for layer in layers]
+
+    @classmethod
+    def build(cls, layers: Any) -> NativeLlamaLayers | None:
+        """None unless every layer can run natively (see the module docstring)."""
+        if not layers or not load_cpu_kernels():
+            return None
+        first = layers[0]
+        spec, rotary = first.self_attn.attn.spec, first.self_attn.rotary_emb
+        eps, offset = first.input_layernorm.eps, first.input_layernorm.offset
+        weights: list[torch.Tensor | None] = []
+        for layer in layers:
+            if not _fits(layer, spec, rotary, eps, offset):
+                return None
+            attn, mlp = layer.self_attn, layer.mlp
+            weights.append(layer.input_layernorm.weight)
+            weights += _linear_slots(attn.qkv_proj) + _linear_slots(attn.o_proj)
+            weights.append(layer.post_attention_layernorm.weight)
+            weights += _linear_slots(mlp.gate_up_proj) + _linear_slots(mlp.down_proj)
+            weights.append(attn.attn.kv_cache)
+        return cls(layers, weights, spec, rotary, eps, offset)
+
+    def is_current(self) -> bool:
+        """False once the KV caches were re-bound (the weights list holds the old ones)."""
+        return all(layer.self_attn.attn.kv_cache is cache
+                   for layer, cache in zip(self.layers, self.kv_caches))
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor,
+                 md: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden] (the embedded tokens; updated in place) -> the residual stream
+        after the last layer."""
+        cos, sin = self.rotary._tables(x.device, x.dtype)
+        spec = self.spec
+        torch.ops.pagedllm_cpu.llama_decoder_layers.default(
+            x, positions, self.weights, self.sliding_windows, md.slot_mapping,
+            md.block_table, md.seq_lens, md.query_start_loc, cos, sin, spec.num_heads,
+            spec.num_kv_heads, spec.head_size, self.rotary.rotary_dim,
+            self.rotary.is_neox_style, spec.scale, self.eps, self.norm_offset)
+        return x
