@@ -77,17 +77,15 @@ struct RowState {
   float* alpha;   // [head_rows] rescale of acc for this chunk
 };
 
-// Scores and softmax update of one row against keys kb[0..n); writes its probabilities.
-template <typename T, int NV, bool kBf16>
-inline void row_scores(const T* const* kb, int n, const void* q, __mmask16 mask, float scale,
-                       float& m, float& l, float* probs, uint16_t* pb, float& alpha) {
+// Online-softmax update of one row from its raw scores s (lane t: key t of the chunk,
+// before `scale`) over the visible lanes `mask`; writes the chunk's probabilities.
+template <bool kBf16>
+inline void row_softmax(__m512 s, __mmask16 mask, float scale, float& m, float& l,
+                        float* probs, uint16_t* pb, float& alpha) {
   alpha = 1.0f;
   __m512 p = _mm512_setzero_ps();
   if (mask != 0) {
-    __m512 v[16];
-    for (int t = 0; t < 16; ++t)
-      v[kSlotOfKey[t]] = t < n ? key_dot<T, NV, kBf16>(kb[t], q) : _mm512_setzero_ps();
-    const __m512 s = _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale));
+    s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
     const float m_new = std::max(m, _mm512_mask_reduce_max_ps(mask, s));
     if (m_new > m) {
       alpha = exp_poly(m - m_new);  // 0 on the first chunk (m = -inf)
@@ -105,6 +103,54 @@ inline void row_scores(const T* const* kb, int n, const void* q, __mmask16 mask,
 #endif
   _mm512_storeu_ps(probs, p);
 }
+
+// Scores and softmax update of one row against keys kb[0..n); writes its probabilities.
+template <typename T, int NV, bool kBf16>
+inline void row_scores(const T* const* kb, int n, const void* q, __mmask16 mask, float scale,
+                       float& m, float& l, float* probs, uint16_t* pb, float& alpha) {
+  __m512 s = _mm512_setzero_ps();
+  if (mask != 0) {
+    __m512 v[16];
+    for (int t = 0; t < 16; ++t)
+      v[kSlotOfKey[t]] = t < n ? key_dot<T, NV, kBf16>(kb[t], q) : _mm512_setzero_ps();
+    s = hsum16(v);
+  }
+  row_softmax<kBf16>(s, mask, scale, m, l, probs, pb, alpha);
+}
+
+#if defined(__AVX512BF16__)
+// Keys of a chunk "transposed" for the bfloat16 dot products of many rows: kt[j] lane t is
+// dims (2j, 2j + 1) of key t (keys at k0 + t * stride elements; lanes >= n are 0). A row's
+// 16 scores are then D / 2 vdpbf16ps against broadcast query pairs, with no horizontal
+// sums (hsum16 per row costs as much as its dot products).
+template <int NV>
+inline void transpose_keys(const c10::BFloat16* k0, int64_t stride, int n, __m512i* kt) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  // Dword index of key t's first pair; strides are even (whole tokens of whole heads).
+  const __m512i idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(stride / 2)));
+  const __mmask16 valid = pagedllm_simd::first_lanes(n);
+  const int32_t* base = reinterpret_cast<const int32_t*>(k0);
+  for (int j = 0; j < NV * 8; ++j)
+    kt[j] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, base + j, 4);
+}
+
+// Raw scores of R rows (bfloat16 queries q[r], D dims each) against transposed keys kt.
+template <int NV, int R>
+inline void rows_dot_t(const __m512i* kt, const uint16_t* const* q, __m512* s) {
+  __m512 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (int j = 0; j < NV * 8; j += 2) {
+    for (int r = 0; r < R; ++r) {
+      int32_t q0, q1;
+      std::memcpy(&q0, q[r] + 2 * j, sizeof(q0));
+      std::memcpy(&q1, q[r] + 2 * j + 2, sizeof(q1));
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)kt[j], (__m512bh)_mm512_set1_epi32(q0));
+      a[r][1] = _mm512_dpbf16_ps(a[r][1], (__m512bh)kt[j + 1], (__m512bh)_mm512_set1_epi32(q1));
+    }
+  }
+  for (int r = 0; r < R; ++r) s[r] = _mm512_add_ps(a[r][0], a[r][1]);
+}
+#endif
 
 // acc (R rows) = acc * alpha + P . V over keys vb[0..n).
 template <typename T, int NV, int R, bool kBf16>
@@ -221,7 +267,30 @@ void head_chunk(const Params<T>& p, const Item& item, const Span& sp, int64_t h,
     vb[t] = kb[t] + p.cache_half;
   }
   const size_t q_bytes = kBf16 ? sizeof(uint16_t) : sizeof(float);
-  for (int64_t rr = 0; rr < head_rows; ++rr) {
+  int64_t rr = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (kBf16) {
+    // Keys of the chunk sit at consecutive slots (one block) when block_size % 16 == 0.
+    if (head_rows >= 4 && p.block_size % 16 == 0) {
+      __m512i kt[NV * 8];
+      transpose_keys<NV>(kb[0], p.tok_stride, n, kt);
+      for (; rr + 4 <= head_rows; rr += 4) {
+        const uint16_t* qr[4];
+        for (int r = 0; r < 4; ++r)
+          qr[r] = static_cast<const uint16_t*>(q) + (row0 + rr + r) * D;
+        __m512 sv[4];
+        rows_dot_t<NV, 4>(kt, qr, sv);
+        for (int r = 0; r < 4; ++r) {
+          const int64_t row = row0 + rr + r;
+          row_softmax<kBf16>(sv[r], visible(p, sp.pos0 + (rr + r) / p.group, c, n), p.scale,
+                             st.m[row], st.l[row], st.probs + (rr + r) * 16,
+                             st.pb + (rr + r) * 16, st.alpha[rr + r]);
+        }
+      }
+    }
+  }
+#endif
+  for (; rr < head_rows; ++rr) {
     const int64_t row = row0 + rr;
     const void* qr = static_cast<const char*>(q) + row * D * q_bytes;
     row_scores<T, NV, kBf16>(kb, n, qr, visible(p, sp.pos0 + rr / p.group, c, n), p.scale,
