@@ -370,13 +370,13 @@ void load_item_queries(const Params<T>& p, const Item& item, int64_t head_rows, 
   }
 }
 
+// The online-softmax pass of an item over keys [sp.key_lo, sp.key_hi): rows' m, l and
+// unnormalized acc (head-major: head h owns a run of head_rows rows) in sc.
 template <typename T, int NV, bool kBf16>
-void attend_item_avx512(const Params<T>& p, const Item& item, Scratch& sc) {
+void run_item_chunks(const Params<T>& p, const Item& item, const Span& sp, Scratch& sc) {
   constexpr int D = NV * 16;
-  const Span sp = span_of(p, item);
   const int64_t head_rows = sp.num_toks * p.group;
-  const int64_t num_heads = item.head_end - item.head_begin;
-  const int64_t rows = head_rows * num_heads;  // head-major: head h owns a run of head_rows
+  const int64_t rows = head_rows * (item.head_end - item.head_begin);
   load_item_queries<T, NV, kBf16>(p, item, head_rows, sc);
   std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.0f);
   std::fill(sc.m.begin(), sc.m.begin() + rows, -INFINITY);
@@ -398,9 +398,55 @@ void attend_item_avx512(const Params<T>& p, const Item& item, Scratch& sc) {
       head_chunk<T, NV, kBf16>(p, item, sp, h, c, offsets[cur], n, sc.q.data(), st);
     n = next_n;
   }
-  for (int64_t h = 0; h < num_heads; ++h) {
+}
+
+template <typename T, int NV, bool kBf16>
+void attend_item_avx512(const Params<T>& p, const Item& item, Scratch& sc) {
+  constexpr int D = NV * 16;
+  const Span sp = span_of(p, item);
+  const int64_t head_rows = sp.num_toks * p.group;
+  run_item_chunks<T, NV, kBf16>(p, item, sp, sc);
+  for (int64_t h = 0; h < item.head_end - item.head_begin; ++h) {
     store_rows<T, NV, kBf16>(p, item, item.head_begin + h, sc.acc.data() + h * head_rows * D,
                              sc.l.data() + h * head_rows, head_rows);
+  }
+}
+
+// Cascade, first part: the decode tokens [tok_begin, tok_end) (one per request, all
+// sharing request item.req's first sh.keys keys) over those keys, into sh.
+template <typename T, int NV, bool kBf16>
+void shared_prefix_item_avx512(const Params<T>& p, const Item& item, Scratch& sc,
+                               SharedPrefix& sh) {
+  constexpr int D = NV * 16;
+  // Every shared key precedes every query: a position past all keys masks nothing.
+  const Span sp{INT64_MAX / 4, item.tok_end - item.tok_begin, 0, sh.keys};
+  const int64_t head_rows = sp.num_toks * p.group;
+  run_item_chunks<T, NV, kBf16>(p, item, sp, sc);
+  for (int64_t h = item.head_begin; h < item.head_end; ++h) {
+    for (int64_t rr = 0; rr < head_rows; ++rr) {
+      const int64_t row = (h - item.head_begin) * head_rows + rr;
+      const int64_t at = (item.tok_begin + rr / p.group) * sh.heads + h * p.group + rr % p.group;
+      sh.m[at] = sc.m[row];
+      sh.l[at] = sc.l[row];
+      std::memcpy(sh.acc.data() + at * D, sc.acc.data() + row * D, D * sizeof(float));
+    }
+  }
+}
+
+// Cascade, second part: merge a row's suffix softmax (max m, sum l, acc in unpack order
+// like sh's) with its shared-prefix one; l and acc come out for the whole context.
+template <int NV>
+inline void merge_shared_prefix(const SharedPrefix& sh, int64_t at, float m, float& l,
+                                float* acc) {
+  constexpr int D = NV * 16;
+  const float m_all = std::max(m, sh.m[at]);
+  const float a_own = exp_poly(m - m_all), a_shared = exp_poly(sh.m[at] - m_all);
+  l = l * a_own + sh.l[at] * a_shared;
+  const float* other = sh.acc.data() + at * D;
+  for (int j = 0; j < NV; ++j) {
+    const __m512 mine = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), _mm512_set1_ps(a_own));
+    _mm512_storeu_ps(acc + 16 * j, _mm512_fmadd_ps(_mm512_loadu_ps(other + 16 * j),
+                                                   _mm512_set1_ps(a_shared), mine));
   }
 }
 
@@ -408,10 +454,14 @@ void attend_item_avx512(const Params<T>& p, const Item& item, Scratch& sc) {
 // per-chunk max / rescale chains. 1) scores of every row for the whole context into
 // sc.scores (invisible keys -inf); 2) per row: max, p = exp(s - max), l = sum p;
 // 3) acc = P . V chunk by chunk. K and V are each read once (K in pass 1, V in pass 3).
+// With a shared prefix (sh->keys > 0) only the keys after it are read here, and the row
+// is merged with its shared part before the store.
 template <typename T, int NV, bool kBf16>
-void decode_item_avx512(const Params<T>& p, const Item& item, Scratch& sc) {
+void decode_item_avx512(const Params<T>& p, const Item& item, Scratch& sc,
+                        const SharedPrefix* sh) {
   constexpr int D = NV * 16;
-  const Span sp = span_of(p, item);
+  Span sp = span_of(p, item);
+  if (sh != nullptr && sh->keys > 0) sp.key_lo = sh->keys;
   const int64_t rows = p.group * (item.head_end - item.head_begin);  // row h * G + g
   load_item_queries<T, NV, kBf16>(p, item, p.group, sc);
   const int64_t c0 = sp.key_lo / 16 * 16;
@@ -456,7 +506,8 @@ void decode_item_avx512(const Params<T>& p, const Item& item, Scratch& sc) {
     float* sr = scores + row * stride;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < stride; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + i));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    sc.m[row] = _mm512_reduce_max_ps(mx);
+    const __m512 m = _mm512_set1_ps(sc.m[row]);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t i = 0; i < stride; i += 16) {
       const __m512 x = _mm512_loadu_ps(sr + i);
@@ -500,6 +551,12 @@ void decode_item_avx512(const Params<T>& p, const Item& item, Scratch& sc) {
           default: rows_pv<T, NV, 1, kBf16>(acc, al, pr, pbr, stride, vb, n); break;
         }
       }
+    }
+  }
+  if (sh != nullptr && sh->keys > 0) {
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t at = item.tok_begin * sh->heads + item.head_begin * p.group + row;
+      merge_shared_prefix<NV>(*sh, at, sc.m[row], sc.l[row], sc.acc.data() + row * D);
     }
   }
   for (int64_t h = item.head_begin; h < item.head_end; ++h) {

@@ -32,6 +32,16 @@ struct Params {
   float scale;
 };
 
+// Cascade attention for a decode batch whose block tables share leading blocks: every row
+// first attends the `keys` shared keys together (one tile of many requests, so each key
+// chunk is prepared once for all of them), then its own suffix, and the two partial
+// softmaxes are merged. Per (token, query head): running max, sum, unnormalized output.
+struct SharedPrefix {
+  int64_t keys = 0;  // 0: no cascade
+  int64_t heads = 0, head_size = 0;
+  std::vector<float> m, l, acc;  // [T * H], [T * H], [T * H * D]
+};
+
 // Query tokens [tok_begin, tok_end) of request `req`, KV heads [head_begin, head_end).
 struct Item {
   int64_t req, head_begin, head_end, tok_begin, tok_end;

@@ -103,24 +103,39 @@ void attend_item_generic(const Params<T>& p, const Item& item, Scratch& sc) {
 }
 
 template <typename T>
-using ItemFn = void (*)(const Params<T>&, const Item&, Scratch&);
+void decode_item_generic(const Params<T>& p, const Item& item, Scratch& sc,
+                         const SharedPrefix*) {
+  attend_item_generic(p, item, sc);
+}
 
-// The item implementations for a head size: tiles of several query tokens, and decodes.
+template <typename T>
+using ItemFn = void (*)(const Params<T>&, const Item&, Scratch&);
+template <typename T>
+using DecodeFn = void (*)(const Params<T>&, const Item&, Scratch&, const SharedPrefix*);
+template <typename T>
+using SharedFn = void (*)(const Params<T>&, const Item&, Scratch&, SharedPrefix&);
+
+// The item implementations for a head size: tiles of several query tokens, decodes, and
+// the shared-prefix part of a cascade (nullptr: no cascade for this dtype / head size).
 template <typename T>
 struct ItemFns {
-  ItemFn<T> tile, decode;
+  ItemFn<T> tile;
+  DecodeFn<T> decode;
+  SharedFn<T> shared;
 };
 
 template <typename T, int NV>
 ItemFns<T> avx512_item_fns() {
 #if defined(__AVX512F__)
-  // vdpbf16ps needs head dims in pairs of 32.
+  // vdpbf16ps needs head dims in pairs of 32. The cascade pays off only there: its shared
+  // tile prepares each key chunk once for many rows (transpose_keys).
   if constexpr (std::is_same_v<T, c10::BFloat16> && kHasBf16Dot && NV % 2 == 0)
-    return {attend_item_avx512<T, NV, true>, decode_item_avx512<T, NV, true>};
+    return {attend_item_avx512<T, NV, true>, decode_item_avx512<T, NV, true>,
+            shared_prefix_item_avx512<T, NV, true>};
   else
-    return {attend_item_avx512<T, NV, false>, decode_item_avx512<T, NV, false>};
+    return {attend_item_avx512<T, NV, false>, decode_item_avx512<T, NV, false>, nullptr};
 #else
-  return {attend_item_generic<T>, attend_item_generic<T>};
+  return {attend_item_generic<T>, decode_item_generic<T>, nullptr};
 #endif
 }
 
@@ -133,7 +148,7 @@ ItemFns<T> pick_item_fns(int64_t head_size) {
     case 96: return avx512_item_fns<T, 6>();
     case 128: return avx512_item_fns<T, 8>();
     case 256: return avx512_item_fns<T, 16>();
-    default: return {attend_item_generic<T>, attend_item_generic<T>};
+    default: return {attend_item_generic<T>, decode_item_generic<T>, nullptr};
   }
 }
 
@@ -158,6 +173,31 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, const at::Tenso
     std::memcpy(kc + slot * row, k + t * ks, row * sizeof(T));
     std::memcpy(vc + slot * row, v + t * vs, row * sizeof(T));
   }
+}
+
+// Fewest decodes and shared keys for which the cascade beats per-request decodes.
+constexpr int64_t kCascadeMinReqs = 8;
+constexpr int64_t kCascadeMinKeys = 64;
+
+// Keys every request's block table shares (whole leading blocks), when the call is all
+// decodes without a sliding window; 0 otherwise. Each request keeps >= 1 key of its own.
+template <typename T>
+int64_t shared_prefix_keys(const Params<T>& p, int64_t num_reqs, int64_t num_tokens) {
+  if (num_tokens != num_reqs || num_reqs < kCascadeMinReqs || p.sliding_window > 0 ||
+      p.block_size % 16 != 0)
+    return 0;
+  int64_t min_len = INT64_MAX;
+  for (int64_t r = 0; r < num_reqs; ++r) min_len = std::min<int64_t>(min_len, p.lens[r]);
+  const int64_t max_blocks = (min_len - 1) / p.block_size;
+  int64_t blocks = 0;
+  for (; blocks < max_blocks; ++blocks) {
+    const int32_t id = p.bt[blocks];
+    bool same = true;
+    for (int64_t r = 1; r < num_reqs && same; ++r) same = p.bt[r * p.bt_stride + blocks] == id;
+    if (!same) break;
+  }
+  const int64_t keys = blocks * p.block_size;
+  return keys >= kCascadeMinKeys ? keys : 0;
 }
 
 template <typename T>
@@ -201,6 +241,23 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
   const ItemFns<T> fns = pick_item_fns<T>(p.head_size);
+  SharedPrefix shared;
+  std::vector<Item> shared_items;
+  if (fns.shared != nullptr) shared.keys = shared_prefix_keys(p, num_reqs, query.size(0));
+  if (shared.keys > 0) {
+    // All decodes, so token t is request t; any request's table reads the shared blocks.
+    const int64_t num_tokens = query.size(0), heads = query.size(1);
+    shared.heads = heads;
+    shared.head_size = p.head_size;
+    shared.m.resize(num_tokens * heads);
+    shared.l.resize(num_tokens * heads);
+    shared.acc.resize(num_tokens * heads * p.head_size);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t t0 = 0; t0 < num_tokens; t0 += q_tile)
+        shared_items.push_back({t0, h, h + 1, t0, std::min(t0 + q_tile, num_tokens)});
+    }
+  }
+  const int64_t num_shared_items = static_cast<int64_t>(shared_items.size());
   const int64_t keys = std::max<int64_t>(16, p.block_size);
   // Single-token items (decodes, and the last tile of a chunk) keep every row's scores
   // over the whole context (padded to 16 keys).
@@ -222,10 +279,17 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
 #pragma omp parallel if (num_items > 1 && work > 32768)
   {
     Scratch scratch(q_tile * p.group * heads_per_item, p.head_size, keys, decode_scores);
+    // The shared parts first (the loop's barrier orders them before the merges).
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < num_shared_items; ++it)
+      fns.shared(p, shared_items[it], scratch, shared);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_items; ++it) {
       const Item& item = items[it];
-      (item.tok_end - item.tok_begin == 1 ? fns.decode : fns.tile)(p, item, scratch);
+      if (item.tok_end - item.tok_begin == 1)
+        fns.decode(p, item, scratch, &shared);
+      else
+        fns.tile(p, item, scratch);
     }
   }
 }
