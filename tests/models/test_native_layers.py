@@ -63,3 +63,15 @@ def test_native_layers_equal_python_layers(tmp_path, family, dtype):
     assert 1 in steps and 24 in steps
     native = llm.llm_engine.engine_core.executor.runner.model.model._native
     assert (native is not None) == (family in NATIVE)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_layers_long_prefill(tmp_path, dtype):
+    """A 1,100-token step: the native MLP runs it in row chunks, still equal."""
+    path = save_tiny_model(tmp_path / "llama", tiny_llama_config(max_position_embeddings=2048))
+    llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False)
+    steps = run_both_ways(llm)
+    prompt = random_prompts(1, 256, 1100, 1100, seed=2)[0]
+    llm.generate([{"prompt_token_ids": prompt}],
+                 SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert steps[0] == 1100

@@ -34,6 +34,8 @@ enum Slot : int64_t {
 
 using Weights = c10::List<std::optional<at::Tensor>>;
 
+constexpr int64_t kMlpRows = 1024;
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias) {
   static const auto op =
@@ -94,12 +96,17 @@ void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
                     v.view({tokens, num_kv_heads, head_size}), w(kKvCache), slot_mapping,
                     block_table, seq_lens, query_start_loc, scale, sliding_windows[layer], 16);
     x.add_(linear(attn.view({tokens, q_size}), weights, base + kO));
-    // MLP block: x += down(silu(gate) * up).
-    const at::Tensor gate_up = linear(norm(x, w(kPostNorm), eps, norm_offset), weights,
-                                      base + kGateUp);
-    at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, x.options());
-    silu_and_mul(act, gate_up);
-    x.add_(linear(act, weights, base + kDown));
+    // MLP block: x += down(silu(gate) * up), by row chunks on long prefills so the
+    // [rows, 2 * intermediate] activations stay in cache between the GEMMs and the
+    // element-wise op (measured: -5% MLP time at 2048 rows; rows are independent here).
+    for (int64_t r0 = 0; r0 < tokens; r0 += kMlpRows) {
+      const at::Tensor xs = x.narrow(0, r0, std::min(kMlpRows, tokens - r0));
+      const at::Tensor gate_up = linear(norm(xs, w(kPostNorm), eps, norm_offset), weights,
+                                        base + kGateUp);
+      at::Tensor act = at::empty({xs.size(0), gate_up.size(1) / 2}, x.options());
+      silu_and_mul(act, gate_up);
+      xs.add_(linear(act, weights, base + kDown));
+    }
   }
 }
 
