@@ -90,7 +90,7 @@ class NativeLlamaLayers:
                  md: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] (the embedded tokens; updated in place) -> the residual stream
         after the last layer."""
-        cos, sin = self.rotary._tables(x.device, x.dtype)
+        cos, sin = self.rotary.tables(x.device, x.dtype)
         spec = self.spec
         torch.ops.pagedllm_cpu.llama_decoder_layers.default(
             x, positions, self.weights, self.sliding_windows, md.slot_mapping,

@@ -55,7 +55,8 @@ class RotaryEmbedding(Module):
         self._cos = (freqs.cos() * attention_factor)
         self._sin = (freqs.sin() * attention_factor)
 
-    def _tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [max_position, rotary_dim // 2] on `device` in `dtype` (converted once)."""
         if self._cos.device != device or self._cos.dtype != dtype:
             self._cos, self._sin = self._cos.to(device, dtype), self._sin.to(device, dtype)
         return self._cos, self._sin
@@ -64,7 +65,7 @@ class RotaryEmbedding(Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H*D], k [T, KVH*D] -> rotated (q, k). NOTE: on CPU the native op rotates
         q and k in place (they are fresh projections); use the returned tensors."""
-        cos_t, sin_t = self._tables(q.device, q.dtype)
+        cos_t, sin_t = self.tables(q.device, q.dtype)
         if (cpu_ops_available(q) and q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1
                 and k.stride(-1) == 1 and positions.dtype == torch.int64):
             torch.ops.pagedllm_cpu.rotary_embedding.default(
