@@ -123,13 +123,16 @@ def test_cpu_chunks_ending_in_a_single_token_tile(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_size", [64, 128])
-def test_cpu_decodes_sharing_a_prefix(dtype, head_size):
+@pytest.mark.parametrize("num_reqs", [17, 70])
+def test_cpu_decodes_sharing_a_prefix(dtype, head_size, num_reqs):
     """Decodes whose block tables share leading blocks (a prefix-cache hit; bfloat16 runs
-    them as a cascade: shared keys once for all rows, then each suffix, merged). One
-    request's context ends right after the shared blocks (its suffix is its own token)."""
+    them as a cascade: shared keys once for all rows, then each suffix, merged; 70
+    requests make the shared tiles 32 tokens). One request's context ends right after
+    the shared blocks (its suffix is its own token)."""
     spec = AttentionSpec(num_heads=9, num_kv_heads=3, head_size=head_size, scale=0.1)
     computed = [80, 95, 120, 200, 81, 150, 99, 130, 84, 170, 111, 96, 140, 88, 100, 230, 90]
-    md = make_metadata(computed, [1] * len(computed), 16, 300, seed=4)
+    computed = (computed * 5)[:num_reqs]
+    md = make_metadata(computed, [1] * len(computed), 16, 300 * num_reqs // 17, seed=4)
     md.block_table[1:, :5] = md.block_table[0, :5]  # 80 shared keys
-    actual, expected = run_both(spec, md, dtype, 16, 300, seed=4)
+    actual, expected = run_both(spec, md, dtype, 16, 300 * num_reqs // 17, seed=4)
     torch.testing.assert_close(actual, expected, **TOL[dtype])

@@ -244,6 +244,13 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
   SharedPrefix shared;
   std::vector<Item> shared_items;
   if (fns.shared != nullptr) shared.keys = shared_prefix_keys(p, num_reqs, query.size(0));
+  // Shared-prefix tiles of 2 x q_tile tokens (each transposed key chunk serves twice the
+  // rows: measured 0.35 -> 0.29 ms per layer, 64 decodes sharing 512 keys) while that
+  // still leaves two items per thread.
+  const int64_t shared_tile =
+      (query.size(0) + 2 * q_tile - 1) / (2 * q_tile) * num_kv_heads >= 2 * omp_get_max_threads()
+          ? 2 * q_tile
+          : q_tile;
   if (shared.keys > 0) {
     // All decodes, so token t is request t; any request's table reads the shared blocks.
     const int64_t num_tokens = query.size(0), heads = query.size(1);
@@ -253,8 +260,8 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
     shared.l.resize(num_tokens * heads);
     shared.acc.resize(num_tokens * heads * p.head_size);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      for (int64_t t0 = 0; t0 < num_tokens; t0 += q_tile)
-        shared_items.push_back({t0, h, h + 1, t0, std::min(t0 + q_tile, num_tokens)});
+      for (int64_t t0 = 0; t0 < num_tokens; t0 += shared_tile)
+        shared_items.push_back({t0, h, h + 1, t0, std::min(t0 + shared_tile, num_tokens)});
     }
   }
   const int64_t num_shared_items = static_cast<int64_t>(shared_items.size());
@@ -278,7 +285,8 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
   work *= num_kv_heads;
 #pragma omp parallel if (num_items > 1 && work > 32768)
   {
-    Scratch scratch(q_tile * p.group * heads_per_item, p.head_size, keys, decode_scores);
+    Scratch scratch(std::max(q_tile * heads_per_item, shared_tile) * p.group, p.head_size,
+                    keys, decode_scores);
     // The shared parts first (the loop's barrier orders them before the merges).
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_shared_items; ++it)
