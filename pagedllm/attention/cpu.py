@@ -33,6 +33,12 @@ class CpuAttention:
         # use_kernel=False forces the torch path (tests compare both).
         self.use_kernel = use_kernel is not False and cpu_kernels.load_cpu_kernels()
 
+    @property
+    def runs_kernel(self) -> bool:
+        """Whether every call goes to the native paged-attention kernel (not the torch
+        path, nor the reference for soft-capped or ALiBi layers)."""
+        return self.use_kernel and self._ref is None
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         if self._ref is not None:

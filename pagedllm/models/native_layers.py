@@ -38,7 +38,7 @@ def _fits(layer: Any, spec: Any, rotary: Any, eps: float, offset: float) -> bool
     if attn.q_norm is not None or not isinstance(getattr(mlp, "act_fn", None), SiluAndMul):
         return False  # Qwen3's q/k norm; Mixtral's experts, GELU MLPs
     impl, own = attn.attn.impl, attn.attn.spec
-    if not (isinstance(impl, CpuAttention) and impl.use_kernel and impl._ref is None
+    if not (isinstance(impl, CpuAttention) and impl.runs_kernel
             and attn.attn.kv_cache is not None and attn.rotary_emb is rotary):
         return False
     if (own.num_heads, own.num_kv_heads, own.head_size, own.scale) != (
