@@ -27,7 +27,8 @@ from pagedllm.config import cache_root
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "cpu_attention.cpp", _CSRC / "cpu_ops.cpp", _CSRC / "cpu_decoder.cpp"]
+_SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_ops.cpp", "cpu_decoder.cpp",
+                                       "cpu_gemm.cpp")]
 _HEADERS = [_CSRC / name for name in ("simd.h", "attention_common.h", "attention_avx512.h",
                                        "ops.h")]
 # -ffp-contract=off: no fused multiply-adds the source does not spell out, so float32
@@ -120,7 +121,7 @@ def cpu_ops_available(x: torch.Tensor) -> bool:
 def _register_fakes() -> None:
     """Shape-only versions of the ops, so torch.compile can trace through them."""
     for name in ("paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-                 "gemv_bf16", "argmax"):
+                 "gemm_bf16", "argmax"):
         torch.library.register_fake(f"pagedllm_cpu::{name}")(lambda *args, **kwargs: None)
 
 

@@ -9,7 +9,7 @@ layers (tests/models/test_native_layers.py) and the Python layers stay the refer
 
 Applies when every layer is plain Llama: RMSNorm, fused qkv (+ bias), RoPE through the
 native op, the native paged attention (no soft-cap, no ALiBi), fused gate_up with SiLU,
-oneDNN-packed weights. Qwen3's q/k norm and Mixtral's experts keep the Python layers.
+packed weights (native bfloat16 GEMM or oneDNN). Qwen3's q/k norm and Mixtral's experts keep the Python layers.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pagedllm.models.layers.norm import RMSNorm
 
 def _linear_slots(linear: LinearBase) -> list[torch.Tensor | None]:
     # The order of one linear's slots in cpu_decoder.cpp.
-    return [linear.packed_weight, linear.gemv_weight, linear.bias, linear.gemv_bias]
+    return [linear.packed_weight, linear.native_weight, linear.bias, linear.native_bias]
 
 
 def _fits(layer: Any, spec: Any, rotary: Any, eps: float, offset: float) -> bool:
@@ -47,7 +47,8 @@ def _fits(layer: Any, spec: Any, rotary: Any, eps: float, offset: float) -> bool
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     return (all(isinstance(n, RMSNorm) and (n.eps, n.offset) == (eps, offset) for n in norms)
-            and all(lin.packed_weight is not None and lin.tp_size == 1 for lin in linears))
+            and all((lin.packed_weight is not None or lin.native_weight is not None)
+                    and lin.tp_size == 1 for lin in linears))
 
 
 class NativeLlamaLayers:

@@ -1,5 +1,6 @@
 """The fused native CPU ops behind RMSNorm, RotaryEmbedding and SiluAndMul match the
-layers' torch code (the fallback without a compiler); the single-token GEMV matches oneDNN."""
+layers' torch code (the fallback without a compiler); the native bfloat16 GEMM matches a
+float32 product."""
 
 from __future__ import annotations
 
@@ -77,23 +78,45 @@ def test_silu_and_mul(monkeypatch, dtype):
 @pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="needs AVX512-BF16")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features", [8, 100, 576])
-def test_single_token_gemv_matches_onednn(bias, out_features):
-    """One token through a packed bf16 linear layer takes the native GEMV; several tokens
-    take oneDNN. Both agree (fp32 sums in a different order, one bf16 rounding)."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 13, 64])
+def test_native_gemm_matches_float32(bias, out_features, rows):
+    """bfloat16 linear layers run the native GEMM after packing (panels of 48 outputs, the
+    last one partial for 8 and 100; one panel for 8 splits the rows across threads
+    instead). Sums are float32 with one bfloat16 rounding, so the result is within a
+    rounding of the float32 product; a row alone (K split over several sums) and in a
+    batch agree to that precision."""
     gen = torch.Generator().manual_seed(3)
-    layer = ColumnParallelLinear(64, out_features, bias=bias)
+    layer = ColumnParallelLinear(96, out_features, bias=bias)
     with torch.no_grad():
-        layer.weight.copy_(torch.randn(out_features, 64, generator=gen))
+        layer.weight.copy_(torch.randn(out_features, 96, generator=gen))
         if bias:
             layer.bias.copy_(torch.randn(out_features, generator=gen))
     layer = layer.to(torch.bfloat16)
+    expected_weight, expected_bias = layer.weight.float(), layer.bias.float() if bias else None
     model = torch.nn.Sequential(layer)
-    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
-    expected = torch.nn.functional.linear(x.float(), layer.weight.float(),
-                                          layer.bias.float() if bias else None)
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    expected = torch.nn.functional.linear(x.float(), expected_weight, expected_bias)
     pack_linear_weights(model)
-    assert layer.gemv_weight is not None
-    single = torch.cat([layer(x[i:i + 1]) for i in range(3)])
+    assert layer.native_weight is not None and layer.weight.numel() == 0
     batched = layer(x)
-    torch.testing.assert_close(single.float(), expected, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(single, batched, rtol=1e-2, atol=1e-2)
+    assert batched.shape == (rows, out_features) and batched.dtype == torch.bfloat16
+    # One bfloat16 rounding of values up to ~40: <= 0.125 apart, plus float32 order.
+    torch.testing.assert_close(batched.float(), expected, rtol=1e-2, atol=0.13)
+    single = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
+    torch.testing.assert_close(single, batched, rtol=1e-2, atol=0.13)
+    # Leading dims and rows that are not contiguous take the same path.
+    wide = torch.randn(rows, 2, 100, generator=gen).to(torch.bfloat16)
+    wide[:, :, :96] = x.unsqueeze(1)
+    torch.testing.assert_close(layer(wide[:, :, :96])[:, 1], batched, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="needs AVX512-BF16")
+def test_native_gemm_rejects_bad_shapes():
+    weight = torch.zeros(1, 8, 48, 2, dtype=torch.bfloat16)  # N <= 48, K = 16
+    out = torch.empty(2, 40, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="K / 2"):
+        torch.ops.pagedllm_cpu.gemm_bf16(out, torch.zeros(2, 18, dtype=torch.bfloat16),
+                                         weight, None)
+    with pytest.raises(RuntimeError, match="out is a bfloat16"):
+        torch.ops.pagedllm_cpu.gemm_bf16(torch.empty(2, 60, dtype=torch.bfloat16),
+                                         torch.zeros(2, 16, dtype=torch.bfloat16), weight, None)

@@ -5,8 +5,8 @@
 // ~60 us; SmolLM2-135M has 30 layers per token.
 //
 // Per layer, `weights` holds kWeightsPerLayer optional tensors (see the enum); a linear
-// runs the native bfloat16 GEMV when it has a GEMV weight and the step has one token,
-// oneDNN's packed GEMM otherwise (models/layers/linear.py: cpu_linear).
+// runs the native bfloat16 GEMM when it has a native-packed weight, oneDNN's packed GEMM
+// otherwise (models/layers/linear.py: cpu_linear).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -23,7 +23,7 @@ namespace {
 // Slots of one layer in the weight list.
 enum Slot : int64_t {
   kInputNorm,
-  kQkv,  // 4 slots per linear: packed, GEMV weight, bias, GEMV (float32) bias
+  kQkv,  // 4 slots per linear: oneDNN-packed, native-packed, bias, native (float32) bias
   kO = kQkv + 4,
   kPostNorm = kO + 4,
   kGateUp,
@@ -51,10 +51,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
 
 // x [T, in] -> [T, out] through the linear whose 4 slots start at `base`.
 at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base) {
-  const std::optional<at::Tensor> gemv = w.get(base + 1);
-  if (gemv.has_value() && x.size(0) == 1 && x.stride(1) == 1) {
-    at::Tensor out = at::empty({1, gemv->size(0)}, x.options());
-    gemv_bf16(out, x, *gemv, w.get(base + 3));
+  const std::optional<at::Tensor> native = w.get(base + 1);
+  if (native.has_value()) {
+    const std::optional<at::Tensor> bias = w.get(base + 3);  // float32 [N], always there
+    at::Tensor out = at::empty({x.size(0), bias->size(0)}, x.options());
+    gemm_bf16(out, x, *native, bias);
     return out;
   }
   return packed_linear(x, *w.get(base), w.get(base + 2));

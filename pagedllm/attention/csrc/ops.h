@@ -16,7 +16,7 @@ void rotary_embedding(const at::Tensor& query, const at::Tensor& key,
                       const at::Tensor& sin, int64_t head_size, int64_t rotary_dim,
                       bool is_neox);
 void silu_and_mul(const at::Tensor& out, const at::Tensor& x);
-void gemv_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                const std::optional<at::Tensor>& bias);
 void paged_attention(const at::Tensor& out, const at::Tensor& query,
                      const std::optional<at::Tensor>& key,

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models.layers.linear import can_pack, cpu_linear, pack_weight
+from pagedllm.models.layers.linear import (can_native, can_pack, cpu_linear, native_bias,
+                                           pack_native, pack_weight)
 from pagedllm.models.layers.module import Module
 
 
@@ -29,16 +30,22 @@ class LMHead(Module):
         self.bias = (nn.Parameter(torch.empty(vocab_size), requires_grad=False)
                      if bias else None)
 
-    # oneDNN-packed copy of `weight` for eager CPU runs (pack_for_cpu), else None. The plain
-    # weight stays: it may be the (tied) embedding table.
+    # Packed copies of `weight` for eager CPU runs (pack_for_cpu; see LinearBase), else
+    # None. The plain weight stays: it may be the (tied) embedding table.
     packed_weight: torch.Tensor | None = None
+    native_weight: torch.Tensor | None = None
+    native_bias: torch.Tensor | None = None
 
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
     def pack_for_cpu(self) -> None:
-        if can_pack(self.weight):
+        if can_native(self.weight):
+            self.native_weight = pack_native(self.weight)
+            self.native_bias = native_bias(self.bias, self.weight.shape[0])
+        elif can_pack(self.weight):
             self.packed_weight = pack_weight(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return cpu_linear(hidden, self.weight, self.bias, self.packed_weight)
+        return cpu_linear(hidden, self.weight, self.bias, self.packed_weight,
+                          self.native_weight, self.native_bias)

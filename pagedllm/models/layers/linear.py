@@ -16,8 +16,8 @@ from pagedllm.attention.cpu_kernels import cpu_ops_available
 from pagedllm.config import cpu_has_avx512_bf16
 from pagedllm.models.layers.module import Module
 
-# Largest total of linear weights for which plain copies are kept for the GEMV (bytes).
-GEMV_MAX_BYTES = 2 << 30
+# Output columns per panel of a native-packed weight (attention/csrc/cpu_gemm.cpp).
+NATIVE_PANEL = 48
 
 
 class LinearBase(Module):
@@ -36,32 +36,36 @@ class LinearBase(Module):
             self.bias.weight_loader = self.weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear(x, self.weight, self.bias, self.packed_weight, self.gemv_weight,
-                          self.gemv_bias)
+        return cpu_linear(x, self.weight, self.bias, self.packed_weight, self.native_weight,
+                          self.native_bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
         _copy_checked(param.data, loaded)
 
-    # oneDNN-packed copy of `weight` (CPU eager runs; see pack_linear_weights), else None.
+    # oneDNN-packed copy of `weight` (CPU eager float32 runs; see pack_linear_weights).
     packed_weight: torch.Tensor | None = None
-    # Plain bfloat16 weight [out, in] (and float32 bias) for the native single-token GEMV,
-    # else None.
-    gemv_weight: torch.Tensor | None = None
-    gemv_bias: torch.Tensor | None = None
+    # bfloat16 weight packed for the native GEMM, and its float32 bias (zeros without one;
+    # its length is the output size), else None.
+    native_weight: torch.Tensor | None = None
+    native_bias: torch.Tensor | None = None
 
-    def pack_for_cpu(self, release: bool = True, gemv: bool = False) -> None:
-        """Use a oneDNN-packed copy of the weight from now on. With `gemv` (bfloat16) the
-        plain weight is also kept for one-token steps; otherwise, with `release`, it is
-        dropped (replaced by an empty tensor) so weights are not held twice."""
-        if self.packed_weight is not None or not can_pack(self.weight):
+    def pack_for_cpu(self, release: bool = True) -> None:
+        """Use a packed copy of the weight from now on: the native GEMM's layout for
+        bfloat16 where the CPU has AVX512-BF16, oneDNN's otherwise. With `release` the
+        plain weight is dropped (replaced by an empty tensor) so weights are not held
+        twice."""
+        if self.packed_weight is not None or self.native_weight is not None:
             return
-        self.packed_weight = pack_weight(self.weight)
-        if gemv and can_gemv(self.weight):
-            self.gemv_weight = self.weight.data.contiguous()
-            if self.bias is not None and self.tp_rank == 0:
-                self.gemv_bias = self.bias.data.float().contiguous()
-        elif release:
+        if can_native(self.weight):
+            self.native_weight = pack_native(self.weight)
+            self.native_bias = native_bias(self.bias if self.tp_rank == 0 else None,
+                                           self.weight.shape[0])
+        elif can_pack(self.weight):
+            self.packed_weight = pack_weight(self.weight)
+        else:
+            return
+        if release:
             self.weight.data = self.weight.data.new_empty(0)
 
 
@@ -71,10 +75,26 @@ def can_pack(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
-def can_gemv(weight: torch.Tensor) -> bool:
-    """The native single-token GEMV (AVX512-BF16) applies to this bfloat16 weight."""
-    return (weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0
+def can_native(weight: torch.Tensor) -> bool:
+    """The native bfloat16 GEMM (AVX512-BF16) applies to this weight."""
+    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0
             and cpu_has_avx512_bf16() and cpu_ops_available(weight))
+
+
+def pack_native(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> panels [ceil(N / 48), K / 2, 48, 2] (rows past N are zero): each
+    pair of K of 48 output columns is one contiguous run, as cpu_gemm.cpp reads it."""
+    n, k = weight.shape
+    panels = -(-n // NATIVE_PANEL)
+    padded = F.pad(weight.detach(), (0, 0, 0, panels * NATIVE_PANEL - n))
+    return padded.view(panels, NATIVE_PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def native_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """The native GEMM's float32 bias: zeros without one (it also carries N)."""
+    if bias is None:
+        return torch.zeros(out_features, dtype=torch.float32)
+    return bias.detach().float().contiguous()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -83,17 +103,20 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               packed_weight: torch.Tensor | None, gemv_weight: torch.Tensor | None = None,
-               gemv_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b, through the packed weight when there is one. x [N, in] -> [N, out].
+               packed_weight: torch.Tensor | None, native_weight: torch.Tensor | None = None,
+               native_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b, through the packed weight when there is one. x [..., in] -> [..., out].
 
-    One token with a gemv_weight: the native GEMV, which streams the weight faster than
-    oneDNN does at N = 1 (single-request decode is bound by reading the weights).
+    bfloat16 with a native_weight: the native GEMM (faster than oneDNN's at every row count
+    measured, most at decode batches: weights stream from memory every step).
     """
-    if gemv_weight is not None and x.shape[0] == 1 and x.dim() == 2 and x.stride(1) == 1:
-        out = torch.empty((1, gemv_weight.shape[0]), dtype=x.dtype)
-        torch.ops.pagedllm_cpu.gemv_bf16.default(out, x, gemv_weight, gemv_bias)
-        return out
+    if native_weight is not None:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(1) != 1 or x2.stride(0) % 2:
+            x2 = x2.contiguous()
+        out = torch.empty((x2.shape[0], native_bias.numel()), dtype=x.dtype)
+        torch.ops.pagedllm_cpu.gemm_bf16.default(out, x2, native_weight, native_bias)
+        return out.view(*x.shape[:-1], out.shape[1])
     if packed_weight is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise.default(x, packed_weight, bias, "none", [], "")
@@ -101,27 +124,23 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def pack_linear_weights(model: nn.Module) -> int:
     """Pack the weights of every layer that supports it (`pack_for_cpu`: linear layers, the
-    LM head) for oneDNN; for eager CPU runs. Returns how many layers were packed.
+    LM head) for eager CPU runs. Returns how many layers were packed.
 
-    Models whose linear weights are small (<= GEMV_MAX_BYTES, bfloat16) also keep the plain
-    weights for the single-token GEMV: twice the weight memory for ~25% faster
-    single-request decoding.
-    NOTE: other packed linear layers hold an empty `.weight`; nothing may read it afterwards.
+    NOTE: packed linear layers hold an empty `.weight` (unless tied to another module);
+    nothing may read it afterwards.
     """
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
-    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
-    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    gemv = weight_bytes <= GEMV_MAX_BYTES
     count = 0
     for module in model.modules():
         if isinstance(module, LinearBase):
             # A weight tied elsewhere (an embedding) must keep its plain values.
-            module.pack_for_cpu(release=uses.get(id(module.weight), 0) == 1, gemv=gemv)
+            module.pack_for_cpu(release=uses.get(id(module.weight), 0) == 1)
         elif callable(getattr(module, "pack_for_cpu", None)):
             module.pack_for_cpu()
-        count += getattr(module, "packed_weight", None) is not None
+        count += (getattr(module, "packed_weight", None) is not None
+                  or getattr(module, "native_weight", None) is not None)
     return count
 
 
@@ -165,7 +184,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: with tp_size > 1 the bias must be added once, after the all-reduce.
         return cpu_linear(x, self.weight, self.bias if self.tp_rank == 0 else None,
-                          self.packed_weight, self.gemv_weight, self.gemv_bias)
+                          self.packed_weight, self.native_weight, self.native_bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
