@@ -78,11 +78,11 @@ def test_silu_and_mul(monkeypatch, dtype):
 @pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="needs AVX512-BF16")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features", [8, 100, 576])
-@pytest.mark.parametrize("rows", [1, 2, 3, 13, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 13, 64, 300])
 def test_native_gemm_matches_float32(bias, out_features, rows):
     """bfloat16 linear layers run the native GEMM after packing (panels of 48 outputs, the
-    last one partial for 8 and 100; one panel for 8 splits the rows across threads
-    instead). Sums are float32 with one bfloat16 rounding, so the result is within a
+    last one partial for 8 and 100; threads split the rows instead of the panels for one
+    panel (8) and from 256 rows). Sums are float32 with one bfloat16 rounding, so the result is within a
     rounding of the float32 product; a row alone (K split over several sums) and in a
     batch agree to that precision."""
     gen = torch.Generator().manual_seed(3)
