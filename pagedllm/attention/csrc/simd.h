@@ -15,8 +15,9 @@
 
 namespace pagedllm_simd {
 
-// exp(x) by Cephes' polynomial (~1 ulp); x is clamped to [-87, 88].
-inline float exp_poly(float x) {
+// exp(x) by Cephes' polynomial (~1 ulp); x is clamped to [-87, 88]. Always inlined: it
+// sits in the attention kernels' per-chunk rescale.
+__attribute__((always_inline)) inline float exp_poly(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float k = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
