@@ -9,7 +9,8 @@ layers (tests/models/test_native_layers.py) and the Python layers stay the refer
 
 Applies when every layer is plain Llama: RMSNorm, fused qkv (+ bias), RoPE through the
 native op, the native paged attention (no soft-cap, no ALiBi), fused gate_up with SiLU,
-packed weights (native bfloat16 GEMM or oneDNN). Qwen3's q/k norm and Mixtral's experts keep the Python layers.
+packed weights (native bfloat16 GEMM or oneDNN). Qwen3's q/k norm and Mixtral's experts
+keep the Python layers.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -71,7 +71,6 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int,
     return caches
 
 
-
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor whose memory is only touched when used, on huge pages where the
     kernel allows them.
@@ -83,7 +82,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     default) save TLB misses on the scattered block reads of decode attention.
     """
     elem = torch.empty((), dtype=dtype).element_size()
-    nbytes = elem * int(np.prod(shape))
+    nbytes = elem * math.prod(shape)
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     offset = -_address(buf) % HUGE_PAGE
     if hasattr(mmap, "MADV_HUGEPAGE"):

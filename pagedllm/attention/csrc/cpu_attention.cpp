@@ -244,16 +244,15 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
   SharedPrefix shared;
   std::vector<Item> shared_items;
   if (fns.shared != nullptr) shared.keys = shared_prefix_keys(p, num_reqs, query.size(0));
-  // Shared-prefix tiles of 2 x q_tile tokens (each transposed key chunk serves twice the
-  // rows: measured 0.35 -> 0.29 ms per layer, 64 decodes sharing 512 keys) while that
-  // still leaves two items per thread.
-  const int64_t shared_tile =
-      (query.size(0) + 2 * q_tile - 1) / (2 * q_tile) * num_kv_heads >= 2 * omp_get_max_threads()
-          ? 2 * q_tile
-          : q_tile;
+  int64_t shared_tile = q_tile;
   if (shared.keys > 0) {
     // All decodes, so token t is request t; any request's table reads the shared blocks.
     const int64_t num_tokens = query.size(0), heads = query.size(1);
+    // Tiles of 2 x q_tile tokens (each transposed key chunk serves twice the rows:
+    // measured 0.35 -> 0.29 ms per layer, 64 decodes sharing 512 keys) while that still
+    // leaves two items per thread.
+    if ((num_tokens + 2 * q_tile - 1) / (2 * q_tile) * num_kv_heads >= 2 * omp_get_max_threads())
+      shared_tile = 2 * q_tile;
     shared.heads = heads;
     shared.head_size = p.head_size;
     shared.m.resize(num_tokens * heads);

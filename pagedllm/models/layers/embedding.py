@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models.layers.linear import (can_native, can_pack, cpu_linear, native_bias,
-                                           pack_native, pack_weight)
+from pagedllm.models.layers.linear import cpu_linear, pack_for_cpu
 from pagedllm.models.layers.module import Module
 
 
@@ -40,11 +39,8 @@ class LMHead(Module):
         self.weight = embedding.weight
 
     def pack_for_cpu(self) -> None:
-        if can_native(self.weight):
-            self.native_weight = pack_native(self.weight)
-            self.native_bias = native_bias(self.bias, self.weight.shape[0])
-        elif can_pack(self.weight):
-            self.packed_weight = pack_weight(self.weight)
+        self.packed_weight, self.native_weight, self.native_bias = pack_for_cpu(self.weight,
+                                                                                self.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return cpu_linear(hidden, self.weight, self.bias, self.packed_weight,

@@ -57,15 +57,9 @@ class LinearBase(Module):
         twice."""
         if self.packed_weight is not None or self.native_weight is not None:
             return
-        if can_native(self.weight):
-            self.native_weight = pack_native(self.weight)
-            self.native_bias = native_bias(self.bias if self.tp_rank == 0 else None,
-                                           self.weight.shape[0])
-        elif can_pack(self.weight):
-            self.packed_weight = pack_weight(self.weight)
-        else:
-            return
-        if release:
+        self.packed_weight, self.native_weight, self.native_bias = pack_for_cpu(
+            self.weight, self.bias if self.tp_rank == 0 else None)
+        if release and (self.packed_weight is not None or self.native_weight is not None):
             self.weight.data = self.weight.data.new_empty(0)
 
 
@@ -95,6 +89,17 @@ def native_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     if bias is None:
         return torch.zeros(out_features, dtype=torch.float32)
     return bias.detach().float().contiguous()
+
+
+def pack_for_cpu(weight: torch.Tensor, bias: torch.Tensor | None,
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(packed_weight, native_weight, native_bias) for `weight`: the native GEMM's layout
+    for bfloat16 where the CPU has AVX512-BF16, oneDNN's otherwise, none if neither fits."""
+    if can_native(weight):
+        return None, pack_native(weight), native_bias(bias, weight.shape[0])
+    if can_pack(weight):
+        return pack_weight(weight), None, None
+    return None, None, None
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
