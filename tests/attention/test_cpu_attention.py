@@ -48,12 +48,21 @@ def make_metadata(num_computed: list[int], query_lens: list[int], block_size: in
 
 
 def run_both(spec: AttentionSpec, md: AttentionMetadata, dtype: torch.dtype,
-             block_size: int, num_blocks: int, seed: int = 0, use_kernel: bool = True):
+             block_size: int, num_blocks: int, seed: int = 0, use_kernel: bool = True,
+             key_growth: float = 0.0):
+    """key_growth: cached keys at position p scaled by 1 + key_growth * p."""
     gen = torch.Generator().manual_seed(seed)
     num_tokens = md.num_actual_tokens
     # Random context everywhere: stale values in unused slots must never leak in.
     cache = torch.randn(2, num_blocks, block_size, spec.num_kv_heads, spec.head_size,
-                        generator=gen).to(dtype)
+                        generator=gen)
+    if key_growth:
+        for r, seq_len in enumerate(md.seq_lens_cpu):
+            for pos in range(int(seq_len) - int(md.query_start_loc_cpu[r + 1]
+                                                 - md.query_start_loc_cpu[r])):
+                block = md.block_table[r, pos // block_size]
+                cache[0, block, pos % block_size] *= 1 + key_growth * pos
+    cache = cache.to(dtype)
     q = torch.randn(num_tokens, spec.num_heads, spec.head_size, generator=gen).to(dtype)
     k = torch.randn(num_tokens, spec.num_kv_heads, spec.head_size, generator=gen).to(dtype)
     v = torch.randn(num_tokens, spec.num_kv_heads, spec.head_size, generator=gen).to(dtype)
@@ -107,6 +116,19 @@ def test_cpu_all_decode_batch(dtype):
     computed = [3, 16, 31, 32, 63, 200, 0, 77]
     md = make_metadata(computed, [1] * len(computed), 16, 64, seed=2)
     actual, expected = run_both(spec, md, dtype, 16, 64, seed=2)
+    torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_cpu_scores_growing_along_the_context(dtype, block_size):
+    """Cached keys grow along the context, so later keys score far above earlier ones
+    (by more than the 8 the bfloat16 tiles let a score exceed their lazy running max):
+    the online softmax must rescale mid-row, in prefill chunks and decodes."""
+    spec = AttentionSpec(num_heads=6, num_kv_heads=2, head_size=64, scale=0.125)
+    computed, query_lens = [200, 150, 120, 90], [20, 33, 1, 1]
+    md = make_metadata(computed, query_lens, block_size, 200, seed=5)
+    actual, expected = run_both(spec, md, dtype, block_size, 200, seed=5, key_growth=0.05)
     torch.testing.assert_close(actual, expected, **TOL[dtype])
 
 
