@@ -212,10 +212,10 @@ void store_rows(const Params<T>& p, const Item& item, int64_t h, const float* ac
       for (int j = 0; j < NV / 2; ++j) {
         const __m512 ev = _mm512_loadu_ps(acc + row * D + 32 * j);
         const __m512 od = _mm512_loadu_ps(acc + row * D + 32 * j + 16);
-        alignas(64) float nat[32];
-        _mm512_store_ps(nat, _mm512_mul_ps(_mm512_permutex2var_ps(ev, idx0, od), inv));
-        _mm512_store_ps(nat + 16, _mm512_mul_ps(_mm512_permutex2var_ps(ev, idx1, od), inv));
-        for (int i = 0; i < 32; ++i) dst[32 * j + i] = static_cast<T>(nat[i]);
+        pagedllm_simd::store16(dst + 32 * j,
+                               _mm512_mul_ps(_mm512_permutex2var_ps(ev, idx0, od), inv));
+        pagedllm_simd::store16(dst + 32 * j + 16,
+                               _mm512_mul_ps(_mm512_permutex2var_ps(ev, idx1, od), inv));
       }
     }
   }
