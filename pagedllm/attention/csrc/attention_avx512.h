@@ -2,6 +2,8 @@
 // 16, read in place from the cache (no copies).
 // Scores of one row for a chunk: a 16-lane partial dot product per key (vdpbf16ps on
 // bfloat16, FMAs otherwise) folded by hsum16 into one vector whose lane t is key t.
+// Tiles of many rows in bfloat16 (prefill chunks, the cascade's shared prefix) instead
+// run GEMM-shaped micro-kernels over keys transposed once per step (run_item_tiles_bf16).
 // P.V: FMAs into a float32 accumulator per row; on bfloat16, vdpbf16ps over pairs of
 // keys (probabilities rounded to bfloat16, as bf16 attention kernels do), which leaves the
 // accumulator's head dims in the unpack order, undone when the output is stored.
@@ -163,7 +165,6 @@ inline void transpose_keys(const c10::BFloat16* k0, int64_t stride, int n, __m51
     }
   }
 }
-
 #endif
 
 // acc (R rows) = acc * alpha + P . V over keys vb[0..n).
@@ -347,7 +348,7 @@ void load_item_queries(const Params<T>& p, const Item& item, int64_t head_rows, 
 #if defined(__AVX512BF16__)
 // The bfloat16 tile pass, shaped like a small GEMM: per step of kTileKeys keys and KV head,
 // the keys are transposed and the values interleaved in pairs once, then micro-kernels of
-// TileRows<NV> query rows compute their scores (rows x 3 vectors of sums in registers, so
+// kTileRows<NV> query rows compute their scores (rows x 3 vectors of sums in registers, so
 // each loaded key vector serves every row and each broadcast query pair three keys), the
 // online softmax (one horizontal max per row per 48 keys), and P . V (rows x D sums in
 // registers). Measured per layer on shared_prefix's first step (47 chunks of 32 tokens
