@@ -121,11 +121,14 @@ def test_cpu_all_decode_batch(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [5, 16])
-def test_cpu_scores_growing_along_the_context(dtype, block_size):
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_cpu_scores_growing_along_the_context(dtype, block_size, head_size):
     """Cached keys grow along the context, so later keys score far above earlier ones
     (by more than the 8 the bfloat16 tiles let a score exceed their lazy running max):
-    the online softmax must rescale mid-row, in prefill chunks and decodes."""
-    spec = AttentionSpec(num_heads=6, num_kv_heads=2, head_size=64, scale=0.125)
+    the online softmax must rescale mid-row, in prefill chunks and decodes. (Head size
+    128 runs the tiles' 3-row micro-kernels, 64 their 6-row ones.)"""
+    spec = AttentionSpec(num_heads=6, num_kv_heads=2, head_size=head_size,
+                         scale=head_size ** -0.5)
     computed, query_lens = [200, 150, 120, 90], [20, 33, 1, 1]
     md = make_metadata(computed, query_lens, block_size, 200, seed=5)
     actual, expected = run_both(spec, md, dtype, block_size, 200, seed=5, key_growth=0.05)
