@@ -120,3 +120,28 @@ def test_native_gemm_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="out is a bfloat16"):
         torch.ops.pagedllm_cpu.gemm_bf16(torch.empty(2, 60, dtype=torch.bfloat16),
                                          torch.zeros(2, 16, dtype=torch.bfloat16), weight, None)
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="needs AVX512-BF16")
+@pytest.mark.parametrize("out_features", [100, 576])
+@pytest.mark.parametrize("rows", [1, 13, 64, 300])
+def test_native_gemm_accumulates_into_out(out_features, rows):
+    """accumulate=True adds the rounded product to out in the epilogue (the decoder's
+    residual adds): bit-equal to out.add_(product), on rows of a wider tensor too."""
+    gen = torch.Generator().manual_seed(4)
+    layer = ColumnParallelLinear(96, out_features, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_features, 96, generator=gen))
+        layer.bias.copy_(torch.randn(out_features, generator=gen))
+    layer = layer.to(torch.bfloat16)
+    pack_linear_weights(torch.nn.Sequential(layer))
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    wide = (torch.randn(rows, out_features + 20, generator=gen) * 8).to(torch.bfloat16)
+    before = wide.clone()
+    residual = wide[:, 10:10 + out_features]
+    expected = residual.clone().add_(layer(x))
+    torch.ops.pagedllm_cpu.gemm_bf16(residual, x, layer.native_weight, layer.native_bias, True)
+    assert torch.equal(residual, expected)
+    # Columns outside out are untouched.
+    assert torch.equal(wide[:, :10], before[:, :10])
+    assert torch.equal(wide[:, 10 + out_features:], before[:, 10 + out_features:])

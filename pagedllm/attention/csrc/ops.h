@@ -16,8 +16,9 @@ void rotary_embedding(const at::Tensor& query, const at::Tensor& key,
                       const at::Tensor& sin, int64_t head_size, int64_t rotary_dim,
                       bool is_neox);
 void silu_and_mul(const at::Tensor& out, const at::Tensor& x);
+// accumulate: out += round(x . W^T + bias) (rounded again), else out = round(...).
 void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-               const std::optional<at::Tensor>& bias);
+               const std::optional<at::Tensor>& bias, bool accumulate = false);
 void paged_attention(const at::Tensor& out, const at::Tensor& query,
                      const std::optional<at::Tensor>& key,
                      const std::optional<at::Tensor>& value, const at::Tensor& kv_cache,
