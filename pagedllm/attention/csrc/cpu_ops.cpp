@@ -206,7 +206,9 @@ void silu_and_mul_impl(const at::Tensor& out, const at::Tensor& x) {
     for (int64_t i = 0; i < d; i += 16) {
       const __mmask16 m = first_lanes(d - i);
       const __m512 g = load16(gate + i, m);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 e = std::is_same_v<T, c10::BFloat16>
+                           ? exp2_16(_mm512_mul_ps(g, _mm512_set1_ps(-1.44269504088896341f)))
+                           : exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
       const __m512 silu = round_to<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
       store16(o + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
     }
