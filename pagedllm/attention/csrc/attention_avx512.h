@@ -477,17 +477,13 @@ inline void tile_rows_n(int rows, const Params<T>& p, const __m512i* kt, const _
   tile_rows<T, NV, R>(p, kt, vi, c, n, q, pos, m, l, acc);
 }
 
-// run_item_chunks for bfloat16 with whole 16-key runs per block (block_size % 16 == 0).
+// run_item_chunks' key loop for bfloat16 with whole 16-key runs per block
+// (block_size % 16 == 0): steps of kTileKeys keys through the micro-kernels.
 template <typename T, int NV>
 void run_item_tiles_bf16(const Params<T>& p, const Item& item, const Span& sp, Scratch& sc) {
   constexpr int D = NV * 16;
   constexpr int R = kTileRows<NV>;
   const int64_t head_rows = sp.num_toks * p.group;
-  const int64_t rows = head_rows * (item.head_end - item.head_begin);
-  load_item_queries<T, NV, true>(p, item, head_rows, sc);
-  std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.0f);
-  std::fill(sc.m.begin(), sc.m.begin() + rows, -INFINITY);
-  std::fill(sc.l_lanes.begin(), sc.l_lanes.begin() + rows * 16, 0.0f);
   const uint16_t* qb = reinterpret_cast<const uint16_t*>(sc.q.data());
   alignas(64) __m512i kt[kTileVecs * NV * 8];
   alignas(64) __m512i vi[kTileKeys / 2 * NV];
@@ -530,8 +526,6 @@ void run_item_tiles_bf16(const Params<T>& p, const Item& item, const Span& sp, S
       }
     }
   }
-  for (int64_t row = 0; row < rows; ++row)
-    sc.l[row] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.l_lanes.data() + row * 16));
 }
 #endif
 
@@ -542,18 +536,23 @@ void run_item_chunks(const Params<T>& p, const Item& item, const Span& sp, Scrat
   constexpr int D = NV * 16;
   const int64_t head_rows = sp.num_toks * p.group;
   const int64_t rows = head_rows * (item.head_end - item.head_begin);
-#if defined(__AVX512BF16__)
-  if constexpr (kBf16) {
-    if (p.block_size % 16 == 0) {
-      run_item_tiles_bf16<T, NV>(p, item, sp, sc);
-      return;
-    }
-  }
-#endif
   load_item_queries<T, NV, kBf16>(p, item, head_rows, sc);
   std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.0f);
   std::fill(sc.m.begin(), sc.m.begin() + rows, -INFINITY);
   std::fill(sc.l_lanes.begin(), sc.l_lanes.begin() + rows * 16, 0.0f);
+  auto sum_lanes = [&] {
+    for (int64_t row = 0; row < rows; ++row)
+      sc.l[row] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.l_lanes.data() + row * 16));
+  };
+#if defined(__AVX512BF16__)
+  if constexpr (kBf16) {
+    if (p.block_size % 16 == 0) {
+      run_item_tiles_bf16<T, NV>(p, item, sp, sc);
+      sum_lanes();
+      return;
+    }
+  }
+#endif
   RowState st{sc.acc.data(), sc.m.data(), sc.l_lanes.data(), sc.probs.data(),
               reinterpret_cast<uint16_t*>(sc.probs_b.data()), sc.alpha.data()};
   int64_t offsets[2][16];  // this chunk's and the next one's cache offsets
@@ -571,8 +570,7 @@ void run_item_chunks(const Params<T>& p, const Item& item, const Span& sp, Scrat
       head_chunk<T, NV, kBf16>(p, item, sp, h, c, offsets[cur], n, sc.q.data(), st);
     n = next_n;
   }
-  for (int64_t row = 0; row < rows; ++row)
-    sc.l[row] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.l_lanes.data() + row * 16));
+  sum_lanes();
 }
 
 template <typename T, int NV, bool kBf16>
