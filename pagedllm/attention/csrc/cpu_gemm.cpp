@@ -1,5 +1,6 @@
 // bfloat16 linear layers on AVX512-BF16: out [M, N] = x [M, K] . W^T + bias, float32
-// sums, one rounding to bfloat16 at the end.
+// sums, one rounding to bfloat16 at the end (with `accumulate`, the rounded result is
+// then added to out and rounded again, as out.add_(linear(x)) would).
 //
 // W is packed once (pack_native in models/layers/linear.py) into panels of 48 output
 // columns: [ceil(N / 48), K / 2, 48, 2], so one vdpbf16ps multiplies a broadcast pair of
