@@ -50,6 +50,12 @@ def cache_root() -> Path:
     return Path(xdg) / "pagedllm" if xdg else Path.home() / ".cache" / "pagedllm"
 
 
+def env_api_key() -> str | None:
+    """The server's API key from PAGEDLLM_API_KEY (kept off the command line, where `ps`
+    would show it); None when unset or empty."""
+    return os.environ.get("PAGEDLLM_API_KEY") or None
+
+
 def cpu_has_avx512_bf16() -> bool:
     """True when the CPU advertises avx512_bf16 (bf16 matmuls run ~4x faster than fp32)."""
     try:

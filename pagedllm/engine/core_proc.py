@@ -266,8 +266,11 @@ class EngineCoreProc:
     def _utility(self, call: UtilityCall) -> Any:
         if call.method == "get_stats":
             stats = self._stats()
+            import psutil
+
             return {f: getattr(stats, f) for f in stats.__struct_fields__} | {
-                "engine_pid": os.getpid()}
+                "engine_pid": os.getpid(),
+                "engine_rss_bytes": psutil.Process().memory_info().rss}
         if call.method == "reset_prefix_cache":
             return self.core.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
         if call.method == "ping":

@@ -126,8 +126,11 @@ def _add_engine_routes(app: FastAPI, engine: AsyncLLM, version_str: str) -> None
     @app.get("/debug/stats")
     async def debug_stats() -> dict[str, Any]:
         """The core's scheduler and KV-cache state (tests check that aborts free blocks)."""
+        import psutil
+
         stats = await engine.call_utility("get_stats")
-        return stats | {"num_front_end_requests": len(engine.core_client.requests)}
+        return stats | {"num_front_end_requests": len(engine.core_client.requests),
+                        "api_rss_bytes": psutil.Process().memory_info().rss}
 
 
 def _add_openai_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[str]) -> None:
