@@ -114,9 +114,12 @@ class CacheConfig:
                              f"got {self.num_kv_blocks}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
-    """Per-step limits of the scheduler."""
+    """Per-step limits and the ordering policy of the scheduler."""
 
     max_num_seqs: int
     """Most requests in one step."""
@@ -126,8 +129,15 @@ class SchedulerConfig:
     """Copied from the model config: the longest sequence."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps to fit the token budget."""
+    policy: str = "fcfs"
+    """Order of admission and preemption: "fcfs" (arrival order) or "priority" (by
+    (request priority, arrival time), lower first; a better waiting request preempts
+    worse running ones)."""
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -189,6 +199,10 @@ class EngineArgs:
     num_kv_blocks: int | None = _arg(None, "force the number of KV blocks (overrides "
                                            "kv_cache_space)")
     max_num_seqs: int = _arg(256, "maximum number of sequences per step")
+    scheduling_policy: str = _arg("fcfs", "fcfs: serve requests in arrival order; priority: "
+                                          "by each request's priority (lower first, then "
+                                          "arrival), preempting lower-priority ones",
+                                  choices=SCHEDULING_POLICIES)
     max_num_batched_tokens: int | None = _arg(None, "token budget per step (default 2048 with "
                                                     "chunked prefill, else max_model_len)")
     enable_prefix_caching: bool = _arg(True, "reuse KV blocks of equal prompt prefixes")
@@ -227,7 +241,8 @@ class EngineArgs:
             budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len,
-                                enable_chunked_prefill=self.enable_chunked_prefill)
+                                enable_chunked_prefill=self.enable_chunked_prefill,
+                                policy=self.scheduling_policy)
         backend = self.attention_backend or ("cpu" if device == "cpu" else "torch_ref")
         device_config = DeviceConfig(
             device=device, attention_backend=backend,

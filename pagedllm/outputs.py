@@ -35,7 +35,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     """Per generated token: the chosen token and the top-k alternatives."""
     finish_reason: str | None = None
-    """"stop", "length", "abort", or None while still running."""
+    """"stop", "length", "abort", "timeout" (past its deadline), or None while running."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended generation, if any."""
 

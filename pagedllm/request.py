@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_TIMEOUT = "finished_timeout"
 
     @property
     def is_finished(self) -> bool:
@@ -33,6 +34,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_TIMEOUT: "timeout",
 }
 
 
@@ -42,18 +44,22 @@ class Request:
     `num_computed_tokens` counts tokens whose K/V is in the cache (or scheduled to be
     written this step); tokens `[num_computed_tokens, num_tokens)` still need a forward
     pass. After preemption it drops to 0 and the prompt plus outputs are recomputed.
+    `priority` orders requests under the "priority" scheduling policy (lower runs first);
+    `deadline` is an absolute `time.monotonic()` time at which the scheduler finishes the
+    request as FINISHED_TIMEOUT (None: no deadline).
     """
 
     def __init__(self, req_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None,
                  arrival_time: float | None = None, priority: int = 0,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, deadline: float | None = None) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        self.deadline = deadline
         # Resolved output cap: SamplingParams.max_tokens, or what max_model_len leaves.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.output_token_ids: list[int] = []

@@ -1,16 +1,34 @@
-"""Scheduler: one token budget per step, running requests first, then FCFS admission.
+"""Scheduler: one token budget per step, running requests first, then admission.
 
 Each `schedule()` call decides `num_scheduled_tokens` per request: running requests
 continue (a decode asks for 1 token, a prompt being prefilled for a chunk), then waiting
-requests are admitted in arrival order while blocks, budget and `max_num_seqs` allow.
+requests are admitted in queue order while blocks, budget and `max_num_seqs` allow.
 When a running request cannot get a block, the last running request is preempted
-(recompute: its blocks are freed and it re-enters the front of the waiting queue).
+(recompute: its blocks are freed and it re-enters the waiting queue).
+
+Policies (`SchedulerConfig.policy`):
+- "fcfs": both queues in arrival order; a preempted request re-enters at the front of
+  waiting; `Request.priority` is ignored.
+- "priority": waiting and running are sorted by (priority, arrival_time), lower first,
+  so "the last running request" is the worst one, and a preempted request re-enters
+  by its key (ahead of later arrivals of its priority). Before anything is scheduled,
+  a waiting head with a strictly smaller priority value than the worst running request,
+  that cannot be admitted (max_num_seqs reached or too few free blocks), preempts
+  running requests from the back until it fits; it preempts nobody when even
+  preempting every worse request would not make room.
+
+Deadlines: a request with `deadline` (absolute `time.monotonic()` time) still live at
+the start of a `schedule()` at or after it is finished as FINISHED_TIMEOUT, waiting or
+running; its blocks are freed at once and `pop_timed_out_requests()` hands it over.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+import bisect
+import heapq
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
@@ -18,6 +36,7 @@ from pagedllm.core.contracts import (CachedRequestData, ModelRunnerOutput, NewRe
                                      SchedulerOutput)
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request_queue import RequestQueue, create_request_queue, priority_key
 from pagedllm.errors import InvalidRequestError
 from pagedllm.request import Request, RequestStatus
 
@@ -32,6 +51,9 @@ class _StepState:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # A running request could not get its blocks (set by _allocate_or_preempt, not by
+    # preemptions that make room for a better waiting request).
+    is_short_of_blocks: bool = False
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.num_scheduled_tokens[request.req_id] = num_new_tokens
@@ -45,14 +67,17 @@ class Scheduler:
     waiting, recomputed from scratch on re-admission). Only RUNNING requests hold blocks.
     `request.num_computed_tokens` is advanced inside `schedule()` by the tokens scheduled
     (as in vLLM V1): after `schedule()` it counts tokens whose K/V this step will write.
+    `clock` is the time source of deadlines (injectable for tests).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int) -> None:
+                 num_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.policy = scheduler_config.policy
+        self.clock = clock
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
@@ -62,13 +87,19 @@ class Scheduler:
         # sampled token needs no slot). Only matters when the pool < max_model_len.
         num_slots = (num_blocks - 1) * self.block_size
         self.max_num_tokens = min(self.max_model_len, num_slots + 1)
-        # Live requests by id; waiting (FCFS, preempted ones in front) and running.
+        # Live requests by id; waiting (in admission order of the policy) and running
+        # (fcfs: admission order; priority: sorted by priority_key).
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: RequestQueue = create_request_queue(self.policy)
         self.running: list[Request] = []
         # Finished or aborted since the last schedule(): sent to the runner then.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Min-heap of (deadline, req_id) of requests added with a deadline. Entries of
+        # requests that finished otherwise are dropped lazily when they reach the top.
+        self._deadlines: list[tuple[float, str]] = []
+        # Finished by their deadline, until pop_timed_out_requests() hands them over.
+        self.timed_out_reqs: list[Request] = []
 
     # ---------------------------------------------------------------- requests
 
@@ -86,7 +117,9 @@ class Scheduler:
                 f"but the cache holds only {num_usable} (block_size {self.block_size})")
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, request.req_id))
 
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)
@@ -109,14 +142,24 @@ class Scheduler:
         """True while finished ids wait to be sent to the runner by the next schedule()."""
         return bool(self.finished_req_ids)
 
+    def pop_timed_out_requests(self) -> list[Request]:
+        """The requests finished as FINISHED_TIMEOUT since the last call."""
+        timed_out, self.timed_out_reqs = self.timed_out_reqs, []
+        return timed_out
+
     # ---------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's work; advances num_computed_tokens of scheduled requests."""
+        self._finish_expired_requests()
         step = _StepState(token_budget=self.max_num_batched_tokens)
+        if self.policy == "priority":
+            # Before _schedule_running, so no scheduled request has to be undone.
+            self._preempt_for_waiting_head(step)
         self._schedule_running(step)
-        # A step that had to preempt is short of blocks: admitting would only thrash.
-        if not step.preempted_req_ids:
+        # A step whose running requests had to preempt is short of blocks: admitting
+        # would only thrash.
+        if not step.is_short_of_blocks:
             self._schedule_waiting(step)
         output = SchedulerOutput(
             scheduled_new_reqs=step.new_reqs,
@@ -167,30 +210,30 @@ class Scheduler:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_blocks is not None:
                 return new_blocks
+            step.is_short_of_blocks = True
             victim = self.running.pop()
             self._preempt(victim, step)
             if victim is request:
                 return None
 
     def _preempt(self, request: Request, step: _StepState) -> None:
-        """Recompute-mode preemption: free the blocks, reset, requeue at the front."""
+        """Recompute-mode preemption: free the blocks, reset, requeue (fcfs: at the front;
+        priority: by its key)."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
         step.preempted_req_ids.add(request.req_id)
 
     def _schedule_waiting(self, step: _StepState) -> None:
-        """Admit waiting requests FCFS; stop at the first that does not fit (no skipping)."""
+        """Admit waiting requests in queue order; stop at the first that does not fit (no
+        skipping)."""
         kv = self.kv_cache_manager
         while self.waiting and len(self.running) < self.max_num_seqs and step.token_budget > 0:
-            request = self.waiting[0]
-            computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
-            if request.sampling_params.prompt_logprobs is not None:
-                # Prompt logprobs need the logits of every prompt position: no cache hits.
-                computed_blocks, num_computed_tokens = [], 0
+            request = self.waiting.peek()
+            computed_blocks, num_computed_tokens = self._get_computed_blocks(request)
             # >= 1: the last token is never a prefix hit.
             num_new_tokens = request.num_tokens - num_computed_tokens
             if num_new_tokens > step.token_budget:
@@ -201,8 +244,12 @@ class Scheduler:
                                            num_computed_tokens)
             if new_blocks is None:
                 break
-            self.waiting.popleft()
-            self.running.append(request)
+            self.waiting.pop()
+            if self.policy == "priority":
+                # Nothing is preempted after admission, so inserting mid-list is safe.
+                bisect.insort_right(self.running, request, key=priority_key)
+            else:
+                self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
             request.num_cached_tokens = num_computed_tokens
@@ -215,6 +262,79 @@ class Scheduler:
                 num_computed_tokens=num_computed_tokens,
                 eos_token_id=request.eos_token_id))
             step.add(request, num_new_tokens)
+
+    def _get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Prefix-cache hits of a waiting request (none when it wants prompt logprobs)."""
+        if request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position: no cache hits.
+            return [], 0
+        return self.kv_cache_manager.get_computed_blocks(request)
+
+    # ---------------------------------------------------------------- priority, deadlines
+
+    def _preempt_for_waiting_head(self, step: _StepState) -> None:
+        """Priority policy: preempt worse running requests so the waiting head can start.
+
+        Only while the head has a strictly smaller priority value than the worst running
+        request (running[-1]) and cannot be admitted as things stand, and only if
+        preempting every worse running request would give it its blocks: otherwise
+        preemption could not help and nobody is preempted. Ends: each round preempts one.
+        """
+        while self.waiting and self.running:
+            head = self.waiting.peek()
+            if self.running[-1].priority <= head.priority:
+                return
+            if (len(self.running) < self.max_num_seqs
+                    and self._fits_after_preempting(head, ())):
+                return  # admissible as is
+            # running is sorted by priority_key: the worse requests are a suffix.
+            worse = [r for r in self.running if r.priority > head.priority]
+            if not self._fits_after_preempting(head, worse):
+                return
+            self._preempt(self.running.pop(), step)
+
+    def _fits_after_preempting(self, request: Request, victims: Sequence[Request]) -> bool:
+        """Whether the pool could hold the uncached part of waiting `request` once every
+        request in `victims` were preempted (mirrors allocate_slots' check)."""
+        kv = self.kv_cache_manager
+        blocks = kv.block_pool.blocks
+        computed_blocks, _ = self._get_computed_blocks(request)
+        # A block returns to the free queue once all its holders are preempted.
+        num_held = Counter(b.block_id for r in victims
+                           for b in kv.req_to_blocks.get(r.req_id, ()))
+        num_freed = sum(1 for block_id, n in num_held.items()
+                        if blocks[block_id].ref_cnt == n)
+        # Hits left without a holder sit in the free queue; touching them takes them out
+        # of the supply for the new blocks.
+        num_evictable_hits = sum(1 for b in computed_blocks
+                                 if b.ref_cnt == num_held.get(b.block_id, 0))
+        num_new_blocks = kv.num_blocks_needed(request.num_tokens) - len(computed_blocks)
+        num_supply = kv.get_num_free_blocks() + num_freed - num_evictable_hits
+        return num_new_blocks <= num_supply
+
+    def _finish_expired_requests(self) -> None:
+        """Finish every live request whose deadline is <= now as FINISHED_TIMEOUT."""
+        heap = self._deadlines
+        if not heap:
+            return  # no request has a deadline: not even a clock read
+        now = self.clock()
+        expired: list[str] = []
+        while heap and heap[0][0] <= now:
+            deadline, req_id = heapq.heappop(heap)
+            request = self.requests.get(req_id)
+            # Lazy deletion: the request may have finished already (or its id been
+            # reused by a later request, whose own entry is elsewhere in the heap).
+            if request is not None and request.deadline == deadline:
+                expired.append(req_id)
+        if expired:
+            self.timed_out_reqs += self.finish_requests(expired,
+                                                        RequestStatus.FINISHED_TIMEOUT)
+        # Entries of requests that finished early linger until their deadline: rebuild
+        # when they dominate, so the heap stays O(live requests) (amortized O(1)).
+        if len(heap) > 2 * len(self.requests) + 64:
+            self._deadlines = [(r.deadline, r.req_id) for r in self.requests.values()
+                               if r.deadline is not None]
+            heapq.heapify(self._deadlines)
 
     # ---------------------------------------------------------------- update
 

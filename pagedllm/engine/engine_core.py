@@ -42,12 +42,20 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[Request]:
-        """Run one forward pass; return the requests that got tokens or finished."""
+        """Run one forward pass; return the requests that got tokens or finished
+        (including those whose deadline passed: finished with FINISHED_TIMEOUT)."""
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        # Timed out inside schedule(): no runner output will mention them.
+        timed_out = self.scheduler.pop_timed_out_requests()
+        if scheduler_output.is_empty:
+            # Every live request timed out: nothing to run. The runner still gets the
+            # output so it drops their state (an empty step skips the forward pass).
+            self.executor.execute_model(scheduler_output)
+            return timed_out
         runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return timed_out + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

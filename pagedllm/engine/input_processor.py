@@ -39,7 +39,13 @@ class InputProcessor:
         return prompt, self.tokenizer.encode(prompt) if prompt else []
 
     def process(self, req_id: str, prompt: PromptType, params: SamplingParams,
-                arrival_time: float | None = None) -> tuple[Request, str | None]:
+                arrival_time: float | None = None, priority: int = 0,
+                deadline: float | None = None) -> tuple[Request, str | None]:
+        """A validated Request and the prompt text (None for token-id prompts).
+
+        `priority` and `deadline` (absolute `time.monotonic()` time) go to the scheduler
+        as they are; the caller checks them against the scheduling policy.
+        """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got "
                                       f"{type(params).__name__}")
@@ -49,7 +55,7 @@ class InputProcessor:
         # Room left for output; generation also stops at max_model_len in the scheduler.
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         request = Request(req_id, ids, params, self.eos_token_id, arrival_time,
-                          max_tokens=max_tokens)
+                          priority=priority, max_tokens=max_tokens, deadline=deadline)
         return request, text
 
     def validate_prompt(self, ids: list[int]) -> None:

@@ -38,8 +38,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        `priority`: one per prompt (lower runs first); needs scheduling_policy="priority"
+        unless every value is 0.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -48,10 +53,18 @@ class LLM:
         if len(params) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} "
                                       f"sampling params")
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif not isinstance(priority, Sequence) or isinstance(priority, str):
+            raise InvalidRequestError(f"priority must be a list of ints, one per prompt, "
+                                      f"got {type(priority).__name__}")
+        elif len(priority) != len(prompts):
+            raise InvalidRequestError(f"The lengths of prompts ({len(prompts)}) and priority "
+                                      f"({len(priority)}) must be the same.")
         # Offline: only the final output of each request is wanted (as vLLM's LLM).
         final = {id(p): _final_only(p) for p in params}
         params = [final[id(p)] for p in params]
-        req_ids = self._add_all(prompts, params)
+        req_ids = self._add_all(prompts, params, priority)
         return self._run(req_ids, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
@@ -82,14 +95,14 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add_all(self, prompts: Sequence[PromptType],
-                 params: Sequence[SamplingParams]) -> list[str]:
+    def _add_all(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams],
+                 priority: Sequence[int]) -> list[str]:
         engine = self.llm_engine
         req_ids: list[str] = []
         try:
-            for prompt, sp in zip(prompts, params):
+            for prompt, sp, prio in zip(prompts, params, priority):
                 req_id = str(next(self._counter))
-                engine.add_request(req_id, prompt, sp)
+                engine.add_request(req_id, prompt, sp, priority=prio)
                 req_ids.append(req_id)
         except Exception:
             # All or nothing: a bad prompt must not leave its batch-mates queued.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -48,13 +50,24 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    timeout: float | None = None) -> None:
         """Validate and queue a request; n > 1 / best_of fan out into child requests
-        "{request_id}_{i}" that share the prompt's KV blocks (see parallel_sampling)."""
+        "{request_id}_{i}" that share the prompt's KV blocks (see parallel_sampling).
+
+        `priority` (lower runs first) needs scheduling_policy "priority". `timeout`
+        (seconds after `arrival_time`, a `time.monotonic()` time, default now) sets a
+        deadline: a request still unfinished then ends with finish_reason "timeout".
+        """
         if self.output_processor.has_request(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self._validate_priority(priority)
+        if arrival_time is None:
+            arrival_time = time.monotonic()
+        deadline = None if timeout is None else arrival_time + _check_timeout(timeout)
         request, text = self.input_processor.process(
-            request_id, prompt, params or SamplingParams(), arrival_time)
+            request_id, prompt, params or SamplingParams(), arrival_time, priority=priority,
+            deadline=deadline)
         requests = fan_out(request)
         if len(requests) > 1:
             taken = [r.req_id for r in requests if self.output_processor.has_request(r.req_id)]
@@ -68,6 +81,15 @@ class LLMEngine:
                 self.engine_core.add_request(child)
         self.output_processor.add_request(requests, text, request.sampling_params,
                                           request_id)
+
+    def _validate_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an int, got "
+                                      f"{type(priority).__name__}")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            # vLLM's message.
+            raise InvalidRequestError(
+                f"Got priority {priority} but Priority scheduling is not enabled.")
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort user requests (all their samples); unknown ids are ignored."""
@@ -94,3 +116,12 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+
+def _check_timeout(timeout: float) -> float:
+    """`timeout` as a float; InvalidRequestError unless it is a finite number > 0."""
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout) or timeout <= 0):
+        raise InvalidRequestError(f"timeout must be a finite number of seconds > 0, "
+                                  f"got {timeout!r}")
+    return float(timeout)

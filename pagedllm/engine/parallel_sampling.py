@@ -18,10 +18,11 @@ def child_request_id(request_id: str, index: int) -> str:
 def fan_out(request: Request) -> list[Request]:
     """The engine requests of a user request: itself when it wants one sample.
 
-    Child i gets n = 1 and, when the parent is seeded, seed + i (distinct samples that
-    are still reproducible). Only child 0 computes prompt logprobs (they would force the
-    others to skip the prefix cache). best_of > n ranks by cumulative logprob, so the
-    children then compute at least the chosen token's logprob.
+    Children keep the parent's arrival_time, priority and deadline. Child i gets n = 1
+    and, when the parent is seeded, seed + i (distinct samples that are still
+    reproducible). Only child 0 computes prompt logprobs (they would force the others to
+    skip the prefix cache). best_of > n ranks by cumulative logprob, so the children then
+    compute at least the chosen token's logprob.
     """
     sp = request.sampling_params
     num_samples = sp.num_samples
@@ -39,7 +40,8 @@ def fan_out(request: Request) -> list[Request]:
             params.logprobs = 0
         children.append(Request(child_request_id(request.req_id, i), request.prompt_token_ids,
                                 params, request.eos_token_id, request.arrival_time,
-                                request.priority, max_tokens=request.max_tokens))
+                                request.priority, max_tokens=request.max_tokens,
+                                deadline=request.deadline))
     return children
 
 

@@ -19,25 +19,32 @@ from pagedllm.sampling_params import SamplingParams
 
 def _make_request(req_id: str, prompt: int | Sequence[int], *, max_tokens: int | None = 16,
                   eos_token_id: int | None = None, min_tokens: int = 0,
-                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> Request:
+                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                  priority: int = 0, arrival_time: float | None = None,
+                  deadline: float | None = None) -> Request:
     """A request; `prompt` is the token ids, or a length (ids 0..n-1 then)."""
     prompt_token_ids = list(range(prompt)) if isinstance(prompt, int) else list(prompt)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=min_tokens,
                             stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
-    return Request(req_id, prompt_token_ids, params, eos_token_id=eos_token_id)
+    return Request(req_id, prompt_token_ids, params, eos_token_id=eos_token_id,
+                   arrival_time=arrival_time, priority=priority, deadline=deadline)
 
 
 def _make_scheduler(num_blocks: int = 10, block_size: int = 4, max_num_seqs: int = 8,
                     max_num_batched_tokens: int = 64, max_model_len: int = 64,
                     enable_chunked_prefill: bool = True,
-                    enable_prefix_caching: bool = True) -> Scheduler:
+                    enable_prefix_caching: bool = True, policy: str = "fcfs",
+                    clock: Callable[[], float] | None = None) -> Scheduler:
     sched_config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len,
-                                   enable_chunked_prefill=enable_chunked_prefill)
+                                   enable_chunked_prefill=enable_chunked_prefill,
+                                   policy=policy)
     cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
                                enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(sched_config, cache_config, num_blocks)
+    if clock is None:
+        return Scheduler(sched_config, cache_config, num_blocks)
+    return Scheduler(sched_config, cache_config, num_blocks, clock=clock)
 
 
 def _fake_runner_output(scheduler: Scheduler, output: SchedulerOutput,

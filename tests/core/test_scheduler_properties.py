@@ -1,5 +1,8 @@
 """Property test: random add / step / abort sequences keep the DESIGN.md §2 invariants.
 
+Both scheduling policies run, with random priorities and deadlines on a fake clock that
+advances one unit per step.
+
 A fake runner mirrors what the real one must do with the contracts: it keeps its own
 copy of each request (tokens, block_ids, num_computed_tokens) built only from
 `SchedulerOutput`, "writes" K/V into a slot -> context map through the block table and
@@ -17,6 +20,7 @@ from hypothesis import strategies as st
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.request_queue import priority_key
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.errors import InvalidRequestError
 from pagedllm.request import Request, RequestStatus
@@ -108,10 +112,29 @@ def check_invariants(sched: Scheduler) -> None:
     assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
                for r in sched.waiting)
     assert len(sched.requests) == len(sched.running) + len(sched.waiting)
+    if sched.policy == "priority":
+        # Sorted queues: admission and "preempt the last" follow (priority, arrival).
+        for queue in (list(sched.waiting), sched.running):
+            keys = [priority_key(r) for r in queue]
+            assert keys == sorted(keys)
 
 
-def do_step(sched: Scheduler, runner: FakeRunner) -> None:
+@dataclass
+class FakeClock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def do_step(sched: Scheduler, runner: FakeRunner, clock: FakeClock) -> None:
+    clock.now += 1.0
     out = sched.schedule()
+    # Every request whose deadline has come is finished, with its id sent to the runner.
+    for request in sched.pop_timed_out_requests():
+        assert request.status == RequestStatus.FINISHED_TIMEOUT
+        assert request.deadline <= clock.now and request.req_id in out.finished_req_ids
+    assert all(r.deadline is None or r.deadline > clock.now for r in sched.requests.values())
     assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
     assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
     assert len(out.num_scheduled_tokens) <= sched.max_num_seqs
@@ -127,7 +150,9 @@ def do_step(sched: Scheduler, runner: FakeRunner) -> None:
 _BASE = [1, 2, 0, 1, 1, 2, 2, 0, 1, 0, 2, 1, 0, 0, 2, 1]
 _PROMPTS = st.builds(lambda k, suffix: _BASE[:k] + suffix, st.integers(0, 10),
                      st.lists(st.integers(0, 2), max_size=4)).filter(bool)
-_ADD = st.tuples(st.just("add"), _PROMPTS, st.integers(4, 12))
+# (add, prompt, max_tokens, priority, deadline in steps from now or None)
+_ADD = st.tuples(st.just("add"), _PROMPTS, st.integers(4, 12), st.integers(0, 3),
+                 st.one_of(st.none(), st.none(), st.integers(0, 30)))
 _STEP = st.tuples(st.just("step"))
 _ABORT = st.tuples(st.just("abort"), st.integers(0, 50))
 # Weights: add 3, step 4, abort 1.
@@ -147,29 +172,35 @@ def scenarios(draw: st.DrawFn) -> dict:
         enable_chunked_prefill=chunked,
         budget=draw(st.integers(1, 12)) if chunked else MAX_MODEL_LEN,
         max_num_seqs=draw(st.integers(1, 6)),
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
         ops=draw(st.lists(_OPS, min_size=16, max_size=60)),
     )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(scenario=scenarios())
 def test_random_operations_keep_invariants(scenario: dict) -> None:
     block_size, num_blocks = scenario["block_size"], scenario["num_blocks"]
+    clock = FakeClock()
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=scenario["max_num_seqs"],
                         max_num_batched_tokens=scenario["budget"],
                         max_model_len=MAX_MODEL_LEN,
-                        enable_chunked_prefill=scenario["enable_chunked_prefill"]),
+                        enable_chunked_prefill=scenario["enable_chunked_prefill"],
+                        policy=scenario["policy"]),
         CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
                     enable_prefix_caching=scenario["enable_prefix_caching"]),
-        num_blocks)
+        num_blocks, clock=clock)
     runner = FakeRunner(block_size)
     added: list[Request] = []
     for op in scenario["ops"]:
         if op[0] == "add":
-            request = Request(f"r{len(added)}", op[1], SamplingParams(max_tokens=op[2]),
-                              eos_token_id=EOS)
-            fits = -(-len(op[1]) // block_size) <= num_blocks - 1
+            _, prompt_ids, max_tokens, priority, timeout = op
+            deadline = None if timeout is None else clock.now + timeout
+            request = Request(f"r{len(added)}", prompt_ids,
+                              SamplingParams(max_tokens=max_tokens), eos_token_id=EOS,
+                              arrival_time=clock.now, priority=priority, deadline=deadline)
+            fits = -(-len(prompt_ids) // block_size) <= num_blocks - 1
             try:
                 sched.add_request(request)
                 assert fits
@@ -177,7 +208,7 @@ def test_random_operations_keep_invariants(scenario: dict) -> None:
             except InvalidRequestError:
                 assert not fits
         elif op[0] == "step":
-            do_step(sched, runner)
+            do_step(sched, runner, clock)
         elif added:
             req_id = added[op[1] % len(added)].req_id
             sched.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
@@ -186,7 +217,7 @@ def test_random_operations_keep_invariants(scenario: dict) -> None:
     for _ in range(MAX_STEPS):
         if not sched.has_unfinished_requests():
             break
-        do_step(sched, runner)
+        do_step(sched, runner, clock)
     # Steer generation towards the interesting schedules.
     target(float(sched.num_preemptions), label="preemptions")
     assert not sched.has_unfinished_requests()
@@ -202,4 +233,4 @@ def _check_greedy_output(request: Request) -> None:
     prompt_len = request.num_prompt_tokens
     for i, token in enumerate(request.output_token_ids):
         assert token == fake_next_token(request.all_token_ids[:prompt_len + i])
-    assert request.status.finish_reason in ("stop", "length")
+    assert request.status.finish_reason in ("stop", "length", "timeout")
