@@ -6,6 +6,10 @@ seeded; inf = all at once), at most `--max-concurrency` in flight. Measured per 
 TTFT (sent -> first token chunk), ITL (gaps between token chunks), TPOT ((e2e - TTFT) /
 (output tokens - 1)) and e2e latency; reported as mean / median / p90 / p99 in ms, with
 throughput and failures.
+
+`--soak` runs a mixed, validated workload instead and watches the server's memory and KV
+cache (pagedllm/bench/soak.py). `--api-key` (default: env PAGEDLLM_API_KEY) is sent as
+'Authorization: Bearer KEY' on every request.
 """
 
 from __future__ import annotations
@@ -34,6 +38,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-vocab-size", type=int, default=32000,
                         help="token ids of random prompts are drawn below this")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
+    parser.add_argument("--api-key", default=None,
+                        help="sent as 'Authorization: Bearer KEY' (default: env "
+                             "PAGEDLLM_API_KEY)")
+    soak = parser.add_argument_group("soak")
+    soak.add_argument("--soak", action="store_true",
+                      help="a seeded mix of completions / chat, streamed or not, n, stop, "
+                           "logprobs and client disconnects, each response validated; "
+                           "reports failures, latency, server RSS growth, leaked KV blocks "
+                           "(default --num-prompts 1000)")
+    soak.add_argument("--soak-max-tokens", type=int, default=32,
+                      help="cap on each soak request's max_tokens")
+    soak.add_argument("--stats-interval", type=float, default=5.0,
+                      help="seconds between reads of BASE_URL/debug/stats during a soak")
     add_workload_args(parser, seed=True)
 
 
@@ -114,6 +131,13 @@ async def fetch_model_name(client: Any, base_url: str) -> str | None:
         return None
 
 
+def auth_headers(ns: argparse.Namespace) -> dict[str, str]:
+    from pagedllm.config import env_api_key
+
+    api_key = ns.api_key or env_api_key()
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def run_requests(ns: argparse.Namespace, requests: list[BenchRequest],
                        ) -> tuple[list[RequestResult], float, str | None]:
     """Send every request on schedule; (results, duration_s, model name)."""
@@ -125,7 +149,8 @@ async def run_requests(ns: argparse.Namespace, requests: list[BenchRequest],
     rng = random.Random(ns.seed)
     semaphore = asyncio.Semaphore(limit)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(ns.timeout), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(ns.timeout), limits=limits,
+                                 headers=auth_headers(ns)) as client:
         model = ns.model or await fetch_model_name(client, base_url)
 
         async def limited(request: BenchRequest) -> RequestResult:
@@ -167,6 +192,10 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
 
     # httpx logs every request at INFO: thousands of lines over the summary.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if ns.soak:
+        from pagedllm.bench import soak
+
+        return soak.run(ns, auth_headers(ns))
     requests = workload_from_args(ns, ns.random_vocab_size)
     results, duration, model = asyncio.run(run_requests(ns, requests))
     result = {"base_url": ns.base_url, "model": model, "num_requests": len(requests),
