@@ -44,7 +44,13 @@ class EngineMetrics:
             return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets, registry=reg)
 
         self.request_success = counter("request_success", "Finished requests, by finish "
-                                       "reason (stop, length, abort).", ("finished_reason",))
+                                       "reason (stop, length, abort, timeout).",
+                                       ("finished_reason",))
+        self.request_rejected = counter("request_rejected", "Requests refused before they "
+                                        "reached the engine, by reason (queue_full).",
+                                        ("reason",))
+        self.engine_alive = gauge("engine_alive", "1 while the engine process runs, 0 once "
+                                                  "it is gone (the other gauges read 0).")
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted.")
@@ -69,6 +75,7 @@ class EngineMetrics:
         # Previous cumulative values of the core's counters (Prometheus takes increments).
         self._last_stats: SchedulerStats | None = None
         self.stats_log = StatsLog()
+        self._labels(self.engine_alive).set(1)
 
     def _labels(self, metric: Counter | Gauge | Histogram):
         return metric.labels(model_name=self.model_name)
@@ -78,6 +85,16 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
     # ------------------------------------------------------------------ recording
+
+    def mark_engine_dead(self) -> None:
+        """The engine process is gone: nothing runs, waits or holds KV blocks."""
+        self._labels(self.engine_alive).set(0)
+        for gauge in (self.num_running, self.num_waiting, self.kv_cache_usage):
+            self._labels(gauge).set(0)
+        self.stats_log.scheduler_stats = None
+
+    def observe_rejected(self, reason: str) -> None:
+        self.request_rejected.labels(model_name=self.model_name, reason=reason).inc()
 
     def observe_scheduler_stats(self, stats: SchedulerStats) -> None:
         self._labels(self.num_running).set(stats.num_running)
@@ -116,8 +133,8 @@ class EngineMetrics:
                     self._labels(self.prompt_tokens).inc(req.num_prompt_tokens)
                     self.stats_log.num_prompt_tokens += req.num_prompt_tokens
             if out.status.startswith("finished"):
-                reason = {"finished_stopped": "stop", "finished_length": "length"}.get(
-                    out.status, "abort")
+                reason = {"finished_stopped": "stop", "finished_length": "length",
+                          "finished_timeout": "timeout"}.get(out.status, "abort")
                 self._finish(req, reason, ts, req.num_output_tokens + num_new)
 
     def observe_finished(self, req: Request) -> None:

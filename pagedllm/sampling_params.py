@@ -92,6 +92,13 @@ def _check_range(name: str, value: float, low: float, high: float) -> None:
         raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value}.")
 
 
+# Beyond this temperature every token is equally likely for practical logits (and
+# 1e300 overflows float32): a larger value is a mistake, not a wish.
+MAX_TEMPERATURE = 100.0
+# Integer fields are kept in int64 / int32 arrays by the runner; bigger is meaningless.
+_MAX_INT32 = 2**31 - 1
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling options, with vLLM's meanings.
@@ -213,14 +220,18 @@ class SamplingParams:
                                       f"n={self.n} and best_of={self.best_of}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}.")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= _MAX_INT32:
+            raise InvalidRequestError(f"min_tokens must be in [0, {_MAX_INT32}], got "
+                                      f"{self.min_tokens}.")
+        if self.max_tokens is not None and not isinstance(self.max_tokens, int):
+            raise InvalidRequestError(f"max_tokens must be an integer, got {self.max_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be less than or equal to max_tokens="
                                       f"{self.max_tokens}, got {self.min_tokens}.")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
+            if value is not None and (not isinstance(value, int)
+                                      or not 0 <= value <= _MAX_INT32):
                 raise InvalidRequestError(f"{name} must be a non-negative integer, "
                                           f"got {value}.")
         if self.seed is not None and (not isinstance(self.seed, int)
@@ -228,14 +239,16 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be a 64-bit integer, got {self.seed!r}.")
 
     def _verify_sampling(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be non-negative, got "
+        if not isinstance(self.temperature, (int, float)) or not (
+                0 <= self.temperature <= MAX_TEMPERATURE):
+            raise InvalidRequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
                                       f"{self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
+        if (not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0
+                or self.top_k > _MAX_INT32):
             raise InvalidRequestError(
-                f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+                f"top_k must be -1 (disable) or in [1, {_MAX_INT32}], got {self.top_k}.")
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)

@@ -41,6 +41,10 @@ class EngineGenerateError(RuntimeError):
     """The engine failed one request for a reason that is not the client's fault."""
 
 
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting to be scheduled (the server answers 503)."""
+
+
 class AsyncLLM:
     """`async for out in llm.generate(prompt, params, request_id)`, over an engine process.
 
@@ -107,16 +111,25 @@ class AsyncLLM:
         return self.config.model.max_model_len
 
     @property
+    def num_queued(self) -> int:
+        """Requests sent to the core and not yet scheduled (the waiting queue, as far as
+        this process knows; preempted requests are not counted again)."""
+        return self.core_client.num_unscheduled
+
+    @property
     def num_kv_cache_tokens(self) -> int:
         """Tokens the whole KV cache holds (block 0 is the null block)."""
         return (self.core_client.num_blocks - 1) * self.core_client.block_size
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    priority: int = 0, timeout: float | None = None,
+                    ) -> AsyncIterator[RequestOutput]:
         """Submit a request now; return the stream of its outputs (the last `finished`).
 
+        `priority` (lower first) needs the "priority" scheduling policy; past `timeout`
+        seconds the core aborts the request (finish_reason "timeout").
         Raises InvalidRequestError for a bad prompt or parameters and EngineDeadError
         when the engine process is gone. Closing the stream early aborts the request
         (its KV blocks are freed), which is what a client disconnect does; a stream
@@ -128,7 +141,8 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, priority=priority,
+                                    timeout=timeout)
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -230,6 +244,7 @@ class AsyncLLM:
         self.core_client.finished_locally.clear()
 
     def _fail_all(self) -> None:
+        self.metrics.mark_engine_dead()
         error = EngineDeadError(self.dead_reason or "engine core is dead")
         for queue in self._queues.values():
             queue.put_nowait(error)
@@ -238,9 +253,11 @@ class AsyncLLM:
                 future.set_exception(error)
 
     async def _log_loop(self) -> None:
-        while True:
+        # A dead engine has no stats to report: the line stops with it.
+        while not self.is_dead:
             await asyncio.sleep(self.log_stats_interval_s)
-            self.metrics.stats_log.log()
+            if not self.is_dead:
+                self.metrics.stats_log.log()
 
     # ------------------------------------------------------------------ shutdown
 

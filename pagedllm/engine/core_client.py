@@ -75,6 +75,9 @@ class EngineCoreClient:
         # Requests finished here (abort, stop string) since the front end last took them
         # (for metrics); their status says why.
         self.finished_locally: list[Request] = []
+        # Live requests the core has not scheduled yet (its first output, possibly
+        # empty, says it has): the queue that --max-queued-requests bounds.
+        self._unscheduled: set[str] = set()
         self._call_ids = 0
         self._closed = False
 
@@ -125,9 +128,14 @@ class EngineCoreClient:
 
     # ------------------------------------------------------------------ EngineCore interface
 
+    @property
+    def num_unscheduled(self) -> int:
+        return len(self._unscheduled)
+
     def add_request(self, request: Request) -> None:
         self._send(AddRequest(request=pickle.dumps(request)))
         self.requests[request.req_id] = request
+        self._unscheduled.add(request.req_id)
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         return self._finish(req_ids, RequestStatus.FINISHED_ABORTED)
@@ -144,6 +152,7 @@ class EngineCoreClient:
         updated: dict[str, Request] = {}
         for batch in self._pending:
             for out in batch.outputs:
+                self._unscheduled.discard(out.req_id)
                 req = self.requests.get(out.req_id)
                 if req is None:
                     continue  # finished here meanwhile (abort, stop string)
@@ -157,6 +166,8 @@ class EngineCoreClient:
                             getattr(req, attr).extend(values)
                 if req.is_finished:
                     del self.requests[out.req_id]
+                elif not out.new_token_ids:
+                    continue  # only "scheduled" (or prompt logprobs so far): nothing to emit
                 updated[out.req_id] = req
         self._pending.clear()
         return list(updated.values())
@@ -195,6 +206,7 @@ class EngineCoreClient:
     def _finish(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         done = []
         for req_id in ([req_ids] if isinstance(req_ids, str) else req_ids):
+            self._unscheduled.discard(req_id)
             req = self.requests.pop(req_id, None)
             if req is not None:
                 req.status = status

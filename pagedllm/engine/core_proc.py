@@ -227,6 +227,11 @@ class EngineCoreProc:
         for req in updated:
             if req.is_finished:
                 self._forget(req.req_id)
+        # Requests scheduled for the first time without a token yet (a prefill chunk):
+        # an empty output tells the front end they left the queue (--max-queued-requests).
+        for req in self.core.scheduler.running:
+            if self._first_scheduled.get(req.req_id) is not None:
+                outputs.append(self._make_output(req))
         return outputs
 
     def _make_output(self, req: Request) -> EngineCoreOutput:

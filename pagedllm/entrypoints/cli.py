@@ -17,12 +17,21 @@ from pagedllm.config import EngineArgs
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
     """One --flag per EngineArgs field (bools get --x / --no-x)."""
-    group = parser.add_argument_group("engine options")
-    hints = typing.get_type_hints(EngineArgs)
-    for f in dataclasses.fields(EngineArgs):
+    add_dataclass_args(parser.add_argument_group("engine options"), EngineArgs,
+                       parser if positional_model else None)
+
+
+def add_dataclass_args(group: Any, cls: type,
+                       positional_model: argparse.ArgumentParser | None = None) -> None:
+    """One --flag per field of dataclass `cls`, help from the field's metadata; with
+    `positional_model` (the parser) the `model` field is also an optional positional."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        kw: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", ""),
-                              "dest": f.name}
+        help_text = f.metadata.get("help", "")
+        if "default" not in help_text and f.default is not None:
+            help_text += " (default: %(default)s)"
+        kw: dict[str, Any] = {"default": f.default, "help": help_text, "dest": f.name}
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         hint = hints[f.name]
@@ -30,9 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = _scalar_type(hint)
-        if f.name == "model" and positional_model:
-            parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
-                                help=kw["help"])
+        if f.name == "model" and positional_model is not None:
+            positional_model.add_argument("model_pos", nargs="?", metavar="MODEL",
+                                          default=None, help=kw["help"])
         group.add_argument(flag, **kw)
 
 
@@ -46,7 +55,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes")
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "(default: env PAGEDLLM_API_KEY, which `ps` does not show)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) clients use (default: the model argument)")
     parser.add_argument("--log-stats-interval", type=float, default=5.0,
@@ -54,6 +64,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level")
+    from pagedllm.entrypoints.openai.serve_config import ServeConfig
+
+    add_dataclass_args(parser.add_argument_group("request limits and policies"),
+                       ServeConfig)
+
+
+def serve_config_from(ns: argparse.Namespace) -> Any:
+    """The ServeConfig of parsed `serve` flags."""
+    from pagedllm.entrypoints.openai.serve_config import ServeConfig
+
+    return ServeConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServeConfig)})
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -93,7 +114,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
     from pagedllm.entrypoints.openai.server import serve
 
-    asyncio.run(serve(ns, engine_args_from(ns)))
+    asyncio.run(serve(ns, engine_args_from(ns), serve_config_from(ns)))
     return 0
 
 

@@ -34,7 +34,7 @@ def client(server):
 
 
 def num_tokens(server: RemoteServer, text: str) -> int:
-    r = httpx.post(server.url + "/tokenize", json={"prompt": text})
+    r = httpx.post(server.url + "/tokenize", headers=server.headers, json={"prompt": text})
     return r.json()["count"]
 
 
@@ -48,13 +48,13 @@ def test_models_version_health(server, client):
 
 
 def test_tokenize_detokenize(server):
-    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    r = httpx.post(server.url + "/tokenize", headers=server.headers, json={"prompt": "Hello world"}).json()
     assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == MAX_MODEL_LEN
-    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    back = httpx.post(server.url + "/detokenize", headers=server.headers, json={"tokens": r["tokens"]}).json()
     assert back["prompt"] == "Hello world"
-    chat = httpx.post(server.url + "/tokenize",
+    chat = httpx.post(server.url + "/tokenize", headers=server.headers,
                       json={"messages": [{"role": "user", "content": "Hi"}]}).json()
-    text = httpx.post(server.url + "/detokenize", json={"tokens": chat["tokens"]}).json()
+    text = httpx.post(server.url + "/detokenize", headers=server.headers, json={"tokens": chat["tokens"]}).json()
     assert "<|im_start|>user\nHi<|im_end|>" in text["prompt"]
 
 
@@ -80,7 +80,7 @@ def test_completion_usage_and_logprobs(server, client):
 
 
 def test_completion_prompt_forms_n_and_echo(server, client):
-    ids = httpx.post(server.url + "/tokenize", json={"prompt": "One, two,"}).json()["tokens"]
+    ids = httpx.post(server.url + "/tokenize", headers=server.headers, json={"prompt": "One, two,"}).json()["tokens"]
     r = client.completions.create(model=MODEL_NAME, prompt=["Hello", "One, two,"],
                                   max_tokens=3, n=2, temperature=1.0, seed=7,
                                   extra_body={"ignore_eos": True})
@@ -158,7 +158,7 @@ def test_chat(server, client):
                                        temperature=0)
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].message.role == "assistant"
-    tokenized = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    tokenized = httpx.post(server.url + "/tokenize", headers=server.headers, json={"messages": messages}).json()
     assert r.usage.prompt_tokens == tokenized["count"]
     assert r.usage.completion_tokens <= 16
     # max_completion_tokens is honoured too.
@@ -287,7 +287,7 @@ def test_disconnect_mid_stream_frees_request(server):
     stats = _wait_idle(server)
     assert stats["num_running"] == 0 and stats["num_front_end_requests"] == 0
     assert stats["num_free_blocks"] == stats["num_blocks"] - 1
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = httpx.get(server.url + "/metrics", headers=server.headers).text
     assert f'pagedllm:num_requests_running{{model_name="{MODEL_NAME}"}} 0.0' in metrics
     assert 'finished_reason="abort"' in metrics
 
@@ -378,8 +378,29 @@ def test_api_key_required(server):
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    # Health, metrics and tokenization stay open (as in vLLM).
+    # Every route but /health needs the key (no --metrics-without-key here).
+    for method, path in (("GET", "/v1/models"), ("GET", "/version"), ("GET", "/metrics"),
+                         ("GET", "/debug/stats"), ("GET", "/docs"), ("GET", "/openapi.json"),
+                         ("POST", "/tokenize"), ("POST", "/detokenize"),
+                         ("POST", "/v1/chat/completions")):
+        r = httpx.request(method, server.url + path, json={"prompt": "x", "tokens": [1]})
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401, path
+        r = httpx.request(method, server.url + path, headers=server.headers,
+                          json={"prompt": "x", "tokens": [1]})
+        assert r.status_code != 401, path
     assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.head(server.url + "/health").status_code == 200
+
+
+def test_request_chat_template_is_off_by_default(server, client):
+    with pytest.raises(openai.BadRequestError, match="trust-request-chat-template"):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+            extra_body={"chat_template": "{{ messages[0].content }}"})
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set"):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+            extra_body={"chat_template_kwargs": {"chat_template": "{{ 1 }}"}})
 
 
 def test_server_survives_bad_requests(server, client):
@@ -398,7 +419,7 @@ def test_server_survives_bad_requests(server, client):
 def _samples(server: RemoteServer) -> dict[tuple[str, tuple], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=server.headers).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 

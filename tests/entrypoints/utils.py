@@ -26,14 +26,18 @@ class RemoteServer:
     """`python -m pagedllm.entrypoints.cli serve --port FREE ARGS...`, ready on enter."""
 
     def __init__(self, args: list[str], api_key: str | None = None,
-                 startup_timeout_s: float = 300.0) -> None:
+                 startup_timeout_s: float = 300.0, key_in_env: bool = False) -> None:
+        """`key_in_env` passes the API key as PAGEDLLM_API_KEY instead of --api-key."""
         self.port = free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port",
                str(self.port), *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env.pop("PAGEDLLM_API_KEY", None)
+        if api_key and key_in_env:
+            env["PAGEDLLM_API_KEY"] = api_key
+        elif api_key:
+            cmd += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-server-",
                                                suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -68,7 +72,7 @@ class RemoteServer:
             return f.read()
 
     def stats(self) -> dict:
-        return httpx.get(self.url + "/debug/stats", timeout=10).json()
+        return httpx.get(self.url + "/debug/stats", headers=self.headers, timeout=10).json()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

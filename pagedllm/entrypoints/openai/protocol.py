@@ -1,8 +1,13 @@
 """Pydantic models of the OpenAI-compatible API (the subset pagedllm serves).
 
 Request models accept OpenAI's fields plus vLLM's extra sampling fields (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...); `sampling_kwargs()`
-maps them onto `SamplingParams` keyword arguments with vLLM's names.
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...) and pagedllm's
+`priority` and `timeout`; `sampling_kwargs()` maps them onto `SamplingParams` keyword
+arguments with vLLM's names. A field this server does not implement is never dropped:
+an unknown one fails validation (400 naming it), and a known OpenAI field without an
+implementation (`tools`, `audio`, ...) is accepted only at a value that asks for nothing
+(see `UNSUPPORTED_FIELDS`). Strings must be valid Unicode (no lone surrogates) and
+numbers finite.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedllm.errors import InvalidRequestError
 
@@ -21,8 +26,63 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are accepted (clients send newer OpenAI fields) and ignored.
+    """Response models (and the base of request models)."""
+
     model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+def check_unicode(value: Any, path: str = "") -> None:
+    """Raise if a string anywhere in a parsed JSON value holds a lone UTF-16 surrogate
+    ("\\ud800" is valid JSON but no tokenizer can encode it)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(
+                f"{path or 'body'} is not valid Unicode: a lone surrogate "
+                f"U+{ord(value[e.start]):04X} at character {e.start}") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, path)
+            check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{path}[{i}]")
+
+
+# Known OpenAI request fields this server does not implement, and the values that ask
+# for nothing (accepted and ignored); any other value is a 400 naming the field.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
+    "reasoning_effort": (None,), "web_search_options": (None,), "verbosity": (None,),
+    "tool_calls": (None, []), "tool_call_id": (None,), "refusal": (None,),
+    "annotations": (None, []),
+}
+
+
+class RequestModel(OpenAIBaseModel):
+    """Base of request bodies: unknown fields, non-finite numbers and invalid Unicode
+    are rejected (400)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        check_unicode(data)
+        return data
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> RequestModel:
+        for name in type(self).model_fields.keys() & UNSUPPORTED_FIELDS.keys():
+            value = getattr(self, name)
+            if value not in UNSUPPORTED_FIELDS[name]:
+                raise InvalidRequestError(f"`{name}` is not supported by this server "
+                                          f"(got {str(value)[:80]!r})")
+        return self
 
 
 # ------------------------------------------------------------------ errors, models
@@ -61,17 +121,26 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
 # ------------------------------------------------------------------ sampling fields
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(RequestModel):
     """Fields shared by completions and chat requests (OpenAI's and vLLM's)."""
 
     model: str | None = None
+    priority: int = 0
+    """Scheduling priority (lower runs first; needs --scheduling-policy priority)."""
+    timeout: float | None = Field(default=None, gt=0)
+    """Deadline in seconds from arrival: unfinished by then, the request ends with a
+    408 error (default: the server's --request-timeout)."""
+    # OpenAI fields without an implementation (UNSUPPORTED_FIELDS).
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
     n: int = 1
     best_of: int | None = None
     temperature: float | None = None
@@ -183,10 +252,17 @@ class CompletionResponse(OpenAIBaseModel):
 
 # ------------------------------------------------------------------ chat
 
-class ChatMessage(OpenAIBaseModel):
+class ChatMessage(RequestModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # Fields of assistant/tool messages that need tool calling (UNSUPPORTED_FIELDS).
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
 
     def text(self) -> str | None:
         """The content as one string (the parts of a multi-part content joined)."""
@@ -199,14 +275,14 @@ class ChatMessage(OpenAIBaseModel):
         return "".join(str(p.get("text", "")) for p in self.content)
 
 
-class JsonSchemaFormat(OpenAIBaseModel):
+class JsonSchemaFormat(RequestModel):
     name: str = "schema"
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -224,6 +300,18 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI fields without an implementation (UNSUPPORTED_FIELDS).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
 
     def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
         num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -301,7 +389,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 # ------------------------------------------------------------------ tokenize
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -315,7 +403,7 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -1,11 +1,14 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
-POST /detokenize, GET /health, GET /version, GET /metrics, GET /debug/stats.
+POST /detokenize, GET|HEAD /health, GET /version, GET /metrics, GET /debug/stats.
 Errors use OpenAI's body ({"error": {message, type, param, code}}, plus vLLM's
 "object": "error"): 400 for invalid parameters (FastAPI's 422 included), 401 for a
-missing or wrong API key (only /v1 routes, as vLLM), 404 for an unknown model, 503 once
-the engine process is gone. /health never waits on the engine: it checks the process.
+missing or wrong API key (every route but /health, and /metrics with
+--metrics-without-key), 404 for an unknown model, 408 for a request past its deadline,
+413 for a body over --max-body-bytes, 503 with Retry-After when the queue is full
+(--max-queued-requests) and 503 once the engine process is gone. /health never waits on
+the engine: it checks the process. Limits and policies: serve_config.py.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import gc
 import hmac
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -32,17 +36,28 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
                                                   DetokenizeRequest, DetokenizeResponse,
                                                   ModelCard, ModelList, TokenizeRequest,
                                                   TokenizeResponse)
+from pagedllm.engine.async_llm import QueueFullError
+from pagedllm.entrypoints.openai.offload import Offloader
+from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_common import (ModelNotFoundError, error_body,
+from pagedllm.entrypoints.openai.serving_common import (ModelNotFoundError,
+                                                        RequestTimeoutError, error_body,
                                                         error_status, exception_message)
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
+# Seconds a full queue asks clients to wait before retrying.
+RETRY_AFTER_S = 1
+# Seconds after SIGTERM/SIGINT before the process exits whatever still runs.
+SHUTDOWN_GRACE_S = 10.0
 
-def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+
+def error_response(message: str, status: int, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status,
+                        headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -54,8 +69,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return "Invalid JSON in the request body" + (f": {reason}" if reason else ""), None
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if loc and param is None:
-            param = loc[0]
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+            param = loc[-1] if err.get("type") == "extra_forbidden" else loc[0]
+        if err.get("type") == "extra_forbidden":
+            parts.append(f"Unrecognized request field `{'.'.join(loc)}`: this server does "
+                         f"not implement it")
+            continue
+        # A ValueError raised by a validator reads "Value error, <our message>".
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
     return "; ".join(parts) or "invalid request", param
 
 
@@ -82,13 +103,18 @@ async def _cancel_on_disconnect(raw_request: Request, work: Awaitable[Any]) -> A
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str],
-              api_key: str | None = None, shutdown_engine: bool = False) -> FastAPI:
+              api_key: str | None = None, shutdown_engine: bool = False,
+              serve_config: ServeConfig | None = None) -> FastAPI:
     """The FastAPI app; with `shutdown_engine` the app's shutdown stops the engine."""
     from pagedllm import __version__
+
+    serve_config = serve_config or ServeConfig()
+    offloader = Offloader(serve_config.render_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        offloader.shutdown()
         if shutdown_engine:
             # Here, not after uvicorn returns: on SIGTERM uvicorn re-raises the signal
             # once it has shut down, which would end the process first.
@@ -97,17 +123,21 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__,
                   lifespan=lifespan)
     _install_error_handlers(app)
+    # Added last = outermost: the body limit applies before anything reads the body.
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        open_paths = {"/health"} | ({"/metrics"} if serve_config.metrics_without_key
+                                    else set())
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=serve_config.max_body_bytes)
     _add_engine_routes(app, engine, __version__)
-    _add_openai_routes(app, engine, served_model_names)
+    _add_openai_routes(app, engine, served_model_names, serve_config, offloader)
     return app
 
 
 def _add_engine_routes(app: FastAPI, engine: AsyncLLM, version_str: str) -> None:
-    """Health, version, metrics and debug state: no API key, never wait on a batch."""
+    """Health, version, metrics and debug state: they never wait on a batch."""
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         try:
             engine.check_health()
@@ -133,9 +163,10 @@ def _add_engine_routes(app: FastAPI, engine: AsyncLLM, version_str: str) -> None
                         "api_rss_bytes": psutil.Process().memory_info().rss}
 
 
-def _add_openai_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[str]) -> None:
-    completions = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names)
+def _add_openai_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[str],
+                       serve_config: ServeConfig, offloader: Offloader) -> None:
+    completions = OpenAIServingCompletion(engine, served_model_names, serve_config, offloader)
+    chat = OpenAIServingChat(engine, served_model_names, serve_config, offloader)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -162,10 +193,9 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages")
         if request.messages is not None:
-            _, ids = chat.render_chat(request.messages, request.add_generation_prompt)
+            _, ids = await chat.render_chat(request.messages, request.add_generation_prompt)
         else:
-            ids = engine.tokenizer.encode(request.prompt,
-                                          add_special_tokens=request.add_special_tokens)
+            ids = await chat.encode(request.prompt, request.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len,
                                 tokens=ids)
 
@@ -192,27 +222,32 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def on_error(_: Request, exc: Exception) -> JSONResponse:
         status = int(error_status(exc))
-        if status >= 500 and not isinstance(exc, EngineDeadError):
+        if status >= 500 and not isinstance(exc, (EngineDeadError, QueueFullError)):
             logger.error("request failed", exc_info=exc)
-        return error_response(exception_message(exc), status)
+        headers = ({"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, QueueFullError)
+                   else None)
+        return error_response(exception_message(exc), status, headers=headers)
 
     # Typed errors go through Starlette's ExceptionMiddleware (answered, not re-raised);
     # the catch-all `Exception` handler also answers but Starlette re-raises to log it.
-    for exc_type in (ValueError, ModelNotFoundError, EngineDeadError, Exception):
+    for exc_type in (ValueError, ModelNotFoundError, EngineDeadError, QueueFullError,
+                     RequestTimeoutError, Exception):
         app.add_exception_handler(exc_type, on_error)
 
 
 class APIKeyMiddleware:
-    """Pure ASGI check of 'Authorization: Bearer KEY' on /v1 routes (a pure middleware
-    leaves `receive` alone, so streams still see client disconnects)."""
+    """Pure ASGI check of 'Authorization: Bearer KEY' on every route but `open_paths`
+    (a pure middleware leaves `receive` alone, so streams still see client
+    disconnects)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: set[str]) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] == "http" and scope["method"] != "OPTIONS"
-                and scope["path"].startswith("/v1")):
+                and scope["path"] not in self.open_paths):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error_response("Unauthorized: a valid API key is required "
@@ -220,6 +255,57 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`: by its Content-Length up front, or, for a
+    chunked body, as soon as the bytes received pass the limit (never buffered whole)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large_message(self) -> str:
+        return f"The request body is larger than {self.max_bytes} bytes (--max-body-bytes)."
+
+    def _too_large(self) -> JSONResponse:
+        return error_response(self._too_large_message(), 413)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._too_large()(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def send_wrapper(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge(413, self._too_large_message())
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send_wrapper)
+        except _BodyTooLarge:
+            if not started:
+                await self._too_large()(scope, receive, send)
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised while the body is read: FastAPI passes HTTP exceptions through to the
+    error handlers (anything else would become its generic 400)."""
 
 
 # ------------------------------------------------------------------ running
@@ -233,10 +319,43 @@ def served_names(args: argparse.Namespace, model: str | None, model_path: str) -
     return [os.path.basename(model_path).split(".")[0]]
 
 
-async def serve(args: argparse.Namespace, engine_args: Any) -> None:
+def _server_with_deadline(uv_config: Any, engine: AsyncLLM) -> Any:
+    """A uvicorn.Server whose shutdown on SIGTERM/SIGINT has a deadline.
+
+    uvicorn stops gracefully (open streams get --timeout-graceful-shutdown); if anything
+    still holds the process SHUTDOWN_GRACE_S later, a watchdog thread (threads run even
+    while the event loop is busy) kills the engine process and exits.
+    """
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        _watchdog: threading.Thread | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._deadline, daemon=True,
+                                                  name="pagedllm-shutdown-watchdog")
+                self._watchdog.start()
+
+        @staticmethod
+        def _deadline() -> None:
+            threading.Event().wait(SHUTDOWN_GRACE_S)
+            logger.error("shutdown took longer than %.0f s: exiting now", SHUTDOWN_GRACE_S)
+            with contextlib.suppress(Exception):
+                engine.core_client.proc.kill()
+            os._exit(1)
+
+    return Server(uv_config)
+
+
+async def serve(args: argparse.Namespace, engine_args: Any,
+                serve_config: ServeConfig | None = None) -> None:
     """Start the engine, then serve HTTP until SIGINT/SIGTERM."""
     import torch
     import uvicorn
+
+    from pagedllm.config import env_api_key
 
     # The engine process owns the cores; this process only parses and detokenizes.
     torch.set_num_threads(1)
@@ -250,11 +369,12 @@ async def serve(args: argparse.Namespace, engine_args: Any) -> None:
         # them out of the collector so a full collection cannot stall /health.
         gc.collect()
         gc.freeze()
-        app = build_app(engine, names, api_key=args.api_key, shutdown_engine=True)
+        app = build_app(engine, names, api_key=args.api_key or env_api_key(),
+                        shutdown_engine=True, serve_config=serve_config)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                    log_level=args.uvicorn_log_level,
                                    timeout_graceful_shutdown=3, access_log=False)
-        server = uvicorn.Server(uv_config)
+        server = _server_with_deadline(uv_config, engine)
         logger.info("serving %s on http://%s:%d/v1", names[0], args.host, args.port)
         await server.serve()
     finally:

@@ -21,6 +21,15 @@ from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import Logprob
 
 
+# Parameters of apply_chat_template itself: chat_template_kwargs may only add template
+# variables, never change how it renders (or smuggle in a template).
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "chat_template", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "untrusted"})
+
+
 @dataclass
 class _ChoiceState:
     num_chars: int = 0
@@ -34,14 +43,15 @@ class OpenAIServingChat(OpenAIServing):
                                      ) -> ChatCompletionResponse | SSEResponse:
         self.check_model(request.model)
         if request.top_logprobs is not None:
-            if not 0 <= request.top_logprobs <= 20:
-                raise InvalidRequestError(f"top_logprobs must be between 0 and 20, got "
+            if request.top_logprobs < 0:
+                raise InvalidRequestError(f"top_logprobs must be non-negative, got "
                                           f"{request.top_logprobs}")
             if not request.logprobs:
                 raise InvalidRequestError("top_logprobs requires logprobs to be true")
-        text, ids = self.render_chat(request.messages, request.add_generation_prompt,
-                                     request.continue_final_message, request.chat_template,
-                                     request.chat_template_kwargs)
+        self.check_limits(request, request.top_logprobs)
+        text, ids = await self.render_chat(request.messages, request.add_generation_prompt,
+                                           request.continue_final_message,
+                                           request.chat_template, request.chat_template_kwargs)
         requested = (request.max_completion_tokens if request.max_completion_tokens is not None
                      else request.max_tokens)
         if requested is not None and requested < 1:
@@ -49,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.check_length(len(ids), requested, kind="messages")
         params = self.sampling_params(request.sampling_kwargs(max_tokens), request.stream)
         request_id = request.request_id or random_id("chatcmpl")
-        streams = self.add_requests(request_id, [(text, ids)], [params])
+        streams = self.add_requests(request_id, [(text, ids)], [params], request)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, streams))
         final = None
@@ -74,23 +84,45 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage)
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template: str | None = None,
-                    chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-        """The prompt text of a conversation through the chat template, and its ids."""
+    async def render_chat(self, messages: list[ChatMessage],
+                          add_generation_prompt: bool = True,
+                          continue_final_message: bool = False,
+                          chat_template: str | None = None,
+                          chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """The prompt text of a conversation through the chat template, and its ids.
+
+        Large conversations and request-supplied templates render off the event loop
+        with a time limit (offload.py); a request template needs
+        --trust-request-chat-template.
+        """
         if not messages:
             raise InvalidRequestError("messages must not be empty")
+        if chat_template is not None and not self.serve_config.trust_request_chat_template:
+            raise InvalidRequestError("`chat_template` in a request is disabled on this server "
+                                      "(start it with --trust-request-chat-template)")
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(kwargs.keys() & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved[0]!r}")
         conversation = [{"role": m.role, "content": m.text() or ""} for m in messages]
+        num_bytes = sum(len(m["content"].encode("utf-8")) + len(m["role"])
+                        for m in conversation)
+        self.check_prompt_bytes(num_bytes, kind="conversation")
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False,
+            text = await self.offloader.run(
+                "rendering the chat template", num_bytes + 256 * len(conversation),
+                self.tokenizer.apply_chat_template, conversation, tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message, chat_template=chat_template,
-                **(chat_template_kwargs or {}))
+                untrusted=chat_template is not None, **kwargs)
+        except InvalidRequestError:
+            raise
         except Exception as e:  # jinja errors, a missing template: the request's fault
             raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
+        if not isinstance(text, str):
+            raise InvalidRequestError("the chat template did not render to text")
         # The template holds the special tokens already: don't let encode add BOS again.
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, await self.encode(text, add_special_tokens=False, check_bytes=False)
 
     def _logprobs(self, token_ids: list[int], logprobs: list | None,
                   num_top: int) -> ChatLogprobs:

@@ -1,8 +1,9 @@
 """Shared pieces of the OpenAI handlers: errors, prompt checks, SamplingParams, SSE.
 
 Handlers raise typed exceptions (`InvalidRequestError` -> 400, `ModelNotFoundError` ->
-404, `EngineDeadError` -> 503, anything else -> 500); server.py maps them to OpenAI's
-error body. Once a stream has started, errors travel as a `data: {"error": ...}` event.
+404, `RequestTimeoutError` -> 408, `QueueFullError` and `EngineDeadError` -> 503,
+anything else -> 500); server.py maps them to OpenAI's error body. Once a stream has
+started, errors travel as a `data: {"error": ...}` event.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
+from pagedllm.entrypoints.openai.offload import Offloader
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
+from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -34,18 +37,26 @@ class ModelNotFoundError(LookupError):
     """The request names a model this server does not serve (404)."""
 
 
+class RequestTimeoutError(Exception):
+    """The request reached its deadline (`timeout` / --request-timeout) unfinished: it
+    was aborted and its KV blocks freed (408)."""
+
+
 def error_status(exc: BaseException) -> HTTPStatus:
     if isinstance(exc, ModelNotFoundError):
         return HTTPStatus.NOT_FOUND
     if isinstance(exc, ValueError):  # InvalidRequestError is one
         return HTTPStatus.BAD_REQUEST
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, RequestTimeoutError):
+        return HTTPStatus.REQUEST_TIMEOUT
+    if isinstance(exc, (EngineDeadError, QueueFullError)):
         return HTTPStatus.SERVICE_UNAVAILABLE
     return HTTPStatus.INTERNAL_SERVER_ERROR
 
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 500: "InternalServerError",
+                405: "MethodNotAllowedError", 408: "TimeoutError",
+                413: "RequestTooLargeError", 500: "InternalServerError",
                 503: "ServiceUnavailableError"}
 
 
@@ -64,9 +75,12 @@ def exception_message(exc: BaseException) -> str:
 class OpenAIServing:
     """What every handler needs: the engine, the served names, checks and conversions."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 serve_config: ServeConfig, offloader: Offloader) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        self.serve_config = serve_config
+        self.offloader = offloader
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
 
@@ -77,6 +91,45 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             raise ModelNotFoundError(f"The model `{model}` does not exist.")
+
+    def check_limits(self, request: SamplingFields, num_logprobs: int | None) -> None:
+        """The per-request maxima of ServeConfig (n, best_of, logprobs, stop lists)."""
+        cfg = self.serve_config
+        for name in ("n", "best_of"):
+            value = getattr(request, name)
+            if value is not None and value > cfg.max_n:
+                raise InvalidRequestError(f"{name} must be at most {cfg.max_n} (--max-n), "
+                                          f"got {value}.")
+        for name, value in (("logprobs", num_logprobs),
+                            ("prompt_logprobs", request.prompt_logprobs)):
+            if value is not None and value > cfg.max_logprobs:
+                raise InvalidRequestError(
+                    f"Requested {name} of {value}, which is greater than max allowed: "
+                    f"{cfg.max_logprobs} (--max-logprobs)")
+        stop = [request.stop] if isinstance(request.stop, str) else request.stop
+        for name, values in (("stop", stop), ("stop_token_ids", request.stop_token_ids),
+                             ("bad_words", request.bad_words)):
+            if values is not None and len(values) > cfg.max_stop:
+                raise InvalidRequestError(f"{name} may have at most {cfg.max_stop} entries "
+                                          f"(--max-stop), got {len(values)}.")
+
+    def check_prompt_bytes(self, num_bytes: int, kind: str = "prompt") -> None:
+        if num_bytes > self.serve_config.max_prompt_bytes:
+            raise InvalidRequestError(
+                f"The {kind} has {num_bytes} bytes, more than the "
+                f"{self.serve_config.max_prompt_bytes} this server accepts "
+                f"(--max-prompt-bytes).")
+
+    async def encode(self, text: str, add_special_tokens: bool = True,
+                     check_bytes: bool = True) -> list[int]:
+        """Token ids of `text` (off the event loop when large; byte limit checked unless
+        the text was checked already, e.g. as a conversation)."""
+        num_bytes = len(text.encode("utf-8"))
+        if check_bytes:
+            self.check_prompt_bytes(num_bytes)
+        return await self.offloader.run("tokenizing the prompt", num_bytes,
+                                        self.tokenizer.encode, text,
+                                        add_special_tokens=add_special_tokens)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None,
                      kind: str = "messages") -> int:
@@ -137,13 +190,27 @@ class OpenAIServing:
         return SamplingParams(**kw)
 
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                     params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
-        """Submit one engine request per prompt (ids `{request_id}-{i}`); all or none."""
+                     params: list[SamplingParams], request: SamplingFields,
+                     ) -> list[AsyncIterator[RequestOutput]]:
+        """Submit one engine request per prompt (ids `{request_id}-{i}`); all or none.
+
+        QueueFullError when they would take the engine's queue past
+        --max-queued-requests.
+        """
+        limit = self.serve_config.max_queued_requests
+        if limit is not None and self.engine.num_queued + len(prompts) > limit:
+            self.engine.metrics.observe_rejected("queue_full")
+            raise QueueFullError(f"The server is busy: {self.engine.num_queued} requests are "
+                                 f"already waiting (--max-queued-requests {limit}). "
+                                 f"Retry later.")
+        timeout = request.timeout or self.serve_config.request_timeout
         streams = []
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 prompt = {"prompt": text, "prompt_token_ids": ids}
-                streams.append(self.engine.add_request(f"{request_id}-{i}", prompt, sp))
+                streams.append(self.engine.add_request(
+                    f"{request_id}-{i}", prompt, sp, priority=request.priority,
+                    timeout=timeout))
         except BaseException:
             self.abort_all(request_id, len(streams))
             raise
@@ -171,7 +238,8 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]],
     """Interleave several request streams as (stream index, output), in arrival order.
 
     Closing the merged iterator (or cancelling its consumer) closes every stream, which
-    aborts their unfinished requests.
+    aborts their unfinished requests. A request that reached its deadline raises
+    RequestTimeoutError (the engine has already aborted it).
     """
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -195,6 +263,12 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]],
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
+            elif item.finished and any(o.finish_reason == "timeout" for o in item.outputs):
+                num_tokens = sum(len(o.token_ids) for o in item.outputs)
+                raise RequestTimeoutError(
+                    f"The request timed out: it was still running at its deadline "
+                    f"(`timeout`, or the server's --request-timeout) after {num_tokens} "
+                    f"generated tokens, and was aborted.")
             else:
                 yield i, item
     finally:

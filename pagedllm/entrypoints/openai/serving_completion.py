@@ -43,10 +43,10 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         if request.suffix is not None:
             raise InvalidRequestError("suffix is not currently supported")
-        if request.logprobs is not None and not 0 <= request.logprobs <= 20:
-            raise InvalidRequestError(f"logprobs must be between 0 and 20, got "
-                                      f"{request.logprobs}")
-        prompts = self._parse_prompts(request)
+        if request.logprobs is not None and request.logprobs < 0:
+            raise InvalidRequestError(f"logprobs must be non-negative, got {request.logprobs}")
+        self.check_limits(request, request.logprobs)
+        prompts = await self._parse_prompts(request)
         kwargs = request.sampling_kwargs()
         if request.echo and request.logprobs is not None:
             kwargs["prompt_logprobs"] = request.logprobs
@@ -56,7 +56,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params.append(self.sampling_params(kwargs | {"max_tokens": max_tokens},
                                                request.stream))
         request_id = request.request_id or random_id("cmpl")
-        streams = self.add_requests(request_id, prompts, params)
+        streams = self.add_requests(request_id, prompts, params, request)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, prompts, streams))
         try:
@@ -67,7 +67,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.abort_all(request_id, len(prompts))  # no-op unless cancelled
         return self._response(request, request_id, prompts, finals)
 
-    def _parse_prompts(self, request: CompletionRequest) -> list[Prompt]:
+    async def _parse_prompts(self, request: CompletionRequest) -> list[Prompt]:
         prompt = request.prompt
         if isinstance(prompt, str):
             prompt = [prompt]
@@ -75,11 +75,16 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = [prompt]
         if not prompt:
             raise InvalidRequestError("prompt must not be empty")
+        limit = self.serve_config.max_n
+        if len(prompt) * (request.best_of or request.n) > limit:
+            raise InvalidRequestError(
+                f"{len(prompt)} prompts x {request.best_of or request.n} completions "
+                f"each is more than the {limit} sequences one request may ask for "
+                f"(--max-n).")
         prompts: list[Prompt] = []
         for p in prompt:
             if isinstance(p, str):
-                prompts.append((p, self.tokenizer.encode(
-                    p, add_special_tokens=request.add_special_tokens)))
+                prompts.append((p, await self.encode(p, request.add_special_tokens)))
             else:
                 prompts.append((None, list(p)))
         return prompts

@@ -1,0 +1,357 @@
+"""Hundreds of malformed and hostile requests against a live server.
+
+Every one must get a 4xx with OpenAI's error body (never a 5xx, never a hang), while a
+separate process polls /health (< 100 ms throughout); afterwards the server still gives
+the same greedy answer as before, its memory has not grown without bound, and a SIGTERM
+ends it within seconds even while a hostile template is rendering.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.entrypoints.utils import MODEL_NAME, HealthProbe, RemoteServer
+
+API_KEY = "fuzz-key"
+MAX_MODEL_LEN = 512
+RENDER_TIMEOUT_S = 2
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+               "--num-kv-blocks", "128", "--max-num-seqs", "16",
+               "--trust-request-chat-template", "--render-timeout", str(RENDER_TIMEOUT_S)]
+VOCAB_SIZE = 49152
+
+# A template that loops for ever (well: 10^15 iterations) and one that nests deeper.
+NESTED_LOOP_TEMPLATE = ("{% for a in range(100000) %}{% for b in range(100000) %}"
+                        "{% for c in range(100000) %}x{% endfor %}{% endfor %}{% endfor %}")
+DEEP_LOOP_TEMPLATE = "".join("{% for i" + str(k) + " in range(100000) %}" for k in range(6)) \
+    + "y" + "{% endfor %}" * 6
+
+
+@dataclass
+class Case:
+    """One hostile request and the status it must get (any 4xx when None)."""
+
+    name: str
+    path: str = "/v1/completions"
+    body: Any = None
+    raw: bytes | None = None
+    method: str = "POST"
+    headers: dict[str, str] = field(default_factory=dict)
+    status: int | None = None
+    auth: bool = True
+
+
+def _completion(**fields: Any) -> dict:
+    return {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4} | fields
+
+
+def _chat(**fields: Any) -> dict:
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4} | fields
+
+
+# Bad values of the sampling fields shared by both endpoints.
+BAD_SAMPLING_VALUES: dict[str, list[Any]] = {
+    "n": [0, -1, 1_000_000_000, 2**64, 1.5, None],
+    "best_of": [1_000_000_000, -3],
+    "temperature": [-1, "hot", float("nan"), float("inf"), -float("inf"), 1e300, 101],
+    "top_p": [0, 1.5, -0.1, float("nan"), "x"],
+    "top_k": [0, -2, 2**40, 1.5, "k"],
+    "min_p": [-0.1, 1.5, float("nan")],
+    "presence_penalty": [3, -3, float("inf")],
+    "frequency_penalty": [2.5, float("nan")],
+    "repetition_penalty": [0, -1, float("inf")],
+    "logit_bias": [{"a": 1}, {"-1": 1}, {"1": "x"}, [1, 2], {str(VOCAB_SIZE + 7): 1},
+                   {"1": 1e400}],
+    "seed": [2**64, "x", -(2**64), 1.5],
+    "stop": [123, [1], [""], ["s"] * 65, ["\ud800"], {"a": 1}],
+    "stop_token_ids": [[-1], [10**9], "x", list(range(65)), [2**70]],
+    "min_tokens": [-1, 2**40, "x"],
+    "allowed_token_ids": [[], [-1], [10**9], "x"],
+    "bad_words": [[""], [1], ["w"] * 65],
+    "prompt_logprobs": [21, 49152, -1, "x"],
+    "structured_outputs": [{"regex": "("}, {"json": "{bad"}, {}, {"choice": []},
+                           {"json": {"type": "nonsense"}}, {"grammar": "root ::= ("},
+                           {"regex": "a", "choice": ["b"]}, "x"],
+    "guided_regex": ["(", 5],
+    "guided_json": ["{bad", 5],
+    "guided_choice": [[], "x"],
+    "priority": ["x", 1, 1.5],
+    "timeout": [-1, 0, "x", float("nan"), float("inf")],
+    "model": ["nope", 5],
+    "stream": ["maybe", 2],
+    "stream_options": [{"foo": 1}, "x"],
+    "ignore_eos": ["x"],
+    "skip_special_tokens": [[]],
+    "user": [123],
+    "request_id": [{"a": 1}],
+    "max_tokens": [0, -1, "a", 1.5, 1e30, 2**70, MAX_MODEL_LEN],
+    "unknown_field": [1, "x"],
+    "store": [True],
+    "metadata": [{"k": "v"}],
+    "service_tier": ["flex"],
+}
+
+COMPLETION_ONLY: dict[str, list[Any]] = {
+    "prompt": [None, 5, {"a": 1}, [], [[]], [-1], [VOCAB_SIZE], [1e10], [["a"]], True,
+               "He\ud800llo", ["ok", "\udfff"], "", [[1], "mixed"],
+               [[1]] * 200, "word " * 600, list(range(1, 600))],
+    "logprobs": [21, -1, "x", 10**9],
+    "echo": ["x"],
+    "suffix": ["tail"],
+    "tools": [[{"type": "function", "function": {"name": "f"}}]],
+}
+
+CHAT_ONLY: dict[str, list[Any]] = {
+    "messages": [None, [], [{}], [{"role": 1, "content": "x"}], "hi", [{"content": "x"}],
+                 [{"role": "user", "content": 5}],
+                 [{"role": "user", "content": [{"type": "image_url",
+                                                "image_url": {"url": "http://x"}}]}],
+                 [{"role": "user", "content": "\ud800"}],
+                 [{"role": "user", "content": "x", "extra": 1}],
+                 [{"role": "assistant", "content": None,
+                   "tool_calls": [{"id": "1", "type": "function",
+                                   "function": {"name": "f", "arguments": "{}"}}]}],
+                 [{"role": "tool", "content": "r", "tool_call_id": "1"}],
+                 [{"role": "user", "content": "word " * 600}]],
+    "logprobs": ["x", 3],
+    "top_logprobs": [21, -1, 5],  # 5 without logprobs=true is an error too
+    "max_completion_tokens": [-1, "x", 10**6],
+    "response_format": [{"type": "xml"}, "json", {"type": "json_schema",
+                                                  "json_schema": {"schema": "x"}},
+                        {"type": "json_schema", "json_schema": {"name": "s", "extra": 1}}],
+    "tools": [[{"type": "function", "function": {"name": "f", "parameters": {}}}], "x"],
+    "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}],
+    "functions": [[{"name": "f"}]],
+    "function_call": ["auto"],
+    "audio": [{"voice": "alloy"}],
+    "modalities": [["audio"]],
+    "reasoning_effort": ["high"],
+    "chat_template_kwargs": [{"chat_template": "{{ 1 }}"}, {"tokenize": True}, "x"],
+    "chat_template": ["{% if %}", "{{ raise_exception('no') }}", 5,
+                      NESTED_LOOP_TEMPLATE, DEEP_LOOP_TEMPLATE],
+    "add_generation_prompt": ["x"],
+    "continue_final_message": [{"a": 1}],
+    "echo": [[]],
+}
+
+
+def _field_cases() -> list[Case]:
+    cases = []
+    for path, make, fields in (("/v1/completions", _completion,
+                                BAD_SAMPLING_VALUES | COMPLETION_ONLY),
+                               ("/v1/chat/completions", _chat,
+                                BAD_SAMPLING_VALUES | CHAT_ONLY)):
+        for name, values in fields.items():
+            for value in values:
+                body = make(**{name: value})
+                if name == "top_logprobs" and value == 5:
+                    body["logprobs"] = False
+                status = 404 if name == "model" and value == "nope" else None
+                cases.append(Case(f"{path} {name}={str(value)[:40]!r}", path, body=body,
+                                  status=status))
+    return cases
+
+
+def _raw_cases() -> list[Case]:
+    json_type = {"content-type": "application/json"}
+    cases = [Case(f"raw body {raw[:30]!r}", raw=raw, headers=json_type) for raw in (
+        b"", b"{", b'{"prompt": "x",}', b"\xff\xfe", b"[]", b"null", b'"x"', b"123",
+        b'{"prompt": "x"} trailing', b"[" * 100_000 + b"]" * 100_000,
+        b'{"a":' * 50_000 + b"1" + b"}" * 50_000, b'{"prompt": "\\ud800"}',
+        b'{"prompt": "x", "prompt": 5}', b'{"prompt": NaN}', b"\x00\x01\x02")]
+    cases += [
+        Case("text/plain body", raw=json.dumps(_completion()).encode(),
+             headers={"content-type": "text/plain"}),
+        Case("form body", raw=b"prompt=x&max_tokens=2",
+             headers={"content-type": "application/x-www-form-urlencoded"}),
+        Case("body over --max-body-bytes", raw=b'{"prompt": "' + b"a" * (3 << 20) + b'"}',
+             headers=json_type, status=413),
+        Case("chunked body over the limit", raw=b"", headers=json_type, status=413),
+    ]
+    return cases
+
+
+def _route_cases() -> list[Case]:
+    big_prompt = "ab " * 400_000  # 1.2 MB: over --max-prompt-bytes (1 MiB), under the body
+    cases = [
+        Case("GET completions", method="GET", status=405),
+        Case("PUT chat", path="/v1/chat/completions", method="PUT", body={}, status=405),
+        Case("unknown route", path="/v1/nope", body={}, status=404),
+        Case("unknown route GET", path="/admin", method="GET", status=404),
+        Case("tokenize both", path="/tokenize",
+             body={"prompt": "x", "messages": [{"role": "user", "content": "x"}]}),
+        Case("tokenize neither", path="/tokenize", body={}),
+        Case("tokenize huge prompt", path="/tokenize", body={"prompt": big_prompt}),
+        Case("tokenize surrogate", path="/tokenize", body={"prompt": "\ud800"}),
+        Case("tokenize unknown field", path="/tokenize", body={"prompt": "x", "k": 1}),
+        Case("chat huge content", path="/v1/chat/completions",
+             body=_chat(messages=[{"role": "user", "content": big_prompt}])),
+        Case("completion huge prompt", body=_completion(prompt=big_prompt)),
+        Case("many prompts", body=_completion(prompt=["x"] * 129)),
+        Case("prompts x n", body=_completion(prompt=["x"] * 10, n=20)),
+        Case("detokenize negative", path="/detokenize", body={"tokens": [-1]}),
+        Case("detokenize huge id", path="/detokenize", body={"tokens": [10**10]}),
+        Case("detokenize string", path="/detokenize", body={"tokens": "x"}),
+        Case("prompt_logprobs on a 100-token prompt", body=_completion(
+            prompt=list(range(1, 101)), prompt_logprobs=VOCAB_SIZE)),
+        Case("echo + logprobs 49152", body=_completion(echo=True, logprobs=VOCAB_SIZE)),
+        Case("best_of < n", body=_completion(n=3, best_of=2)),
+        Case("prompt + max_tokens > max_model_len",
+             body=_completion(prompt=list(range(1, 500)), max_tokens=100)),
+    ]
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                         ("POST", "/tokenize"), ("POST", "/detokenize"),
+                         ("GET", "/debug/stats"), ("GET", "/metrics"), ("GET", "/docs"),
+                         ("GET", "/version")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                        {"Authorization": "Basic " + API_KEY}):
+            cases.append(Case(f"{method} {path} auth {headers}", path=path, method=method,
+                              body=_completion(), headers=headers, status=401, auth=False))
+    return cases
+
+
+def all_cases() -> list[Case]:
+    return _field_cases() + _raw_cases() + _route_cases()
+
+
+def _chunked_body():
+    yield b'{"prompt": "'
+    for _ in range(40):
+        yield b"a" * 100_000
+    yield b'"}'
+
+
+def send(client: httpx.Client, case: Case) -> httpx.Response:
+    headers = dict(case.headers)
+    if case.auth:
+        headers.setdefault("Authorization", f"Bearer {API_KEY}")
+    if case.name == "chunked body over the limit":
+        return client.request(case.method, case.path, content=_chunked_body(),
+                              headers=headers)
+    if case.raw is not None:
+        return client.request(case.method, case.path, content=case.raw, headers=headers)
+    if case.body is None:
+        return client.request(case.method, case.path, headers=headers)
+    # allow_nan: NaN/Infinity are what hostile clients send (Python's json accepts them).
+    return client.request(case.method, case.path, headers=headers | {
+        "content-type": "application/json"}, content=json.dumps(case.body).encode())
+
+
+def check_error_response(case: Case, r: httpx.Response) -> str | None:
+    """Why the response is wrong, or None."""
+    if case.status is not None and r.status_code != case.status:
+        return f"status {r.status_code}, expected {case.status}: {r.text[:200]}"
+    if not 400 <= r.status_code < 500:
+        return f"status {r.status_code}: {r.text[:200]}"
+    try:
+        error = r.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return f"not an OpenAI error body: {r.text[:200]}"
+    if not (isinstance(error.get("message"), str) and error["message"]
+            and isinstance(error.get("type"), str) and error.get("code") == r.status_code):
+        return f"bad error fields: {error}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer(SERVER_ARGS, api_key=API_KEY, key_in_env=True)
+    yield srv
+    srv.stop()
+
+
+def _greedy(client: httpx.Client) -> str:
+    r = client.post("/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                    json=_completion(prompt="The capital of France is", max_tokens=12,
+                                     temperature=0))
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _rss(server: RemoteServer) -> tuple[int, int]:
+    stats = server.stats()
+    return stats["api_rss_bytes"], stats["engine_rss_bytes"]
+
+
+def test_hostile_requests_get_4xx_and_never_stall(server):
+    cases = all_cases()
+    assert len(cases) >= 200
+    client = httpx.Client(base_url=server.url, timeout=60)
+    reference = _greedy(client)
+    rss_before = _rss(server)
+    probe = HealthProbe(server.port)
+    failures, slow = [], []
+    try:
+        for case in cases:
+            start = time.monotonic()
+            r = send(client, case)
+            elapsed = time.monotonic() - start
+            problem = check_error_response(case, r)
+            if problem:
+                failures.append(f"{case.name}: {problem}")
+            # Nothing may take much longer than the render time limit.
+            if elapsed > RENDER_TIMEOUT_S + 3:
+                slow.append(f"{case.name}: {elapsed:.1f} s")
+    finally:
+        latencies = probe.stop()
+    assert not failures, f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(
+        failures)
+    assert not slow, slow
+    assert len(latencies) > 20 and all(status == 200 for _, status in latencies)
+    worst = max(lat for lat, _ in latencies)
+    assert worst < 0.1, f"/health took {worst * 1000:.0f} ms"
+    # The server still answers, and answers the same.
+    assert _greedy(client) == reference
+    stats = server.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"] - 1
+    api_growth, engine_growth = (after - before for after, before in zip(_rss(server),
+                                                                          rss_before))
+    assert api_growth < 300 << 20 and engine_growth < 300 << 20, (api_growth, engine_growth)
+
+
+def test_looping_template_is_cut_off_and_sigterm_still_stops_the_server():
+    """A request template that never ends is stopped at --render-timeout; meanwhile the
+    server still answers, and SIGTERM (while several such renders run and a generation
+    streams) ends the process within seconds."""
+    srv = RemoteServer(SERVER_ARGS + ["--request-timeout", "60"], api_key=API_KEY)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        start = time.monotonic()
+        r = httpx.post(srv.url + "/v1/chat/completions", headers=headers, timeout=30,
+                       json=_chat(chat_template=NESTED_LOOP_TEMPLATE))
+        assert r.status_code == 400 and "--render-timeout" in r.json()["error"]["message"]
+        assert time.monotonic() - start < RENDER_TIMEOUT_S + 2
+
+        def hostile() -> None:
+            try:
+                httpx.post(srv.url + "/v1/chat/completions", headers=headers, timeout=30,
+                           json=_chat(chat_template=DEEP_LOOP_TEMPLATE))
+            except httpx.HTTPError:
+                pass
+
+        threads = [threading.Thread(target=hostile) for _ in range(3)]
+        for t in threads:
+            t.start()
+        with httpx.stream("POST", srv.url + "/v1/completions", headers=headers, timeout=30,
+                          json=_completion(max_tokens=400, ignore_eos=True,
+                                           stream=True)) as stream:
+            next(stream.iter_lines())
+            assert httpx.get(srv.url + "/health", timeout=1).status_code == 200
+            srv.proc.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            srv.proc.wait(15)
+        assert time.monotonic() - start < 12, "SIGTERM took too long"
+        for t in threads:
+            t.join(30)
+    finally:
+        srv.stop()
