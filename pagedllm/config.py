@@ -308,10 +308,15 @@ def _resolve_num_threads(requested: int | None) -> int:
 def _resolve_device(device: str) -> str:
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
-    if device != "auto":
-        return device
     import torch
 
+    if device == "cuda" and not torch.cuda.is_available():
+        build = "this torch is a CPU-only build" if torch.version.cuda is None else \
+            "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES?)"
+        raise ValueError(f"device 'cuda' was requested but no CUDA GPU is available: {build}. "
+                         f"Use device 'cpu' or 'auto'.")
+    if device != "auto":
+        return device
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

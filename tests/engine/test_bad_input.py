@@ -30,7 +30,9 @@ def llm(tiny_path):
 @pytest.mark.parametrize("kwargs, field", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": 0}, "top_k"),
-    ({"top_k": -2}, "top_k")])
+    ({"top_k": -2}, "top_k"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": 1e300}, "temperature"), ({"top_k": 2**40}, "top_k"),
+    ({"min_tokens": 2**40}, "min_tokens"), ({"logprobs": 2**40}, "logprobs")])
 def test_sampling_params_validated(kwargs, field):
     with pytest.raises(ValueError, match=field) as e:
         SamplingParams(**kwargs)
@@ -115,3 +117,12 @@ def test_unsupported_architecture(tmp_path, tiny_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="MadeUpForCausalLM.*LlamaForCausalLM"):
         LLM(str(tmp_path), skip_tokenizer_init=True)
+
+
+def test_cuda_without_a_gpu_names_the_device(tiny_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="device 'cuda' was requested but no CUDA GPU"):
+        EngineArgs(model=str(tiny_path), device="cuda").create_engine_config()
