@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from pagedllm.engine.core_proc import EngineCoreOutputs, SchedulerStats
     from pagedllm.request import Request
 
 logger = logging.getLogger(__name__)
@@ -24,6 +24,36 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                  1.0, 2.5, 5.0, 10.0, 20.0)
+
+# The engine core's messages are described here by the fields this module reads, not
+# imported: metrics sits below engine/ and must not import it (DESIGN.md section 5).
+class SchedulerStatsLike(Protocol):
+    """The scheduler's counters (engine/core_proc.py's SchedulerStats)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable KV blocks held by requests
+    prefix_cache_queries: int  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # cumulative prompt tokens served from it
+    num_preemptions: int  # cumulative
+
+
+class CoreOutputLike(Protocol):
+    """What one request gained in one step (engine/core_proc.py's EngineCoreOutput)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    status: str  # a RequestStatus value
+    first_scheduled_time: float | None  # set on a request's first output only
+
+
+class CoreOutputsLike(Protocol):
+    """One step's batch of outputs (engine/core_proc.py's EngineCoreOutputs)."""
+
+    timestamp: float  # time.monotonic() of the step
+
+    @property
+    def outputs(self) -> Sequence[CoreOutputLike]: ...
 
 
 class EngineMetrics:
@@ -73,7 +103,7 @@ class EngineMetrics:
         # req_id -> time of its first token.
         self._first_token_time: dict[str, float] = {}
         # Previous cumulative values of the core's counters (Prometheus takes increments).
-        self._last_stats: SchedulerStats | None = None
+        self._last_stats: SchedulerStatsLike | None = None
         self.stats_log = StatsLog()
         self._labels(self.engine_alive).set(1)
 
@@ -96,7 +126,7 @@ class EngineMetrics:
     def observe_rejected(self, reason: str) -> None:
         self.request_rejected.labels(model_name=self.model_name, reason=reason).inc()
 
-    def observe_scheduler_stats(self, stats: SchedulerStats) -> None:
+    def observe_scheduler_stats(self, stats: SchedulerStatsLike) -> None:
         self._labels(self.num_running).set(stats.num_running)
         self._labels(self.num_waiting).set(stats.num_waiting)
         self._labels(self.kv_cache_usage).set(stats.kv_cache_usage)
@@ -113,7 +143,7 @@ class EngineMetrics:
         self._last_stats = stats
         self.stats_log.scheduler_stats = stats
 
-    def observe_outputs(self, batch: EngineCoreOutputs, requests: dict[str, Request]) -> None:
+    def observe_outputs(self, batch: CoreOutputsLike, requests: dict[str, Request]) -> None:
         """Record one batch; call before it is applied to the `requests` mirrors."""
         ts = batch.timestamp
         for out in batch.outputs:
@@ -157,7 +187,7 @@ class StatsLog:
     def __init__(self) -> None:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.scheduler_stats: SchedulerStats | None = None
+        self.scheduler_stats: SchedulerStatsLike | None = None
         self._last_time = time.monotonic()
         self._last_queries = 0
         self._last_hits = 0

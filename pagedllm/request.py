@@ -1,15 +1,13 @@
-"""Request: the scheduler's view of one sequence being generated."""
+"""Request: the scheduler's view of one sequence being generated, and the logprob
+records it accumulates (the runner reports them through core/contracts.py)."""
 
 from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from pagedllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedllm.core.contracts import PromptLogprobsChunk, SampleLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -36,6 +34,33 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_TIMEOUT: "timeout",
 }
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one token position, as the model runner reports them: the chosen (or
+    actual prompt) token first, then the top-k of the model's raw log-softmax.
+
+    The output processor turns a list of these into `outputs.SampleLogprobs` (one
+    {token_id: Logprob} dict per position), the form users see.
+    """
+
+    # [chosen, top1, top2, ...]
+    token_ids: list[int]
+    logprobs: list[float]
+    # Rank of each entry in the full distribution: 1 + the number of vocabulary entries
+    # with a strictly larger logprob (ties share a rank; the argmax is always 1).
+    ranks: list[int]
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Prompt logprobs of the prompt positions one step computed (chunked prefill)."""
+
+    # Prompt index of the token the first entry scores (>= 1: token 0 has no logprob).
+    start: int
+    # One entry per prompt token start, start + 1, ...
+    entries: list[TokenLogprobs]
 
 
 class Request:
@@ -74,10 +99,10 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Logprobs of each output token (logprobs requests only), parallel to
         # output_token_ids.
-        self.output_logprobs: list[SampleLogprobs] = []
+        self.output_logprobs: list[TokenLogprobs] = []
         # Logprobs of prompt tokens 1.. (prompt_logprobs requests only); entry i scores
         # prompt token i + 1. Filled chunk by chunk as the prompt is prefilled.
-        self.prompt_logprobs: list[SampleLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs] = []
 
     @property
     def num_prompt_tokens(self) -> int:

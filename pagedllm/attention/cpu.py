@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import cpu_kernels
+from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.attention.backend import AttentionSpec, write_kv_cache
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_ref import TorchRefAttention, gather_context
@@ -31,7 +31,7 @@ class CpuAttention:
         if spec.logits_soft_cap is not None or spec.alibi_slopes is not None:
             self._ref = TorchRefAttention(spec)
         # use_kernel=False forces the torch path (tests compare both).
-        self.use_kernel = use_kernel is not False and cpu_kernels.load_cpu_kernels()
+        self.use_kernel = use_kernel is not False and cpu_ops.load_cpu_kernels()
 
     @property
     def runs_kernel(self) -> bool:
@@ -46,7 +46,7 @@ class CpuAttention:
         md = attn_metadata
         if self.use_kernel:
             out = torch.empty_like(query)
-            cpu_kernels.paged_attention(
+            cpu_ops.paged_attention(
                 out, query, key, value, kv_cache, md.slot_mapping, md.block_table,
                 md.seq_lens, md.query_start_loc, self.spec.scale, self.spec.sliding_window)
             return out

@@ -7,7 +7,7 @@ import torch
 from pagedllm.attention import forward_context  # noqa: F401 (registers pagedllm::attention)
 from pagedllm.attention.backend import AttentionSpec, get_attention_backend
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.models.layers.module import Module
+from pagedllm.nn import Module
 
 
 class Attention(Module):

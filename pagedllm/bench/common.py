@@ -118,6 +118,35 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def result_of(backend: str, requests: list[BenchRequest], num_output: int,
+              elapsed: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The throughput result of one backend (shared by bench/throughput.py and
+    bench/hf_backend.py, so both report the same keys)."""
+    num_prompt = sum(len(r.prompt_token_ids) for r in requests)
+    return {
+        "backend": backend,
+        "num_requests": len(requests),
+        "num_prompt_tokens": num_prompt,
+        "num_output_tokens": num_output,
+        "elapsed_s": elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "output_tokens_per_s": num_output / elapsed,
+        "total_tokens_per_s": (num_prompt + num_output) / elapsed,
+        "peak_rss_mb": peak_rss_mb(),
+        **(extra or {}),
+    }
+
+
+async def fetch_model_name(client: Any, base_url: str) -> str | None:
+    """The first model a server lists (bench serve and its --soak mode), None when the
+    server does not answer."""
+    try:
+        response = await client.get(f"{base_url}/v1/models")
+        return response.json()["data"][0]["id"]
+    except Exception:
+        return None
+
+
 def emit(result: dict[str, Any], title: str, lines: list[str]) -> None:
     """The result as JSON on stdout; a readable summary on stderr."""
     print(f"\n===== {title} =====", file=sys.stderr)

@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.bench.common import BenchRequest, workload_from_args
-from pagedllm.bench.throughput import result_of
-from pagedllm.config import EngineArgs
+from pagedllm.bench.common import BenchRequest, result_of, workload_from_args
+from pagedllm.engine.arg_utils import EngineArgs
 
 # New tokens per request in the batch-size probe.
 _PROBE_TOKENS = 32

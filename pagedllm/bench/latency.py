@@ -19,7 +19,7 @@ import psutil
 from pagedllm.bench.common import (BenchRequest, add_engine_bench_args, add_workload_args,
                                    emit, load_dataset, peak_rss_mb, random_requests,
                                    summarize)
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

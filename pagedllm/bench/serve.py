@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.bench.common import BenchRequest, add_workload_args, emit, summarize
-from pagedllm.bench.common import workload_from_args
+from pagedllm.bench.common import (BenchRequest, add_workload_args, emit, fetch_model_name,
+                                   summarize, workload_from_args)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -121,14 +121,6 @@ async def send_request(client: Any, url: str, model: str | None, request: BenchR
     if not result.ok:
         result.error = "no tokens streamed"
     return result
-
-
-async def fetch_model_name(client: Any, base_url: str) -> str | None:
-    try:
-        response = await client.get(f"{base_url}/v1/models")
-        return response.json()["data"][0]["id"]
-    except Exception:
-        return None
 
 
 def auth_headers(ns: argparse.Namespace) -> dict[str, str]:

@@ -44,8 +44,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.bench.common import BenchRequest, emit, summarize, workload_from_args
-from pagedllm.bench.serve import fetch_model_name
+from pagedllm.bench.common import (BenchRequest, emit, fetch_model_name, summarize,
+                                   workload_from_args)
 
 STOP = ["\n", "."]
 NUM_TOP = 2

@@ -13,9 +13,9 @@ import gc
 import time
 from typing import Any
 
-from pagedllm.bench.common import (BenchRequest, add_engine_bench_args, add_workload_args,
-                                   emit, peak_rss_mb, workload_from_args)
-from pagedllm.config import EngineArgs
+from pagedllm.bench.common import (add_engine_bench_args, add_workload_args, emit, result_of,
+                                   workload_from_args)
+from pagedllm.engine.arg_utils import EngineArgs
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -28,23 +28,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "the fastest on a short probe runs the workload")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the short untimed request run before measuring")
-
-
-def result_of(backend: str, requests: list[BenchRequest], num_output: int,
-              elapsed: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    num_prompt = sum(len(r.prompt_token_ids) for r in requests)
-    return {
-        "backend": backend,
-        "num_requests": len(requests),
-        "num_prompt_tokens": num_prompt,
-        "num_output_tokens": num_output,
-        "elapsed_s": elapsed,
-        "requests_per_s": len(requests) / elapsed,
-        "output_tokens_per_s": num_output / elapsed,
-        "total_tokens_per_s": (num_prompt + num_output) / elapsed,
-        "peak_rss_mb": peak_rss_mb(),
-        **(extra or {}),
-    }
 
 
 def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The logprob records are defined beside Request, which stores them, so that request.py
+# never imports core/; the runner returns them through ModelRunnerOutput.
+from pagedllm.request import PromptLogprobsChunk, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
+
+__all__ = ["CachedRequestData", "EMPTY_MODEL_RUNNER_OUTPUT", "ModelRunnerOutput",
+           "NewRequestData", "PromptLogprobsChunk", "SchedulerOutput", "TokenLogprobs"]
 
 
 @dataclass
@@ -65,28 +71,6 @@ class SchedulerOutput:
 
 
 @dataclass
-class SampleLogprobs:
-    """Logprobs of one token position: the chosen (or actual prompt) token first, then
-    the top-k of the model's raw log-softmax (ranks 1..k, in that order)."""
-
-    # [chosen, top1, top2, ...]
-    token_ids: list[int]
-    logprobs: list[float]
-    # Rank of the chosen token in the full distribution (1 = most likely).
-    chosen_rank: int
-
-
-@dataclass
-class PromptLogprobsChunk:
-    """Prompt logprobs of the prompt positions one step computed (chunked prefill)."""
-
-    # Prompt index of the token the first entry scores (>= 1: token 0 has no logprob).
-    start: int
-    # One entry per prompt token start, start + 1, ...
-    entries: list[SampleLogprobs]
-
-
-@dataclass
 class ModelRunnerOutput:
     """What one forward pass produced."""
 
@@ -96,7 +80,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per request, one entry per sampled token ([] for requests that did not ask);
     # None when no request of the step asked for logprobs.
-    logprobs: list[list[SampleLogprobs]] | None = None
+    logprobs: list[list[TokenLogprobs]] | None = None
     # req_id -> prompt logprobs of the prompt tokens scored this step (prompt_logprobs
     # requests only; None when there are none).
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None

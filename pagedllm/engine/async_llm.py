@@ -20,7 +20,8 @@ import pickle
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.config import EngineConfig
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.core_proc import EngineCoreOutputs
 from pagedllm.engine.input_processor import PromptType

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.core.contracts import SampleLogprobs as RunnerLogprobs
+from pagedllm.core.contracts import TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.request import Request
@@ -199,21 +199,18 @@ class OutputProcessor:
         child.finish_reason, child.stop_reason = "stop", stop
         return True
 
-    def _add_logprobs(self, child: ChildState, entries: list[RunnerLogprobs]) -> None:
+    def _add_logprobs(self, child: ChildState, entries: list[TokenLogprobs]) -> None:
         if child.logprobs is None:
             child.logprobs, child.cumulative_logprob = [], 0.0
         for entry in entries:
             child.logprobs.append(self._logprob_dict(entry, child.detokenizer is not None))
             child.cumulative_logprob += entry.logprobs[0]
 
-    def _logprob_dict(self, entry: RunnerLogprobs, decode: bool) -> dict[int, Logprob]:
-        """Chosen token first (with its rank in the whole vocabulary), then the top-k."""
-        chosen = entry.token_ids[0]
-        out = {chosen: Logprob(entry.logprobs[0], entry.chosen_rank,
-                               self._decode_token(chosen) if decode else None)}
-        for rank, (token_id, logprob) in enumerate(zip(entry.token_ids[1:],
-                                                       entry.logprobs[1:]), start=1):
-            if token_id not in out:
+    def _logprob_dict(self, entry: TokenLogprobs, decode: bool) -> dict[int, Logprob]:
+        """Chosen token first, then the top-k, each with its rank in the whole vocabulary."""
+        out: dict[int, Logprob] = {}
+        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
+            if token_id not in out:  # the chosen token may also be one of the top-k
                 out[token_id] = Logprob(logprob, rank,
                                         self._decode_token(token_id) if decode else None)
         return out

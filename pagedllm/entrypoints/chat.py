@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams

@@ -12,7 +12,7 @@ import sys
 import typing
 from typing import Any
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:

@@ -22,18 +22,18 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionSpec
-from pagedllm.attention.cpu_kernels import cpu_ops_available
+from pagedllm.kernels.cpu.ops import cpu_ops_available
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.models.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
-from pagedllm.models.layers.module import Module
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.models.native_layers import NativeLlamaLayers
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS, load_stacked_weights
+from pagedllm.nn import Module
 
 
 def head_dim_of(cfg: Any) -> int:

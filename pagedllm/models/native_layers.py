@@ -2,7 +2,7 @@
 
 `LlamaDecoderLayer.forward` on CPU is a chain of native kernels (fused norms, packed
 linears, RoPE, paged attention, SiLU-and-mul) glued by ~15 Python-level calls per layer;
-at one token per step that glue is ~25% of the step. attention/csrc/cpu_decoder.cpp runs
+at one token per step that glue is ~25% of the step. kernels/cpu/csrc/cpu_decoder.cpp runs
 the same kernels in the same order from C++, so outputs are bit-identical to the Python
 layers (tests/models/test_native_layers.py) and the Python layers stay the reference
 (and what torch.compile, other devices and other families run).
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from pagedllm.attention.cpu import CpuAttention
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.kernels.cpu import ops as cpu_ops
+from pagedllm.kernels.cpu.ops import load_cpu_kernels
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.layers.activation import SiluAndMul
 from pagedllm.models.layers.linear import LinearBase
@@ -94,7 +95,7 @@ class NativeLlamaLayers:
         after the last layer."""
         cos, sin = self.rotary.tables(x.device, x.dtype)
         spec = self.spec
-        torch.ops.pagedllm_cpu.llama_decoder_layers.default(
+        cpu_ops.llama_decoder_layers(
             x, positions, self.weights, self.sliding_windows, md.slot_mapping,
             md.block_table, md.seq_lens, md.query_start_loc, cos, sin, spec.num_heads,
             spec.num_kv_heads, spec.head_size, self.rotary.rotary_dim,

@@ -1,4 +1,5 @@
-"""Top-k logprobs and the rank of a chosen token, batched, and their host conversion."""
+"""Top-k logprobs and the ranks of a chosen token and of the top-k, batched, and their
+host conversion."""
 
 from __future__ import annotations
 
@@ -6,26 +7,28 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.core.contracts import SampleLogprobs
+from pagedllm.core.contracts import TokenLogprobs
 
 
 @dataclass
 class LogprobsTensors:
-    """Column 0 is the chosen token, columns 1..k the top-k (ranks 1..k)."""
+    """Column 0 is the chosen token, columns 1..k the top-k (most likely first)."""
 
     token_ids: torch.Tensor  # [N, k + 1] int64
     logprobs: torch.Tensor  # [N, k + 1] float32
-    ranks: torch.Tensor  # [N] int64: rank of the chosen token (1 = most likely)
+    # [N, k + 1] int64: rank of each column's token in the full distribution (1 = most
+    # likely; tied tokens share a rank).
+    ranks: torch.Tensor
 
-    def tolists(self, num_logprobs: list[int]) -> list[SampleLogprobs | None]:
-        """Per row: SampleLogprobs with its own k (None where k < 0: not requested).
+    def tolists(self, num_logprobs: list[int]) -> list[TokenLogprobs | None]:
+        """Per row: TokenLogprobs with its own k (None where k < 0: not requested).
 
         One host transfer for the whole batch.
         """
         ids, lps, ranks = (self.token_ids.tolist(), self.logprobs.tolist(),
                            self.ranks.tolist())
-        return [SampleLogprobs(token_ids=ids[i][:k + 1], logprobs=lps[i][:k + 1],
-                               chosen_rank=ranks[i]) if k >= 0 else None
+        return [TokenLogprobs(token_ids=ids[i][:k + 1], logprobs=lps[i][:k + 1],
+                              ranks=ranks[i][:k + 1]) if k >= 0 else None
                 for i, k in enumerate(num_logprobs)]
 
 
@@ -33,15 +36,20 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
                     ) -> LogprobsTensors:
     """logprobs [N, V] (a log-softmax), token_ids [N] -> chosen + top-k with ranks.
 
-    rank = number of tokens at least as likely as the chosen one (ties count against it,
-    as vLLM), so the argmax has rank 1.
+    rank = 1 + the number of vocabulary entries with a strictly larger logprob: tied
+    tokens share a rank and a greedy (argmax) token is always rank 1, whichever of a tie
+    argmax picked. NOTE: vLLM counts ties against the token (`>=` in
+    `batched_count_greater_than`), so a tied argmax there can get rank 2.
     """
     chosen = logprobs.gather(1, token_ids[:, None])  # [N, 1]
-    ranks = (logprobs >= chosen).sum(dim=-1)
-    if k > 0:
-        top_lp, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-        ids = torch.cat([token_ids[:, None], top_ids], dim=1)
-        lps = torch.cat([chosen, top_lp], dim=1)
-    else:
-        ids, lps = token_ids[:, None], chosen
-    return LogprobsTensors(token_ids=ids, logprobs=lps, ranks=ranks)
+    chosen_ranks = 1 + (logprobs > chosen).sum(dim=-1, keepdim=True)  # [N, 1]
+    if k <= 0:
+        return LogprobsTensors(token_ids=token_ids[:, None], logprobs=chosen,
+                               ranks=chosen_ranks)
+    top_lp, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # [N, k]
+    # Every token more likely than a top-k token is itself in the top-k, so comparing
+    # within the top-k counts the whole vocabulary: [N, k, 1] < [N, 1, k] -> [N, k].
+    top_ranks = 1 + (top_lp[:, :, None] < top_lp[:, None, :]).sum(dim=-1)
+    return LogprobsTensors(token_ids=torch.cat([token_ids[:, None], top_ids], dim=1),
+                           logprobs=torch.cat([chosen, top_lp], dim=1),
+                           ranks=torch.cat([chosen_ranks, top_ranks], dim=1))

@@ -43,6 +43,11 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None
     # row -> torch.Generator for requests with a seed (reproducible whatever the batch).
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # [R] int64: the rows that draw, when the step mixes greedy and random rows (the
+    # draw then runs on those rows only); None when all_greedy or all_random.
+    random_rows: torch.Tensor | None = None
+    # The same rows on the host (maps generators to positions without a device sync).
+    random_row_ids: list[int] | None = None
     # None when every row is neutral.
     penalties: PenaltyMetadata | None = None
     # (row index [B], token id [B]) pairs set to -inf: EOS / stop ids until min_tokens,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.cpu_kernels import cpu_ops_available
+from pagedllm.kernels.cpu import ops as cpu_ops
+from pagedllm.kernels.cpu.ops import cpu_ops_available
 from pagedllm.sample.metadata import PenaltyMetadata
 
 _NEG_INF = float("-inf")
@@ -78,7 +79,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """
     if x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 and cpu_ops_available(x):
         out = torch.empty(x.shape[0], dtype=torch.int64)
-        torch.ops.pagedllm_cpu.argmax.default(out, x)
+        cpu_ops.argmax(out, x)
         return out
     return x.argmax(dim=-1)
 

@@ -81,11 +81,30 @@ class Sampler:
         greedy = None if md.all_random else argmax_rows(logits)
         if md.all_greedy:
             return greedy
-        logits = logits / md.temperature[:, None]
-        if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        sampled = exponential_race(torch.softmax(logits, dim=-1), md.generators)
-        if greedy is None:
-            return sampled
-        return torch.where(md.is_greedy, greedy, sampled)
+        if greedy is None or md.random_rows is None:
+            sampled = Sampler._draw(logits, md.temperature, md.min_p, md.top_k, md.top_p,
+                                    md.generators)
+            return sampled if greedy is None else torch.where(md.is_greedy, greedy, sampled)
+        # A mixed step: only the random rows pay for softmax and the [R, V] draw (a few
+        # sampled rows in a large greedy batch would otherwise cost a full-batch draw).
+        rows = md.random_rows
+        positions = {r: i for i, r in enumerate(md.random_row_ids)}
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows]
+
+        sampled = Sampler._draw(logits[rows], md.temperature[rows], pick(md.min_p),
+                                pick(md.top_k), pick(md.top_p),
+                                {positions[r]: g for r, g in md.generators.items()})
+        return greedy.index_copy_(0, rows, sampled)
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor | None,
+              top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+              generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """One draw per row of `logits` [R, V] from its tempered, truncated softmax."""
+        logits = logits / temperature[:, None]
+        if min_p is not None:
+            logits = apply_min_p(logits, min_p)
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+        return exponential_race(torch.softmax(logits, dim=-1), generators)

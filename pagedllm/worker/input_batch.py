@@ -17,6 +17,13 @@ from pagedllm.worker.sampling_state import SamplingState
 
 
 class InputBatch:
+    """One row per live request, kept across steps.
+
+    Rows come from a free list (the most recently freed row is taken first) and are never
+    condensed: a request keeps its row until it finishes or is preempted, so a step's rows
+    are in no particular order and the runner gathers them by `req_id_to_row`.
+    """
+
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
                  vocab_size: int, device: torch.device,
                  grammar: GrammarManager | None = None) -> None:
@@ -55,6 +62,9 @@ class InputBatch:
         if row is None:
             return
         self.sampling.remove(row)
+        # A reused row must pad with the null block again, not with this request's blocks.
+        self.block_table[row, :self.num_blocks[row]] = 0
+        self.num_blocks[row] = 0
         self._free_rows.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:

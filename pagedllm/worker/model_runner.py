@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
-from pagedllm.core.contracts import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.loader import load_tokenizer
 from pagedllm.models.layers.linear import pack_linear_weights
 from pagedllm.sample.logprobs import LogprobsTensors
@@ -19,7 +19,7 @@ from pagedllm.sample.structured_output import GrammarManager
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.memory import allocate_kv_cache, determine_num_blocks
 from pagedllm.worker.model_loader import load_model
-from pagedllm.worker.sampling_state import prompt_logprobs_chunks
+from pagedllm.worker.prompt_logprobs import prompt_logprobs_chunks
 
 
 @dataclass
@@ -105,11 +105,11 @@ class ModelRunner:
         return output
 
     def _sample_logprobs(self, inputs: StepInputs, lp: LogprobsTensors,
-                         ) -> list[list[SampleLogprobs]]:
-        """Per request of the step: [SampleLogprobs] if it sampled and asked, else []."""
+                         ) -> list[list[TokenLogprobs]]:
+        """Per request of the step: [TokenLogprobs] if it sampled and asked, else []."""
         per_row = lp.tolists(self.input_batch.sampling.num_logprobs[inputs.sample_rows]
                              .tolist())
-        out: list[list[SampleLogprobs]] = [[] for _ in inputs.req_ids]
+        out: list[list[TokenLogprobs]] = [[] for _ in inputs.req_ids]
         for pos, entry in zip(inputs.sample_positions.tolist(), per_row):
             if entry is not None:
                 out[pos] = [entry]

@@ -9,19 +9,13 @@ that no row of the step uses is left None and costs nothing in the sampler.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
-from pagedllm.core.contracts import NewRequestData, PromptLogprobsChunk
-from pagedllm.sample.logprobs import gather_logprobs
+from pagedllm.core.contracts import NewRequestData
 from pagedllm.sample.metadata import PenaltyMetadata, SamplingMetadata
 from pagedllm.sample.ops import output_token_counts
 from pagedllm.sample.structured_output import GrammarManager, accept_tokens, fill_bitmask
-
-if TYPE_CHECKING:
-    from pagedllm.worker.input_batch import InputBatch
 
 
 class SamplingState:
@@ -150,6 +144,10 @@ class SamplingState:
             seeded = np.nonzero(self.has_generator[rows])[0]
             md.generators = {i: self.generators[r]
                              for i, r in zip(seeded.tolist(), rows[seeded].tolist())}
+            if not md.all_random:
+                random_rows = np.nonzero(~is_greedy)[0]
+                md.random_rows = torch.from_numpy(random_rows).to(dev)
+                md.random_row_ids = random_rows.tolist()
         md.penalties = self._penalties(rows)
         md.banned = self._banned(rows)
         if self.has_extra[rows].any():
@@ -256,35 +254,3 @@ class SamplingState:
         fill_bitmask([self.matchers[r] for r in rows[idx].tolist()], logits_rows, bitmask)
         md.grammar_bitmask = bitmask.to(self.device)
         md.grammar_rows = logits_rows
-
-
-def prompt_logprobs_chunks(model: torch.nn.Module, hidden: torch.Tensor, batch: InputBatch,
-                           req_ids: list[str], query_start_loc: np.ndarray,
-                           ) -> dict[str, PromptLogprobsChunk] | None:
-    """Prompt logprobs of the prompt positions computed this step.
-
-    The hidden state at position p predicts token p + 1, so a request whose scheduled
-    positions are [c, c + n) scores prompt tokens c + 1 .. min(c + n, P - 1) with
-    P = num_prompt_tokens (the last prompt position predicts the first output token,
-    which is sampled, not scored). Loops over the (rare) requests that asked.
-    """
-    sampling = batch.sampling
-    chunks: dict[str, PromptLogprobsChunk] = {}
-    for i, req_id in enumerate(req_ids):
-        row = batch.req_id_to_row[req_id]
-        k = int(sampling.num_prompt_logprobs[row])
-        if k < 0:
-            continue
-        computed = int(batch.num_computed_tokens[row])
-        num_sched = int(query_start_loc[i + 1] - query_start_loc[i])
-        end = min(computed + num_sched, int(batch.num_prompt_tokens[row]) - 1)
-        if end <= computed:
-            continue
-        # Flattened token index of position p: query_start_loc[i] + (p - computed).
-        first = int(query_start_loc[i])
-        logits = model.compute_logits(hidden[first:first + end - computed]).float()
-        targets = torch.from_numpy(batch.token_ids[row, computed + 1:end + 1]).to(logits.device)
-        lp = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, k)
-        entries = lp.tolists([k] * (end - computed))
-        chunks[req_id] = PromptLogprobsChunk(start=computed + 1, entries=entries)
-    return chunks or None

@@ -44,7 +44,7 @@ def check_entry(entry: dict, ref_row: torch.Tensor, chosen: int, k: int) -> None
     assert chosen in entry and len(entry) in (k, k + 1)
     for token_id, lp in entry.items():
         assert abs(lp.logprob - float(ref_row[token_id])) < ATOL, (token_id, lp)
-    assert entry[chosen].rank == int((ref_row >= ref_row[chosen]).sum())
+    assert entry[chosen].rank == 1 + int((ref_row > ref_row[chosen]).sum())
     top = sorted((lp.rank, t) for t, lp in entry.items() if t != chosen or lp.rank <= k)
     assert [rank for rank, _ in top][:k] == list(range(1, k + 1))
     expected_top = ref_row.topk(k).values

@@ -8,7 +8,7 @@ import io
 
 import pytest
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.cli import build_parser, engine_args_from
 
 

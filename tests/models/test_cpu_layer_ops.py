@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
-from pagedllm.config import cpu_has_avx512_bf16
+from pagedllm.kernels.cpu.ops import load_cpu_kernels
+from pagedllm.kernels.cpu.features import has_avx512_bf16 as cpu_has_avx512_bf16
 from pagedllm.models.layers import activation, norm, rotary
 from pagedllm.models.layers.activation import SiluAndMul
 from pagedllm.models.layers.linear import ColumnParallelLinear, pack_linear_weights

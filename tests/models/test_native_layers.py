@@ -10,7 +10,7 @@ import torch
 import transformers as tf
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.kernels.cpu.ops import load_cpu_kernels
 from tests.utils import random_prompts, save_tiny_model, tiny_llama_config
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="native CPU ops not built")

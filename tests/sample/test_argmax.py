@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.attention.cpu_kernels import load_cpu_kernels
+from pagedllm.kernels.cpu.ops import load_cpu_kernels
 from pagedllm.sample.ops import argmax_rows
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="native CPU ops not built")

@@ -223,5 +223,61 @@ def test_logprobs_ranks_and_top_k():
         assert out.token_ids[i, 0] == chosen[i]
         assert out.token_ids[i, 1:].tolist() == order[i, :4].tolist()
         torch.testing.assert_close(out.logprobs[i, 0], logprobs[i, chosen[i]])
-        assert int(out.ranks[i]) == order[i].tolist().index(int(chosen[i])) + 1
-    assert int(out.ranks[0]) == 1
+        # No ties in random logits: a rank is 1 + the place in the sorted order.
+        assert int(out.ranks[i, 0]) == order[i].tolist().index(int(chosen[i])) + 1
+        assert out.ranks[i, 1:].tolist() == [1, 2, 3, 4]
+    assert int(out.ranks[0, 0]) == 1
+
+
+def test_logprobs_ranks_of_tied_tokens():
+    # Row 0: tokens 3 and 5 tie for the max, 0 and 6 tie below them, then 2.
+    # Row 1: every token ties.
+    logits = torch.tensor([[2.0, -1.0, 1.0, 4.0, -3.0, 4.0, 2.0, -5.0],
+                           [0.5] * 8])
+    logprobs = torch.log_softmax(logits, dim=-1)
+    # Either tied argmax, a token of the lower tie, the last token; any token of row 1.
+    out = gather_logprobs(logprobs.repeat_interleave(torch.tensor([4, 1]), dim=0),
+                          torch.tensor([3, 5, 6, 7, 4]), 5)
+    # rank = 1 + the number of strictly larger logprobs: a tie shares the best rank.
+    assert out.ranks[:, 0].tolist() == [1, 1, 3, 8, 1]
+    top_ids, top_ranks = out.token_ids[:, 1:].tolist(), out.ranks[:, 1:].tolist()
+    assert [sorted(ids[:2]) for ids in top_ids[:4]] == [[3, 5]] * 4
+    assert [sorted(ids[2:4]) for ids in top_ids[:4]] == [[0, 6]] * 4
+    assert top_ranks[:4] == [[1, 1, 3, 3, 5]] * 4
+    assert top_ranks[4] == [1, 1, 1, 1, 1]
+    # The chosen token and its copy among the top-k carry the same rank.
+    for ids, ranks in zip(out.token_ids.tolist(), out.ranks.tolist()):
+        for token_id, rank in zip(ids[1:], ranks[1:]):
+            if token_id == ids[0]:
+                assert rank == ranks[0]
+    lists = out.tolists([5, 1, 0, -1, 2])
+    assert [e.ranks for e in lists[:3]] == [[1, 1, 1, 3, 3, 5], [1, 1], [3]]
+    assert lists[3] is None and lists[4].ranks == [1, 1, 1]
+
+
+def test_mixed_step_draws_only_the_random_rows_and_keeps_seeded_draws():
+    """Greedy rows take the argmax; the random rows draw on their own ([R, V], not the
+    whole batch), and a seeded row draws exactly what it draws alone."""
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(3))
+    is_greedy = torch.tensor([True, False, True, False, False, True])
+    rows = [1, 3, 4]
+
+    def gens() -> dict[int, torch.Generator]:
+        return {1: torch.Generator().manual_seed(11), 3: torch.Generator().manual_seed(12)}
+
+    md = SamplingMetadata(temperature=torch.where(is_greedy, 1.0, 0.9), is_greedy=is_greedy,
+                          all_greedy=False, all_random=False, generators=gens(),
+                          random_rows=torch.tensor(rows), random_row_ids=rows)
+    out = Sampler.sample(logits.clone(), md)
+    assert out[is_greedy].tolist() == logits[is_greedy].argmax(dim=-1).tolist()
+    for row, seed in ((1, 11), (3, 12)):
+        alone = SamplingMetadata(temperature=torch.tensor([0.9]),
+                                 is_greedy=torch.tensor([False]), all_greedy=False,
+                                 all_random=True,
+                                 generators={0: torch.Generator().manual_seed(seed)})
+        assert int(out[row]) == int(Sampler.sample(logits[row:row + 1].clone(), alone)[0])
+    # The same step through the full-batch path (no random_rows) agrees on seeded rows.
+    md_full = SamplingMetadata(temperature=md.temperature, is_greedy=is_greedy,
+                               all_greedy=False, all_random=False, generators=gens())
+    full = Sampler.sample(logits.clone(), md_full)
+    assert full[[0, 1, 2, 3, 5]].tolist() == out[[0, 1, 2, 3, 5]].tolist()

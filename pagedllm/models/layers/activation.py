@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.cpu_kernels import cpu_ops_available
-from pagedllm.models.layers.module import Module
+from pagedllm.kernels.cpu import ops as cpu_ops
+from pagedllm.kernels.cpu.ops import cpu_ops_available
+from pagedllm.nn import Module
 
 
 class SiluAndMul(Module):
@@ -16,7 +17,7 @@ class SiluAndMul(Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and cpu_ops_available(x):
             out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
-            torch.ops.pagedllm_cpu.silu_and_mul.default(out, x)
+            cpu_ops.silu_and_mul(out, x)
             return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

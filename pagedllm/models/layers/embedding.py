@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.models.layers.linear import cpu_linear, pack_for_cpu
-from pagedllm.models.layers.module import Module
+from pagedllm.nn import Module
 
 
 class VocabEmbedding(Module):

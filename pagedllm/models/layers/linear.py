@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.cpu_kernels import cpu_ops_available
-from pagedllm.config import cpu_has_avx512_bf16
-from pagedllm.models.layers.module import Module
+from pagedllm.kernels.cpu import ops as cpu_ops
+from pagedllm.kernels.cpu.features import has_avx512_bf16
+from pagedllm.kernels.cpu.ops import cpu_ops_available
+from pagedllm.nn import Module
 
-# Output columns per panel of a native-packed weight (attention/csrc/cpu_gemm.cpp).
+# Output columns per panel of a native-packed weight (kernels/cpu/csrc/cpu_gemm.cpp).
 NATIVE_PANEL = 48
 
 
@@ -72,7 +73,7 @@ def can_pack(weight: torch.Tensor) -> bool:
 def can_native(weight: torch.Tensor) -> bool:
     """The native bfloat16 GEMM (AVX512-BF16) applies to this weight."""
     return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0
-            and cpu_has_avx512_bf16() and cpu_ops_available(weight))
+            and has_avx512_bf16() and cpu_ops_available(weight))
 
 
 def pack_native(weight: torch.Tensor) -> torch.Tensor:
@@ -120,7 +121,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if x2.stride(1) != 1 or x2.stride(0) % 2:
             x2 = x2.contiguous()
         out = torch.empty((x2.shape[0], native_bias.numel()), dtype=x.dtype)
-        torch.ops.pagedllm_cpu.gemm_bf16.default(out, x2, native_weight, native_bias)
+        cpu_ops.gemm_bf16(out, x2, native_weight, native_bias)
         return out.view(*x.shape[:-1], out.shape[1])
     if packed_weight is None:
         return F.linear(x, weight, bias)

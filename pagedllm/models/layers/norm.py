@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.cpu_kernels import cpu_ops_available
-from pagedllm.models.layers.module import Module
+from pagedllm.kernels.cpu import ops as cpu_ops
+from pagedllm.kernels.cpu.ops import cpu_ops_available
+from pagedllm.nn import Module
 
 
 class RMSNorm(Module):
@@ -20,10 +21,10 @@ class RMSNorm(Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_ops_available(x):
-            # One fused native op, same float32 math (attention/csrc/cpu_ops.cpp).
+            # One fused native op, same float32 math (kernels/cpu/csrc/cpu_ops.cpp).
             rows = x.reshape(-1, x.shape[-1])
             out = torch.empty(rows.shape, dtype=x.dtype)
-            torch.ops.pagedllm_cpu.rms_norm.default(out, rows, self.weight, self.eps, self.offset)
+            cpu_ops.rms_norm(out, rows, self.weight, self.eps, self.offset)
             return out.view(x.shape)
         dtype = x.dtype
         x = x.float()

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from pagedllm.attention.cpu_kernels import cpu_ops_available
-from pagedllm.models.layers.module import Module
+from pagedllm.kernels.cpu import ops as cpu_ops
+from pagedllm.kernels.cpu.ops import cpu_ops_available
+from pagedllm.nn import Module
 
 
 def rope_inv_freq(hf_config: Any, rotary_dim: int, layer_type: str | None = None,
@@ -68,7 +69,7 @@ class RotaryEmbedding(Module):
         cos_t, sin_t = self.tables(q.device, q.dtype)
         if (cpu_ops_available(q) and q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1
                 and k.stride(-1) == 1 and positions.dtype == torch.int64):
-            torch.ops.pagedllm_cpu.rotary_embedding.default(
+            cpu_ops.rotary_embedding(
                 q, k, positions, cos_t, sin_t, self.head_size, self.rotary_dim,
                 self.is_neox_style)
             return q, k

@@ -1,4 +1,8 @@
-"""Module: the base of the inference layers, an nn.Module called straight through."""
+"""Module: the base of the inference layers, an nn.Module called straight through.
+
+It lives below both attention/ (the Attention layer) and models/ (every other layer),
+so that attention/ never imports models/ (DESIGN.md section 5).
+"""
 
 from __future__ import annotations
 

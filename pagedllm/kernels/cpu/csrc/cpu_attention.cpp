@@ -15,7 +15,7 @@
 // When there are enough tiles, an item takes all KV heads of its tile, so the cache is
 // read in address order (the heads of a token are adjacent).
 //
-// Built lazily by pagedllm/attention/cpu_kernels.py with -O3 -march=native.
+// Built lazily by pagedllm/kernels/cpu/ops.py and build.py with -O3 -march=native.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>

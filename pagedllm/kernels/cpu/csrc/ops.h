@@ -1,6 +1,6 @@
 // The native CPU ops (cpu_ops.cpp, cpu_attention.cpp), callable from other C++ code
 // (cpu_decoder.cpp) without a trip through Python or the dispatcher. Semantics: the
-// docstrings of the TORCH_LIBRARY schemas and of pagedllm/attention/cpu_kernels.py.
+// docstrings of the TORCH_LIBRARY schemas and of pagedllm/kernels/cpu/ops.py and build.py.
 #pragma once
 
 #include <ATen/core/Tensor.h>

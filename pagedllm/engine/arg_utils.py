@@ -1,0 +1,174 @@
+"""EngineArgs: the user-facing engine options, resolved into an `EngineConfig`.
+
+`EngineArgs` is the single source of truth for user-facing defaults: `LLM(**kwargs)`
+takes its fields as keywords and the CLI derives one flag per field (help text from
+the field's `help` metadata). Resolving reads the model's HF config (loader/), so it
+lives here, above loader/ and below the entry points (as vLLM's engine/arg_utils.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.config import (SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
+                             ModelConfig, SchedulerConfig, cache_root,
+                             default_model_path, env_kv_cache_space, env_num_threads)
+from pagedllm.errors import ModelLoadError
+from pagedllm.kernels.cpu.features import has_avx512_bf16
+from pagedllm.loader.hf_config import load_hf_config
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Model types whose positions index a learned table: no sequence may outgrow it.
+_LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt"})
+
+
+def _arg(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine options; `LLM(**kw)` keywords and CLI flags come from these fields."""
+
+    model: str | None = _arg(None, "HF model directory or .gguf file (default: bundled "
+                                   "SmolLM2-135M-Instruct)")
+    tokenizer: str | None = _arg(None, "tokenizer directory, when not the model's own")
+    device: str = _arg("auto", "auto, cpu or cuda (auto picks CUDA when present)",
+                       choices=("auto", "cpu", "cuda"))
+    dtype: str = _arg("auto", "compute dtype: auto (bfloat16 on CPUs with avx512_bf16 and on "
+                              "CUDA, float32 otherwise), float32, bfloat16, float16",
+                      choices=_DTYPES)
+    max_model_len: int | None = _arg(None, "maximum prompt + output length (default: the "
+                                           "model's, capped at 8192)")
+    block_size: int = _arg(16, "tokens per KV cache block")
+    kv_cache_space: float | None = _arg(None, "KV cache size in GiB on CPU (default 4, or "
+                                              "env PAGEDLLM_CPU_KVCACHE_SPACE)")
+    num_kv_blocks: int | None = _arg(None, "force the number of KV blocks (overrides "
+                                           "kv_cache_space)")
+    max_num_seqs: int = _arg(256, "maximum number of sequences per step")
+    scheduling_policy: str = _arg("fcfs", "fcfs: serve requests in arrival order; priority: "
+                                          "by each request's priority (lower first, then "
+                                          "arrival), preempting lower-priority ones",
+                                  choices=SCHEDULING_POLICIES)
+    max_num_batched_tokens: int | None = _arg(None, "token budget per step (default 2048 with "
+                                                    "chunked prefill, else max_model_len)")
+    enable_prefix_caching: bool = _arg(True, "reuse KV blocks of equal prompt prefixes")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    attention_backend: str | None = _arg(None, "attention backend: torch_ref or cpu "
+                                               "(default: the fastest for the device)")
+    seed: int = _arg(0, "random seed for sampling of requests without their own seed")
+    num_threads: int | None = _arg(None, "intra-op threads (default: the physical cores this "
+                                         "process may run on, or env PAGEDLLM_NUM_THREADS)")
+    compile: bool = _arg(False, "compile the model with torch.compile (inductor; graphs "
+                                "cached on disk). Off by default: on CPU the eager path with "
+                                "native kernels is as fast and starts in seconds")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve defaults (model path, device, dtype, lengths) into an `EngineConfig`."""
+        path = self._resolve_model_path()
+        hf_config = load_hf_config(path)
+        device = _resolve_device(self.device)
+        dtype = _resolve_dtype(self.dtype, device, hf_config)
+        max_model_len = _resolve_max_model_len(self.max_model_len, hf_config)
+        model = ModelConfig(path=path, hf_config=hf_config, dtype=dtype,
+                            max_model_len=max_model_len, tokenizer=self.tokenizer,
+                            seed=self.seed)
+        space = self.kv_cache_space
+        if space is None:
+            space = env_kv_cache_space()
+        cache = CacheConfig(block_size=self.block_size, kv_cache_space=space,
+                            num_kv_blocks=self.num_kv_blocks,
+                            enable_prefix_caching=self.enable_prefix_caching)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
+                                max_model_len=max_model_len,
+                                enable_chunked_prefill=self.enable_chunked_prefill,
+                                policy=self.scheduling_policy)
+        backend = self.attention_backend or ("cpu" if device == "cpu" else "torch_ref")
+        device_config = DeviceConfig(
+            device=device, attention_backend=backend,
+            num_threads=_resolve_num_threads(self.num_threads), compile=self.compile,
+            compile_cache_dir=str(cache_root() / "inductor"))
+        return EngineConfig(model=model, cache=cache, scheduler=sched, device=device_config)
+
+    def _resolve_model_path(self) -> str:
+        if self.model is None:
+            return default_model_path()
+        path = os.path.expanduser(self.model)
+        if not os.path.exists(path):
+            raise ModelLoadError(f"model path does not exist: {self.model!r} (pass an HF model "
+                                 f"directory or a .gguf file; downloads are not supported)")
+        return os.path.abspath(path)
+
+
+def _resolve_num_threads(requested: int | None) -> int:
+    """Threads for torch's intra-op pool: one per physical core this process may use
+    (hyper-threads share a core's vector units and only add contention)."""
+    if requested is None:
+        requested = env_num_threads()
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"num_threads must be >= 1, got {requested}")
+        return requested
+    import psutil
+
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    physical = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
+    logical = psutil.cpu_count() or physical
+    if allowed is None or allowed >= logical:
+        return physical
+    # A restricted affinity mask: assume it spans hyper-thread siblings evenly.
+    return max(1, allowed * physical // logical)
+
+
+def _resolve_device(device: str) -> str:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        build = "this torch is a CPU-only build" if torch.version.cuda is None else \
+            "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES?)"
+        raise ValueError(f"device 'cuda' was requested but no CUDA GPU is available: {build}. "
+                         f"Use device 'cpu' or 'auto'.")
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_dtype(dtype: str, device: str, hf_config: Any) -> str:
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    if device == "cuda":
+        return "bfloat16"
+    return "bfloat16" if has_avx512_bf16() else "float32"
+
+
+def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    derived = None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        derived = getattr(hf_config, key, None)
+        if derived:
+            break
+    derived = int(derived or 2048)
+    if requested is None:
+        return min(derived, 8192)
+    if requested < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {requested}")
+    if (requested > derived
+            and getattr(hf_config, "model_type", None) in _LEARNED_POSITION_MODEL_TYPES):
+        raise ValueError(f"User-specified max_model_len ({requested}) is greater than the "
+                         f"derived max_model_len ({derived}): this model's learned position "
+                         f"embeddings cover {derived} positions")
+    return requested

@@ -1,0 +1,147 @@
+"""Build (once, cached on disk) and load the native CPU kernels of csrc/.
+
+The library is compiled with the system C++ compiler against this torch's headers, for
+this CPU (-march=native), into `cache_root()/kernels/<key>.so`; the key hashes the sources,
+the torch version, the flags and the CPU's feature flags, so a cached build is reused only
+where it was made for.
+
+If there is no compiler or the build fails, PAGEDLLM_CPU_KERNELS decides: "auto" (the
+default) logs a warning saying what is lost and the torch paths run instead; "required"
+(the test suite's default) raises KernelBuildError; "off" never builds.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagedllm.config import cache_root, env_cpu_kernels_mode
+from pagedllm.kernels.cpu.features import cpu_flags_line
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("cpu_attention.cpp", "cpu_ops.cpp", "cpu_decoder.cpp",
+                                     "cpu_gemm.cpp")]
+HEADERS = [CSRC / name for name in ("simd.h", "attention_common.h", "attention_avx512.h",
+                                     "ops.h")]
+# -ffp-contract=off: no fused multiply-adds the source does not spell out, so float32
+# element-wise ops round like torch's. -Wall, less GCC 12's (-Wmaybe-)uninitialized: they
+# fire only inside its own AVX-512 intrinsics, whose pass-through operand is
+# _mm512_undefined_*() by design (GCC bug 105593; every one of the ~900 is that).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-strict-aliasing", "-ffp-contract=off",
+         "-shared", "-fPIC", "-std=c++20", "-Wall", "-Wno-maybe-uninitialized",
+         "-Wno-uninitialized"]
+
+
+class KernelBuildError(RuntimeError):
+    """The native CPU kernels could not be built or loaded."""
+
+
+def _build_command(compiler: str, sources: list[Path], output: str) -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()]
+    rpath = [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]
+    return [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
+            *map(str, sources), *libs, *rpath, "-lc10", "-ltorch_cpu", "-o", output]
+
+
+def library_path(compiler: str) -> Path:
+    key = hashlib.sha256()
+    sources = [src.read_bytes() for src in (*SOURCES, *HEADERS)]
+    for part in (*sources, torch.__version__.encode(), " ".join(FLAGS).encode(),
+                 compiler.encode(), cpu_flags_line().encode()):
+        key.update(part)
+    return cache_root() / "kernels" / f"pagedllm_cpu-{key.hexdigest()[:16]}.so"
+
+
+def build_library(compiler: str, sources: list[Path], path: Path) -> None:
+    """Compile `sources` into `path` (atomically); KernelBuildError with the compiler's
+    output when it fails. Warnings of a successful build are logged."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time across processes; the others wait and reuse its output.
+    with open(path.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return
+        logger.info("building CPU kernels (once per machine) -> %s", path)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        try:
+            try:
+                done = subprocess.run(_build_command(compiler, sources, tmp),
+                                      capture_output=True, text=True)
+            except OSError as e:
+                raise KernelBuildError(f"cannot run {compiler}: {e}") from e
+            if done.returncode != 0:
+                raise KernelBuildError(f"{compiler} failed (exit {done.returncode}):\n"
+                                       f"{done.stderr[-3000:]}")
+            if "warning:" in done.stderr:
+                logger.warning("CPU kernels built with warnings:\n%s", done.stderr[-3000:])
+            os.replace(tmp, path)  # atomic: readers never see a half-written library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=1)
+def load_cpu_kernels() -> bool:
+    """Build (once) and load the kernels; True when `torch.ops.pagedllm_cpu` is usable.
+
+    False (with a warning) when they cannot be had and PAGEDLLM_CPU_KERNELS is "auto";
+    KernelBuildError when it is "required".
+    """
+    mode = env_cpu_kernels_mode()
+    if mode == "off":
+        return False
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        return _unavailable(mode, "no C++ compiler (g++ or c++) on PATH")
+    try:
+        path = library_path(compiler)
+        if not path.exists():
+            build_library(compiler, SOURCES, path)
+        if not _is_loaded():
+            torch.ops.load_library(str(path))
+            _register_fakes()
+    except (OSError, KernelBuildError) as e:
+        return _unavailable(mode, str(e))
+    return True
+
+
+def _is_loaded() -> bool:
+    """True once this process registered the ops (a reload would register them twice)."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("pagedllm_cpu::argmax", "CPU")
+    except RuntimeError:  # "operator ... does not exist"
+        return False
+
+
+def _unavailable(mode: str, reason: str) -> bool:
+    if mode == "required":
+        raise KernelBuildError(
+            f"the native CPU kernels are required (PAGEDLLM_CPU_KERNELS=required) but "
+            f"unavailable: {reason}")
+    logger.warning("native CPU kernels unavailable, running the torch paths instead "
+                   "(CPU attention, bf16 GEMM, norms and the fused decoder stack several "
+                   "times slower): %s", reason[-2000:])
+    return False
+
+
+def _register_fakes() -> None:
+    """Shape-only versions of the ops, so torch.compile can trace through them."""
+    for name in ("paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
+                 "gemm_bf16", "argmax"):
+        torch.library.register_fake(f"pagedllm_cpu::{name}")(lambda *args, **kwargs: None)

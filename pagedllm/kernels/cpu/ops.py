@@ -1,0 +1,89 @@
+"""Typed wrappers of the native CPU ops (torch.ops.pagedllm_cpu.*), one per op.
+
+Callers check `cpu_ops_available(x)` (or `load_cpu_kernels()`) first; each wrapper then
+calls its op once. Shapes and dtypes are those the op's schema in csrc/ops.h documents.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.kernels.cpu.build import load_cpu_kernels
+
+__all__ = ["argmax", "cpu_ops_available", "gemm_bf16", "llama_decoder_layers",
+           "load_cpu_kernels", "paged_attention", "rms_norm", "rotary_embedding",
+           "silu_and_mul"]
+
+
+def cpu_ops_available(x: torch.Tensor) -> bool:
+    """True when `x` is on the CPU and the native ops are loaded (fused layer paths).
+
+    False while torch.compile traces: inductor fuses the torch versions itself.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return x.device.type == "cpu" and load_cpu_kernels()
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
+                    value: torch.Tensor | None, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                    sliding_window: int | None, q_tile: int = 16) -> None:
+    """Write key/value [T, KVH, D] (if given) at slot_mapping, then attend query [T, H, D]
+    over each request's paged context into out [T, H, D].
+
+    block_table [R, max_blocks], seq_lens [R] and query_start_loc [R + 1] are int32;
+    slot_mapping [T] int64. Query tokens are tiled by `q_tile` per work item.
+    """
+    torch.ops.pagedllm_cpu.paged_attention.default(
+        out, query, key, value, kv_cache, slot_mapping, block_table, seq_lens,
+        query_start_loc, scale, sliding_window or 0, q_tile)
+
+
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             offset: float) -> None:
+    """out [N, D] = x / rms(x) * (weight + offset), rows of x [N, D]."""
+    torch.ops.pagedllm_cpu.rms_norm.default(out, x, weight, eps, offset)
+
+
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """out [N, D] = silu(x[:, :D]) * x[:, D:] for x [N, 2D]."""
+    torch.ops.pagedllm_cpu.silu_and_mul.default(out, x)
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, head_size: int, rotary_dim: int,
+                     is_neox_style: bool) -> None:
+    """Rotate q [T, H*D] and k [T, KVH*D] in place at positions [T] (int64) by the
+    cos/sin tables [max_pos, rotary_dim // 2]."""
+    torch.ops.pagedllm_cpu.rotary_embedding.default(q, k, positions, cos, sin, head_size,
+                                                    rotary_dim, is_neox_style)
+
+
+def gemm_bf16(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor, accumulate: bool = False) -> None:
+    """out [M, N] = x [M, K] @ W^T + bias (bfloat16) from the packed weight
+    [ceil(N/48), K/2, 48, 2] and float32 bias [N]; with `accumulate`, out += that."""
+    torch.ops.pagedllm_cpu.gemm_bf16.default(out, x, weight, bias, accumulate)
+
+
+def argmax(out: torch.Tensor, x: torch.Tensor) -> None:
+    """out [N] (int64) = the first index of each row's maximum of x [N, V]."""
+    torch.ops.pagedllm_cpu.argmax.default(out, x)
+
+
+def llama_decoder_layers(x: torch.Tensor, positions: torch.Tensor,
+                         weights: list[torch.Tensor | None], sliding_windows: list[int],
+                         slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                         num_kv_heads: int, head_size: int, rotary_dim: int,
+                         is_neox_style: bool, scale: float, eps: float,
+                         norm_offset: float) -> None:
+    """Run every Llama decoder layer over x [T, hidden] in place (native_layers.py lists
+    the per-layer weight slots)."""
+    torch.ops.pagedllm_cpu.llama_decoder_layers.default(
+        x, positions, weights, sliding_windows, slot_mapping, block_table, seq_lens,
+        query_start_loc, cos, sin, num_heads, num_kv_heads, head_size, rotary_dim,
+        is_neox_style, scale, eps, norm_offset)

@@ -1,0 +1,46 @@
+"""Prompt logprobs: the model's log-probabilities of the prompt tokens a step computed.
+
+Kept apart from sampling_state.py (which InputBatch imports) because it reads the whole
+InputBatch: the two modules then import in one direction only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.core.contracts import PromptLogprobsChunk
+from pagedllm.sample.logprobs import gather_logprobs
+from pagedllm.worker.input_batch import InputBatch
+
+
+def prompt_logprobs_chunks(model: torch.nn.Module, hidden: torch.Tensor, batch: InputBatch,
+                           req_ids: list[str], query_start_loc: np.ndarray,
+                           ) -> dict[str, PromptLogprobsChunk] | None:
+    """Prompt logprobs of the prompt positions computed this step.
+
+    The hidden state at position p predicts token p + 1, so a request whose scheduled
+    positions are [c, c + n) scores prompt tokens c + 1 .. min(c + n, P - 1) with
+    P = num_prompt_tokens (the last prompt position predicts the first output token,
+    which is sampled, not scored). Loops over the (rare) requests that asked.
+    """
+    sampling = batch.sampling
+    chunks: dict[str, PromptLogprobsChunk] = {}
+    for i, req_id in enumerate(req_ids):
+        row = batch.req_id_to_row[req_id]
+        k = int(sampling.num_prompt_logprobs[row])
+        if k < 0:
+            continue
+        computed = int(batch.num_computed_tokens[row])
+        num_sched = int(query_start_loc[i + 1] - query_start_loc[i])
+        end = min(computed + num_sched, int(batch.num_prompt_tokens[row]) - 1)
+        if end <= computed:
+            continue
+        # Flattened token index of position p: query_start_loc[i] + (p - computed).
+        first = int(query_start_loc[i])
+        logits = model.compute_logits(hidden[first:first + end - computed]).float()
+        targets = torch.from_numpy(batch.token_ids[row, computed + 1:end + 1]).to(logits.device)
+        lp = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, k)
+        entries = lp.tolists([k] * (end - computed))
+        chunks[req_id] = PromptLogprobsChunk(start=computed + 1, entries=entries)
+    return chunks or None

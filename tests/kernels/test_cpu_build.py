@@ -1,0 +1,58 @@
+"""The native CPU kernel build fails loudly: a broken source or compiler raises
+KernelBuildError with the compiler's message; "auto" falls back with a warning, "required"
+raises, and the suite itself runs with "required" (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from pagedllm.kernels.cpu import build
+
+
+def test_the_suite_requires_the_native_build():
+    assert os.environ["PAGEDLLM_CPU_KERNELS"] in ("required", "auto")
+    if os.environ["PAGEDLLM_CPU_KERNELS"] == "required":
+        assert build.load_cpu_kernels() is True
+
+
+def test_broken_source_raises_with_the_compiler_message(tmp_path):
+    source = tmp_path / "broken.cpp"
+    source.write_text("int main() { return undefined_name; }\n")
+    with pytest.raises(build.KernelBuildError, match="undefined_name"):
+        build.build_library("g++", [source], tmp_path / "out.so")
+    assert not (tmp_path / "out.so").exists()
+
+
+def test_missing_compiler_raises(tmp_path):
+    with pytest.raises(build.KernelBuildError, match="cannot run"):
+        build.build_library(str(tmp_path / "no-such-g++"), build.SOURCES, tmp_path / "o.so")
+
+
+@pytest.mark.parametrize("mode", ["auto", "required", "off"])
+def test_failed_build_by_mode(monkeypatch, tmp_path, caplog, mode):
+    """A compiler that fails: auto -> False and a warning naming the loss, required ->
+    KernelBuildError, off -> False without trying."""
+    fake = tmp_path / "g++"
+    fake.write_text("#!/bin/sh\necho 'fatal: simulated compiler failure' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", mode)
+    build.load_cpu_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=build.__name__):
+            if mode == "required":
+                with pytest.raises(build.KernelBuildError, match="simulated compiler failure"):
+                    build.load_cpu_kernels()
+            else:
+                assert build.load_cpu_kernels() is False
+        if mode == "auto":
+            assert "simulated compiler failure" in caplog.text
+            assert "torch paths" in caplog.text
+        if mode == "off":
+            assert not (tmp_path / "cache").exists()
+    finally:
+        build.load_cpu_kernels.cache_clear()
