@@ -48,6 +48,7 @@ class AttentionImpl(Protocol):
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch_ref": ("pagedllm.attention.torch_ref", "TorchRefAttention"),
     "cpu": ("pagedllm.attention.cpu", "CpuAttention"),
+    "triton": ("pagedllm.attention.triton.attention", "TritonAttention"),
 }
 
 
@@ -59,7 +60,13 @@ def get_attention_backend(name: str) -> type[AttentionImpl]:
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
     module, cls = _BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.startswith("pagedllm"):
+            raise
+        raise ValueError(f"attention backend {name!r} needs the {e.name!r} package "
+                         f"(pip install 'pagedllm[cuda]')") from e
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

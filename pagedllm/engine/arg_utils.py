@@ -13,9 +13,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.config import (SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
-                             ModelConfig, SchedulerConfig, cache_root,
-                             default_model_path, env_kv_cache_space, env_num_threads)
+from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, SCHEDULING_POLICIES, CacheConfig,
+                             DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, cache_root, default_model_path,
+                             env_kv_cache_space, env_num_threads)
 from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu.features import has_avx512_bf16
 from pagedllm.loader.hf_config import load_hf_config
@@ -57,14 +58,23 @@ class EngineArgs:
                                                     "chunked prefill, else max_model_len)")
     enable_prefix_caching: bool = _arg(True, "reuse KV blocks of equal prompt prefixes")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
-    attention_backend: str | None = _arg(None, "attention backend: torch_ref or cpu "
-                                               "(default: the fastest for the device)")
+    attention_backend: str | None = _arg(None, "attention backend: torch_ref, cpu or triton "
+                                               "(default: cpu on CPU, triton on CUDA; triton "
+                                               "runs on CPU under TRITON_INTERPRET=1, slowly)")
     seed: int = _arg(0, "random seed for sampling of requests without their own seed")
     num_threads: int | None = _arg(None, "intra-op threads (default: the physical cores this "
                                          "process may run on, or env PAGEDLLM_NUM_THREADS)")
     compile: bool = _arg(False, "compile the model with torch.compile (inductor; graphs "
                                 "cached on disk). Off by default: on CPU the eager path with "
                                 "native kernels is as fast and starts in seconds")
+    tensor_parallel_size: int = _arg(1, "tensor parallel workers: each holds 1/N of every "
+                                        "layer's heads and MLP columns and of the vocabulary "
+                                        "(CPU: gloo; the threads are shared among them)")
+    pipeline_parallel_size: int = _arg(1, "pipeline stages (only 1: not implemented yet)")
+    distributed_executor_backend: str | None = _arg(
+        None, "uni (in-process, one worker) or mp (one process per worker); default: uni "
+              "for one worker, mp for more (ray: not implemented yet)",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -93,12 +103,27 @@ class EngineArgs:
                                 max_model_len=max_model_len,
                                 enable_chunked_prefill=self.enable_chunked_prefill,
                                 policy=self.scheduling_policy)
-        backend = self.attention_backend or ("cpu" if device == "cpu" else "torch_ref")
+        backend = self.attention_backend or ("cpu" if device == "cpu" else "triton")
         device_config = DeviceConfig(
             device=device, attention_backend=backend,
             num_threads=_resolve_num_threads(self.num_threads), compile=self.compile,
             compile_cache_dir=str(cache_root() / "inductor"))
-        return EngineConfig(model=model, cache=cache, scheduler=sched, device=device_config)
+        return EngineConfig(model=model, cache=cache, scheduler=sched, device=device_config,
+                            parallel=self._parallel_config(hf_config, device))
+
+    def _parallel_config(self, hf_config: Any, device: str) -> ParallelConfig:
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend)
+        parallel.verify_with_model(hf_config)
+        if parallel.world_size > 1 and self.compile:
+            raise ValueError("compile=True with tensor_parallel_size > 1 is not supported "
+                             "yet (the compiled graph has no collectives)")
+        if parallel.world_size > 1 and device != "cpu":
+            raise ValueError("tensor parallelism runs on CPU (gloo) only so far; "
+                             "NCCL on CUDA is not implemented yet")
+        return parallel
 
     def _resolve_model_path(self) -> str:
         if self.model is None:
