@@ -94,3 +94,30 @@ def test_metrics_from_output_batches():
     fresh = [s for fam in text_string_to_metric_families(EngineMetrics("m").render().decode())
              for s in fam.samples]
     assert not [s for s in fresh if s.name == "pagedllm:prompt_tokens_total"]
+
+
+@pytest.mark.parametrize("extra, loc, fragment", [
+    ({"tools": [{"type": "function"}]}, ("tools",), "not supported"),
+    ({"tool_choice": "required"}, ("tool_choice",), "not supported"),
+    ({"frobnicate": 1}, ("frobnicate",), "Extra inputs"),
+    ({"temperature": float("nan")}, ("temperature",), "finite"),
+    ({"messages": [{"role": "user", "content": "a\ud800"}]}, (), "lone surrogate"),
+    ({"messages": [{"role": "tool", "content": "r", "tool_call_id": "1"}]},
+     ("messages", 0, "tool_call_id"), "not supported"),
+])
+def test_unimplemented_fields_are_rejected_by_name(extra, loc, fragment):
+    from pydantic import ValidationError
+
+    body = {"messages": [{"role": "user", "content": "hi"}]} | extra
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(body)
+    error = e.value.errors()[0]
+    assert tuple(error["loc"]) == loc and fragment in error["msg"]
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted():
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "assistant", "content": "x", "tool_calls": [], "refusal": None}],
+         "tools": [], "tool_choice": "none", "parallel_tool_calls": True, "store": False,
+         "modalities": ["text"], "service_tier": "auto"})
+    assert req.tools == []

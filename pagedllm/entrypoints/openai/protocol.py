@@ -16,7 +16,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 from pagedllm.errors import InvalidRequestError
 
@@ -75,14 +76,14 @@ class RequestModel(OpenAIBaseModel):
         check_unicode(data)
         return data
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> RequestModel:
-        for name in type(self).model_fields.keys() & UNSUPPORTED_FIELDS.keys():
-            value = getattr(self, name)
-            if value not in UNSUPPORTED_FIELDS[name]:
-                raise InvalidRequestError(f"`{name}` is not supported by this server "
-                                          f"(got {str(value)[:80]!r})")
-        return self
+    @field_validator("*", mode="after")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = UNSUPPORTED_FIELDS.get(info.field_name or "")
+        if neutral is not None and value not in neutral:
+            raise InvalidRequestError(f"not supported by this server (got "
+                                      f"{str(value)[:80]!r})")
+        return value
 
 
 # ------------------------------------------------------------------ errors, models
