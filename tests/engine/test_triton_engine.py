@@ -59,3 +59,48 @@ def test_triton_engine_matches_torch_ref(tiny_llama):
     actual, num_cached = _run(tiny_llama, "triton")
     assert num_cached == [32, 32, 32]
     assert actual == expected
+
+
+def _family_configs() -> dict[str, object]:
+    import transformers as tf
+
+    from tests.models.parity import VOCAB as FAMILY_VOCAB
+
+    common = dict(vocab_size=FAMILY_VOCAB, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    return {
+        # tanh soft-cap through the kernel, a sliding layer, head size 256.
+        "gemma2": tf.Gemma2Config(**common, max_position_embeddings=256, hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                                  query_pre_attn_scalar=64, sliding_window=6,
+                                  attn_logit_softcapping=3.0, final_logit_softcapping=0.3),
+        # ALiBi slopes through the kernel, 6 heads (not a power of two).
+        "bloom": tf.BloomConfig(**common, n_layer=2, hidden_size=96, n_head=6),
+    }
+
+
+@pytest.mark.parametrize("family", ["gemma2", "bloom"])
+def test_triton_engine_matches_transformers_with_softcap_and_alibi(family, tmp_path):
+    """Soft-cap (Gemma 2) and ALiBi (Bloom) run inside the Triton kernel, not a torch
+    fallback: greedy tokens equal transformers'."""
+    from pagedllm.attention.triton.ops import kernels_interpreted
+    from tests.models.parity import generate, make_case
+
+    if not torch.cuda.is_available() and not kernels_interpreted():
+        pytest.skip("pagedllm.attention.triton was imported before TRITON_INTERPRET=1")
+    case = make_case(tmp_path / family, _family_configs()[family], num_prompts=2)
+    llm, outputs = generate(case.path, case.prompts, attention_backend="triton",
+                            num_kv_blocks=48, max_num_batched_tokens=16)
+    layer = llm.llm_engine.engine_core.executor.runner.model
+    assert type(_first_attention_impl(layer)).__name__ == "TritonAttention"
+    assert outputs == case.reference
+
+
+def _first_attention_impl(model: torch.nn.Module) -> object:
+    from pagedllm.attention.layer import Attention
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            return module.impl
+    raise AssertionError("no Attention layer")
