@@ -13,13 +13,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, SCHEDULING_POLICIES, CacheConfig,
+from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, PREEMPTION_MODES,
+                             SCHEDULING_POLICIES, CacheConfig,
                              DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, cache_root, default_model_path,
                              env_kv_cache_space, env_num_threads)
 from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu.features import has_avx512_bf16
 from pagedllm.loader.hf_config import load_hf_config
+from pagedllm.loader.hub import looks_like_repo_id, resolve_repo_id
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Model types whose positions index a learned table: no sequence may outgrow it.
@@ -34,9 +36,12 @@ def _arg(default: Any, help: str, **kw: Any) -> Any:
 class EngineArgs:
     """User-facing engine options; `LLM(**kw)` keywords and CLI flags come from these fields."""
 
-    model: str | None = _arg(None, "HF model directory or .gguf file (default: bundled "
-                                   "SmolLM2-135M-Instruct)")
+    model: str | None = _arg(None, "HF model directory, .gguf file or Hugging Face model id "
+                                   "org/name (default: bundled SmolLM2-135M-Instruct)")
     tokenizer: str | None = _arg(None, "tokenizer directory, when not the model's own")
+    revision: str | None = _arg(None, "branch, tag or commit of a Hugging Face model id")
+    download_dir: str | None = _arg(None, "Hugging Face cache directory for model ids "
+                                          "(default: the hub's own, HF_HUB_CACHE)")
     device: str = _arg("auto", "auto, cpu or cuda (auto picks CUDA when present)",
                        choices=("auto", "cpu", "cuda"))
     dtype: str = _arg("auto", "compute dtype: auto (bfloat16 on CPUs with avx512_bf16 and on "
@@ -54,6 +59,13 @@ class EngineArgs:
                                           "by each request's priority (lower first, then "
                                           "arrival), preempting lower-priority ones",
                                   choices=SCHEDULING_POLICIES)
+    preemption_mode: str = _arg("recompute", "what preemption does with a running request's "
+                                             "KV cache: recompute (drop it, recompute on "
+                                             "readmission) or swap (copy it to host memory, "
+                                             "see swap_space, and copy it back)",
+                                choices=PREEMPTION_MODES)
+    swap_space: float = _arg(4.0, "host memory in GiB for swapped-out KV blocks "
+                                  "(preemption_mode swap only)")
     max_num_batched_tokens: int | None = _arg(None, "token budget per step (default 2048 with "
                                                     "chunked prefill, else max_model_len)")
     enable_prefix_caching: bool = _arg(True, "reuse KV blocks of equal prompt prefixes")
@@ -95,14 +107,16 @@ class EngineArgs:
             space = env_kv_cache_space()
         cache = CacheConfig(block_size=self.block_size, kv_cache_space=space,
                             num_kv_blocks=self.num_kv_blocks,
-                            enable_prefix_caching=self.enable_prefix_caching)
+                            enable_prefix_caching=self.enable_prefix_caching,
+                            swap_space=self.swap_space)
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len,
                                 enable_chunked_prefill=self.enable_chunked_prefill,
-                                policy=self.scheduling_policy)
+                                policy=self.scheduling_policy,
+                                preemption_mode=self.preemption_mode)
         backend = self.attention_backend or ("cpu" if device == "cpu" else "triton")
         device_config = DeviceConfig(
             device=device, attention_backend=backend,
@@ -129,10 +143,12 @@ class EngineArgs:
         if self.model is None:
             return default_model_path()
         path = os.path.expanduser(self.model)
-        if not os.path.exists(path):
-            raise ModelLoadError(f"model path does not exist: {self.model!r} (pass an HF model "
-                                 f"directory or a .gguf file; downloads are not supported)")
-        return os.path.abspath(path)
+        if os.path.exists(path):
+            return os.path.abspath(path)
+        if looks_like_repo_id(self.model):
+            return resolve_repo_id(self.model, self.revision, self.download_dir)
+        raise ModelLoadError(f"model path does not exist: {self.model!r} (pass an HF model "
+                             f"directory, a .gguf file or a Hugging Face id org/name)")
 
 
 def _resolve_num_threads(requested: int | None) -> int:

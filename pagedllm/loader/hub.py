@@ -1,0 +1,40 @@
+"""Hugging Face model ids ("org/name") resolved to a local snapshot directory.
+
+Through `huggingface_hub.snapshot_download`: from the local cache when HF_HUB_OFFLINE=1
+(nothing is fetched), downloading what is missing otherwise. Only the files pagedllm
+reads are fetched: configs, safetensors weights, tokenizer files and chat templates.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pagedllm.errors import ModelLoadError
+
+# "org/name" (one slash, Hub-legal characters): anything else is a local path.
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+def looks_like_repo_id(name: str) -> bool:
+    return bool(_REPO_ID.match(name)) and not name.startswith((".", "~"))
+
+
+def resolve_repo_id(repo_id: str, revision: str | None = None,
+                    cache_dir: str | None = None) -> str:
+    """The local directory of `repo_id` at `revision` (a branch, tag or commit)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+                                 allow_patterns=_PATTERNS)
+    except LocalEntryNotFoundError as e:
+        raise ModelLoadError(
+            f"model {repo_id!r}{f' (revision {revision!r})' if revision else ''} is not a "
+            f"local path and is not in the Hugging Face cache, and downloading is off "
+            f"(HF_HUB_OFFLINE) or failed: {e}") from e
+    except (HFValidationError, OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot fetch model {repo_id!r} from the Hugging Face Hub: "
+                             f"{e}") from e

@@ -1,0 +1,56 @@
+"""Hugging Face model ids resolve through a local HF cache (offline in tests)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.errors import ModelLoadError
+from pagedllm.loader.hub import looks_like_repo_id
+from tests.utils import save_tiny_model, tiny_llama_config
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory):
+    """A cache in the hub's layout: models--org--tiny/{refs/main, snapshots/<commit>/}."""
+    root = tmp_path_factory.mktemp("hf_cache")
+    model = save_tiny_model(tmp_path_factory.mktemp("tiny_src"), tiny_llama_config())
+    repo = root / "models--org--tiny"
+    shutil.copytree(model, repo / "snapshots" / COMMIT)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    return root, model
+
+
+def _greedy(llm: LLM) -> list[int]:
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}],
+                       SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    return out[0].outputs[0].token_ids
+
+
+def test_model_id_resolves_offline_from_the_cache(hub_cache):
+    root, local = hub_cache
+    by_id = LLM("org/tiny", download_dir=str(root), revision="main", dtype="float32",
+                skip_tokenizer_init=True, num_kv_blocks=32)
+    assert by_id.llm_engine.config.model.path.endswith(f"snapshots/{COMMIT}")
+    by_path = LLM(str(local), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=32)
+    assert _greedy(by_id) == _greedy(by_path)
+
+
+def test_missing_id_or_revision_is_a_clear_error(hub_cache):
+    root, _ = hub_cache
+    with pytest.raises(ModelLoadError, match="'org/missing' is not a local path"):
+        LLM("org/missing", download_dir=str(root), skip_tokenizer_init=True)
+    with pytest.raises(ModelLoadError, match="revision 'v2'"):
+        LLM("org/tiny", download_dir=str(root), revision="v2", skip_tokenizer_init=True)
+
+
+@pytest.mark.parametrize("name, is_id", [("org/name", True), ("HuggingFaceTB/SmolLM2-135M", True),
+                                         ("./org/name", False), ("/abs/path", False),
+                                         ("a/b/c", False), ("model.gguf", False)])
+def test_repo_id_shape(name, is_id):
+    assert looks_like_repo_id(name) is is_id
