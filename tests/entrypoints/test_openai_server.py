@@ -43,7 +43,7 @@ def num_tokens(server: RemoteServer, text: str) -> int:
 def test_models_version_health(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
-    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/version", headers=server.headers).json()["version"]
     assert httpx.get(server.url + "/health").status_code == 200
 
 
@@ -99,6 +99,37 @@ def test_completion_prompt_forms_n_and_echo(server, client):
                                     temperature=0)
     expected = text[len("One, two,"):]
     assert [c.text for c in by_ids.choices + two.choices] == [expected] * 3
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt(server, client):
+    """Prompt scoring as harnesses do it: echo, max_tokens 0, logprobs -> the prompt's
+    own tokens and logprobs, nothing generated; streamed the same."""
+    prompt = "The capital of France is Paris"
+    ids = httpx.post(server.url + "/tokenize", headers=server.headers,
+                     json={"prompt": prompt}).json()["tokens"]
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True,
+                                  logprobs=1, temperature=0)
+    choice = r.choices[0]
+    assert choice.text == prompt and r.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    # The same numbers as the prompt logprobs of a request that does generate.
+    longer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1,
+                                       echo=True, logprobs=1, temperature=0)
+    assert longer.choices[0].logprobs.token_logprobs[:len(ids)] == lp.token_logprobs
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0,
+                                            echo=True, logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    with pytest.raises(openai.BadRequestError, match="0 only with echo"):
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0)
+
+
+def test_tokenizer_info(server):
+    info = httpx.get(server.url + "/tokenizer_info", headers=server.headers).json()
+    assert info["model_max_length"] == MAX_MODEL_LEN and info["vocab_size"] >= 49152
+    assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
+    assert isinstance(info["tokenizer_class"], str)
 
 
 def test_completion_n_with_one_token(client):

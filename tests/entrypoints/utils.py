@@ -63,9 +63,9 @@ class RemoteServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        log = self.read_log()
         self.stop()
-        raise RuntimeError(f"server not healthy after {timeout_s} s:\n"
-                           f"{self.read_log()[-5000:]}")
+        raise RuntimeError(f"server not healthy after {timeout_s} s:\n{log[-5000:]}")
 
     def read_log(self) -> str:
         with open(self.log.name) as f:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
-POST /detokenize, GET|HEAD /health, GET /version, GET /metrics, GET /debug/stats.
+POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
+GET /debug/stats.
 Errors use OpenAI's body ({"error": {message, type, param, code}}, plus vLLM's
 "object": "error"): 400 for invalid parameters (FastAPI's 422 included), 401 for a
 missing or wrong API key (every route but /health, and /metrics with
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import gc
 import hmac
+import json
 import logging
 import os
 import threading
@@ -199,6 +201,12 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len,
                                 tokens=ids)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """The tokenizer's configuration, as tokenizer_config.json holds it (vLLM's
+        /tokenizer_info: harnesses set up a client-side tokenizer from it)."""
+        return tokenizer_info_of(engine.tokenizer, engine.max_model_len)
+
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         chat.check_model(request.model)
@@ -208,6 +216,25 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[
             raise InvalidRequestError(f"token ids out of vocabulary (size {vocab_size}): "
                                       f"{bad[:5]}")
         return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
+
+
+def tokenizer_info_of(tokenizer: Any, max_model_len: int) -> dict[str, Any]:
+    """tokenizer_config.json's fields of `tokenizer` (JSON values only), its class, the
+    special tokens, the chat template and the served context length."""
+    info: dict[str, Any] = {}
+    for key, value in getattr(tokenizer, "init_kwargs", {}).items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        info[key] = value
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        token = getattr(tokenizer, name, None)
+        info[name] = str(token) if token is not None else None
+    info.update(tokenizer_class=type(tokenizer).__name__, model_max_length=max_model_len,
+                vocab_size=len(tokenizer), chat_template=getattr(tokenizer, "chat_template",
+                                                                  None))
+    return info
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -3,6 +3,7 @@ echo, logprobs, stop, seed, streaming with usage."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -46,13 +47,19 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.logprobs is not None and request.logprobs < 0:
             raise InvalidRequestError(f"logprobs must be non-negative, got {request.logprobs}")
         self.check_limits(request, request.logprobs)
+        if request.max_tokens == 0 and not request.echo:
+            raise InvalidRequestError("max_tokens must be at least 1 (0 only with echo, to "
+                                      "score the prompt), got 0.")
         prompts = await self._parse_prompts(request)
         kwargs = request.sampling_kwargs()
         if request.echo and request.logprobs is not None:
             kwargs["prompt_logprobs"] = request.logprobs
+        # echo with max_tokens 0 scores the prompt: the engine samples one token, which
+        # the response leaves out (vLLM does the same).
+        requested = 1 if _is_echo_only(request) else request.max_tokens
         params = []
         for _, ids in prompts:
-            max_tokens = self.check_length(len(ids), request.max_tokens, kind="prompt")
+            max_tokens = self.check_length(len(ids), requested, kind="prompt")
             params.append(self.sampling_params(kwargs | {"max_tokens": max_tokens},
                                                request.stream))
         request_id = request.request_id or random_id("cmpl")
@@ -98,7 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, ro in enumerate(finals):
             assert ro is not None, "every stream ends with a finished output"
             num_prompt_tokens += len(ro.prompt_token_ids)
-            for out in sorted(ro.outputs, key=lambda o: o.index):
+            for out in sorted(_visible(request, ro.outputs), key=lambda o: o.index):
                 num_completion_tokens += len(out.token_ids)
                 text, logprobs = out.text, None
                 prefix, prompt_lp = "", None
@@ -159,7 +166,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for i, ro in merge_streams(streams):
                 state.num_prompt_tokens[i] = len(ro.prompt_token_ids)
-                for out in ro.outputs:
+                for out in _visible(request, ro.outputs):
                     chunk = self._chunk(request, request_id, prompts, state, i, ro, out)
                     if chunk is not None:
                         yield sse(chunk.model_dump_json(exclude_none=False))
@@ -216,3 +223,18 @@ class OpenAIServingCompletion(OpenAIServing):
             chunk.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                                     total_tokens=num_prompt + num_completion)
         return chunk
+
+
+def _is_echo_only(request: CompletionRequest) -> bool:
+    return request.echo and request.max_tokens == 0
+
+
+def _visible(request: CompletionRequest,
+             outputs: list[CompletionOutput]) -> list[CompletionOutput]:
+    """The outputs as the client sees them: with echo and max_tokens 0, the one token the
+    engine sampled is dropped (text, ids, logprobs), keeping the finish reason."""
+    if not _is_echo_only(request):
+        return outputs
+    return [dataclasses.replace(o, text="", token_ids=[], logprobs=None,
+                                cumulative_logprob=None, finish_reason=o.finish_reason
+                                and "length") for o in outputs]
