@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -116,18 +116,24 @@ class CacheConfig:
     """Override of the block count computed from kv_cache_space (tests force tiny caches)."""
     enable_prefix_caching: bool = True
     """Reuse full KV blocks across requests with equal prefixes (chained block hashes)."""
+    swap_space: float = 4.0
+    """Host memory in GiB for the KV blocks of swapped-out requests (used only with
+    SchedulerConfig.preemption_mode "swap"; per worker under tensor parallelism)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_space <= 0:
             raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is the null block), "
                              f"got {self.num_kv_blocks}")
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -146,11 +152,19 @@ class SchedulerConfig:
     """Order of admission and preemption: "fcfs" (arrival order) or "priority" (by
     (request priority, arrival time), lower first; a better waiting request preempts
     worse running ones)."""
+    preemption_mode: str = "recompute"
+    """What preemption does with a running request's KV blocks: "recompute" (drop them;
+    the request is recomputed from its tokens when readmitted) or "swap" (copy them to a
+    host block pool of CacheConfig.swap_space GiB and bring them back later; recompute
+    when the host pool has no room)."""
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -178,6 +192,68 @@ class DeviceConfig:
     """On-disk cache of compiled graphs (under cache_root())."""
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split across workers (DESIGN.md section 8)."""
+
+    tensor_parallel_size: int = 1
+    """Workers each holding 1/tp of every layer (heads, MLP columns, vocabulary)."""
+    pipeline_parallel_size: int = 1
+    """Stages of contiguous layers; only 1 is implemented."""
+    distributed_executor_backend: str | None = None
+    """"uni" (the model runner in the engine process), "mp" (one worker process per
+    rank) or "ray"; None picks "uni" for one worker and "mp" for more."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, "
+                             f"got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline parallelism is not implemented yet "
+                             f"(pipeline_parallel_size={self.pipeline_parallel_size}); "
+                             f"use pipeline_parallel_size=1")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        elif backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{DISTRIBUTED_EXECUTOR_BACKENDS}, got {backend!r}")
+        elif backend == "ray":
+            raise ValueError("the ray distributed executor backend is not implemented yet; "
+                             "use 'mp' (worker processes on this machine)")
+        elif backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one worker, but "
+                             f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp'")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def verify_with_model(self, hf_config: Any) -> None:
+        """The model's heads and MLP width must split evenly across the TP ranks; KV
+        heads either split evenly or (fewer KV heads than ranks) replicate evenly."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        num_heads = hf_config.num_attention_heads
+        if num_heads % tp:
+            raise ValueError(f"Total number of attention heads ({num_heads}) must be "
+                             f"divisible by tensor parallel size ({tp}).")
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        if (num_kv_heads % tp if num_kv_heads >= tp else tp % num_kv_heads):
+            raise ValueError(f"Total number of key/value heads ({num_kv_heads}) must be "
+                             f"divisible by tensor parallel size ({tp}), or divide it "
+                             f"(each KV head is then replicated on tp / {num_kv_heads} ranks).")
+        for key in ("intermediate_size", "ffn_dim", "n_inner"):
+            width = getattr(hf_config, key, None)
+            if width and width % tp:
+                raise ValueError(f"The MLP width {key}={width} must be divisible by "
+                                 f"tensor parallel size ({tp}).")
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine needs, composed from the per-concern configs."""
@@ -186,3 +262,4 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -36,6 +36,9 @@ class SchedulerStatsLike(Protocol):
     prefix_cache_queries: int  # cumulative prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # cumulative prompt tokens served from it
     num_preemptions: int  # cumulative
+    num_swapped: int  # requests swapped out to the host pool now
+    num_swaps_out: int  # cumulative
+    num_swaps_in: int  # cumulative
 
 
 class CoreOutputLike(Protocol):
@@ -90,6 +93,9 @@ class EngineMetrics:
                                          "Prompt tokens served from the prefix cache.")
         self.num_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_swapped = gauge("num_requests_swapped", "Requests swapped out to host memory.")
+        self.num_swaps = counter("num_swaps", "KV swaps of preempted requests, by direction "
+                                 "(out to host memory, in back to the cache).", ("direction",))
         self.kv_cache_usage = gauge("kv_cache_usage_perc",
                                     "Fraction of KV cache blocks in use (0..1).")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
@@ -119,7 +125,8 @@ class EngineMetrics:
     def mark_engine_dead(self) -> None:
         """The engine process is gone: nothing runs, waits or holds KV blocks."""
         self._labels(self.engine_alive).set(0)
-        for gauge in (self.num_running, self.num_waiting, self.kv_cache_usage):
+        for gauge in (self.num_running, self.num_waiting, self.num_swapped,
+                      self.kv_cache_usage):
             self._labels(gauge).set(0)
         self.stats_log.scheduler_stats = None
 
@@ -130,7 +137,14 @@ class EngineMetrics:
         self._labels(self.num_running).set(stats.num_running)
         self._labels(self.num_waiting).set(stats.num_waiting)
         self._labels(self.kv_cache_usage).set(stats.kv_cache_usage)
+        self._labels(self.num_swapped).set(stats.num_swapped)
         last = self._last_stats
+        for direction, now, before in (
+                ("out", stats.num_swaps_out, last.num_swaps_out if last else 0),
+                ("in", stats.num_swaps_in, last.num_swaps_in if last else 0)):
+            if now > before:
+                self.num_swaps.labels(model_name=self.model_name,
+                                      direction=direction).inc(now - before)
         for metric, now, before in (
                 (self.prefix_cache_queries, stats.prefix_cache_queries,
                  last.prefix_cache_queries if last else 0),
@@ -191,7 +205,18 @@ class StatsLog:
         self._last_time = time.monotonic()
         self._last_queries = 0
         self._last_hits = 0
+        # Cumulative (swaps out, swaps in) at the last line.
+        self._last_swaps = (0, 0)
         self._was_idle = True
+
+    def _swap_text(self, stats: SchedulerStatsLike | None) -> str:
+        """"Swapped: N reqs (out X, in Y since the last line), " once anything swapped."""
+        if stats is None or not (stats.num_swaps_out or stats.num_swapped):
+            return ""
+        swaps_out = stats.num_swaps_out - self._last_swaps[0]
+        swaps_in = stats.num_swaps_in - self._last_swaps[1]
+        self._last_swaps = (stats.num_swaps_out, stats.num_swaps_in)
+        return f"Swapped: {stats.num_swapped} reqs (out {swaps_out}, in {swaps_in}), "
 
     def log(self) -> str | None:
         """Log (and return) the line if anything happened since the last one."""
@@ -210,6 +235,7 @@ class StatsLog:
                     f"Avg generation throughput: "
                     f"{self.num_generation_tokens / elapsed:.1f} tokens/s, "
                     f"Running: {running} reqs, Waiting: {waiting} reqs, "
+                    f"{self._swap_text(stats)}"
                     f"KV cache usage: {100 * (stats.kv_cache_usage if stats else 0):.1f}%, "
                     f"Prefix cache hit rate: {100 * hits / queries if queries else 0:.1f}%")
             logger.info(line)

@@ -14,6 +14,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # Preempted with its K/V copied to host blocks (preemption_mode "swap"): waits in the
+    # scheduler's swapped queue and resumes without recomputation.
+    SWAPPED = "swapped"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -68,7 +71,8 @@ class Request:
 
     `num_computed_tokens` counts tokens whose K/V is in the cache (or scheduled to be
     written this step); tokens `[num_computed_tokens, num_tokens)` still need a forward
-    pass. After preemption it drops to 0 and the prompt plus outputs are recomputed.
+    pass. After a recompute preemption it drops to 0 and the prompt plus outputs are
+    recomputed; a swapped-out request keeps it (its K/V waits in host blocks).
     `priority` orders requests under the "priority" scheduling policy (lower runs first);
     `deadline` is an absolute `time.monotonic()` time at which the scheduler finishes the
     request as FINISHED_TIMEOUT (None: no deadline).

@@ -11,13 +11,15 @@ The top-level modules and subpackages of pagedllm/, by rank (higher imports lowe
   7  bench         benchmarks: drive the public API (LLM) or a running server
   6  pagedllm      the package __init__: the public API re-exported from engine/ and leaves
   5  engine        LLM, LLMEngine, engine core (schedule -> execute -> update), processors
-  4  executor      runs the model runner in-process (or in workers)
+  4  executor      runs the model runner in-process or in worker processes (mp)
   3  worker        ModelRunner, InputBatch, KV sizing, model loading, torch.compile
   2  models, attention, loader, sample
                    one rank: models use attention layers; attention and loader never
                    import models
-  1  nn, kernels   torch building blocks shared by attention/ and models/ (nn.Module base);
-                   kernels/cpu: the native CPU kernels (build, CPU features, typed ops)
+  1  nn, kernels, distributed
+                   torch building blocks shared by attention/ and models/ (nn.Module base);
+                   kernels/cpu: the native CPU kernels (build, CPU features, typed ops);
+                   distributed: tensor-parallel groups and collectives the layers call
   0  core          scheduler and KV block accounting: pure Python (tests/core/test_no_torch.py)
   -1 config, errors, sampling_params, request, outputs, metrics
                    leaf modules, importing only each other: core/ and everything above use
@@ -45,7 +47,7 @@ RANKS: dict[str, int] = {
     "executor": 4,
     "worker": 3,
     "models": 2, "attention": 2, "loader": 2, "sample": 2,
-    "nn": 1, "kernels": 1,
+    "nn": 1, "kernels": 1, "distributed": 1,
     "core": 0,
     "config": -1, "errors": -1, "sampling_params": -1, "request": -1, "outputs": -1,
     "metrics": -1,

@@ -25,12 +25,14 @@ class NewRequestData:
 
     req_id: str
     prompt_token_ids: list[int]
-    # Tokens generated before a preemption; they are recomputed like prompt tokens.
+    # Tokens generated before a preemption: recomputed like prompt tokens after a
+    # recompute preemption; already in the cache (num_computed_tokens) after a swap-in.
     output_token_ids: list[int]
     sampling_params: SamplingParams
     # Physical KV block ids, in logical order (block i holds positions [i*B, (i+1)*B)).
     block_ids: list[int]
-    # Tokens whose K/V is already in the cache before this step (prefix-cache hits).
+    # Tokens whose K/V is already in the cache before this step (prefix-cache hits, or
+    # everything computed before a swap-out when the request is swapped back in).
     num_computed_tokens: int
     # EOS id masked by min_tokens (None: the tokenizer has none).
     eos_token_id: int | None = None
@@ -61,9 +63,17 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests finished or aborted since the last step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
-    # Requests preempted since the last step: the runner drops their state; they come
-    # back later as NewRequestData with their generated tokens to recompute.
+    # Requests preempted since the last step (recomputed or swapped out): the runner
+    # drops their state; they come back later as NewRequestData, with their generated
+    # tokens to recompute, or (swapped in) with their K/V restored.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # (device block id, host block id): copy device -> host before this step's forward
+    # pass (swap preemption). The device block may be reused by this very step.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # (host block id, device block id): copy host -> device before the forward pass,
+    # after every swap-out of the step (a device block freed by a swap-out of this step
+    # may be the destination of a swap-in).
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

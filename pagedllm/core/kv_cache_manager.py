@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from pagedllm.core.block_hash import update_block_hashes
@@ -121,6 +122,75 @@ class KVCacheManager:
         self.req_to_blocks[req_id] = held
         self._cache_full_blocks(request, held, num_tokens_after)
         return new_blocks
+
+    def fits_after_freeing(self, num_tokens: int, computed_blocks: Sequence[KVCacheBlock],
+                           req_ids: Sequence[str]) -> bool:
+        """Whether a new request of `num_tokens` tokens with prefix hits `computed_blocks`
+        could get its blocks once the requests `req_ids` freed theirs (mirrors
+        allocate_slots' check)."""
+        blocks = self.block_pool.blocks
+        # A block returns to the free queue once all its holders are freed.
+        num_held = Counter(b.block_id for req_id in req_ids
+                           for b in self.req_to_blocks.get(req_id, ()))
+        num_freed = sum(1 for block_id, n in num_held.items()
+                        if blocks[block_id].ref_cnt == n)
+        # Hits left without a holder sit in the free queue; touching them takes them out
+        # of the supply for the new blocks.
+        num_evictable_hits = sum(1 for b in computed_blocks
+                                 if b.ref_cnt == num_held.get(b.block_id, 0))
+        num_new_blocks = self.num_blocks_needed(num_tokens) - len(computed_blocks)
+        num_supply = self.get_num_free_blocks() + num_freed - num_evictable_hits
+        return num_new_blocks <= num_supply
+
+    def get_swap_in_hits(self, request: Request,
+                         num_blocks: int) -> list[KVCacheBlock | None]:
+        """For each of a swapped-out request's `num_blocks` blocks: a cached device block
+        that already holds it, or None (its host copy must be copied back).
+
+        Only full computed blocks can hit: block i < num_computed_tokens // block_size
+        whose hash (its tokens and prefix) is in the prefix cache. That block holds the
+        same K/V, whether it is the request's own old block, not yet evicted, or another
+        request's. No reference is taken (`allocate_swapped_in` touches the hits).
+        """
+        hits: list[KVCacheBlock | None] = [None] * num_blocks
+        if not self.enable_caching:
+            return hits
+        block_hashes = update_block_hashes(request, self.block_size)
+        num_full = min(request.num_computed_tokens // self.block_size, len(block_hashes),
+                       num_blocks)
+        for i in range(num_full):
+            hits[i] = self.block_pool.get_cached_block(block_hashes[i])
+        return hits
+
+    def allocate_swapped_in(self, request: Request, hits: Sequence[KVCacheBlock | None],
+                            num_new_tokens: int) -> list[KVCacheBlock] | None:
+        """Give a swapped-out request device blocks again; None (no side effects) if the
+        pool can't.
+
+            | restored: len(hits) blocks              | new blocks, if any |
+            0                      num_computed_tokens  + num_new_tokens
+
+        `hits[i]` (from `get_swap_in_hits`) is touched and used as block i; every other
+        restored block is a fresh block the runner fills from the host copy. Fresh full
+        blocks are offered to the prefix cache (a hash another block already owns stays
+        with that block). Returns all of the request's blocks, in logical order.
+        """
+        assert request.req_id not in self.req_to_blocks, request
+        num_tokens_after = request.num_computed_tokens + num_new_tokens
+        num_blocks = max(len(hits), self.num_blocks_needed(num_tokens_after))
+        hit_blocks = [b for b in hits if b is not None]
+        num_new_blocks = num_blocks - len(hit_blocks)
+        # Hits in the free queue leave it when touched: not part of the supply.
+        num_evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+            return None
+        self.block_pool.touch(hit_blocks)
+        fresh = iter(self.block_pool.get_new_blocks(num_new_blocks))
+        blocks = [b if b is not None else next(fresh) for b in hits]
+        blocks.extend(fresh)
+        self.req_to_blocks[request.req_id] = blocks
+        self._cache_full_blocks(request, blocks, num_tokens_after)
+        return blocks
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
                            num_tokens: int) -> None:

@@ -3,8 +3,17 @@
 Each `schedule()` call decides `num_scheduled_tokens` per request: running requests
 continue (a decode asks for 1 token, a prompt being prefilled for a chunk), then waiting
 requests are admitted in queue order while blocks, budget and `max_num_seqs` allow.
-When a running request cannot get a block, the last running request is preempted
-(recompute: its blocks are freed and it re-enters the waiting queue).
+When a running request cannot get a block, the last running request is preempted.
+
+Preemption modes (`SchedulerConfig.preemption_mode`):
+- "recompute": its blocks are freed and it re-enters the waiting queue, to be
+  recomputed from its tokens.
+- "swap": its blocks are copied to host blocks (`SwapSpace`, core/swap.py) and it waits
+  in the `swapped` queue keeping num_computed_tokens; it falls back to recompute when the
+  host pool cannot take all its blocks. Swapped requests come back before new waiting
+  ones (fcfs: swapped first, in swap order; priority: the better of the two queue
+  heads first), and a step that had to preempt admits nobody. The step's swap-outs are
+  all decided before its first swap-in, so the runner runs them in that order.
 
 Policies (`SchedulerConfig.policy`):
 - "fcfs": both queues in arrival order; a preempted request re-enters at the front of
@@ -18,16 +27,14 @@ Policies (`SchedulerConfig.policy`):
   preempting every worse request would not make room.
 
 Deadlines: a request with `deadline` (absolute `time.monotonic()` time) still live at
-the start of a `schedule()` at or after it is finished as FINISHED_TIMEOUT, waiting or
-running; its blocks are freed at once and `pop_timed_out_requests()` hands it over.
+the start of a `schedule()` at or after it is finished as FINISHED_TIMEOUT, waiting,
+swapped or running; its blocks are freed at once and `pop_timed_out_requests()` hands it over.
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,8 +42,10 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.contracts import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                      SchedulerOutput)
 from pagedllm.core.block_pool import KVCacheBlock
+from pagedllm.core.deadlines import DeadlineHeap
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request_queue import RequestQueue, create_request_queue, priority_key
+from pagedllm.core.swap import SwapSpace
 from pagedllm.errors import InvalidRequestError
 from pagedllm.request import Request, RequestStatus
 
@@ -51,6 +60,9 @@ class _StepState:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # (device, host) block pairs of this step's swap-outs, (host, device) of swap-ins.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # A running request could not get its blocks (set by _allocate_or_preempt, not by
     # preemptions that make room for a better waiting request).
     is_short_of_blocks: bool = False
@@ -64,14 +76,18 @@ class Scheduler:
     """Continuous-batching scheduler over a `KVCacheManager` (pure Python).
 
     Request lifecycle: WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED (back in
-    waiting, recomputed from scratch on re-admission). Only RUNNING requests hold blocks.
+    waiting, recomputed from scratch on re-admission); RUNNING -> SWAPPED (in `swapped`,
+    holding host blocks only) -> RUNNING. Only RUNNING requests hold device blocks.
     `request.num_computed_tokens` is advanced inside `schedule()` by the tokens scheduled
     (as in vLLM V1): after `schedule()` it counts tokens whose K/V this step will write.
-    `clock` is the time source of deadlines (injectable for tests).
+    `num_swap_blocks` sizes the host pool of swap preemption (block 0 included, never
+    used; < 2: no pool, every preemption recomputes). `clock` is the time source of
+    deadlines (injectable for tests).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 num_blocks: int, num_swap_blocks: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -95,9 +111,17 @@ class Scheduler:
         # Finished or aborted since the last schedule(): sent to the runner then.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
-        # Min-heap of (deadline, req_id) of requests added with a deadline. Entries of
-        # requests that finished otherwise are dropped lazily when they reach the top.
-        self._deadlines: list[tuple[float, str]] = []
+        # Swap preemption: the host pool (None: recompute only) and the swapped requests
+        # (fcfs: in swap order; priority: by priority_key).
+        self.preemption_mode = scheduler_config.preemption_mode
+        self.swap_space: SwapSpace | None = None
+        if self.preemption_mode == "swap" and num_swap_blocks >= 2:
+            self.swap_space = SwapSpace(num_swap_blocks)
+        self.swapped: RequestQueue = create_request_queue(self.policy)
+        self.num_swaps_out = 0
+        self.num_swaps_in = 0
+        # Deadlines of live requests added with one.
+        self._deadlines = DeadlineHeap()
         # Finished by their deadline, until pop_timed_out_requests() hands them over.
         self.timed_out_reqs: list[Request] = []
 
@@ -119,7 +143,7 @@ class Scheduler:
         self.requests[request.req_id] = request
         self.waiting.add(request)
         if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, request.req_id))
+            self._deadlines.push(request)
 
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)
@@ -132,8 +156,17 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        """Host blocks held by swapped-out requests."""
+        return self.swap_space.num_swapped_blocks if self.swap_space is not None else 0
+
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -160,7 +193,7 @@ class Scheduler:
         # A step whose running requests had to preempt is short of blocks: admitting
         # would only thrash.
         if not step.is_short_of_blocks:
-            self._schedule_waiting(step)
+            self._schedule_admissions(step)
         output = SchedulerOutput(
             scheduled_new_reqs=step.new_reqs,
             scheduled_cached_reqs=step.cached_reqs,
@@ -168,6 +201,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(step.num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=step.preempted_req_ids,
+            blocks_to_swap_out=step.blocks_to_swap_out,
+            blocks_to_swap_in=step.blocks_to_swap_in,
         )
         self.finished_req_ids = set()
         # The runner reads num_computed_tokens from the output (values before this step);
@@ -217,51 +252,120 @@ class Scheduler:
                 return None
 
     def _preempt(self, request: Request, step: _StepState) -> None:
-        """Recompute-mode preemption: free the blocks, reset, requeue (fcfs: at the front;
-        priority: by its key)."""
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        """Preempt a running request (already out of `running`, not scheduled this step).
+
+        Swap mode with room on the host: copy its blocks out, keep num_computed_tokens,
+        queue it in `swapped`. Otherwise recompute: free the blocks, reset, requeue in
+        waiting (fcfs: at the front; priority: by its key).
+        """
+        kv = self.kv_cache_manager
+        if self.swap_space is not None and self.swap_space.can_swap_out(kv, request):
+            # Swap-outs precede swap-ins within a step (the runner copies in that order,
+            # and a host block freed by a swap-in must not be overwritten first).
+            assert not step.blocks_to_swap_in, "swap-out after a swap-in in one step"
+            step.blocks_to_swap_out += self.swap_space.swap_out(kv, request)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.add(request)
+            self.num_swaps_out += 1
+        else:
+            kv.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self.waiting.prepend(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.prepend(request)
         step.preempted_req_ids.add(request.req_id)
 
-    def _schedule_waiting(self, step: _StepState) -> None:
-        """Admit waiting requests in queue order; stop at the first that does not fit (no
-        skipping)."""
-        kv = self.kv_cache_manager
-        while self.waiting and len(self.running) < self.max_num_seqs and step.token_budget > 0:
-            request = self.waiting.peek()
-            computed_blocks, num_computed_tokens = self._get_computed_blocks(request)
-            # >= 1: the last token is never a prefix hit.
-            num_new_tokens = request.num_tokens - num_computed_tokens
-            if num_new_tokens > step.token_budget:
-                if not self.enable_chunked_prefill:
-                    break  # the whole prompt must fit one step
-                num_new_tokens = step.token_budget
-            new_blocks = kv.allocate_slots(request, num_new_tokens, computed_blocks,
-                                           num_computed_tokens)
-            if new_blocks is None:
-                break
-            self.waiting.pop()
-            if self.policy == "priority":
-                # Nothing is preempted after admission, so inserting mid-list is safe.
-                bisect.insort_right(self.running, request, key=priority_key)
-            else:
-                self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed_tokens
-            request.num_cached_tokens = num_computed_tokens
-            step.new_reqs.append(NewRequestData(
-                req_id=request.req_id,
-                prompt_token_ids=list(request.prompt_token_ids),
-                output_token_ids=list(request.output_token_ids),
-                sampling_params=request.sampling_params,
-                block_ids=kv.get_block_ids(request.req_id),
-                num_computed_tokens=num_computed_tokens,
-                eos_token_id=request.eos_token_id))
-            step.add(request, num_new_tokens)
+    def _schedule_admissions(self, step: _StepState) -> None:
+        """Swap in swapped requests and admit waiting ones, in `_next_queue` order; stop
+        at the first that does not fit (no skipping, so neither queue is starved)."""
+        while len(self.running) < self.max_num_seqs and step.token_budget > 0:
+            queue = self._next_queue()
+            if queue is None:
+                return
+            request = queue.peek()
+            if queue is self.swapped:
+                if request.req_id in step.preempted_req_ids:
+                    return  # swapped out by this very step: no round trip
+                if not self._swap_in(request, step):
+                    return
+            elif not self._admit(request, step):
+                return
+            queue.pop()
+
+    def _next_queue(self) -> RequestQueue | None:
+        """The queue whose head goes next: swapped before waiting (fcfs), or the better
+        head by priority_key, swapped on a tie (priority); None when both are empty."""
+        if not self.swapped:
+            return self.waiting if self.waiting else None
+        if (self.waiting and self.policy == "priority"
+                and priority_key(self.waiting.peek()) < priority_key(self.swapped.peek())):
+            return self.waiting
+        return self.swapped
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int,
+                                step: _StepState) -> int:
+        """Tokens after `num_computed_tokens`, capped by the budget (chunked prefill);
+        0 when they must all fit one step and do not."""
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        if num_new_tokens > step.token_budget:
+            if not self.enable_chunked_prefill:
+                return 0  # the whole prompt must fit one step
+            num_new_tokens = step.token_budget
+        return num_new_tokens
+
+    def _admit(self, request: Request, step: _StepState) -> bool:
+        """Give the waiting head its prefix hits and blocks for its first chunk (the
+        caller pops it); False when it does not fit."""
+        computed_blocks, num_computed_tokens = self._get_computed_blocks(request)
+        # >= 1: the last token is never a prefix hit.
+        num_new_tokens = self._num_tokens_to_schedule(request, num_computed_tokens, step)
+        if num_new_tokens == 0:
+            return False
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens, computed_blocks, num_computed_tokens)
+        if new_blocks is None:
+            return False
+        request.num_computed_tokens = num_computed_tokens
+        request.num_cached_tokens = num_computed_tokens
+        self._start_running(request, num_new_tokens, step)
+        return True
+
+    def _swap_in(self, request: Request, step: _StepState) -> bool:
+        """Bring the swapped head back with its num_computed_tokens (the caller pops it);
+        False when its blocks plus this step's tokens do not fit the device pool."""
+        assert self.swap_space is not None
+        # >= 1: a swapped request was running, so a token was waiting for it.
+        num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens,
+                                                      step)
+        if num_new_tokens == 0:
+            return False
+        pairs = self.swap_space.swap_in(self.kv_cache_manager, request, num_new_tokens)
+        if pairs is None:
+            return False
+        step.blocks_to_swap_in += pairs
+        self.num_swaps_in += 1
+        self._start_running(request, num_new_tokens, step)
+        return True
+
+    def _start_running(self, request: Request, num_new_tokens: int,
+                       step: _StepState) -> None:
+        """Put a request that got its blocks into `running` and send it in full."""
+        if self.policy == "priority":
+            # Nothing is preempted after admission, so inserting mid-list is safe.
+            bisect.insort_right(self.running, request, key=priority_key)
+        else:
+            self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        step.new_reqs.append(NewRequestData(
+            req_id=request.req_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.req_id),
+            num_computed_tokens=request.num_computed_tokens,
+            eos_token_id=request.eos_token_id))
+        step.add(request, num_new_tokens)
 
     def _get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Prefix-cache hits of a waiting request (none when it wants prompt logprobs)."""
@@ -295,46 +399,20 @@ class Scheduler:
 
     def _fits_after_preempting(self, request: Request, victims: Sequence[Request]) -> bool:
         """Whether the pool could hold the uncached part of waiting `request` once every
-        request in `victims` were preempted (mirrors allocate_slots' check)."""
-        kv = self.kv_cache_manager
-        blocks = kv.block_pool.blocks
+        request in `victims` were preempted (either mode frees the same device blocks)."""
         computed_blocks, _ = self._get_computed_blocks(request)
-        # A block returns to the free queue once all its holders are preempted.
-        num_held = Counter(b.block_id for r in victims
-                           for b in kv.req_to_blocks.get(r.req_id, ()))
-        num_freed = sum(1 for block_id, n in num_held.items()
-                        if blocks[block_id].ref_cnt == n)
-        # Hits left without a holder sit in the free queue; touching them takes them out
-        # of the supply for the new blocks.
-        num_evictable_hits = sum(1 for b in computed_blocks
-                                 if b.ref_cnt == num_held.get(b.block_id, 0))
-        num_new_blocks = kv.num_blocks_needed(request.num_tokens) - len(computed_blocks)
-        num_supply = kv.get_num_free_blocks() + num_freed - num_evictable_hits
-        return num_new_blocks <= num_supply
+        return self.kv_cache_manager.fits_after_freeing(
+            request.num_tokens, computed_blocks, [r.req_id for r in victims])
 
     def _finish_expired_requests(self) -> None:
         """Finish every live request whose deadline is <= now as FINISHED_TIMEOUT."""
-        heap = self._deadlines
-        if not heap:
+        if not self._deadlines:
             return  # no request has a deadline: not even a clock read
-        now = self.clock()
-        expired: list[str] = []
-        while heap and heap[0][0] <= now:
-            deadline, req_id = heapq.heappop(heap)
-            request = self.requests.get(req_id)
-            # Lazy deletion: the request may have finished already (or its id been
-            # reused by a later request, whose own entry is elsewhere in the heap).
-            if request is not None and request.deadline == deadline:
-                expired.append(req_id)
+        expired = self._deadlines.pop_expired(self.clock(), self.requests)
         if expired:
             self.timed_out_reqs += self.finish_requests(expired,
                                                         RequestStatus.FINISHED_TIMEOUT)
-        # Entries of requests that finished early linger until their deadline: rebuild
-        # when they dominate, so the heap stays O(live requests) (amortized O(1)).
-        if len(heap) > 2 * len(self.requests) + 64:
-            self._deadlines = [(r.deadline, r.req_id) for r in self.requests.values()
-                               if r.deadline is not None]
-            heapq.heapify(self._deadlines)
+        self._deadlines.compact(self.requests)
 
     # ---------------------------------------------------------------- update
 
@@ -413,6 +491,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.SWAPPED:
+                self.swapped.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -421,7 +501,10 @@ class Scheduler:
         return finished
 
     def _free_request(self, request: Request) -> None:
-        """Release a finished request's blocks and forget it (status already set)."""
+        """Release a finished request's blocks, device and host, and forget it (status
+        already set)."""
         self.kv_cache_manager.free(request)
+        if self.swap_space is not None:
+            self.swap_space.free(request)
         del self.requests[request.req_id]
         self.finished_req_ids.add(request.req_id)

@@ -20,8 +20,6 @@ from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, PREEMPTION_MODES,
                              env_kv_cache_space, env_num_threads)
 from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu.features import has_avx512_bf16
-from pagedllm.loader.hf_config import load_hf_config
-from pagedllm.loader.hub import looks_like_repo_id, resolve_repo_id
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Model types whose positions index a learned table: no sequence may outgrow it.
@@ -94,6 +92,9 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve defaults (model path, device, dtype, lengths) into an `EngineConfig`."""
+        # loader/ imports torch: only here, so `import pagedllm` (and core/) stays light.
+        from pagedllm.loader.hf_config import load_hf_config
+
         path = self._resolve_model_path()
         hf_config = load_hf_config(path)
         device = _resolve_device(self.device)
@@ -145,6 +146,8 @@ class EngineArgs:
         path = os.path.expanduser(self.model)
         if os.path.exists(path):
             return os.path.abspath(path)
+        from pagedllm.loader.hub import looks_like_repo_id, resolve_repo_id
+
         if looks_like_repo_id(self.model):
             return resolve_repo_id(self.model, self.revision, self.download_dir)
         raise ModelLoadError(f"model path does not exist: {self.model!r} (pass an HF model "

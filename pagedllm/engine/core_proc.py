@@ -90,6 +90,14 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_preemptions: int
     num_free_blocks: int
     num_blocks: int
+    num_swapped: int = 0
+    """Requests swapped out to the host pool (preemption_mode "swap")."""
+    num_swaps_out: int = 0
+    """Cumulative swap-outs."""
+    num_swaps_in: int = 0
+    """Cumulative swap-ins."""
+    num_swapped_blocks: int = 0
+    """Host blocks held by swapped requests."""
 
 
 class RequestError(msgspec.Struct, array_like=True):
@@ -266,7 +274,9 @@ class EngineCoreProc:
             num_running=sched.num_running, num_waiting=sched.num_waiting,
             kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=sched.num_preemptions,
-            num_free_blocks=kv.get_num_free_blocks(), num_blocks=self.core.num_blocks)
+            num_free_blocks=kv.get_num_free_blocks(), num_blocks=self.core.num_blocks,
+            num_swapped=sched.num_swapped, num_swaps_out=sched.num_swaps_out,
+            num_swaps_in=sched.num_swaps_in, num_swapped_blocks=sched.num_swapped_blocks)
 
     def _utility(self, call: UtilityCall) -> Any:
         if call.method == "get_stats":

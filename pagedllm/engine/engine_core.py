@@ -22,10 +22,15 @@ class EngineCore:
         self.config = config
         self.executor = create_executor(config)
         self.num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_kv_cache(self.num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks)
+        # Host blocks of swap preemption (0 unless preemption_mode is "swap").
+        self.num_swap_blocks = self.executor.determine_num_swap_blocks()
+        self.executor.initialize_kv_cache(self.num_blocks, self.num_swap_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
+                                   num_swap_blocks=self.num_swap_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks,
                     config.cache.block_size, (self.num_blocks - 1) * config.cache.block_size)
+        if self.num_swap_blocks:
+            logger.info("swap space: %d host blocks", self.num_swap_blocks - 1)
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request; raises InvalidRequestError if it can never fit."""

@@ -36,6 +36,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def shutdown(self) -> None:
+        """Release the engine now: tensor-parallel worker processes exit. (Dropping the
+        LLM does the same once it is garbage collected, and so does interpreter exit.)"""
+        self.llm_engine.shutdown()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None,

@@ -118,6 +118,10 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine core (and its worker processes, if any)."""
+        self.engine_core.shutdown()
+
 
 def _check_timeout(timeout: float) -> float:
     """`timeout` as a float; InvalidRequestError unless it is a finite number > 0."""

@@ -1,1 +1,2 @@
-"""Executors run the model runner(s): in-process today; multi-process / Ray later."""
+"""Executors run the model runner(s): in-process ("uni") or one worker process per
+tensor-parallel rank ("mp"); Ray later."""

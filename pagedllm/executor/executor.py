@@ -1,8 +1,9 @@
 """Executor: the engine's handle on the model runner(s).
 
-The in-process executor calls one ModelRunner directly. Multi-process (tensor parallel)
-and Ray executors will implement the same four methods and ship SchedulerOutput /
-ModelRunnerOutput (plain dataclasses) across processes.
+`distributed_executor_backend` picks one: "uni", the in-process executor, calls one
+ModelRunner directly; "mp" (multiproc.py) runs one worker process per tensor-parallel
+rank and ships SchedulerOutput / ModelRunnerOutput (plain dataclasses) to and from them.
+Ray is not built yet (ParallelConfig rejects it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 class Executor(Protocol):
     def determine_num_blocks(self) -> int: ...
 
-    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+    def determine_num_swap_blocks(self) -> int: ...
+
+    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -34,8 +37,11 @@ class InProcExecutor:
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+    def determine_num_swap_blocks(self) -> int:
+        return self.runner.determine_num_swap_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
+        self.runner.initialize_kv_cache(num_blocks, num_swap_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
@@ -45,4 +51,10 @@ class InProcExecutor:
 
 
 def create_executor(config: EngineConfig) -> Executor:
+    backend = config.parallel.distributed_executor_backend
+    if backend == "mp":
+        from pagedllm.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    assert backend == "uni", backend  # ParallelConfig validated it
     return InProcExecutor(config)

@@ -20,6 +20,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionSpec
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed.parallel_state import ParallelState
 from pagedllm.models.layers.activation import GeluTanh
 from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.models.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
@@ -47,16 +48,21 @@ def alibi_slopes(num_heads: int) -> tuple[float, ...]:
 
 
 class BloomAttention(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         hidden, num_heads = cfg.hidden_size, cfg.num_attention_heads
         head_size = hidden // num_heads
-        self.qkv_proj = QKVParallelLinear(hidden, head_size, num_heads, num_heads, bias=True)
-        self.dense = RowParallelLinear(hidden, hidden, bias=True)
+        self.qkv_proj = QKVParallelLinear(hidden, head_size, num_heads, num_heads, bias=True,
+                                          parallel=parallel)
+        self.dense = RowParallelLinear(hidden, hidden, bias=True, parallel=parallel)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_heads,
+        # This rank's heads [r * h, (r + 1) * h) keep their slopes.
+        local = self.qkv_proj.num_heads
+        first = self.qkv_proj.tp_rank * local
+        spec = AttentionSpec(num_heads=local, num_kv_heads=local,
                              head_size=head_size, scale=head_size ** -0.5,
-                             alibi_slopes=alibi_slopes(num_heads))
+                             alibi_slopes=alibi_slopes(num_heads)[first:first + local])
         self.attn = Attention(spec, attn_backend)
 
     def forward(self, x: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -66,25 +72,28 @@ class BloomAttention(nn.Module):
 
 
 class BloomMLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, parallel: ParallelState | None = None) -> None:
         super().__init__()
         hidden = cfg.hidden_size
-        self.dense_h_to_4h = ColumnParallelLinear(hidden, 4 * hidden, bias=True)
+        self.dense_h_to_4h = ColumnParallelLinear(hidden, 4 * hidden, bias=True,
+                                                  parallel=parallel)
         self.gelu_impl = GeluTanh()
-        self.dense_4h_to_h = RowParallelLinear(4 * hidden, hidden, bias=True)
+        self.dense_4h_to_h = RowParallelLinear(4 * hidden, hidden, bias=True,
+                                               parallel=parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(self.gelu_impl(self.dense_h_to_4h(x)))
 
 
 class BloomBlock(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         eps = cfg.layer_norm_epsilon
         self.input_layernorm = LayerNorm(cfg.hidden_size, eps)
-        self.self_attention = BloomAttention(cfg, attn_backend)
+        self.self_attention = BloomAttention(cfg, attn_backend, parallel)
         self.post_attention_layernorm = LayerNorm(cfg.hidden_size, eps)
-        self.mlp = BloomMLP(cfg)
+        self.mlp = BloomMLP(cfg, parallel)
         self.residual_post_ln = bool(cfg.apply_residual_connection_post_layernorm)
 
     def forward(self, x: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -96,12 +105,13 @@ class BloomBlock(nn.Module):
 
 
 class BloomModel(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         eps = cfg.layer_norm_epsilon
-        self.word_embeddings = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.word_embeddings = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.word_embeddings_layernorm = LayerNorm(cfg.hidden_size, eps)
-        self.h = nn.ModuleList(BloomBlock(cfg, attn_backend)
+        self.h = nn.ModuleList(BloomBlock(cfg, attn_backend, parallel)
                                for _ in range(cfg.num_hidden_layers))
         self.ln_f = LayerNorm(cfg.hidden_size, eps)
 
@@ -116,13 +126,15 @@ class BloomModel(nn.Module):
 class BloomForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden];
     compute_logits(hidden [N, hidden]) -> logits [N, vocab] (model dtype). Positions are
-    unused: ALiBi reads them from the attention metadata's sequence layout."""
+    unused: ALiBi reads them from the attention metadata's sequence layout. Under TP the
+    logits are None on ranks other than 0."""
 
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.transformer = BloomModel(cfg, attn_backend)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.transformer = BloomModel(cfg, attn_backend, parallel)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, parallel=parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         if self.tie_word_embeddings:
             self.lm_head.tie(self.transformer.word_embeddings)
@@ -131,7 +143,7 @@ class BloomForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.transformer(input_ids, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

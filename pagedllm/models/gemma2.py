@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed.parallel_state import ParallelState
 from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding, get_rope
@@ -54,9 +55,10 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str, qk_norm: bool = False) -> None:
+    def __init__(self, cfg: Any, attn_backend: str, qk_norm: bool = False,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.embed_scale = cfg.hidden_size ** 0.5
         head_dim = head_dim_of(cfg)
         layer_types = cfg.layer_types
@@ -69,8 +71,9 @@ class GemmaModel(nn.Module):
                 sliding_window=layer_sliding_window(cfg, i),
                 qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
                 qk_norm_offset=1.0 if qk_norm else None,
-                scale=cfg.query_pre_attn_scalar ** -0.5, logits_soft_cap=soft_cap),
-                LlamaMLP(cfg, act=cfg.hidden_activation))
+                scale=cfg.query_pre_attn_scalar ** -0.5, logits_soft_cap=soft_cap,
+                parallel=parallel),
+                LlamaMLP(cfg, act=cfg.hidden_activation, parallel=parallel))
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
 
@@ -86,13 +89,15 @@ class GemmaModel(nn.Module):
 
 class Gemma2ForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden];
-    compute_logits(hidden [N, hidden]) -> soft-capped logits [N, vocab] (model dtype)."""
+    compute_logits(hidden [N, hidden]) -> soft-capped logits [N, vocab] (model dtype;
+    None on tensor parallel ranks other than 0)."""
 
-    def __init__(self, cfg: Any, attn_backend: str, qk_norm: bool = False) -> None:
+    def __init__(self, cfg: Any, attn_backend: str, qk_norm: bool = False,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = GemmaModel(cfg, attn_backend, qk_norm)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.model = GemmaModel(cfg, attn_backend, qk_norm, parallel)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, parallel=parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
@@ -102,10 +107,10 @@ class Gemma2ForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden)
         cap = self.final_logit_softcapping
-        return logits if cap is None else cap * torch.tanh(logits / cap)
+        return logits if cap is None or logits is None else cap * torch.tanh(logits / cap)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("rotary_emb.inv_freq",) + (("lm_head.",) if self.tie_word_embeddings else ())

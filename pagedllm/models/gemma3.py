@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.distributed.parallel_state import ParallelState
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
-        super().__init__(cfg, attn_backend, qk_norm=True)
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
+        super().__init__(cfg, attn_backend, qk_norm=True, parallel=parallel)

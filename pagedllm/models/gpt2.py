@@ -17,6 +17,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionSpec
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed.parallel_state import ParallelState
 from pagedllm.models.layers.activation import get_act_fn
 from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.models.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
@@ -31,19 +32,22 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str, layer_idx: int) -> None:
+    def __init__(self, cfg: Any, attn_backend: str, layer_idx: int,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         hidden, num_heads = cfg.hidden_size, cfg.num_attention_heads
         head_dim = hidden // num_heads
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_heads, bias=True)
-        self.c_proj = RowParallelLinear(hidden, hidden, bias=True)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_heads, bias=True,
+                                          parallel=parallel)
+        self.c_proj = RowParallelLinear(hidden, hidden, bias=True, parallel=parallel)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         scale = head_dim ** -0.5 if getattr(cfg, "scale_attn_weights", True) else 1.0
         if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)
         # reorder_and_upcast_attn only changes HF's eager precision; scores here are
         # computed by the backend (float32 in torch_ref), so it needs no switch.
-        spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_heads,
+        local_heads = self.qkv_proj.num_heads  # this rank's share
+        spec = AttentionSpec(num_heads=local_heads, num_kv_heads=local_heads,
                              head_size=head_dim, scale=scale)
         self.attn = Attention(spec, attn_backend)
 
@@ -54,25 +58,26 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, parallel: ParallelState | None = None) -> None:
         super().__init__()
         inner = getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
-        self.c_fc = ColumnParallelLinear(cfg.hidden_size, inner, bias=True)
+        self.c_fc = ColumnParallelLinear(cfg.hidden_size, inner, bias=True, parallel=parallel)
         self.act = get_act_fn(cfg.activation_function)
-        self.c_proj = RowParallelLinear(inner, cfg.hidden_size, bias=True)
+        self.c_proj = RowParallelLinear(inner, cfg.hidden_size, bias=True, parallel=parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str, layer_idx: int) -> None:
+    def __init__(self, cfg: Any, attn_backend: str, layer_idx: int,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         eps = cfg.layer_norm_epsilon
         self.ln_1 = LayerNorm(cfg.hidden_size, eps)
-        self.attn = GPT2Attention(cfg, attn_backend, layer_idx)
+        self.attn = GPT2Attention(cfg, attn_backend, layer_idx, parallel)
         self.ln_2 = LayerNorm(cfg.hidden_size, eps)
-        self.mlp = GPT2MLP(cfg)
+        self.mlp = GPT2MLP(cfg, parallel)
 
     def forward(self, x: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), attn_metadata)
@@ -80,12 +85,14 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
-        self.wte = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.wte = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         # Learned positions: max_model_len never exceeds n_positions (config.py caps it).
+        # Replicated on every rank (a position table is small).
         self.wpe = VocabEmbedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(cfg, attn_backend, i)
+        self.h = nn.ModuleList(GPT2Block(cfg, attn_backend, i, parallel)
                                for i in range(cfg.num_hidden_layers))
         self.ln_f = LayerNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
 
@@ -99,13 +106,15 @@ class GPT2Model(nn.Module):
 
 class GPT2LMHeadModel(nn.Module):
     """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden];
-    compute_logits(hidden [N, hidden]) -> logits [N, vocab] (model dtype)."""
+    compute_logits(hidden [N, hidden]) -> logits [N, vocab] (model dtype; None on tensor
+    parallel ranks other than 0)."""
 
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.transformer = GPT2Model(cfg, attn_backend)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.transformer = GPT2Model(cfg, attn_backend, parallel)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, parallel=parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         if self.tie_word_embeddings:
             self.lm_head.tie(self.transformer.wte)
@@ -114,7 +123,7 @@ class GPT2LMHeadModel(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.transformer(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

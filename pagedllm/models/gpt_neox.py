@@ -20,6 +20,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionSpec
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed.parallel_state import ParallelState
 from pagedllm.models.layers.activation import get_act_fn
 from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.models.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
@@ -39,19 +40,21 @@ def partial_rotary_factor(cfg: Any) -> float:
 
 
 class GPTNeoXAttention(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         hidden, num_heads = cfg.hidden_size, cfg.num_attention_heads
         self.head_size = hidden // num_heads
         bias = getattr(cfg, "attention_bias", True)
         self.qkv_proj = QKVParallelLinear(hidden, self.head_size, num_heads, num_heads,
-                                          bias=bias)
-        self.dense = RowParallelLinear(hidden, hidden, bias=bias)
+                                          bias=bias, parallel=parallel)
+        self.dense = RowParallelLinear(hidden, hidden, bias=bias, parallel=parallel)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         rotary_dim = int(self.head_size * partial_rotary_factor(cfg))
         self.rotary_emb = get_rope(cfg, self.head_size, rotary_dim=rotary_dim,
                                    is_neox_style=True)
-        spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_heads,
+        local_heads = self.qkv_proj.num_heads  # this rank's share
+        spec = AttentionSpec(num_heads=local_heads, num_kv_heads=local_heads,
                              head_size=self.head_size, scale=self.head_size ** -0.5)
         self.attn = Attention(spec, attn_backend)
 
@@ -64,26 +67,27 @@ class GPTNeoXAttention(nn.Module):
 
 
 class GPTNeoXMLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size,
-                                                  bias=True)
+                                                  bias=True, parallel=parallel)
         self.act = get_act_fn(cfg.hidden_act)
         self.dense_4h_to_h = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
-                                               bias=True)
+                                               bias=True, parallel=parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
 
 
 class GPTNeoXLayer(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.use_parallel_residual = cfg.use_parallel_residual
         self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
         self.post_attention_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
-        self.attention = GPTNeoXAttention(cfg, attn_backend)
-        self.mlp = GPTNeoXMLP(cfg)
+        self.attention = GPTNeoXAttention(cfg, attn_backend, parallel)
+        self.mlp = GPTNeoXMLP(cfg, parallel)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -96,10 +100,11 @@ class GPTNeoXLayer(nn.Module):
 
 
 class GPTNeoXModel(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
-        self.embed_in = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GPTNeoXLayer(cfg, attn_backend)
+        self.embed_in = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
+        self.layers = nn.ModuleList(GPTNeoXLayer(cfg, attn_backend, parallel)
                                     for _ in range(cfg.num_hidden_layers))
         self.final_layer_norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
 
@@ -113,13 +118,15 @@ class GPTNeoXModel(nn.Module):
 
 class GPTNeoXForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden];
-    compute_logits(hidden [N, hidden]) -> logits [N, vocab] (model dtype)."""
+    compute_logits(hidden [N, hidden]) -> logits [N, vocab] (model dtype; None on tensor
+    parallel ranks other than 0)."""
 
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.gpt_neox = GPTNeoXModel(cfg, attn_backend)
-        self.embed_out = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.gpt_neox = GPTNeoXModel(cfg, attn_backend, parallel)
+        self.embed_out = LMHead(cfg.vocab_size, cfg.hidden_size, parallel=parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.embed_out.tie(self.gpt_neox.embed_in)
@@ -128,7 +135,7 @@ class GPTNeoXForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.gpt_neox(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.embed_out(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -25,6 +25,7 @@ from pagedllm.attention.backend import AttentionSpec
 from pagedllm.kernels.cpu.ops import cpu_ops_available
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.models.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.models.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
@@ -72,28 +73,32 @@ class LlamaAttention(Module):
     """qkv_proj -> (per-head q/k RMSNorm) -> RoPE -> paged attention -> o_proj.
 
     `qk_norm_offset` None means no q/k norm; 0.0 is Qwen3's RMSNorm, 1.0 Gemma 3's (1 + w).
-    `rotary_emb` is shared by the layers that use the same frequencies.
+    `rotary_emb` is shared by the layers that use the same frequencies. Under TP a rank
+    runs its share of the heads (qkv_proj's num_heads / num_kv_heads) and its KV cache
+    holds only those KV heads; o_proj all-reduces.
     """
 
     def __init__(self, cfg: Any, attn_backend: str, rotary_emb: RotaryEmbedding, *,
                  sliding_window: int | None = None, qkv_bias: bool = False,
                  o_bias: bool = False, qk_norm_offset: float | None = None,
-                 scale: float | None = None, logits_soft_cap: float | None = None) -> None:
+                 scale: float | None = None, logits_soft_cap: float | None = None,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim_of(cfg)
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim,
-                                          cfg.num_attention_heads, num_kv_heads, bias=qkv_bias)
+                                          cfg.num_attention_heads, num_kv_heads, bias=qkv_bias,
+                                          parallel=parallel)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim,
-                                        cfg.hidden_size, bias=o_bias)
+                                        cfg.hidden_size, bias=o_bias, parallel=parallel)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.q_norm = self.k_norm = None
         if qk_norm_offset is not None:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, qk_norm_offset)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, qk_norm_offset)
         self.rotary_emb = rotary_emb
-        spec = AttentionSpec(num_heads=cfg.num_attention_heads, num_kv_heads=num_kv_heads,
-                             head_size=self.head_dim,
+        spec = AttentionSpec(num_heads=self.qkv_proj.num_heads,
+                             num_kv_heads=self.qkv_proj.num_kv_heads, head_size=self.head_dim,
                              scale=self.head_dim ** -0.5 if scale is None else scale,
                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         self.attn = Attention(spec, attn_backend)
@@ -114,12 +119,14 @@ class LlamaAttention(Module):
 class LlamaMLP(Module):
     """down(act(gate(x)) * up(x)) with gate/up fused into one matmul."""
 
-    def __init__(self, cfg: Any, act: str | None = None) -> None:
+    def __init__(self, cfg: Any, act: str | None = None,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias, parallel=parallel)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias,
+                                           parallel=parallel)
         self.act_fn = gated_act(act or getattr(cfg, "hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,17 +155,20 @@ class LlamaVariant:
     o_bias: bool | None = None
     # RMSNorm over each q and k head before RoPE (Qwen3).
     qk_norm: bool = False
-    # Builds the feed-forward block of a layer from the config (Mixtral: sparse MoE).
-    make_mlp: Callable[[Any], nn.Module] = LlamaMLP
+    # Builds the feed-forward block of a layer from the config and the worker's
+    # ParallelState, as make_mlp(cfg, parallel=...) (Mixtral: sparse MoE).
+    make_mlp: Callable[..., nn.Module] = LlamaMLP
     # (fused param, checkpoint part, shard id); () for checkpoints stored fused (Phi-3).
     stacked_params: tuple[tuple[str, str, str | int], ...] = LLAMA_STACKED_PARAMS
 
 
 class LlamaModel(Module):
     def __init__(self, cfg: Any, attn_backend: str,
-                 variant: LlamaVariant = LlamaVariant()) -> None:
+                 variant: LlamaVariant = LlamaVariant(),
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        parallel = parallel or SINGLE_RANK
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         head_dim = head_dim_of(cfg)
         # One cos/sin table for all layers (it can be max_position_embeddings long).
         rotary_emb = get_rope(cfg, head_dim, rotary_dim_of(cfg, head_dim))
@@ -169,10 +179,14 @@ class LlamaModel(Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, LlamaAttention(
                 cfg, attn_backend, rotary_emb, sliding_window=layer_sliding_window(cfg, i),
-                qkv_bias=qkv_bias, o_bias=o_bias, qk_norm_offset=qk_norm_offset),
-                variant.make_mlp(cfg))
+                qkv_bias=qkv_bias, o_bias=o_bias, qk_norm_offset=qk_norm_offset,
+                parallel=parallel),
+                variant.make_mlp(cfg, parallel=parallel))
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The native stack runs whole (unsharded) layers with no all-reduce in them.
+        if parallel.tp_size > 1:
+            self.use_native_layers = False
 
     # Run the layers as one native call on CPU when they fit (models/native_layers.py);
     # False keeps the Python layers (tests compare the two).
@@ -204,14 +218,16 @@ class LlamaModel(Module):
 
 class LlamaForCausalLM(Module):
     """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden];
-    compute_logits(hidden [N, hidden]) -> logits [N, vocab] (model dtype)."""
+    compute_logits(hidden [N, hidden]) -> logits [N, vocab] (model dtype; None on tensor
+    parallel ranks other than 0, which only take part in the gather)."""
 
     def __init__(self, cfg: Any, attn_backend: str,
-                 variant: LlamaVariant = LlamaVariant()) -> None:
+                 variant: LlamaVariant = LlamaVariant(),
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.config, self.variant = cfg, variant
-        self.model = LlamaModel(cfg, attn_backend, variant)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.model = LlamaModel(cfg, attn_backend, variant, parallel)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, parallel=parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
@@ -220,7 +236,7 @@ class LlamaForCausalLM(Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -4,6 +4,10 @@ Each token's router logits pick the top-k experts; their softmax probabilities, 
 all experts and renormalized over the chosen k (HF's MixtralTopKRouter), weight the
 experts' SiLU-gated MLP outputs. Expert weights are stacked into [num_experts, ...]
 parameters, filled from HF's per-expert `experts.{e}.w1/w2/w3` tensors on load.
+
+Tensor parallel: every rank holds every expert, sliced along the intermediate dim (w1/w3
+rows, w2 columns), as a dense MLP is; the router is replicated, so all ranks route alike,
+and the block's partial outputs are all-reduced once.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.comm import all_reduce
+from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.models.layers.linear import LinearBase
 from pagedllm.models.llama import LlamaForCausalLM, LlamaVariant
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS
@@ -25,23 +31,37 @@ class ExpertLinear(nn.Module):
 
     Shard (e, j) of a checkpoint is expert e's j-th output block (w13: w1 = gate rows,
     then w3 = up rows), as MergedColumnParallelLinear stacks them for a dense MLP.
+    Sizes are this rank's; `tp_dim` is the checkpoint tensor's dim this rank takes a
+    1/tp_size slice of (0: output rows, w13; 1: input columns, w2).
     """
 
-    def __init__(self, num_experts: int, output_sizes: list[int], input_size: int) -> None:
+    def __init__(self, num_experts: int, output_sizes: list[int], input_size: int,
+                 tp_dim: int = 0, parallel: ParallelState | None = None) -> None:
         super().__init__()
-        self.output_sizes = output_sizes
+        self.output_sizes, self.tp_dim = output_sizes, tp_dim
+        self.parallel = parallel or SINGLE_RANK
         self.weight = nn.Parameter(torch.empty(num_experts, sum(output_sizes), input_size),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int, int] | None = None) -> None:
+        tp_size = self.parallel.tp_size
+        if shard_id is None and tp_size > 1:  # stacked [E, sum(full sizes), in]: per shard
+            full = [s * tp_size if self.tp_dim == 0 else s for s in self.output_sizes]
+            for expert, per_expert in enumerate(loaded):
+                for j, part in enumerate(per_expert.split(full, dim=0)):
+                    self.weight_loader(param, part, (expert, j))
+            return
         if shard_id is None:  # all experts at once, already stacked
             dst = param.data
         else:
             expert, j = shard_id
             offset = sum(self.output_sizes[:j])
             dst = param.data[expert].narrow(0, offset, self.output_sizes[j])
+            if tp_size > 1:  # this rank's 1/tp of the expert's rows (w13) or columns (w2)
+                part = loaded.shape[self.tp_dim] // tp_size
+                loaded = loaded.narrow(self.tp_dim, self.parallel.tp_rank * part, part)
         if dst.shape != loaded.shape:
             raise ValueError(f"weight shape mismatch: expected {tuple(dst.shape)}, "
                              f"got {tuple(loaded.shape)}")
@@ -51,14 +71,17 @@ class ExpertLinear(nn.Module):
 class MixtralMoE(nn.Module):
     """x [T, hidden] -> sum over its top-k experts of weight * expert_mlp(x) [T, hidden]."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, parallel: ParallelState | None = None) -> None:
         super().__init__()
+        self.parallel = parallel or SINGLE_RANK
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        hidden = cfg.hidden_size
+        inter = cfg.intermediate_size // self.parallel.tp_size  # this rank's slice
         self.gate = LinearBase(hidden, self.num_experts, bias=False)  # the router
         self.experts = nn.Module()
-        self.experts.w13 = ExpertLinear(self.num_experts, [inter, inter], hidden)
-        self.experts.w2 = ExpertLinear(self.num_experts, [hidden], inter)
+        self.experts.w13 = ExpertLinear(self.num_experts, [inter, inter], hidden, 0,
+                                        self.parallel)
+        self.experts.w2 = ExpertLinear(self.num_experts, [hidden], inter, 1, self.parallel)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights [T, k] float32, topk_ids [T, k]) as HF computes them."""
@@ -87,7 +110,7 @@ class MixtralMoE(nn.Module):
             start = end
         # As HF: the float32 routing weight scales the expert output before the sum.
         out = (out * topk_weights.flatten()[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, out)
+        return all_reduce(torch.zeros_like(x).index_add_(0, token_of, out), self.parallel)
 
 
 def _expert_stacked_params(num_experts: int) -> tuple[tuple[str, str, Any], ...]:
@@ -99,10 +122,11 @@ def _expert_stacked_params(num_experts: int) -> tuple[tuple[str, str, Any], ...]
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         variant = LlamaVariant(make_mlp=MixtralMoE, stacked_params=(
             LLAMA_STACKED_PARAMS + _expert_stacked_params(cfg.num_local_experts)))
-        super().__init__(cfg, attn_backend, variant)
+        super().__init__(cfg, attn_backend, variant, parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def renamed() -> Iterator[tuple[str, torch.Tensor]]:

@@ -20,6 +20,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionSpec
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed.parallel_state import ParallelState
 from pagedllm.models.layers.activation import get_act_fn
 from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.models.layers.linear import (ColumnParallelLinear, LinearBase,
@@ -37,16 +38,19 @@ def _layer_norm(cfg: Any) -> LayerNorm:
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         hidden, num_heads = cfg.hidden_size, cfg.num_attention_heads
         head_dim = hidden // num_heads
         bias = getattr(cfg, "enable_bias", True)
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_heads, bias=bias)
-        self.out_proj = RowParallelLinear(hidden, hidden, bias=bias)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_heads, bias=bias,
+                                          parallel=parallel)
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=bias, parallel=parallel)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         # HF scales q by head_dim ** -0.5 before q k^T; the backend's scale is the same.
-        spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_heads,
+        local_heads = self.qkv_proj.num_heads  # this rank's share
+        spec = AttentionSpec(num_heads=local_heads, num_kv_heads=local_heads,
                              head_size=head_dim, scale=head_dim ** -0.5)
         self.attn = Attention(spec, attn_backend)
 
@@ -57,15 +61,18 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         bias = getattr(cfg, "enable_bias", True)
         self.do_layer_norm_before = cfg.do_layer_norm_before
-        self.self_attn = OPTAttention(cfg, attn_backend)
+        self.self_attn = OPTAttention(cfg, attn_backend, parallel)
         self.self_attn_layer_norm = _layer_norm(cfg)
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_dim, bias=bias)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_dim, bias=bias,
+                                        parallel=parallel)
         self.activation_fn = get_act_fn(cfg.activation_function)
-        self.fc2 = RowParallelLinear(cfg.ffn_dim, cfg.hidden_size, bias=bias)
+        self.fc2 = RowParallelLinear(cfg.ffn_dim, cfg.hidden_size, bias=bias,
+                                     parallel=parallel)
         self.final_layer_norm = _layer_norm(cfg)
 
     def forward(self, x: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -80,10 +87,14 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    """Under TP the token embedding is vocab-parallel; positions and the (small)
+    project_in / project_out maps are replicated on every rank."""
+
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         hidden, proj_dim = cfg.hidden_size, cfg.word_embed_proj_dim or cfg.hidden_size
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, proj_dim)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, proj_dim, parallel)
         self.embed_positions = VocabEmbedding(cfg.max_position_embeddings + POSITION_OFFSET,
                                               hidden)
         self.project_in = self.project_out = None
@@ -93,7 +104,7 @@ class OPTDecoder(nn.Module):
         self.final_layer_norm = None
         if cfg.do_layer_norm_before and not getattr(cfg, "_remove_final_layer_norm", False):
             self.final_layer_norm = _layer_norm(cfg)
-        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, attn_backend)
+        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, attn_backend, parallel)
                                     for _ in range(cfg.num_hidden_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -112,20 +123,24 @@ class OPTDecoder(nn.Module):
 
 
 class OPTModel(nn.Module):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
-        self.decoder = OPTDecoder(cfg, attn_backend)
+        self.decoder = OPTDecoder(cfg, attn_backend, parallel)
 
 
 class OPTForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, word_embed_proj_dim];
-    compute_logits(hidden [N, word_embed_proj_dim]) -> logits [N, vocab] (model dtype)."""
+    compute_logits(hidden [N, word_embed_proj_dim]) -> logits [N, vocab] (model dtype;
+    None on tensor parallel ranks other than 0)."""
 
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = OPTModel(cfg, attn_backend)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.word_embed_proj_dim or cfg.hidden_size)
+        self.model = OPTModel(cfg, attn_backend, parallel)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.word_embed_proj_dim or cfg.hidden_size,
+                              parallel=parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.decoder.embed_tokens)
@@ -134,7 +149,7 @@ class OPTForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model.decoder(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.distributed.parallel_state import ParallelState
 from pagedllm.models.llama import LlamaForCausalLM, LlamaVariant
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: Any, attn_backend: str) -> None:
-        super().__init__(cfg, attn_backend, LlamaVariant(stacked_params=()))
+    def __init__(self, cfg: Any, attn_backend: str,
+                 parallel: ParallelState | None = None) -> None:
+        super().__init__(cfg, attn_backend, LlamaVariant(stacked_params=()), parallel)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import mmap
 
@@ -11,6 +12,8 @@ from torch import nn
 
 from pagedllm.attention.layer import Attention
 from pagedllm.config import CacheConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 # Blocks per layer whose pages are populated at start-up (see allocate_kv_cache).
@@ -46,6 +49,28 @@ def determine_num_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerC
     if num_blocks < 2:
         raise ValueError(f"kv_cache_space={cache.kv_cache_space} GiB holds {fit} blocks of "
                          f"{per_block} bytes; at least 2 are needed")
+    return num_blocks
+
+
+def determine_num_swap_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerConfig,
+                              dtype: torch.dtype) -> int:
+    """Host blocks of swap preemption that fit swap_space, block 0 included (unused, as
+    on the device); 0 unless preemption_mode is "swap" or when fewer than 2 fit.
+
+    Capped like the device pool at max_num_seqs full-length sequences: under fcfs the
+    running and swapped requests together never exceed max_num_seqs (nothing is admitted
+    while a swapped request waits), so more host blocks could never be used.
+    """
+    if sched.preemption_mode != "swap":
+        return 0
+    per_block = kv_bytes_per_block(model, cache.block_size, dtype)
+    fit = int(cache.swap_space * GiB) // per_block
+    blocks_per_seq = -(-sched.max_model_len // cache.block_size)
+    num_blocks = min(fit, sched.max_num_seqs * blocks_per_seq + 1)
+    if num_blocks < 2:
+        logger.warning("swap_space=%s GiB holds no KV block of %d bytes: every preemption "
+                       "recomputes", cache.swap_space, per_block)
+        return 0
     return num_blocks
 
 

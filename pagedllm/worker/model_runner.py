@@ -11,15 +11,19 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedllm.distributed.comm import broadcast
+from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.loader import load_tokenizer
 from pagedllm.models.layers.linear import pack_linear_weights
 from pagedllm.sample.logprobs import LogprobsTensors
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sample.structured_output import GrammarManager
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.memory import allocate_kv_cache, determine_num_blocks
+from pagedllm.worker.memory import (allocate_kv_cache, determine_num_blocks,
+                                    determine_num_swap_blocks)
 from pagedllm.worker.model_loader import load_model
 from pagedllm.worker.prompt_logprobs import prompt_logprobs_chunks
+from pagedllm.worker.swap import allocate_host_kv_cache, swap_blocks
 
 
 @dataclass
@@ -39,8 +43,16 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """One worker's model (its shard under tensor parallelism) and per-request state.
+
+    Under TP every rank gets the same SchedulerOutput and runs the same forward pass (the
+    layers communicate); rank 0 samples and broadcasts the sampled ids so every rank's
+    InputBatch holds the same tokens. Only rank 0's ModelRunnerOutput is meaningful.
+    """
+
+    def __init__(self, config: EngineConfig, parallel: ParallelState = SINGLE_RANK) -> None:
         self.config = config
+        self.parallel = parallel
         self.device = torch.device(config.device.device)
         self.dtype = getattr(torch, config.model.dtype)
         self.block_size = config.cache.block_size
@@ -48,7 +60,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(config.device.num_threads)
         self.model = load_model(config.model, config.device.attention_backend,
-                                self.device, self.dtype)
+                                self.device, self.dtype, parallel)
         # model(input_ids, positions, attn_metadata) -> hidden, eager or compiled.
         self._forward = self.model
         if config.device.compile:
@@ -66,14 +78,21 @@ class ModelRunner:
             self.vocab_size)
         self.input_batch: InputBatch | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # Host blocks of swap preemption, one tensor per layer ([] unless swapping).
+        self.host_kv_caches: list[torch.Tensor] = []
 
     def determine_num_blocks(self) -> int:
         return determine_num_blocks(self.model, self.config.cache, self.config.scheduler,
                                     self.dtype)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def determine_num_swap_blocks(self) -> int:
+        return determine_num_swap_blocks(self.model, self.config.cache,
+                                         self.config.scheduler, self.dtype)
+
+    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
         self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size,
                                            self.dtype, self.device)
+        self.host_kv_caches = allocate_host_kv_cache(self.kv_caches, num_swap_blocks)
         max_blocks_per_req = -(-(self.max_model_len + 1) // self.block_size)
         self.input_batch = InputBatch(self.config.scheduler.max_num_seqs, self.max_model_len,
                                       max_blocks_per_req, self.vocab_size, self.device,
@@ -81,28 +100,46 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        # Before anything reads or writes the cache (even in a step with no tokens).
+        if so.blocks_to_swap_out or so.blocks_to_swap_in:
+            swap_blocks(self.kv_caches, self.host_kv_caches, so.blocks_to_swap_out,
+                        so.blocks_to_swap_in)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(so)
         hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V]
-        sampled_ids: list[list[int]] = [[] for _ in inputs.req_ids]
-        output = ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_ids)
+        output = ModelRunnerOutput(req_ids=inputs.req_ids,
+                                   sampled_token_ids=[[] for _ in inputs.req_ids])
         if len(inputs.sample_rows):
-            md = self.input_batch.sampling_metadata(inputs.sample_rows)
-            sampler_output = self.sampler(logits, md)
-            sampled = sampler_output.sampled_token_ids.cpu().numpy()  # the one host sync
-            self.input_batch.append_sampled(inputs.sample_rows, sampled)
-            for pos, tok in zip(inputs.sample_positions.tolist(), sampled.tolist()):
-                sampled_ids[pos] = [tok]
-            if sampler_output.logprobs is not None:
-                output.logprobs = self._sample_logprobs(inputs, sampler_output.logprobs)
+            self._sample(inputs, hidden, output)
         if self.input_batch.sampling.has_prompt_logprobs():
             output.prompt_logprobs = prompt_logprobs_chunks(
                 self.model, hidden, self.input_batch, inputs.req_ids,
                 inputs.attn_metadata.query_start_loc_cpu)
         return output
+
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor,
+                output: ModelRunnerOutput) -> None:
+        """Sample the requests of `inputs.sample_rows`, record their tokens in the input
+        batch and in `output` (sampled ids, logprobs)."""
+        # [N, V]; None on TP ranks but 0, which only take part in the logits gather.
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        sampler_output = None
+        if self.parallel.is_driver:
+            md = self.input_batch.sampling_metadata(inputs.sample_rows)
+            sampler_output = self.sampler(logits, md)
+            sampled_t = sampler_output.sampled_token_ids  # [N] int64
+        else:
+            sampled_t = torch.empty(len(inputs.sample_rows), dtype=torch.int64,
+                                    device=self.device)
+        # Every rank appends the same tokens, so the next step's inputs agree.
+        sampled = broadcast(sampled_t.contiguous(), self.parallel).cpu().numpy()  # host sync
+        self.input_batch.append_sampled(inputs.sample_rows, sampled)
+        for pos, tok in zip(inputs.sample_positions.tolist(), sampled.tolist()):
+            output.sampled_token_ids[pos] = [tok]
+        if sampler_output is not None and sampler_output.logprobs is not None:
+            output.logprobs = self._sample_logprobs(inputs, sampler_output.logprobs)
 
     def _sample_logprobs(self, inputs: StepInputs, lp: LogprobsTensors,
                          ) -> list[list[TokenLogprobs]]:

@@ -38,7 +38,10 @@ def prompt_logprobs_chunks(model: torch.nn.Module, hidden: torch.Tensor, batch: 
             continue
         # Flattened token index of position p: query_start_loc[i] + (p - computed).
         first = int(query_start_loc[i])
-        logits = model.compute_logits(hidden[first:first + end - computed]).float()
+        logits = model.compute_logits(hidden[first:first + end - computed])
+        if logits is None:
+            continue  # a tensor parallel rank but 0: it only took part in the gather
+        logits = logits.float()
         targets = torch.from_numpy(batch.token_ids[row, computed + 1:end + 1]).to(logits.device)
         lp = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, k)
         entries = lp.tolists([k] * (end - computed))

@@ -34,17 +34,21 @@ def _make_scheduler(num_blocks: int = 10, block_size: int = 4, max_num_seqs: int
                     max_num_batched_tokens: int = 64, max_model_len: int = 64,
                     enable_chunked_prefill: bool = True,
                     enable_prefix_caching: bool = True, policy: str = "fcfs",
-                    clock: Callable[[], float] | None = None) -> Scheduler:
+                    clock: Callable[[], float] | None = None,
+                    preemption_mode: str = "recompute",
+                    num_swap_blocks: int = 0) -> Scheduler:
     sched_config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len,
                                    enable_chunked_prefill=enable_chunked_prefill,
-                                   policy=policy)
+                                   policy=policy, preemption_mode=preemption_mode)
     cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
                                enable_prefix_caching=enable_prefix_caching)
     if clock is None:
-        return Scheduler(sched_config, cache_config, num_blocks)
-    return Scheduler(sched_config, cache_config, num_blocks, clock=clock)
+        return Scheduler(sched_config, cache_config, num_blocks,
+                         num_swap_blocks=num_swap_blocks)
+    return Scheduler(sched_config, cache_config, num_blocks,
+                     num_swap_blocks=num_swap_blocks, clock=clock)
 
 
 def _fake_runner_output(scheduler: Scheduler, output: SchedulerOutput,

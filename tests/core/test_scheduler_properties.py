@@ -1,13 +1,17 @@
 """Property test: random add / step / abort sequences keep the DESIGN.md §2 invariants.
 
-Both scheduling policies run, with random priorities and deadlines on a fake clock that
-advances one unit per step.
+Both scheduling policies and both preemption modes run, with random priorities and
+deadlines on a fake clock that advances one unit per step. Under swap preemption the
+invariants hold on the host block pool too, whose size is drawn small enough that some
+preemptions fall back to recompute.
 
 A fake runner mirrors what the real one must do with the contracts: it keeps its own
 copy of each request (tokens, block_ids, num_computed_tokens) built only from
 `SchedulerOutput`, "writes" K/V into a slot -> context map through the block table and
-checks every token it attends to was written for the same context. So a wrong prefix
-hit, a block handed to two requests, or a bad preemption shows up as a wrong read.
+checks every token it attends to was written for the same context. Swaps copy those
+slot contexts between the device map and a host one, swap-outs first. So a wrong prefix
+hit, a block handed to two requests, a bad preemption or a wrong swap pair shows up as a
+wrong read.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from hypothesis import strategies as st
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.request_queue import priority_key
+from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.errors import InvalidRequestError
 from pagedllm.request import Request, RequestStatus
@@ -49,13 +54,25 @@ class FakeRunner:
     requests: dict[str, _RunnerRequest] = field(default_factory=dict)
     # slot -> the context (token ids up to and including that position) whose K/V it holds
     kv: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # The same for host slots (swap preemption).
+    host_kv: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
 
     def slot(self, state: _RunnerRequest, pos: int) -> int:
         block_id = state.block_ids[pos // self.block_size]
         assert block_id != 0, "the null block must never hold K/V"
         return block_id * self.block_size + pos % self.block_size
 
+    def swap(self, src: dict, dst: dict, pairs: list[tuple[int, int]]) -> None:
+        for src_block, dst_block in pairs:
+            assert src_block != 0 and dst_block != 0, "the null block is never swapped"
+            for offset in range(self.block_size):
+                dst[dst_block * self.block_size + offset] = src.get(
+                    src_block * self.block_size + offset)
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        # Before the forward pass: all swap-outs, then all swap-ins.
+        self.swap(self.kv, self.host_kv, out.blocks_to_swap_out)
+        self.swap(self.host_kv, self.kv, out.blocks_to_swap_in)
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(req_id, None)
         for new in out.scheduled_new_reqs:
@@ -91,12 +108,9 @@ class FakeRunner:
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 
-def check_invariants(sched: Scheduler) -> None:
-    """DESIGN.md §2 invariants plus the scheduler's own bookkeeping."""
-    kv = sched.kv_cache_manager
-    pool = kv.block_pool
-    assert set(kv.req_to_blocks) == {r.req_id for r in sched.running}
-    holdings = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks)
+def check_pool(pool: BlockPool, req_to_blocks: dict[str, list[KVCacheBlock]]) -> None:
+    """DESIGN.md §2 block invariants of one pool (device or host)."""
+    holdings = Counter(b.block_id for blocks in req_to_blocks.values() for b in blocks)
     assert sum(b.ref_cnt for b in pool.blocks) == sum(holdings.values())
     assert all(b.ref_cnt == holdings[b.block_id] for b in pool.blocks)
     free_ids = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
@@ -107,14 +121,34 @@ def check_invariants(sched: Scheduler) -> None:
         assert block.block_hash == block_hash
     assert sum(b.block_hash is not None for b in pool.blocks) == len(
         pool.cached_block_hash_to_block)
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """DESIGN.md §2 invariants on both pools plus the scheduler's own bookkeeping."""
+    kv = sched.kv_cache_manager
+    assert set(kv.req_to_blocks) == {r.req_id for r in sched.running}
+    check_pool(kv.block_pool, kv.req_to_blocks)
+    swapped = list(sched.swapped)
+    if sched.swap_space is None:
+        assert not swapped
+    else:
+        host = sched.swap_space
+        assert set(host.req_to_host_blocks) == {r.req_id for r in swapped}
+        check_pool(host.host_pool, host.req_to_host_blocks)
+        assert not host.host_pool.cached_block_hash_to_block
+        # A swapped request keeps num_computed_tokens: one host block per computed block.
+        for r in swapped:
+            assert len(host.req_to_host_blocks[r.req_id]) == kv.num_blocks_needed(
+                r.num_computed_tokens) > 0
+    assert all(r.status == RequestStatus.SWAPPED for r in swapped)
     assert len(sched.running) <= sched.max_num_seqs
     assert all(r.status == RequestStatus.RUNNING for r in sched.running)
     assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
                for r in sched.waiting)
-    assert len(sched.requests) == len(sched.running) + len(sched.waiting)
+    assert len(sched.requests) == len(sched.running) + len(sched.waiting) + len(swapped)
     if sched.policy == "priority":
         # Sorted queues: admission and "preempt the last" follow (priority, arrival).
-        for queue in (list(sched.waiting), sched.running):
+        for queue in (list(sched.waiting), sched.running, swapped):
             keys = [priority_key(r) for r in queue]
             assert keys == sorted(keys)
 
@@ -129,6 +163,7 @@ class FakeClock:
 
 def do_step(sched: Scheduler, runner: FakeRunner, clock: FakeClock) -> None:
     clock.now += 1.0
+    swapped_before = {r.req_id: r.num_computed_tokens for r in sched.swapped}
     out = sched.schedule()
     # Every request whose deadline has come is finished, with its id sent to the runner.
     for request in sched.pop_timed_out_requests():
@@ -139,6 +174,13 @@ def do_step(sched: Scheduler, runner: FakeRunner, clock: FakeClock) -> None:
     assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
     assert len(out.num_scheduled_tokens) <= sched.max_num_seqs
     assert all(n > 0 for n in out.num_scheduled_tokens.values())
+    # A swap-in resumes where the request was: nothing it computed is recomputed, and
+    # at most its blocks are copied back.
+    swapped_in = [new for new in out.scheduled_new_reqs if new.req_id in swapped_before]
+    for new in swapped_in:
+        assert new.num_computed_tokens == swapped_before[new.req_id] > 0
+    assert len(out.blocks_to_swap_in) <= sum(len(new.block_ids) for new in swapped_in)
+    assert bool(out.blocks_to_swap_out) <= bool(out.preempted_req_ids)
     sched.update_from_output(out, runner.execute(out))
     for request in sched.running:
         assert runner.requests[request.req_id].token_ids[:request.num_tokens] == \
@@ -160,14 +202,20 @@ _OPS = st.one_of(_ADD, _ADD, _ADD, _STEP, _STEP, _STEP, _STEP, _ABORT)
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> dict:
+def scenarios(draw: st.DrawFn, preemption_mode: str = "recompute") -> dict:
     chunked = draw(st.booleans())
     block_size = draw(st.sampled_from([1, 2, 4]))
     # 8..32 usable slots: a few requests fit, growing ones run out (preemption).
     num_slots = draw(st.integers(8, 32))
+    num_blocks = 1 + -(-num_slots // block_size)
+    # Host pools from none (< 2 blocks) through too small for some requests (recompute
+    # fallback) to twice the device pool.
+    num_swap_blocks = draw(st.integers(0, 2 * num_blocks)) if preemption_mode == "swap" else 0
     return dict(
         block_size=block_size,
-        num_blocks=1 + -(-num_slots // block_size),
+        num_blocks=num_blocks,
+        preemption_mode=preemption_mode,
+        num_swap_blocks=num_swap_blocks,
         enable_prefix_caching=draw(st.booleans()),
         enable_chunked_prefill=chunked,
         budget=draw(st.integers(1, 12)) if chunked else MAX_MODEL_LEN,
@@ -180,6 +228,21 @@ def scenarios(draw: st.DrawFn) -> dict:
 @settings(max_examples=80, deadline=None)
 @given(scenario=scenarios())
 def test_random_operations_keep_invariants(scenario: dict) -> None:
+    run_scenario(scenario)
+
+
+@settings(max_examples=80, deadline=None)
+@given(scenario=scenarios(preemption_mode="swap"))
+def test_random_operations_keep_invariants_with_swap(scenario: dict) -> None:
+    sched = run_scenario(scenario)
+    target(float(sched.num_swaps_out), label="swaps")
+    # Every swap-out came back or was dropped by an abort / deadline.
+    assert sched.num_swaps_in <= sched.num_swaps_out
+    assert sched.num_swapped == sched.num_swapped_blocks == 0
+
+
+def run_scenario(scenario: dict) -> Scheduler:
+    """Play the ops, then step until every request finished; check as it goes."""
     block_size, num_blocks = scenario["block_size"], scenario["num_blocks"]
     clock = FakeClock()
     sched = Scheduler(
@@ -187,10 +250,11 @@ def test_random_operations_keep_invariants(scenario: dict) -> None:
                         max_num_batched_tokens=scenario["budget"],
                         max_model_len=MAX_MODEL_LEN,
                         enable_chunked_prefill=scenario["enable_chunked_prefill"],
-                        policy=scenario["policy"]),
+                        policy=scenario["policy"],
+                        preemption_mode=scenario["preemption_mode"]),
         CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
                     enable_prefix_caching=scenario["enable_prefix_caching"]),
-        num_blocks, clock=clock)
+        num_blocks, num_swap_blocks=scenario["num_swap_blocks"], clock=clock)
     runner = FakeRunner(block_size)
     added: list[Request] = []
     for op in scenario["ops"]:
@@ -223,9 +287,13 @@ def test_random_operations_keep_invariants(scenario: dict) -> None:
     assert not sched.has_unfinished_requests()
     assert all(r.is_finished for r in added)
     assert sched.kv_cache_manager.get_num_free_blocks() == num_blocks - 1
+    if sched.swap_space is not None:
+        host_pool = sched.swap_space.host_pool
+        assert host_pool.get_num_free_blocks() == host_pool.num_blocks - 1
     for request in added:
         if request.status != RequestStatus.FINISHED_ABORTED:
             _check_greedy_output(request)
+    return sched
 
 
 def _check_greedy_output(request: Request) -> None:

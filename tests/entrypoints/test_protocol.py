@@ -121,3 +121,23 @@ def test_neutral_values_of_unimplemented_fields_are_accepted():
          "tools": [], "tool_choice": "none", "parallel_tool_calls": True, "store": False,
          "modalities": ["text"], "service_tier": "auto"})
     assert req.tools == []
+
+
+def test_swap_metrics_and_log_line():
+    metrics = EngineMetrics("m")
+    stats = SchedulerStats(num_running=1, num_waiting=0, kv_cache_usage=0.5,
+                           prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=3,
+                           num_free_blocks=5, num_blocks=9, num_swapped=1, num_swaps_out=3,
+                           num_swaps_in=2, num_swapped_blocks=4)
+    metrics.observe_scheduler_stats(stats)
+    samples = {(s.name, s.labels.get("direction")): s.value
+               for fam in text_string_to_metric_families(metrics.render().decode())
+               for s in fam.samples}
+    assert samples[("pagedllm:num_requests_swapped", None)] == 1
+    assert samples[("pagedllm:num_swaps_total", "out")] == 3
+    assert samples[("pagedllm:num_swaps_total", "in")] == 2
+    assert "Swapped: 1 reqs (out 3, in 2)" in metrics.stats_log.log()
+    metrics.mark_engine_dead()
+    dead = {s.name: s.value for fam in text_string_to_metric_families(
+        metrics.render().decode()) for s in fam.samples}
+    assert dead["pagedllm:num_requests_swapped"] == 0 and dead["pagedllm:engine_alive"] == 0

@@ -2,8 +2,9 @@
 
 Each parameter carries a `weight_loader(param, loaded, shard_id=None)` so a model's
 `load_weights` can fill fused projections (qkv_proj, gate_up_proj) from the separate HF
-tensors and, with tp_size > 1, keep only this rank's slice. With tp_size == 1 (today's
-executors) the slices are whole tensors.
+tensors and, with tp_size > 1, keep only this rank's slice. The layers take the worker's
+`ParallelState` (distributed/parallel_state.py) at construction; without one they are
+whole (one rank) and never communicate. A row-parallel layer all-reduces its output.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.comm import all_reduce
+from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.features import has_avx512_bf16
 from pagedllm.kernels.cpu.ops import cpu_ops_available
@@ -25,10 +28,11 @@ class LinearBase(Module):
     """y = x W^T (+ b) with W of shape [output_size, input_size] (this rank's part)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 parallel: ParallelState | None = None) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.parallel = parallel or SINGLE_RANK
+        self.tp_rank, self.tp_size = self.parallel.tp_rank, self.parallel.tp_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -59,9 +63,13 @@ class LinearBase(Module):
         if self.packed_weight is not None or self.native_weight is not None:
             return
         self.packed_weight, self.native_weight, self.native_bias = pack_for_cpu(
-            self.weight, self.bias if self.tp_rank == 0 else None)
+            self.weight, self._fused_bias())
         if release and (self.packed_weight is not None or self.native_weight is not None):
             self.weight.data = self.weight.data.new_empty(0)
+
+    def _fused_bias(self) -> torch.Tensor | None:
+        """The bias the GEMM adds (a row-parallel layer adds its own after the reduce)."""
+        return self.bias
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -164,23 +172,30 @@ def _rank_slice(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor
     return t.narrow(dim, rank * part, part)
 
 
+def _tp_size(parallel: ParallelState | None) -> int:
+    return (parallel or SINGLE_RANK).tp_size
+
+
 class ColumnParallelLinear(LinearBase):
-    """Output features split across ranks (no communication after it)."""
+    """Output features split across ranks (no communication after it): rank r holds
+    output rows [r * out / tp, (r + 1) * out / tp) of the weight and bias."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(input_size, output_size // tp_size, bias, tp_rank, tp_size)
+                 parallel: ParallelState | None = None) -> None:
+        super().__init__(input_size, output_size // _tp_size(parallel), bias, parallel)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         _copy_checked(param.data, _rank_slice(loaded, 0, self.tp_rank, self.tp_size))
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; the partial outputs need an all-reduce (TP > 1)."""
+    """Input features split across ranks (rank r holds input columns
+    [r * in / tp, (r + 1) * in / tp)); each rank's partial output is all-reduced, so every
+    rank returns the whole y. The bias is replicated and added once, after the reduce."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(input_size // tp_size, output_size, bias, tp_rank, tp_size)
+                 parallel: ParallelState | None = None) -> None:
+        super().__init__(input_size // _tp_size(parallel), output_size, bias, parallel)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         dim = 1 if param.dim() == 2 else None
@@ -188,22 +203,33 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: with tp_size > 1 the bias must be added once, after the all-reduce.
-        return cpu_linear(x, self.weight, self.bias if self.tp_rank == 0 else None,
-                          self.packed_weight, self.native_weight, self.native_bias)
+        if self.tp_size == 1:
+            return super().forward(x)
+        # NOTE: the bias must be added once, after the all-reduce (not on every rank).
+        out = cpu_linear(x, self.weight, None, self.packed_weight, self.native_weight,
+                         self.native_bias)  # native_bias holds zeros here (_fused_bias)
+        all_reduce(out, self.parallel)
+        return out if self.bias is None else out + self.bias
+
+    def _fused_bias(self) -> torch.Tensor | None:
+        return self.bias if self.tp_size == 1 else None
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections stored as one matrix (e.g. gate_up_proj)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 parallel: ParallelState | None = None) -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+        super().__init__(input_size, sum(output_sizes), bias, parallel)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
-        if shard_id is None:  # checkpoint already fused
-            return super().weight_loader(param, loaded)
+        if shard_id is None:  # checkpoint already fused: rows [shard 0 | shard 1 | ...]
+            if self.tp_size == 1:
+                return super().weight_loader(param, loaded)
+            for j, part in enumerate(loaded.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, part, j)
+            return None
         sizes = [s // self.tp_size for s in self.output_sizes]
         offset = sum(sizes[:shard_id])
         src = _rank_slice(loaded, 0, self.tp_rank, self.tp_size)
@@ -214,21 +240,31 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matrix: rows [q | k | v] of this rank's heads."""
 
     def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 bias: bool = False, parallel: ParallelState | None = None) -> None:
+        tp_size = _tp_size(parallel)
         self.head_size = head_size
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
+        # Rank r runs q heads [r * H / tp, (r + 1) * H / tp).
         self.num_heads = num_heads // tp_size
-        # MQA/GQA with fewer KV heads than ranks replicates KV heads.
+        # MQA/GQA with fewer KV heads than ranks replicates KV heads: each rank keeps the
+        # one KV head its q heads read (q head h reads KV head h * KVH // H).
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
         # Ranks sharing one KV head when KV heads are replicated (1 otherwise).
         self.kv_replicas = max(1, tp_size // num_kv_heads)
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
         total = (self.q_size + 2 * self.kv_size) * tp_size
-        super().__init__(hidden_size, total, bias, tp_rank, tp_size)
+        super().__init__(hidden_size, total, bias, parallel)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
-        if shard_id is None:  # checkpoint already fused
-            return super().weight_loader(param, loaded)
+        if shard_id is None:  # checkpoint already fused: rows [q | k | v] of all heads
+            if self.tp_size == 1:
+                return super().weight_loader(param, loaded)
+            q_rows = self.total_num_heads * self.head_size
+            kv_rows = self.total_num_kv_heads * self.head_size
+            for part, sid in zip(loaded.split([q_rows, kv_rows, kv_rows], dim=0), "qkv"):
+                self.weight_loader(param, part, sid)
+            return None
         offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                    "v": (self.q_size + self.kv_size, self.kv_size)}
         offset, size = offsets[shard_id]

@@ -1,0 +1,2 @@
+"""Tensor-parallel process groups (`parallel_state.py`) and the communication ops the
+sharded layers call (`comm.py`). Pipeline parallelism is not built yet."""
