@@ -11,6 +11,8 @@ scheduler's ordinary EOS check. xgrammar is imported lazily (only when used).
 
 from __future__ import annotations
 
+import functools
+
 import json
 import logging
 from collections.abc import Callable
@@ -37,21 +39,29 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
     """Parse the constraint without a tokenizer; InvalidRequestError if it is malformed.
 
     Run by the input processor, so a bad schema fails its request up front instead of
-    inside the engine step.
+    inside the engine step (the server runs it first off the event loop: a large schema
+    takes a while). Valid constraints are remembered, so a repeat costs nothing.
     """
+    _validate_constraint(params.cache_key())
+
+
+@functools.lru_cache(maxsize=512)
+def _validate_constraint(key: tuple) -> None:
+    """`key` is StructuredOutputsParams.cache_key(): (kind, value, disable_any_whitespace),
+    with a JSON schema as sorted JSON text and choices as a tuple."""
     import xgrammar as xgr
 
-    kind = params.kind
+    kind, value, disable_any_whitespace = key
     try:
         if kind == "json":
-            xgr.Grammar.from_json_schema(_json_schema_text(params.json),
-                                         any_whitespace=not params.disable_any_whitespace)
+            xgr.Grammar.from_json_schema(_json_schema_text(value),
+                                         any_whitespace=not disable_any_whitespace)
         elif kind == "regex":
-            xgr.Grammar.from_regex(params.regex)
+            xgr.Grammar.from_regex(value)
         elif kind == "choice":
-            xgr.Grammar.from_ebnf(choice_to_ebnf(params.choice))
+            xgr.Grammar.from_ebnf(choice_to_ebnf(list(value)))
         elif kind == "grammar":
-            xgr.Grammar.from_ebnf(params.grammar)
+            xgr.Grammar.from_ebnf(value)
     except (RuntimeError, ValueError) as e:
         raise InvalidRequestError(
             f"invalid structured_outputs.{kind}: {str(e).strip().splitlines()[-1]}") from e

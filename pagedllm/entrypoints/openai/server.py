@@ -392,6 +392,10 @@ async def serve(args: argparse.Namespace, engine_args: Any,
                       log_stats_interval_s=args.log_stats_interval)
     try:
         await engine.start()
+        # xgrammar is imported on the first structured-output request otherwise: a
+        # long import inside a request handler (it stalled /health ~90 ms).
+        import xgrammar  # noqa: F401
+
         # Start-up objects (torch, transformers, the tokenizer) are permanent: keep
         # them out of the collector so a full collection cannot stall /health.
         gc.collect()

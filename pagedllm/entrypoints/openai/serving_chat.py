@@ -48,7 +48,7 @@ class OpenAIServingChat(OpenAIServing):
                                           f"{request.top_logprobs}")
             if not request.logprobs:
                 raise InvalidRequestError("top_logprobs requires logprobs to be true")
-        self.check_limits(request, request.top_logprobs)
+        self.check_limits(request, request.top_logprobs, logprobs_field="top_logprobs")
         text, ids = await self.render_chat(request.messages, request.add_generation_prompt,
                                            request.continue_final_message,
                                            request.chat_template, request.chat_template_kwargs)
@@ -58,6 +58,7 @@ class OpenAIServingChat(OpenAIServing):
             raise InvalidRequestError(f"max_tokens must be at least 1, got {requested}.")
         max_tokens = self.check_length(len(ids), requested, kind="messages")
         params = self.sampling_params(request.sampling_kwargs(max_tokens), request.stream)
+        await self.check_constraints(params)
         request_id = request.request_id or random_id("chatcmpl")
         streams = self.add_requests(request_id, [(text, ids)], [params], request)
         if request.stream:

@@ -21,7 +21,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
-from pagedllm.entrypoints.openai.offload import Offloader
+from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.errors import EngineDeadError, InvalidRequestError
@@ -92,15 +92,17 @@ class OpenAIServing:
         if model is not None and model not in self.served_model_names:
             raise ModelNotFoundError(f"The model `{model}` does not exist.")
 
-    def check_limits(self, request: SamplingFields, num_logprobs: int | None) -> None:
-        """The per-request maxima of ServeConfig (n, best_of, logprobs, stop lists)."""
+    def check_limits(self, request: SamplingFields, num_logprobs: int | None,
+                     logprobs_field: str = "logprobs") -> None:
+        """The per-request maxima of ServeConfig (n, best_of, logprobs, stop lists);
+        `logprobs_field` names the request's logprobs count (chat: top_logprobs)."""
         cfg = self.serve_config
         for name in ("n", "best_of"):
             value = getattr(request, name)
             if value is not None and value > cfg.max_n:
                 raise InvalidRequestError(f"{name} must be at most {cfg.max_n} (--max-n), "
                                           f"got {value}.")
-        for name, value in (("logprobs", num_logprobs),
+        for name, value in ((logprobs_field, num_logprobs),
                             ("prompt_logprobs", request.prompt_logprobs)):
             if value is not None and value > cfg.max_logprobs:
                 raise InvalidRequestError(
@@ -130,6 +132,18 @@ class OpenAIServing:
         return await self.offloader.run("tokenizing the prompt", num_bytes,
                                         self.tokenizer.encode, text,
                                         add_special_tokens=add_special_tokens)
+
+    async def check_constraints(self, params: SamplingParams) -> None:
+        """Parse a structured-output constraint off the event loop (a large schema, or
+        xgrammar's first import, takes a while); the input processor's own check then
+        finds it remembered."""
+        if params.structured_outputs is None:
+            return
+        from pagedllm.sample.structured_output import validate_structured_outputs
+
+        await self.offloader.run("checking the structured output constraint",
+                                 INLINE_BYTES, validate_structured_outputs,
+                                 params.structured_outputs)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None,
                      kind: str = "messages") -> int:

@@ -62,6 +62,7 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = self.check_length(len(ids), requested, kind="prompt")
             params.append(self.sampling_params(kwargs | {"max_tokens": max_tokens},
                                                request.stream))
+        await self.check_constraints(params[0])
         request_id = request.request_id or random_id("cmpl")
         streams = self.add_requests(request_id, prompts, params, request)
         if request.stream:
