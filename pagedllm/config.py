@@ -202,7 +202,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Workers each holding 1/tp of every layer (heads, MLP columns, vocabulary)."""
     pipeline_parallel_size: int = 1
-    """Stages of contiguous layers; only 1 is implemented."""
+    """Stages of contiguous layers, each on its own tensor_parallel_size workers."""
     distributed_executor_backend: str | None = None
     """"uni" (the model runner in the engine process), "mp" (one worker process per
     rank) or "ray"; None picks "uni" for one worker and "mp" for more."""
@@ -211,22 +211,20 @@ class ParallelConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, "
                              f"got {self.tensor_parallel_size}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"pipeline parallelism is not implemented yet "
-                             f"(pipeline_parallel_size={self.pipeline_parallel_size}); "
-                             f"use pipeline_parallel_size=1")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, "
+                             f"got {self.pipeline_parallel_size}")
         backend = self.distributed_executor_backend
         if backend is None:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         elif backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "
                              f"{DISTRIBUTED_EXECUTOR_BACKENDS}, got {backend!r}")
-        elif backend == "ray":
-            raise ValueError("the ray distributed executor backend is not implemented yet; "
-                             "use 'mp' (worker processes on this machine)")
         elif backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend 'uni' runs one worker, but "
-                             f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp'")
+                             f"tensor_parallel_size={self.tensor_parallel_size} x "
+                             f"pipeline_parallel_size={self.pipeline_parallel_size} need "
+                             f"{self.world_size}; use 'mp' or 'ray'")
 
     @property
     def world_size(self) -> int:
@@ -235,6 +233,11 @@ class ParallelConfig:
     def verify_with_model(self, hf_config: Any) -> None:
         """The model's heads and MLP width must split evenly across the TP ranks; KV
         heads either split evenly or (fewer KV heads than ranks) replicate evenly."""
+        num_layers = getattr(hf_config, "num_hidden_layers", None)
+        if num_layers is not None and self.pipeline_parallel_size > num_layers:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is more "
+                             f"than the model's {num_layers} layers (one stage needs at "
+                             f"least one)")
         tp = self.tensor_parallel_size
         if tp == 1:
             return

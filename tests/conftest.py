@@ -12,3 +12,17 @@ os.environ.setdefault("PAGEDLLM_CACHE_DIR", tempfile.mkdtemp(prefix="pagedllm-te
 # A failed native kernel build fails the suite instead of quietly testing the torch
 # fallback; a machine without a C++ compiler says so with PAGEDLLM_CPU_KERNELS=auto.
 os.environ.setdefault("PAGEDLLM_CPU_KERNELS", "required")
+
+
+def _set_triton_interpret() -> None:
+    """Without a GPU the Triton kernels run under the interpreter, which must be chosen
+    before triton is first imported: its own library functions are decorated then, and
+    a kernel of interpreter mode cannot call compiled-mode ones. Here, before any test
+    module (some import triton indirectly, through torch's inductor) is collected."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_set_triton_interpret()

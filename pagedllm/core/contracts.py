@@ -3,7 +3,8 @@
 Plain dataclasses of ints, lists and dicts (no tensors), so the runner can live in
 another process. A request's full data is sent once (`NewRequestData`); later steps send
 only what changed (`CachedRequestData`). The runner appends the tokens it samples to its
-own copy of each request, so sampled ids never travel back down.
+own copy of each request, so sampled ids never travel back down, except under pipeline
+parallelism, where only the last stage samples and steps overlap.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class CachedRequestData:
     new_block_ids: list[int]
     # Tokens with K/V in the cache before this step.
     num_computed_tokens: int
+    # Under pipeline parallelism only: the token sampled for it since it last ran (the
+    # runners of a pipeline do not see each other's samples); [] otherwise.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -26,6 +26,15 @@ Policies (`SchedulerConfig.policy`):
   running requests from the back until it fits; it preempts nobody when even
   preempting every worse request would not make room.
 
+Steps in flight (pipeline parallelism, `pipeline_depth` > 1): the engine may schedule
+the next step before the last one's output is back. A request scheduled in a step whose
+output has not come back (`update_from_output`) is in flight: it is neither scheduled
+again nor chosen as a preemption victim until then. A step holds at most
+ceil(max_num_seqs / pipeline_depth) requests, so the running requests spread over
+`pipeline_depth` steps that keep every stage busy (as vLLM V0's virtual engines split
+them), and each continuing request carries the token sampled for it since it last ran
+(the pipeline's runners do not share their samples).
+
 Deadlines: a request with `deadline` (absolute `time.monotonic()` time) still live at
 the start of a `schedule()` at or after it is finished as FINISHED_TIMEOUT, waiting,
 swapped or running; its blocks are freed at once and `pop_timed_out_requests()` hands it over.
@@ -87,7 +96,8 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, num_swap_blocks: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 pipeline_depth: int = 1) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -124,6 +134,10 @@ class Scheduler:
         self._deadlines = DeadlineHeap()
         # Finished by their deadline, until pop_timed_out_requests() hands them over.
         self.timed_out_reqs: list[Request] = []
+        # Ids of requests in steps whose output is not back yet.
+        self.in_flight: set[str] = set()
+        self.send_token_ids = pipeline_depth > 1
+        self.max_num_seqs_per_step = -(-self.max_num_seqs // pipeline_depth)
 
     # ---------------------------------------------------------------- requests
 
@@ -209,47 +223,65 @@ class Scheduler:
         # from here on they include the tokens this step computes.
         for req_id, num_tokens in step.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
+        self.in_flight.update(step.num_scheduled_tokens)
         return output
 
     def _schedule_running(self, step: _StepState) -> None:
         """Continue running requests in order; preempt from the back when blocks run out."""
         req_index = 0
-        while req_index < len(self.running) and step.token_budget > 0:
+        while (req_index < len(self.running) and step.token_budget > 0
+               and len(step.num_scheduled_tokens) < self.max_num_seqs_per_step):
             request = self.running[req_index]
             # Chunked prefill: take what is left of the prompt (or 1 token when
             # decoding), capped by the remaining budget.
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens,
                                  step.token_budget)
-            if num_new_tokens <= 0:
+            if num_new_tokens <= 0 or request.req_id in self.in_flight:
                 req_index += 1
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new_tokens, step)
+            new_blocks = self._allocate_or_preempt(request, req_index, num_new_tokens, step)
             if new_blocks is None:
                 break  # the request preempted itself: nothing after it is left
+            new_token_ids = []
+            if self.send_token_ids:
+                # The runner holds the prompt and every token up to what was computed.
+                start = max(request.num_computed_tokens, request.num_prompt_tokens)
+                new_token_ids = request.all_token_ids[start:]
             step.cached_reqs.append(CachedRequestData(
                 req_id=request.req_id,
                 new_block_ids=[b.block_id for b in new_blocks],
-                num_computed_tokens=request.num_computed_tokens))
+                num_computed_tokens=request.num_computed_tokens,
+                new_token_ids=new_token_ids))
             step.add(request, num_new_tokens)
             req_index += 1
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
+    def _allocate_or_preempt(self, request: Request, index: int, num_new_tokens: int,
                              step: _StepState) -> list[KVCacheBlock] | None:
-        """Allocate for a running request, preempting the last running one until it fits.
+        """Allocate for running[index], preempting the last running request not in
+        flight until it fits.
 
-        The requests before `request` in `running` are already scheduled this step and
-        the victims come from the back, so a scheduled request is never preempted.
-        Returns None when `request` itself had to be preempted.
+        The requests before `index` are already scheduled this step and the victims come
+        from the back, so a scheduled request is never preempted; `request` itself is
+        not in flight, so a victim always exists. Returns None when `request` itself had
+        to be preempted.
         """
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_blocks is not None:
                 return new_blocks
             step.is_short_of_blocks = True
-            victim = self.running.pop()
+            victim_index = self._last_preemptible(index)
+            victim = self.running.pop(victim_index)
             self._preempt(victim, step)
             if victim is request:
                 return None
+
+    def _last_preemptible(self, start: int = 0) -> int:
+        """Index of the last request of running[start:] not in flight (-1: none)."""
+        for i in range(len(self.running) - 1, start - 1, -1):
+            if self.running[i].req_id not in self.in_flight:
+                return i
+        return -1
 
     def _preempt(self, request: Request, step: _StepState) -> None:
         """Preempt a running request (already out of `running`, not scheduled this step).
@@ -279,7 +311,8 @@ class Scheduler:
     def _schedule_admissions(self, step: _StepState) -> None:
         """Swap in swapped requests and admit waiting ones, in `_next_queue` order; stop
         at the first that does not fit (no skipping, so neither queue is starved)."""
-        while len(self.running) < self.max_num_seqs and step.token_budget > 0:
+        while (len(self.running) < self.max_num_seqs and step.token_budget > 0
+               and len(step.num_scheduled_tokens) < self.max_num_seqs_per_step):
             queue = self._next_queue()
             if queue is None:
                 return
@@ -391,11 +424,13 @@ class Scheduler:
             if (len(self.running) < self.max_num_seqs
                     and self._fits_after_preempting(head, ())):
                 return  # admissible as is
-            # running is sorted by priority_key: the worse requests are a suffix.
-            worse = [r for r in self.running if r.priority > head.priority]
-            if not self._fits_after_preempting(head, worse):
+            # running is sorted by priority_key: the worse requests are a suffix (the
+            # ones in flight cannot be preempted now).
+            worse = [r for r in self.running
+                     if r.priority > head.priority and r.req_id not in self.in_flight]
+            if not worse or not self._fits_after_preempting(head, worse):
                 return
-            self._preempt(self.running.pop(), step)
+            self._preempt(self.running.pop(self.running.index(worse[-1])), step)
 
     def _fits_after_preempting(self, request: Request, victims: Sequence[Request]) -> bool:
         """Whether the pool could hold the uncached part of waiting `request` once every
@@ -423,7 +458,7 @@ class Scheduler:
         Returns the requests that got new tokens or finished in this step, in the
         runner's order. Requests finished or aborted meanwhile are skipped.
         """
-        del scheduler_output  # everything needed is on the requests already
+        self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         updated: list[Request] = []
         finished: set[str] = set()
         self._record_prompt_logprobs(model_runner_output)

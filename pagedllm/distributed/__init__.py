@@ -1,2 +1,2 @@
-"""Tensor-parallel process groups (`parallel_state.py`) and the communication ops the
-sharded layers call (`comm.py`). Pipeline parallelism is not built yet."""
+"""Process groups of tensor and pipeline parallelism (`parallel_state.py`) and the
+communication ops the sharded layers and the model runner call (`comm.py`)."""

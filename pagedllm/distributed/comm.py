@@ -1,6 +1,7 @@
-"""Collectives over a ParallelState's group, as small functions the layers call.
+"""Collectives over a ParallelState's group, as small functions the layers call, and the
+point-to-point transfer of hidden states between pipeline stages.
 
-All of them are no-ops (or identities) when tp_size == 1, so single-rank code pays
+The collectives are no-ops (or identities) when tp_size == 1, so single-rank code pays
 nothing. They call the ProcessGroup's own methods rather than torch.distributed's
 module-level API, which needs the group registered in a process-global world.
 NOTE: every rank of the group must make the same calls in the same order with tensors of
@@ -10,6 +11,7 @@ the same shape and dtype, or the group deadlocks until its timeout.
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,3 +79,23 @@ def broadcast_object(obj: object, ps: ParallelState, src: int = 0) -> object:
         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     broadcast(buf, ps, src)
     return obj if ps.tp_rank == src else pickle.loads(buf.numpy().tobytes())
+
+
+# ------------------------------------------------------------------ pipeline stages
+
+def send_to_next_stage(x: torch.Tensor, ps: ParallelState) -> Any:
+    """Start sending `x` to the same TP rank of the next stage; returns the pending Work
+    (wait on it before `x` is reused or dropped). Not waiting here lets this stage start
+    its next step while the next stage takes the tensor."""
+    assert x.is_contiguous() and ps.next_group is not None
+    return ps.next_group.send([x], 1, 0)
+
+
+def recv_from_prev_stage(shape: tuple[int, ...], dtype: torch.dtype, ps: ParallelState,
+                         device: torch.device | str = "cpu") -> torch.Tensor:
+    """The tensor the same TP rank of the previous stage sends (blocks until it arrives);
+    the caller knows its shape and dtype from the step it runs."""
+    assert ps.prev_group is not None
+    x = torch.empty(shape, dtype=dtype, device=device)
+    ps.prev_group.recv([x], 0, 0).wait()
+    return x

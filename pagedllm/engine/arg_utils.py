@@ -80,10 +80,12 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "tensor parallel workers: each holds 1/N of every "
                                         "layer's heads and MLP columns and of the vocabulary "
                                         "(CPU: gloo; the threads are shared among them)")
-    pipeline_parallel_size: int = _arg(1, "pipeline stages (only 1: not implemented yet)")
+    pipeline_parallel_size: int = _arg(1, "pipeline stages: each holds a contiguous range of "
+                                          "the layers on its own tensor_parallel_size workers")
     distributed_executor_backend: str | None = _arg(
-        None, "uni (in-process, one worker) or mp (one process per worker); default: uni "
-              "for one worker, mp for more (ray: not implemented yet)",
+        None, "uni (in-process, one worker), mp (one process per worker on this machine) or "
+              "ray (one Ray actor per worker, on any node of a Ray cluster: "
+              "pip install pagedllm[ray]); default: uni for one worker, mp for more",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS)
 
     @classmethod

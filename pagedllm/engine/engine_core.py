@@ -2,12 +2,19 @@
 
 It owns no tokenizer and no text: it moves Requests. The offline LLMEngine calls it
 in-process; the server's engine process wraps it behind a socket.
+
+Pipeline parallelism keeps up to pipeline_parallel_size steps in flight (the executor's
+`max_concurrent_batches`): `step()` schedules and sends a new step while there is room
+and something to run, and otherwise waits for the oldest step's output, so every stage
+has work while the others run theirs. The scheduler skips requests in flight.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import Scheduler
@@ -25,8 +32,12 @@ class EngineCore:
         # Host blocks of swap preemption (0 unless preemption_mode is "swap").
         self.num_swap_blocks = self.executor.determine_num_swap_blocks()
         self.executor.initialize_kv_cache(self.num_blocks, self.num_swap_blocks)
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
-                                   num_swap_blocks=self.num_swap_blocks)
+                                   num_swap_blocks=self.num_swap_blocks,
+                                   pipeline_depth=self.max_concurrent_batches)
+        # (SchedulerOutput, future of its ModelRunnerOutput), oldest first.
+        self.batch_queue: deque[tuple[Any, Any]] = deque()
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks,
                     config.cache.block_size, (self.num_blocks - 1) * config.cache.block_size)
         if self.num_swap_blocks:
@@ -44,11 +55,13 @@ class EngineCore:
         return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> list[Request]:
         """Run one forward pass; return the requests that got tokens or finished
         (including those whose deadline passed: finished with FINISHED_TIMEOUT)."""
+        if self.max_concurrent_batches > 1:
+            return self._step_pipelined()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
@@ -60,6 +73,31 @@ class EngineCore:
             self.executor.execute_model(scheduler_output)
             return timed_out
         runner_output = self.executor.execute_model(scheduler_output)
+        return timed_out + self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_pipelined(self) -> list[Request]:
+        """Send a new step if one fits in the pipeline and has work; otherwise (or when
+        the pipeline is full) take the oldest step's output. Returns the requests updated
+        (and timed out) by this call, possibly none."""
+        timed_out: list[Request] = []
+        if (len(self.batch_queue) < self.max_concurrent_batches
+                and self.scheduler.has_unfinished_requests()):
+            scheduler_output = self.scheduler.schedule()
+            timed_out = self.scheduler.pop_timed_out_requests()
+            so = scheduler_output
+            if (not so.is_empty or so.finished_req_ids or so.preempted_req_ids
+                    or so.blocks_to_swap_out or so.blocks_to_swap_in):
+                # Steps without tokens still carry ids the runners must drop (and
+                # swaps); their empty outputs come back in order with the rest.
+                future = self.executor.execute_model(scheduler_output, non_block=True)
+                self.batch_queue.append((scheduler_output, future))
+                if (not scheduler_output.is_empty
+                        and len(self.batch_queue) < self.max_concurrent_batches):
+                    return timed_out  # room for another step before waiting
+        if not self.batch_queue:
+            return timed_out
+        scheduler_output, future = self.batch_queue.popleft()
+        runner_output = future.result()
         return timed_out + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def shutdown(self) -> None:

@@ -1,33 +1,66 @@
 """Executor: the engine's handle on the model runner(s).
 
 `distributed_executor_backend` picks one: "uni", the in-process executor, calls one
-ModelRunner directly; "mp" (multiproc.py) runs one worker process per tensor-parallel
-rank and ships SchedulerOutput / ModelRunnerOutput (plain dataclasses) to and from them.
-Ray is not built yet (ParallelConfig rejects it).
+ModelRunner directly; "mp" (multiproc.py) runs one worker process per rank on this
+machine and "ray" (ray_executor.py) one Ray actor per rank on any node of a Ray cluster;
+both ship SchedulerOutput / ModelRunnerOutput (plain dataclasses) to and from their
+workers (worker/worker.py).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 
 
+class StepFuture:
+    """The output of a step in flight. `result()` drives `resolve` (which reads the next
+    answer and settles the oldest future in flight) until this one is settled: steps
+    finish in the order they were sent."""
+
+    def __init__(self, resolve: Callable[[], None]) -> None:
+        self._resolve = resolve
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set_result(self, value: Any) -> None:
+        self._value, self._done = value, True
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error, self._done = error, True
+
+    def result(self) -> Any:
+        while not self._done:
+            self._resolve()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class Executor(Protocol):
+    # Steps the engine may keep in flight (pipeline_parallel_size; 1: strictly one).
+    max_concurrent_batches: int
+
     def determine_num_blocks(self) -> int: ...
 
     def determine_num_swap_blocks(self) -> int: ...
 
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None: ...
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
+                      ) -> ModelRunnerOutput | StepFuture: ...
 
     def shutdown(self) -> None: ...
 
 
 class InProcExecutor:
     """One model runner in this process."""
+
+    max_concurrent_batches = 1
 
     def __init__(self, config: EngineConfig) -> None:
         from pagedllm.worker.model_runner import ModelRunner
@@ -43,8 +76,14 @@ class InProcExecutor:
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
         self.runner.initialize_kv_cache(num_blocks, num_swap_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
+                      ) -> ModelRunnerOutput | StepFuture:
+        output = self.runner.execute_model(scheduler_output)
+        if not non_block:
+            return output
+        future = StepFuture(lambda: None)
+        future.set_result(output)
+        return future
 
     def shutdown(self) -> None:
         pass
@@ -56,5 +95,10 @@ def create_executor(config: EngineConfig) -> Executor:
         from pagedllm.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config)
+    if backend == "ray":
+        # Imports Ray only now: it is an optional dependency (pagedllm[ray]).
+        from pagedllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     assert backend == "uni", backend  # ParallelConfig validated it
     return InProcExecutor(config)

@@ -1,4 +1,4 @@
-"""The worker process of the multiprocess executor: one tensor-parallel rank.
+"""The worker process of the multiprocess executor: one rank (worker/worker.py).
 
 Started by `MultiprocExecutor` as `python -c BOOT FD ROOT`: FD is its end of a socket pair
 with the engine (a multiprocessing Connection), ROOT the directory holding the pagedllm
@@ -8,8 +8,9 @@ package. Messages, all pickled:
                      (method, args)            "determine_num_blocks", "initialize_kv_cache",
                                                "execute_model" (args pre-pickled once for
                                                all workers), "shutdown"
-  worker -> engine   ("ok", result)            every call, except that only rank 0
-                                               answers "execute_model"
+  worker -> engine   ("ok", result)            every call, except that only the driver
+                                               (TP rank 0 of the last stage) answers
+                                               "execute_model"
                      ("error", exc, traceback) any call that raised
 
 A worker exits when told to shut down or when the engine's end of the socket closes (the
@@ -18,45 +19,18 @@ engine process is gone), so none outlives its engine.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import signal
 import sys
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
-from pagedllm.config import EngineConfig
+from pagedllm.worker.worker import EXECUTE, Worker
 
 # The script a worker process runs (see the module docstring).
 BOOT = ("import sys; sys.path.insert(0, sys.argv[2]); "
         "from pagedllm.executor.mp_worker import main; main(int(sys.argv[1]))")
-# Calls every rank answers; "execute_model" is answered by rank 0 only (the others stay
-# silent unless they fail), so a step costs one reply.
-EXECUTE = "execute_model"
-
-
-@dataclass
-class WorkerInit:
-    """What a worker needs to join its group and build its ModelRunner."""
-
-    tp_rank: int
-    tp_size: int
-    # The engine's rendezvous store (torch.distributed.TCPStore) address.
-    store_host: str
-    store_port: int
-    # The engine's config with num_threads already divided among the workers.
-    config: EngineConfig
-
-
-def worker_config(config: EngineConfig, tp_size: int) -> EngineConfig:
-    """`config` with the engine's intra-op threads split among `tp_size` workers (at
-    least one each), so tp workers on n cores do not oversubscribe them."""
-    threads = max(1, config.device.num_threads // tp_size)
-    return dataclasses.replace(
-        config, device=dataclasses.replace(config.device, num_threads=threads))
 
 
 def main(fd: int) -> None:
@@ -65,9 +39,9 @@ def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     try:
-        runner = _init(conn)
-        if runner is not None:
-            _serve(conn, runner)
+        worker = _init(conn)
+        if worker is not None:
+            _serve(conn, worker)
     except (EOFError, OSError):
         pass  # the engine is gone: nothing to answer
     conn.close()
@@ -78,35 +52,30 @@ def main(fd: int) -> None:
     os._exit(0)
 
 
-def _init(conn: Connection) -> Any:
-    """Receive WorkerInit, join the TP group, build the runner; None after a failure
+def _init(conn: Connection) -> Worker | None:
+    """Receive WorkerInit, join the groups, build the runner; None after a failure
     (already reported)."""
     kind, init = conn.recv()
     assert kind == "init", kind
     try:
-        from pagedllm.distributed.parallel_state import init_tensor_parallel
-        from pagedllm.worker.model_runner import ModelRunner
-
-        parallel = init_tensor_parallel(init.store_host, init.store_port, init.tp_rank,
-                                        init.tp_size)
-        runner = ModelRunner(init.config, parallel)
+        worker = Worker(init)
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises
         _send_error(conn, e)
         return None
     conn.send(("ok", None))
-    return runner
+    return worker
 
 
-def _serve(conn: Connection, runner: Any) -> None:
+def _serve(conn: Connection, worker: Worker) -> None:
     """Answer calls until "shutdown"."""
-    is_driver = runner.parallel.is_driver
+    is_driver = worker.is_driver
     while True:
         method, args = pickle.loads(conn.recv_bytes())
         if method == "shutdown":
             conn.send(("ok", None))
             return
         try:
-            result = getattr(runner, method)(*args)
+            result = worker.execute(method, *args)
         except BaseException as e:  # noqa: BLE001 - reported; the engine shuts us down
             _send_error(conn, e)
             continue

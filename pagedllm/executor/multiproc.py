@@ -1,9 +1,14 @@
-"""MultiprocExecutor: one worker process per tensor-parallel rank on this machine.
+"""MultiprocExecutor: one worker process per rank (tp x pp) on this machine.
 
 The engine process keeps the scheduler; every step it pickles the SchedulerOutput once
 and writes the bytes to each worker's socket (a multiprocessing Connection over a socket
-pair). All ranks run the same forward pass, their layers talking over gloo; rank 0 samples
-and is the only one that answers, with the ModelRunnerOutput.
+pair). All ranks run the same step, their layers talking over gloo (TP all-reduces within
+a stage, hidden states from stage to stage); the driver (TP rank 0 of the last stage)
+samples and is the only one that answers, with the ModelRunnerOutput.
+
+Pipeline parallelism keeps up to pp steps in flight: `execute_model(..., non_block=True)`
+returns a future at once, the workers queue the steps in their sockets and run them in
+order, and the driver's answers resolve the futures in the same order.
 
 Workers are plain `python` subprocesses (mp_worker.py) rather than multiprocessing
 children: the server's engine-core process is itself a daemonic multiprocessing child,
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+from collections import deque
 import subprocess
 import sys
 import weakref
@@ -31,7 +37,10 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.errors import EngineDeadError
-from pagedllm.executor.mp_worker import BOOT, EXECUTE, WorkerInit, worker_config
+from pagedllm.distributed.parallel_state import driver_rank
+from pagedllm.executor.executor import StepFuture
+from pagedllm.executor.mp_worker import BOOT
+from pagedllm.worker.worker import EXECUTE, WorkerInit, worker_config
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +52,18 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class MultiprocExecutor:
-    """tensor_parallel_size worker processes, each with one ModelRunner (its shard)."""
+    """tp x pp worker processes, each with one ModelRunner (its shard)."""
 
     def __init__(self, config: EngineConfig) -> None:
         import torch.distributed as dist
 
-        self.world_size = config.parallel.tensor_parallel_size
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.pp_size = config.parallel.pipeline_parallel_size
+        self.world_size = self.tp_size * self.pp_size
+        self.driver = driver_rank(self.tp_size, self.pp_size)
+        # Steps in flight: one per pipeline stage keeps every stage busy.
+        self.max_concurrent_batches = self.pp_size
+        self._pending: deque[StepFuture] = deque()
         # The rendezvous: workers connect as clients; port 0 lets the OS pick one.
         self._store = dist.TCPStore(STORE_HOST, 0, None, True, wait_for_workers=False)
         self._procs: list[subprocess.Popen] = []
@@ -71,12 +86,12 @@ class MultiprocExecutor:
             self._procs.append(proc)
             self._conns.append(parent)
         for rank, conn in enumerate(self._conns):
-            conn.send(("init", WorkerInit(rank, self.world_size, STORE_HOST,
+            conn.send(("init", WorkerInit(rank, self.tp_size, self.pp_size, STORE_HOST,
                                           self._store.port, config)))
         # Loading errors (an unsupported model, a bad checkpoint) keep their type.
         self._collect(range(self.world_size), during="start-up", reraise=True)
-        logger.info("started %d tensor parallel workers (pids %s)", self.world_size,
-                    [p.pid for p in self._procs])
+        logger.info("started %d workers (tp=%d, pp=%d; pids %s)", self.world_size,
+                    self.tp_size, self.pp_size, [p.pid for p in self._procs])
 
     def determine_num_blocks(self) -> int:
         # Every rank must fit the same block ids: the smallest budget wins.
@@ -89,9 +104,26 @@ class MultiprocExecutor:
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
         self._call_all("initialize_kv_cache", num_blocks, num_swap_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
+                      ) -> ModelRunnerOutput | StepFuture:
+        """Send the step to every worker; its output, or (non_block) a future of it."""
         self._broadcast(EXECUTE, scheduler_output)
-        return self._collect([0], during="execute_model")[0]
+        future = StepFuture(self._resolve_next)
+        self._pending.append(future)
+        return future if non_block else future.result()
+
+    def _resolve_next(self) -> None:
+        """Read the driver's next answer: the output of the oldest step in flight."""
+        future = self._pending[0]
+        try:
+            output = self._collect([self.driver], during="execute_model")[0]
+        except BaseException as e:
+            # The group is dead: every step in flight fails the same way.
+            while self._pending:
+                self._pending.popleft().set_exception(e)
+            raise
+        self._pending.popleft()
+        future.set_result(output)
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -99,6 +131,7 @@ class MultiprocExecutor:
     # ------------------------------------------------------------------ messaging
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
+        assert not self._pending, "a call to every worker while steps are in flight"
         self._broadcast(method, *args)
         return self._collect(range(self.world_size), during=method)
 
@@ -111,7 +144,7 @@ class MultiprocExecutor:
             try:
                 conn.send_bytes(payload)
             except OSError:
-                self._fail(f"tensor parallel worker {rank} is gone "
+                self._fail(f"worker {rank} is gone "
                            f"({self._exit_status(rank)})")
 
     def _collect(self, ranks: Any, during: str, reraise: bool = False) -> list[Any]:
@@ -125,12 +158,12 @@ class MultiprocExecutor:
                 try:
                     reply = conn.recv()
                 except (EOFError, OSError):
-                    self._fail(f"tensor parallel worker {rank} died during {during} "
+                    self._fail(f"worker {rank} died during {during} "
                                f"({self._exit_status(rank)})")
                 if reply[0] == "error":
                     _, exc, text = reply
-                    exc.add_note(f"(raised in tensor parallel worker {rank})")
-                    self._fail(f"tensor parallel worker {rank} failed during {during}: "
+                    exc.add_note(f"(raised in worker {rank})")
+                    self._fail(f"worker {rank} failed during {during}: "
                                f"{type(exc).__name__}: {exc}\n{text}",
                                exc if reraise else None)
                 results[rank] = reply[1]

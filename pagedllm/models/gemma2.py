@@ -21,12 +21,13 @@ import torch
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.distributed.parallel_state import ParallelState
+from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.models.llama import (LlamaAttention, LlamaMLP, head_dim_of,
                                    layer_sliding_window)
+from pagedllm.models.pipeline import make_layers, stage_part
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS, load_stacked_weights
 
 
@@ -55,36 +56,46 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
+    """Stage layout under pipeline parallelism as LlamaModel's (models/pipeline.py)."""
+
     def __init__(self, cfg: Any, attn_backend: str, qk_norm: bool = False,
-                 parallel: ParallelState | None = None) -> None:
+                 parallel: ParallelState | None = None, keep_embedding: bool = False) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
+        parallel = self.parallel = parallel or SINGLE_RANK
+        self.embed_tokens = stage_part(
+            parallel.is_first_stage or keep_embedding,
+            lambda: VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel))
         self.embed_scale = cfg.hidden_size ** 0.5
         head_dim = head_dim_of(cfg)
         layer_types = cfg.layer_types
         # One cos/sin table per layer type, shared by that type's layers.
         ropes = {t: _rope_for(cfg, head_dim, t) for t in sorted(set(layer_types))}
         soft_cap = getattr(cfg, "attn_logit_softcapping", None)
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(cfg, LlamaAttention(
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_hidden_layers, lambda i: GemmaDecoderLayer(cfg, LlamaAttention(
                 cfg, attn_backend, ropes[layer_types[i]],
                 sliding_window=layer_sliding_window(cfg, i),
                 qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
                 qk_norm_offset=1.0 if qk_norm else None,
                 scale=cfg.query_pre_attn_scalar ** -0.5, logits_soft_cap=soft_cap,
                 parallel=parallel),
-                LlamaMLP(cfg, act=cfg.hidden_activation, parallel=parallel))
-            for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
+                LlamaMLP(cfg, act=cfg.hidden_activation, parallel=parallel)), parallel)
+        self.norm = stage_part(parallel.is_last_stage,
+                               lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        # sqrt(hidden) as a model-dtype number (HF multiplies by it cast to the weight dtype).
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
-        for layer in self.layers:
+                attn_metadata: AttentionMetadata,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        if self.parallel.is_first_stage:
+            x = self.embed_tokens(input_ids)  # [T, hidden]
+            # sqrt(hidden) as a model-dtype number (HF multiplies by it cast to the
+            # weight dtype).
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
+        else:
+            x = hidden_states
+        for layer in self.layers[self.start_layer:self.end_layer]:
             x = layer(positions, x, attn_metadata)
-        return self.norm(x)
+        return self.norm(x) if self.parallel.is_last_stage else x
 
 
 class Gemma2ForCausalLM(nn.Module):
@@ -92,20 +103,27 @@ class Gemma2ForCausalLM(nn.Module):
     compute_logits(hidden [N, hidden]) -> soft-capped logits [N, vocab] (model dtype;
     None on tensor parallel ranks other than 0)."""
 
+    supports_pp = True
+
     def __init__(self, cfg: Any, attn_backend: str, qk_norm: bool = False,
                  parallel: ParallelState | None = None) -> None:
         super().__init__()
+        parallel = parallel or SINGLE_RANK
         self.config = cfg
-        self.model = GemmaModel(cfg, attn_backend, qk_norm, parallel)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, parallel=parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
+        is_last = parallel.is_last_stage
+        self.model = GemmaModel(cfg, attn_backend, qk_norm, parallel,
+                                keep_embedding=is_last and self.tie_word_embeddings)
+        self.lm_head = stage_part(is_last, lambda: LMHead(cfg.vocab_size, cfg.hidden_size,
+                                                          parallel=parallel))
+        if self.tie_word_embeddings and is_last:
             self.lm_head.tie(self.model.embed_tokens)
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)
+                attn_metadata: AttentionMetadata,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata, hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden)

@@ -33,6 +33,7 @@ from pagedllm.models.layers.linear import (MergedColumnParallelLinear, QKVParall
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.models.native_layers import NativeLlamaLayers
+from pagedllm.models.pipeline import make_layers, stage_part
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS, load_stacked_weights
 from pagedllm.nn import Module
 
@@ -163,12 +164,18 @@ class LlamaVariant:
 
 
 class LlamaModel(Module):
+    """Under pipeline parallelism a stage holds layers [start, end) (models/pipeline.py),
+    the embedding on the first stage (and on the last when `keep_embedding`: a tied LM
+    head), the final norm on the last."""
+
     def __init__(self, cfg: Any, attn_backend: str,
                  variant: LlamaVariant = LlamaVariant(),
-                 parallel: ParallelState | None = None) -> None:
+                 parallel: ParallelState | None = None, keep_embedding: bool = False) -> None:
         super().__init__()
-        parallel = parallel or SINGLE_RANK
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
+        parallel = self.parallel = parallel or SINGLE_RANK
+        self.embed_tokens = stage_part(
+            parallel.is_first_stage or keep_embedding,
+            lambda: VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel))
         head_dim = head_dim_of(cfg)
         # One cos/sin table for all layers (it can be max_position_embeddings long).
         rotary_emb = get_rope(cfg, head_dim, rotary_dim_of(cfg, head_dim))
@@ -176,16 +183,16 @@ class LlamaModel(Module):
         qkv_bias = bias if variant.qkv_bias is None else variant.qkv_bias
         o_bias = bias if variant.o_bias is None else variant.o_bias
         qk_norm_offset = 0.0 if variant.qk_norm else None
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, LlamaAttention(
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_hidden_layers, lambda i: LlamaDecoderLayer(cfg, LlamaAttention(
                 cfg, attn_backend, rotary_emb, sliding_window=layer_sliding_window(cfg, i),
                 qkv_bias=qkv_bias, o_bias=o_bias, qk_norm_offset=qk_norm_offset,
                 parallel=parallel),
-                variant.make_mlp(cfg, parallel=parallel))
-            for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # The native stack runs whole (unsharded) layers with no all-reduce in them.
-        if parallel.tp_size > 1:
+                variant.make_mlp(cfg, parallel=parallel)), parallel)
+        self.norm = stage_part(parallel.is_last_stage,
+                               lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+        # The native stack runs whole (unsharded) models with no communication in them.
+        if parallel.tp_size > 1 or parallel.pp_size > 1:
             self.use_native_layers = False
 
     # Run the layers as one native call on CPU when they fit (models/native_layers.py);
@@ -194,14 +201,20 @@ class LlamaModel(Module):
     _native: NativeLlamaLayers | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+                attn_metadata: AttentionMetadata,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the last layer (normed), or after this pipeline stage's
+        layers when it is not the last; `hidden_states` are the previous stage's."""
+        if self.parallel.is_first_stage:
+            x = self.embed_tokens(input_ids)  # [T, hidden]
+        else:
+            x = hidden_states
         native = self._native_layers(x, attn_metadata)
         if native is not None:
             return self.norm(native(positions, x, attn_metadata))
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer:self.end_layer]:
             x = layer(positions, x, attn_metadata)
-        return self.norm(x)
+        return self.norm(x) if self.parallel.is_last_stage else x
 
     def _native_layers(self, x: torch.Tensor,
                        attn_metadata: AttentionMetadata | None) -> NativeLlamaLayers | None:
@@ -221,20 +234,28 @@ class LlamaForCausalLM(Module):
     compute_logits(hidden [N, hidden]) -> logits [N, vocab] (model dtype; None on tensor
     parallel ranks other than 0, which only take part in the gather)."""
 
+    # Pipeline parallelism: forward takes the previous stage's hidden states.
+    supports_pp = True
+
     def __init__(self, cfg: Any, attn_backend: str,
                  variant: LlamaVariant = LlamaVariant(),
                  parallel: ParallelState | None = None) -> None:
         super().__init__()
+        parallel = parallel or SINGLE_RANK
         self.config, self.variant = cfg, variant
-        self.model = LlamaModel(cfg, attn_backend, variant, parallel)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, parallel=parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        is_last = parallel.is_last_stage
+        self.model = LlamaModel(cfg, attn_backend, variant, parallel,
+                                keep_embedding=is_last and self.tie_word_embeddings)
+        self.lm_head = stage_part(is_last, lambda: LMHead(cfg.vocab_size, cfg.hidden_size,
+                                                          parallel=parallel))
+        if self.tie_word_embeddings and is_last:
             self.lm_head.tie(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)
+                attn_metadata: AttentionMetadata,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata, hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.models.pipeline import missing_prefixes
 
 # (fused param name part, checkpoint name part, shard id) for Llama-like checkpoints.
 LLAMA_STACKED_PARAMS = (
@@ -27,10 +28,12 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
 
     Names containing a checkpoint part of `stacked_params` go to the fused parameter's
     shard; `skip` substrings are ignored (e.g. rotary inv_freq buffers, a tied lm_head);
-    `rename` maps name prefixes. Fails loudly on unexpected names and on parameters
-    left unloaded.
+    `rename` maps name prefixes. Weights of parts another pipeline stage holds
+    (models/pipeline.py) are skipped. Fails loudly on unexpected names and on
+    parameters left unloaded.
     """
     params = dict(model.named_parameters())
+    elsewhere = missing_prefixes(model)
     loaded: set[str] = set()
     for name, tensor in weights:
         if any(s in name for s in skip):
@@ -43,6 +46,8 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
             if f".{part}." in name:
                 target, shard_id = name.replace(f".{part}.", f".{fused}."), sid
                 break
+        if elsewhere and target.startswith(elsewhere):
+            continue
         param = params.get(target)
         if param is None:
             raise ModelLoadError(f"unexpected weight {name!r} in checkpoint "

@@ -34,7 +34,8 @@ def load_model(model_config: ModelConfig, attn_backend: str, device: torch.devic
 
     Layers allocate their parameters with torch.empty (no random init), so building on
     the target device costs only the allocation. Under tensor parallelism the model is
-    this rank's shard: every rank streams the whole checkpoint and keeps its slices.
+    this rank's shard: every rank streams the whole checkpoint and keeps its slices;
+    under pipeline parallelism only its stage's layers (models/pipeline.py).
     """
     cls = get_model_class(model_config.architecture)
     kwargs = {}
@@ -43,6 +44,12 @@ def load_model(model_config: ModelConfig, attn_backend: str, device: torch.devic
         if "parallel" not in inspect.signature(cls).parameters:
             raise ModelLoadError(f"tensor parallelism is not supported for "
                                  f"{model_config.architecture} yet")
+        kwargs["parallel"] = parallel
+    if parallel.pp_size > 1:
+        if not getattr(cls, "supports_pp", False):
+            raise ModelLoadError(f"pipeline parallelism is not supported for "
+                                 f"{model_config.architecture} yet (supported: the Llama "
+                                 f"family, Qwen2/3, Phi-3, Mixtral, Gemma 2/3)")
         kwargs["parallel"] = parallel
     start = time.perf_counter()
     with torch.device(device), _default_dtype(dtype):

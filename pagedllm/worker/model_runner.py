@@ -11,7 +11,7 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from pagedllm.distributed.comm import broadcast
+from pagedllm.distributed.comm import broadcast, recv_from_prev_stage, send_to_next_stage
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.loader import load_tokenizer
 from pagedllm.models.layers.linear import pack_linear_weights
@@ -47,7 +47,11 @@ class ModelRunner:
 
     Under TP every rank gets the same SchedulerOutput and runs the same forward pass (the
     layers communicate); rank 0 samples and broadcasts the sampled ids so every rank's
-    InputBatch holds the same tokens. Only rank 0's ModelRunnerOutput is meaningful.
+    InputBatch holds the same tokens. Under PP a stage runs its layers on the previous
+    stage's hidden states and sends its own to the next; the last stage samples, and
+    the sampled ids reach every rank through the next SchedulerOutput
+    (`CachedRequestData.new_token_ids`) instead, as steps overlap. Only the driver's
+    (TP rank 0 of the last stage) ModelRunnerOutput is meaningful.
     """
 
     def __init__(self, config: EngineConfig, parallel: ParallelState = SINGLE_RANK) -> None:
@@ -63,7 +67,12 @@ class ModelRunner:
                                 self.device, self.dtype, parallel)
         # model(input_ids, positions, attn_metadata) -> hidden, eager or compiled.
         self._forward = self.model
+        # Under PP: the send of the last step's hidden states, in flight (Work, tensor).
+        self._pending_send: tuple[object, torch.Tensor] | None = None
+        self.hidden_size = config.model.hf_config.hidden_size
         if config.device.compile:
+            if parallel.pp_size > 1:
+                raise ValueError("compile is not supported with pipeline parallelism")
             from pagedllm.worker.compile import CompiledForward
 
             self._forward = CompiledForward(self.model, Path(config.device.compile_cache_dir))
@@ -108,7 +117,12 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(so)
-        hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if self.parallel.pp_size == 1:
+            hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        else:
+            hidden = self._forward_stage(inputs)
+            if not self.parallel.is_last_stage:
+                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         output = ModelRunnerOutput(req_ids=inputs.req_ids,
                                    sampled_token_ids=[[] for _ in inputs.req_ids])
         if len(inputs.sample_rows):
@@ -119,23 +133,48 @@ class ModelRunner:
                 inputs.attn_metadata.query_start_loc_cpu)
         return output
 
+    def _forward_stage(self, inputs: StepInputs) -> torch.Tensor:
+        """This pipeline stage's layers: on the previous stage's hidden states (received),
+        their output sent on to the next stage (the send left in flight)."""
+        ps = self.parallel
+        received = None
+        if not ps.is_first_stage:
+            received = recv_from_prev_stage(
+                (inputs.attn_metadata.num_actual_tokens, self.hidden_size), self.dtype, ps,
+                self.device)
+        hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata,
+                               received)
+        if not ps.is_last_stage:
+            if self._pending_send is not None:
+                self._pending_send[0].wait()  # one send in flight at a time
+            hidden = hidden.contiguous()
+            self._pending_send = (send_to_next_stage(hidden, ps), hidden)
+        return hidden
+
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor,
                 output: ModelRunnerOutput) -> None:
         """Sample the requests of `inputs.sample_rows`, record their tokens in the input
-        batch and in `output` (sampled ids, logprobs)."""
+        batch (unless under PP: they come with the next step) and in `output` (sampled
+        ids, logprobs)."""
         # [N, V]; None on TP ranks but 0, which only take part in the logits gather.
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sampler_output = None
+        pipelined = self.parallel.pp_size > 1
         if self.parallel.is_driver:
             md = self.input_batch.sampling_metadata(inputs.sample_rows)
             sampler_output = self.sampler(logits, md)
             sampled_t = sampler_output.sampled_token_ids  # [N] int64
+        elif pipelined:
+            return
         else:
             sampled_t = torch.empty(len(inputs.sample_rows), dtype=torch.int64,
                                     device=self.device)
-        # Every rank appends the same tokens, so the next step's inputs agree.
-        sampled = broadcast(sampled_t.contiguous(), self.parallel).cpu().numpy()  # host sync
-        self.input_batch.append_sampled(inputs.sample_rows, sampled)
+        if pipelined:
+            sampled = sampled_t.cpu().numpy()
+        else:
+            # Every rank appends the same tokens, so the next step's inputs agree.
+            sampled = broadcast(sampled_t.contiguous(), self.parallel).cpu().numpy()
+            self.input_batch.append_sampled(inputs.sample_rows, sampled)
         for pos, tok in zip(inputs.sample_positions.tolist(), sampled.tolist()):
             output.sampled_token_ids[pos] = [tok]
         if sampler_output is not None and sampler_output.logprobs is not None:
@@ -158,11 +197,19 @@ class ModelRunner:
             batch.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             batch.add_request(new)
+        rows, tokens = [], []
         for cached in so.scheduled_cached_reqs:
             row = batch.req_id_to_row[cached.req_id]
             batch.num_computed_tokens[row] = cached.num_computed_tokens
             if cached.new_block_ids:
                 batch.append_blocks(row, cached.new_block_ids)
+            if cached.new_token_ids:
+                # Under PP: the tokens the last stage sampled for it (one per step).
+                assert len(cached.new_token_ids) == 1, cached
+                rows.append(row)
+                tokens.append(cached.new_token_ids[0])
+        if rows:
+            batch.append_sampled(np.array(rows), np.array(tokens, dtype=np.int64))
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch, block_size = self.input_batch, self.block_size

@@ -36,7 +36,7 @@ def _make_scheduler(num_blocks: int = 10, block_size: int = 4, max_num_seqs: int
                     enable_prefix_caching: bool = True, policy: str = "fcfs",
                     clock: Callable[[], float] | None = None,
                     preemption_mode: str = "recompute",
-                    num_swap_blocks: int = 0) -> Scheduler:
+                    num_swap_blocks: int = 0, pipeline_depth: int = 1) -> Scheduler:
     sched_config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len,
@@ -44,11 +44,9 @@ def _make_scheduler(num_blocks: int = 10, block_size: int = 4, max_num_seqs: int
                                    policy=policy, preemption_mode=preemption_mode)
     cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
                                enable_prefix_caching=enable_prefix_caching)
-    if clock is None:
-        return Scheduler(sched_config, cache_config, num_blocks,
-                         num_swap_blocks=num_swap_blocks)
-    return Scheduler(sched_config, cache_config, num_blocks,
-                     num_swap_blocks=num_swap_blocks, clock=clock)
+    kw = {} if clock is None else {"clock": clock}
+    return Scheduler(sched_config, cache_config, num_blocks, num_swap_blocks=num_swap_blocks,
+                     pipeline_depth=pipeline_depth, **kw)
 
 
 def _fake_runner_output(scheduler: Scheduler, output: SchedulerOutput,

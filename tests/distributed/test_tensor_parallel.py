@@ -172,9 +172,9 @@ def test_failing_worker_raises(model_paths, prompts):
 @pytest.mark.parametrize("kw, match", [
     (dict(tensor_parallel_size=3), r"attention heads \(4\) must be divisible by tensor "
                                    r"parallel size \(3\)"),
-    (dict(pipeline_parallel_size=2), "pipeline parallelism is not implemented yet"),
-    (dict(distributed_executor_backend="ray"), "ray .* not implemented yet"),
-    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "use 'mp'"),
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be >= 1"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "use 'mp' or 'ray'"),
+    (dict(distributed_executor_backend="slurm"), "must be one of"),
 ])
 def test_invalid_parallel_configs(model_paths, kw, match):
     with pytest.raises(ValueError, match=match):

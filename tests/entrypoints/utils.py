@@ -75,6 +75,9 @@ class RemoteServer:
         return httpx.get(self.url + "/debug/stats", headers=self.headers, timeout=10).json()
 
     def stop(self) -> None:
+        """Stop the server and delete its log (idempotent)."""
+        if self.log.closed:
+            return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
