@@ -38,7 +38,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.errors import EngineDeadError
 from pagedllm.distributed.parallel_state import driver_rank
-from pagedllm.executor.executor import StepFuture
+from pagedllm.executor.step_future import StepFuture
 from pagedllm.executor.mp_worker import BOOT
 from pagedllm.worker.worker import EXECUTE, WorkerInit, worker_config
 
