@@ -494,7 +494,10 @@ void run_item_tiles_bf16(const Params<T>& p, const Item& item, const Span& sp, S
       if (nv > 0) chunk_offsets(p, item.req, c + 16 * v, nv, o + 16 * v);
     }
   };
-  int64_t c = sp.key_lo / 16 * 16;
+  // Steps start at multiples of kTileKeys: a row's steps are the same whatever the other
+  // rows of its item (a sliding window's lower end differs per row; a step wholly below
+  // a row's window leaves its state untouched).
+  int64_t c = sp.key_lo / kTileKeys * kTileKeys;
   step_offsets(c, off[0]);
   for (int cur = 0; c < sp.key_hi; c += kTileKeys, cur ^= 1) {
     const int n = static_cast<int>(std::min<int64_t>(kTileKeys, sp.key_hi - c));
@@ -531,15 +534,28 @@ void run_item_tiles_bf16(const Params<T>& p, const Item& item, const Span& sp, S
 
 // The online-softmax pass of an item over keys [sp.key_lo, sp.key_hi): rows' m, l and
 // unnormalized acc (head-major: head h owns a run of head_rows rows) in sc.
+//
+// `sh` (a decode item of a cascade, bfloat16 tile pass only): the rows start from their
+// state after the shared keys and go on from there.
 template <typename T, int NV, bool kBf16>
-void run_item_chunks(const Params<T>& p, const Item& item, const Span& sp, Scratch& sc) {
+void run_item_chunks(const Params<T>& p, const Item& item, Span sp, Scratch& sc,
+                     const SharedPrefix* sh = nullptr) {
   constexpr int D = NV * 16;
   const int64_t head_rows = sp.num_toks * p.group;
   const int64_t rows = head_rows * (item.head_end - item.head_begin);
   load_item_queries<T, NV, kBf16>(p, item, head_rows, sc);
-  std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.0f);
-  std::fill(sc.m.begin(), sc.m.begin() + rows, -INFINITY);
-  std::fill(sc.l_lanes.begin(), sc.l_lanes.begin() + rows * 16, 0.0f);
+  if (sh != nullptr && sh->keys > 0) {
+    // One token: row = (h - head_begin) * group + g, as the shared part stored it.
+    const int64_t at0 = item.tok_begin * sh->heads + item.head_begin * p.group;
+    std::copy_n(sh->m.data() + at0, rows, sc.m.data());
+    std::copy_n(sh->l_lanes.data() + at0 * 16, rows * 16, sc.l_lanes.data());
+    std::copy_n(sh->acc.data() + at0 * D, rows * D, sc.acc.data());
+    sp.key_lo = sh->keys;
+  } else {
+    std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.0f);
+    std::fill(sc.m.begin(), sc.m.begin() + rows, -INFINITY);
+    std::fill(sc.l_lanes.begin(), sc.l_lanes.begin() + rows * 16, 0.0f);
+  }
   auto sum_lanes = [&] {
     for (int64_t row = 0; row < rows; ++row)
       sc.l[row] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.l_lanes.data() + row * 16));
@@ -573,16 +589,24 @@ void run_item_chunks(const Params<T>& p, const Item& item, const Span& sp, Scrat
   sum_lanes();
 }
 
+// An item's attention, its rows continued from the cascade's shared state when `sh` has
+// one (single-token items only).
 template <typename T, int NV, bool kBf16>
-void attend_item_avx512(const Params<T>& p, const Item& item, Scratch& sc) {
+void attend_item_from_avx512(const Params<T>& p, const Item& item, Scratch& sc,
+                             const SharedPrefix* sh) {
   constexpr int D = NV * 16;
   const Span sp = span_of(p, item);
   const int64_t head_rows = sp.num_toks * p.group;
-  run_item_chunks<T, NV, kBf16>(p, item, sp, sc);
+  run_item_chunks<T, NV, kBf16>(p, item, sp, sc, sh);
   for (int64_t h = 0; h < item.head_end - item.head_begin; ++h) {
     store_rows<T, NV, kBf16>(p, item, item.head_begin + h, sc.acc.data() + h * head_rows * D,
                              sc.l.data() + h * head_rows, head_rows);
   }
+}
+
+template <typename T, int NV, bool kBf16>
+void attend_item_avx512(const Params<T>& p, const Item& item, Scratch& sc) {
+  attend_item_from_avx512<T, NV, kBf16>(p, item, sc, nullptr);
 }
 
 // Cascade, first part: the decode tokens [tok_begin, tok_end) (one per request, all
@@ -600,26 +624,10 @@ void shared_prefix_item_avx512(const Params<T>& p, const Item& item, Scratch& sc
       const int64_t row = (h - item.head_begin) * head_rows + rr;
       const int64_t at = (item.tok_begin + rr / p.group) * sh.heads + h * p.group + rr % p.group;
       sh.m[at] = sc.m[row];
-      sh.l[at] = sc.l[row];
+      std::memcpy(sh.l_lanes.data() + at * 16, sc.l_lanes.data() + row * 16,
+                  16 * sizeof(float));
       std::memcpy(sh.acc.data() + at * D, sc.acc.data() + row * D, D * sizeof(float));
     }
-  }
-}
-
-// Cascade, second part: merge a row's suffix softmax (max m, sum l, acc in unpack order
-// like sh's) with its shared-prefix one; l and acc come out for the whole context.
-template <int NV>
-inline void merge_shared_prefix(const SharedPrefix& sh, int64_t at, float m, float& l,
-                                float* acc) {
-  constexpr int D = NV * 16;
-  const float m_all = std::max(m, sh.m[at]);
-  const float a_own = exp_poly(m - m_all), a_shared = exp_poly(sh.m[at] - m_all);
-  l = l * a_own + sh.l[at] * a_shared;
-  const float* other = sh.acc.data() + at * D;
-  for (int j = 0; j < NV; ++j) {
-    const __m512 mine = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), _mm512_set1_ps(a_own));
-    _mm512_storeu_ps(acc + 16 * j, _mm512_fmadd_ps(_mm512_loadu_ps(other + 16 * j),
-                                                   _mm512_set1_ps(a_shared), mine));
   }
 }
 
@@ -630,14 +638,12 @@ constexpr int64_t kDecodeSegmentBytes = 768 << 10;
 // per-chunk max / rescale chains. 1) scores of every row for the whole context into
 // sc.scores (invisible keys -inf); 2) per row: max, p = exp(s - max), l = sum p;
 // 3) acc = P . V chunk by chunk. K and V are each read once (K in pass 1, V in pass 3).
-// With a shared prefix (sh->keys > 0) only the keys after it are read here, and the row
-// is merged with its shared part before the store.
+// (float32 and float16; bfloat16 decodes take the tile pass, decode_tile_item_avx512.)
 template <typename T, int NV, bool kBf16>
 void decode_item_avx512(const Params<T>& p, const Item& item, Scratch& sc,
-                        const SharedPrefix* sh) {
+                        const SharedPrefix*) {
   constexpr int D = NV * 16;
-  Span sp = span_of(p, item);
-  if (sh != nullptr && sh->keys > 0) sp.key_lo = sh->keys;
+  const Span sp = span_of(p, item);
   const int64_t rows = p.group * (item.head_end - item.head_begin);  // row h * G + g
   load_item_queries<T, NV, kBf16>(p, item, p.group, sc);
   const int64_t c0 = sp.key_lo / 16 * 16;
@@ -730,17 +736,26 @@ void decode_item_avx512(const Params<T>& p, const Item& item, Scratch& sc,
       }
     }
   });
-  if (sh != nullptr && sh->keys > 0) {
-    for (int64_t row = 0; row < rows; ++row) {
-      const int64_t at = item.tok_begin * sh->heads + item.head_begin * p.group + row;
-      merge_shared_prefix<NV>(*sh, at, sc.m[row], sc.l[row], sc.acc.data() + row * D);
-    }
-  }
   for (int64_t h = item.head_begin; h < item.head_end; ++h) {
     const int64_t row0 = (h - item.head_begin) * p.group;
     store_rows<T, NV, kBf16>(p, item, h, sc.acc.data() + row0 * D, sc.l.data() + row0,
                              p.group);
   }
+}
+
+// Decode item (one query token) in bfloat16: the tile pass of prefill rows, continued from
+// the cascade's shared state when there is one. Its arithmetic per row (score sums,
+// steps of kTileKeys keys at absolute positions, lazy max, P . V) is the prefill rows',
+// so a token's attention is bit-identical whether it is decoded, prefilled in any chunk,
+// or recomputed after preemption (batch invariance, DESIGN.md §10). Block sizes that are
+// not a multiple of 16 have no tile pass and keep the three-pass decode.
+template <typename T, int NV>
+void decode_tile_item_avx512(const Params<T>& p, const Item& item, Scratch& sc,
+                             const SharedPrefix* sh) {
+  if (p.block_size % 16 == 0)
+    attend_item_from_avx512<T, NV, true>(p, item, sc, sh);
+  else
+    decode_item_avx512<T, NV, true>(p, item, sc, sh);
 }
 
 }  // namespace pagedllm_attention

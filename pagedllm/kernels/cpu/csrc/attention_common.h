@@ -36,10 +36,14 @@ struct Params {
 // first attends the `keys` shared keys together (one tile of many requests, so each key
 // chunk is prepared once for all of them), then its own suffix, and the two partial
 // softmaxes are merged. Per (token, query head): running max, sum, unnormalized output.
+// The cascade's shared part: each decode row's online-softmax state (running max m, sum
+// by lane l_lanes, unnormalized acc) after the shared keys [0, keys), from which the row's
+// own pass continues, so the row sees the same steps in the same order as without the
+// cascade (batch invariance, DESIGN.md §10).
 struct SharedPrefix {
   int64_t keys = 0;  // 0: no cascade
   int64_t heads = 0, head_size = 0;
-  std::vector<float> m, l, acc;  // [T * H], [T * H], [T * H * D]
+  std::vector<float> m, l_lanes, acc;  // [T * H], [T * H * 16], [T * H * D]
 };
 
 // Query tokens [tok_begin, tok_end) of request `req`, KV heads [head_begin, head_end).

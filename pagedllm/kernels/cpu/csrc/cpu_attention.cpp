@@ -129,8 +129,10 @@ ItemFns<T> avx512_item_fns() {
 #if defined(__AVX512F__)
   // vdpbf16ps needs head dims in pairs of 32. The cascade pays off only there: its shared
   // tile prepares each key chunk once for many rows (transpose_keys).
+  // Decodes take the tile pass too (decode_tile_item_avx512): every row then reduces its
+  // keys in the same steps with the same arithmetic, whatever its item (batch invariance).
   if constexpr (std::is_same_v<T, c10::BFloat16> && kHasBf16Dot && NV % 2 == 0)
-    return {attend_item_avx512<T, NV, true>, decode_item_avx512<T, NV, true>,
+    return {attend_item_avx512<T, NV, true>, decode_tile_item_avx512<T, NV>,
             shared_prefix_item_avx512<T, NV, true>};
   else
     return {attend_item_avx512<T, NV, false>, decode_item_avx512<T, NV, false>, nullptr};
@@ -178,6 +180,12 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, const at::Tenso
 // Fewest decodes and shared keys for which the cascade beats per-request decodes.
 constexpr int64_t kCascadeMinReqs = 8;
 constexpr int64_t kCascadeMinKeys = 64;
+// The shared keys end on a step of the bfloat16 tile pass (its kTileKeys), the only pass
+// with a cascade.
+constexpr int64_t kCascadeAlign = 48;
+#if defined(__AVX512BF16__)
+static_assert(kCascadeAlign == pagedllm_attention::kTileKeys);
+#endif
 
 // Keys every request's block table shares (whole leading blocks), when the call is all
 // decodes without a sliding window; 0 otherwise. Each request keeps >= 1 key of its own.
@@ -196,7 +204,9 @@ int64_t shared_prefix_keys(const Params<T>& p, int64_t num_reqs, int64_t num_tok
     for (int64_t r = 1; r < num_reqs && same; ++r) same = p.bt[r * p.bt_stride + blocks] == id;
     if (!same) break;
   }
-  const int64_t keys = blocks * p.block_size;
+  // Whole steps of the bfloat16 tile pass (keys aligned to absolute positions), so each
+  // row continues from the shared state exactly where its own pass would be.
+  const int64_t keys = blocks * p.block_size / kCascadeAlign * kCascadeAlign;
   return keys >= kCascadeMinKeys ? keys : 0;
 }
 
@@ -256,7 +266,7 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
     shared.heads = heads;
     shared.head_size = p.head_size;
     shared.m.resize(num_tokens * heads);
-    shared.l.resize(num_tokens * heads);
+    shared.l_lanes.resize(num_tokens * heads * 16);
     shared.acc.resize(num_tokens * heads * p.head_size);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t t0 = 0; t0 < num_tokens; t0 += shared_tile)

@@ -50,9 +50,11 @@ template <int R>
 void micro(const int32_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs,
            const float* bias, uint16_t* out, int64_t ldo, int64_t cols, bool accumulate,
            const char* ahead, int64_t ahead_lines) {
-  // With one or two rows, 3 * R chains of dependent vdpbf16ps would leave the units idle:
-  // S sets of sums take alternate pairs of K and are added at the end.
-  constexpr int S = R == 1 ? 4 : R == 2 ? 2 : 1;
+  // One chain of sums per output over K in order, whatever R: a row's result must not
+  // depend on how many rows share its call (batch invariance, DESIGN.md §10). (Split
+  // sums for R = 1, 2 kept the units busier, but one row streams the weights from
+  // memory anyway: measured no slower on single-request decode.)
+  constexpr int S = 1;
   __m512 acc[S][R][3];
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r)

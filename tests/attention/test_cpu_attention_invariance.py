@@ -1,0 +1,106 @@
+"""Batch invariance of the native attention in bfloat16 (DESIGN.md §10): a query row's
+output is bit-identical whether its token is decoded alone, decoded in a batch (with the
+shared-prefix cascade or without), or sits anywhere in a prefill chunk of any length over
+any cached context, with and without a sliding window."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.attention.backend import AttentionSpec
+from pagedllm.attention.cpu import CpuAttention
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.cpu.features import has_avx512_bf16
+
+pytestmark = pytest.mark.skipif(not has_avx512_bf16(),
+                                reason="the bfloat16 tile pass needs AVX512-BF16")
+
+BLOCK = 16
+LEN = 230  # the subject request's context: 14.4 blocks, crosses several 48-key steps
+HEADS, KV_HEADS, HEAD_SIZE = 6, 2, 64
+NUM_BLOCKS = 200
+
+
+def _tables():
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_SIZE, generator=gen)
+    cache = cache.to(torch.bfloat16)
+    queries = torch.randn(LEN, HEADS, HEAD_SIZE, generator=gen).to(torch.bfloat16)
+    return cache, queries
+
+
+CACHE, QUERIES = _tables()
+# The subject's blocks: 1, 2, ... in order; other requests share its first blocks or
+# own blocks from 100 on.
+SUBJECT_BLOCKS = list(range(1, -(-LEN // BLOCK) + 1))
+
+
+def _attend(reqs: list[tuple[list[int], int, int]], sliding_window: int | None,
+            subject_query: int = 0) -> torch.Tensor:
+    """Attention of a batch of (block ids, num_computed, query_len) requests, request
+    `subject_query` being the subject; returns the subject's output rows. Every request's
+    keys are its blocks' cached K/V (the step writes back the same values)."""
+    seq_lens = np.array([c + q for _, c, q in reqs])
+    max_blocks = max(len(b) for b, _, _ in reqs)
+    table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
+    qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
+    slots, q_rows = [], []
+    for i, (blocks, computed, qlen) in enumerate(reqs):
+        table[i, :len(blocks)] = blocks
+        qsl[i + 1] = qsl[i] + qlen
+        pos = np.arange(computed, computed + qlen)
+        slots.append(table[i, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK)
+        # Other requests' queries: any values (they must not matter).
+        q_rows.append(QUERIES[pos % LEN] if i == subject_query else
+                      QUERIES[(pos * 7 + 3) % LEN].flip(-1))
+    slot_mapping = torch.from_numpy(np.concatenate(slots))
+    md = AttentionMetadata(
+        num_reqs=len(reqs), num_actual_tokens=int(qsl[-1]),
+        query_start_loc=torch.from_numpy(qsl).to(torch.int32),
+        seq_lens=torch.from_numpy(seq_lens).to(torch.int32),
+        block_table=torch.from_numpy(table), slot_mapping=slot_mapping,
+        max_query_len=max(q for _, _, q in reqs), max_seq_len=int(seq_lens.max()),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+    cache = CACHE.clone()
+    flat = cache.view(2, NUM_BLOCKS * BLOCK, KV_HEADS, HEAD_SIZE)
+    k, v = flat[0, slot_mapping].clone(), flat[1, slot_mapping].clone()
+    spec = AttentionSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                         scale=HEAD_SIZE ** -0.5, sliding_window=sliding_window)
+    out = CpuAttention(spec, True).forward(torch.cat(q_rows), k, v, cache, md)
+    out = out.view(-1, HEADS, HEAD_SIZE)
+    return out[qsl[subject_query]:qsl[subject_query + 1]]
+
+
+def _other(i: int, shared_blocks: int, length: int) -> tuple[list[int], int, int]:
+    """A decoding request sharing the subject's first `shared_blocks` blocks."""
+    own = list(range(100 + 8 * i, 100 + 8 * i + 8))
+    blocks = SUBJECT_BLOCKS[:shared_blocks] + own
+    return blocks[:-(-length // BLOCK)], length - 1, 1
+
+
+@pytest.mark.parametrize("sliding_window", [None, 37])
+def test_a_row_is_bit_identical_in_every_batch_shape(sliding_window):
+    # Reference: every position decoded alone.
+    alone = {p: _attend([(SUBJECT_BLOCKS, p, 1)], sliding_window)[0]
+             for p in (0, 1, 15, 16, 47, 48, 49, 95, 96, 150, LEN - 1)}
+    # Prefill chunks of several sizes over several cached contexts.
+    for computed, qlen in [(0, LEN), (0, 50), (40, 60), (47, 2), (95, 56), (149, LEN - 149),
+                           (200, LEN - 200)]:
+        rows = _attend([(SUBJECT_BLOCKS, computed, qlen)], sliding_window)
+        for p, expected in alone.items():
+            if computed <= p < computed + qlen:
+                assert torch.equal(rows[p - computed], expected), (computed, qlen, p)
+    # Decode batches: 11 other requests sharing the first 12 blocks (a cascade, when
+    # there is no window) or nothing, the subject first, in the middle or last.
+    for shared in (12, 0):
+        others = [_other(i, shared, 200 + 3 * i) for i in range(11)]
+        for at in (0, 5, 11):
+            batch = others[:at] + [(SUBJECT_BLOCKS, LEN - 1, 1)] + others[at:]
+            row = _attend(batch, sliding_window, subject_query=at)[0]
+            assert torch.equal(row, alone[LEN - 1]), (shared, at)
+    # A mixed batch: prefill chunks of other requests around the subject's decode.
+    mixed = [(list(range(150, 160)), 0, 33), (SUBJECT_BLOCKS, 150, 1),
+             (list(range(160, 170)), 20, 40)]
+    assert torch.equal(_attend(mixed, sliding_window, subject_query=1)[0], alone[150])

@@ -1,0 +1,64 @@
+"""Batch invariance in the default dtype (DESIGN.md §10): with the bundled model in
+bfloat16, each request's greedy and seeded-sampled tokens and its logprobs are
+bit-identical alone, in a batch (in any order), under chunked prefill with prefix-cache
+hits (full and partial), and after preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels.cpu.features import has_avx512_bf16
+
+pytestmark = pytest.mark.skipif(
+    not has_avx512_bf16(), reason="bfloat16 runs natively only with AVX512-BF16")
+
+PARAMS = [SamplingParams(temperature=0, max_tokens=12, logprobs=3),
+          SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=12, logprobs=3)]
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    shared = [rng.randrange(100, 40000) for _ in range(70)]
+    own = [[rng.randrange(100, 40000) for _ in range(rng.randrange(5, 90))]
+           for _ in range(5)]
+    return own + [shared + [rng.randrange(100, 40000) for _ in range(rng.randrange(1, 30))]
+                  for _ in range(4)]
+
+
+def _run(llm: LLM, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids,
+             [sorted((t, lp.logprob, lp.rank) for t, lp in d.items())
+              for d in o.outputs[0].logprobs]) for o in outs]
+
+
+def test_outputs_do_not_depend_on_the_batch():
+    prompts = _prompts()
+    llm = LLM(dtype="bfloat16", enable_prefix_caching=False)
+    try:
+        alone = [[_run(llm, [p], params)[0] for p in prompts] for params in PARAMS]
+        for params, expected in zip(PARAMS, alone):
+            assert _run(llm, prompts, params) == expected
+            assert _run(llm, prompts[::-1], params)[::-1] == expected
+    finally:
+        llm.shutdown()
+    # 7-token steps: every prompt prefilled in chunks, next to other requests' decodes;
+    # the second round hits the prefix cache (the 70-token prefix, or whole prompts).
+    llm = LLM(dtype="bfloat16", max_num_batched_tokens=7, max_num_seqs=4)
+    try:
+        for params, expected in zip(PARAMS, alone):
+            assert _run(llm, prompts, params) == expected
+            assert _run(llm, prompts, params) == expected
+    finally:
+        llm.shutdown()
+    # A cache of 23 usable blocks for 9 requests: some are preempted and recomputed.
+    llm = LLM(dtype="bfloat16", num_kv_blocks=24)
+    try:
+        for params, expected in zip(PARAMS, alone):
+            assert _run(llm, prompts, params) == expected
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
