@@ -5,85 +5,30 @@ repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...) and pagedllm's
 `priority` and `timeout`; `sampling_kwargs()` maps them onto `SamplingParams` keyword
 arguments with vLLM's names. A field this server does not implement is never dropped:
 an unknown one fails validation (400 naming it), and a known OpenAI field without an
-implementation (`tools`, `audio`, ...) is accepted only at a value that asks for nothing
-(see `UNSUPPORTED_FIELDS`). Strings must be valid Unicode (no lone surrogates) and
-numbers finite.
+implementation (`audio`, `functions`, ...) is accepted only at a value that asks for
+nothing (see `UNSUPPORTED_FIELDS`). Strings must be valid Unicode (no lone surrogates)
+and numbers finite. Tool calling's models and checks are in tool_protocol.py.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+from pydantic import (Field, ValidationInfo, field_validator, model_serializer,
                       model_validator)
 
+from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel
+# Re-exported: this module stays the one place to import the API's models from.
+from pagedllm.entrypoints.openai.protocol_base import (  # noqa: F401
+    UNSUPPORTED_FIELDS, check_unicode, random_id)
+from pagedllm.entrypoints.openai.tool_protocol import (DeltaToolCall, NamedToolChoice,
+                                                       ToolCall, ToolCallParam, ToolParam,
+                                                       check_message_tool_fields,
+                                                       check_tool_choice,
+                                                       check_tool_choice_form,
+                                                       check_tool_exchanges, check_tools)
 from pagedllm.errors import InvalidRequestError
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class OpenAIBaseModel(BaseModel):
-    """Response models (and the base of request models)."""
-
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
-
-def check_unicode(value: Any, path: str = "") -> None:
-    """Raise if a string anywhere in a parsed JSON value holds a lone UTF-16 surrogate
-    ("\\ud800" is valid JSON but no tokenizer can encode it)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidRequestError(
-                f"{path or 'body'} is not valid Unicode: a lone surrogate "
-                f"U+{ord(value[e.start]):04X} at character {e.start}") from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_unicode(key, path)
-            check_unicode(item, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            check_unicode(item, f"{path}[{i}]")
-
-
-# Known OpenAI request fields this server does not implement, and the values that ask
-# for nothing (accepted and ignored); any other value is a 400 naming the field.
-UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
-    "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
-    "reasoning_effort": (None,), "web_search_options": (None,), "verbosity": (None,),
-    "tool_calls": (None, []), "tool_call_id": (None,), "refusal": (None,),
-    "annotations": (None, []),
-}
-
-
-class RequestModel(OpenAIBaseModel):
-    """Base of request bodies: unknown fields, non-finite numbers and invalid Unicode
-    are rejected (400)."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_text(cls, data: Any) -> Any:
-        check_unicode(data)
-        return data
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        neutral = UNSUPPORTED_FIELDS.get(info.field_name or "")
-        if neutral is not None and value not in neutral:
-            raise InvalidRequestError(f"not supported by this server (got "
-                                      f"{str(value)[:80]!r})")
-        return value
 
 
 # ------------------------------------------------------------------ errors, models
@@ -257,13 +202,33 @@ class ChatMessage(RequestModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    # Fields of assistant/tool messages that need tool calling (UNSUPPORTED_FIELDS).
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    """An assistant message's calls (its content may then be null)."""
     tool_call_id: str | None = None
+    """A tool message's answer to this call id."""
+    # Fields without an implementation (UNSUPPORTED_FIELDS).
     refusal: str | None = None
     annotations: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        check_message_tool_fields(self.role, self.content, self.tool_calls,
+                                  self.tool_call_id)
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: content as one string (null content
+        becomes "", which templates can concatenate), calls with decoded arguments."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text() or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.template_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str | None:
         """The content as one string (the parts of a multi-part content joined)."""
@@ -301,18 +266,53 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling (tool_protocol.py; serving: tool_calling.py)
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: "auto" with tools, "none" without (OpenAI's)."""
+    parallel_tool_calls: bool | None = None
+    """False: at most one call per choice (default: any number)."""
     # OpenAI fields without an implementation (UNSUPPORTED_FIELDS).
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
     verbosity: Any = None
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_exchanges(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        check_tool_exchanges(messages)
+        return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[ToolParam] | None) -> list[ToolParam] | None:
+        return check_tools(tools)
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_form(cls, choice: Any) -> Any:
+        """One clear message for a malformed choice (not one per member of the union)."""
+        check_tool_choice_form(choice)
+        return choice
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice: Any, info: ValidationInfo) -> Any:
+        if "tools" in info.data:  # else `tools` is invalid: that is the error
+            check_tool_choice(choice, info.data["tools"])
+        return choice
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """tool_choice with OpenAI's default: "auto" if there are tools, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
         num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -344,9 +344,22 @@ class ChatLogprobs(OpenAIBaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
-class ChatResponseMessage(OpenAIBaseModel):
+class _OmitsNoToolCalls(OpenAIBaseModel):
+    """A message whose `tool_calls` is left out of the body when the model made no call
+    (as OpenAI)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
+
+
+class ChatResponseMessage(_OmitsNoToolCalls):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -366,9 +379,10 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
-class DeltaMessage(OpenAIBaseModel):
+class DeltaMessage(_OmitsNoToolCalls):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIBaseModel):
@@ -394,8 +408,15 @@ class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolParam] | None = None
+    """Rendered by the chat template with `messages` (as a chat request would be)."""
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[ToolParam] | None) -> list[ToolParam] | None:
+        return check_tools(tools)
 
 
 class TokenizeResponse(OpenAIBaseModel):

@@ -9,8 +9,11 @@ Every limit protects the process from one request: beyond it the request gets a 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSER_NAMES
 
 
 def _flag(default: Any, help: str) -> Any:
@@ -40,6 +43,17 @@ class ServeConfig:
                                                   "beyond, 503 with Retry-After (default: "
                                                   "unbounded)")
     metrics_without_key: bool = _flag(False, "serve /metrics without the API key")
+    chat_template: str | None = _flag(
+        None, "a Jinja chat template, or the path of a file holding one, used instead of "
+              "the model's (e.g. one that renders `tools`); a request's own `chat_template` "
+              "still wins where allowed")
+    enable_auto_tool_choice: bool = _flag(
+        False, "let the model decide when to call tools (tool_choice \"auto\", the default "
+               "with tools): its output is read by --tool-call-parser")
+    tool_call_parser: str | None = field(default=None, metadata={
+        "help": "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or "
+                "llama3_json ({\"name\": ..., \"parameters\": ...}); needed by "
+                "--enable-auto-tool-choice", "choices": TOOL_PARSER_NAMES})
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_stop", "max_prompt_bytes", "max_body_bytes"):
@@ -54,3 +68,25 @@ class ServeConfig:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got "
                              f"{self.max_queued_requests}")
+        if self.tool_call_parser not in (None, *TOOL_PARSER_NAMES):
+            raise ValueError(f"tool_call_parser must be one of "
+                             f"{', '.join(TOOL_PARSER_NAMES)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if (self.chat_template is not None and not is_template_text(self.chat_template)
+                and not os.path.isfile(self.chat_template)):
+            raise ValueError(f"chat_template is neither a template nor a file: "
+                             f"{self.chat_template!r}")
+
+    def load_chat_template(self) -> str | None:
+        """The --chat-template text (read from its file if it names one)."""
+        if self.chat_template is None or is_template_text(self.chat_template):
+            return self.chat_template
+        with open(self.chat_template, encoding="utf-8") as f:
+            return f.read()
+
+
+def is_template_text(value: str) -> bool:
+    """A --chat-template value is the template itself when it has Jinja syntax (vLLM
+    accepts both forms), else a file path."""
+    return any(mark in value for mark in ("{{", "{%", "\n"))

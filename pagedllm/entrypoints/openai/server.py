@@ -195,7 +195,9 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages")
         if request.messages is not None:
-            _, ids = await chat.render_chat(request.messages, request.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in request.tools or ()]
+            _, ids = await chat.render_chat(request.messages, request.add_generation_prompt,
+                                            tools=tools or None)
         else:
             ids = await chat.encode(request.prompt, request.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len,

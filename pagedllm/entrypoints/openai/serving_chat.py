@@ -1,10 +1,13 @@
-"""POST /v1/chat/completions: the model's chat template, n, logprobs + top_logprobs,
-max_tokens / max_completion_tokens, response_format (json_object, json_schema), streaming."""
+"""POST /v1/chat/completions: the model's chat template (or --chat-template), n,
+logprobs + top_logprobs, max_tokens / max_completion_tokens, response_format
+(json_object, json_schema), tool calling (tool_calling.py), streaming."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
                                                   ChatCompletionResponse,
@@ -17,8 +20,11 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSEResponse,
                                                         clamp_logprob, merge_streams, sse,
                                                         sse_error)
+from pagedllm.entrypoints.openai.tool_calling import (ToolCallReader, ToolPlan, plan_tools,
+                                                      response_tool_calls,
+                                                      stream_tool_calls)
 from pagedllm.errors import InvalidRequestError
-from pagedllm.outputs import Logprob
+from pagedllm.outputs import CompletionOutput, Logprob
 
 
 # Parameters of apply_chat_template itself: chat_template_kwargs may only add template
@@ -35,9 +41,15 @@ class _ChoiceState:
     num_chars: int = 0
     num_tokens: int = 0
     is_finished: bool = False
+    tools: ToolCallReader | None = None
 
 
 class OpenAIServingChat(OpenAIServing):
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # --chat-template, read once at start-up (None: the tokenizer's own).
+        self.chat_template = self.serve_config.load_chat_template()
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      ) -> ChatCompletionResponse | SSEResponse:
@@ -49,20 +61,31 @@ class OpenAIServingChat(OpenAIServing):
             if not request.logprobs:
                 raise InvalidRequestError("top_logprobs requires logprobs to be true")
         self.check_limits(request, request.top_logprobs, logprobs_field="top_logprobs")
+        plan = plan_tools(request, self.serve_config)
         text, ids = await self.render_chat(request.messages, request.add_generation_prompt,
                                            request.continue_final_message,
-                                           request.chat_template, request.chat_template_kwargs)
+                                           request.chat_template, request.chat_template_kwargs,
+                                           tools=plan.template_tools)
         requested = (request.max_completion_tokens if request.max_completion_tokens is not None
                      else request.max_tokens)
         if requested is not None and requested < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {requested}.")
         max_tokens = self.check_length(len(ids), requested, kind="messages")
-        params = self.sampling_params(request.sampling_kwargs(max_tokens), request.stream)
-        await self.check_constraints(params)
+        kwargs = request.sampling_kwargs(max_tokens)
+        if plan.constraint is not None:
+            kwargs["structured_outputs"] = plan.constraint
+        params = self.sampling_params(kwargs, request.stream)
+        try:
+            await self.check_constraints(params)
+        except InvalidRequestError as e:
+            if plan.constraint is None:
+                raise
+            raise InvalidRequestError(f"tools: cannot force tool calls with these "
+                                      f"parameter schemas: {e}") from e
         request_id = request.request_id or random_id("chatcmpl")
         streams = self.add_requests(request_id, [(text, ids)], [params], request)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, streams))
+            return SSEResponse(self._stream(request, request_id, streams, plan))
         final = None
         try:
             async for _, out in merge_streams(streams):
@@ -74,10 +97,10 @@ class OpenAIServingChat(OpenAIServing):
         for out in sorted(final.outputs, key=lambda o: o.index):
             logprobs = (self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
                         if request.logprobs else None)
+            message, finish_reason = self._message(out, plan.new_reader())
             choices.append(ChatCompletionResponseChoice(
-                index=out.index, message=ChatResponseMessage(content=out.text),
-                logprobs=logprobs, finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason))
+                index=out.index, message=message, logprobs=logprobs,
+                finish_reason=finish_reason, stop_reason=out.stop_reason))
         num_completion = sum(len(o.token_ids) for o in final.outputs)
         usage = UsageInfo(prompt_tokens=len(final.prompt_token_ids),
                           completion_tokens=num_completion,
@@ -85,16 +108,31 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage)
 
+    @staticmethod
+    def _message(out: CompletionOutput, reader: ToolCallReader | None,
+                 ) -> tuple[ChatResponseMessage, str | None]:
+        """A choice's message (its calls read from the text) and finish reason."""
+        if reader is None:
+            return ChatResponseMessage(content=out.text), out.finish_reason
+        parsed = reader.read_all(out.text)
+        calls = response_tool_calls(parsed.tool_calls)
+        content = parsed.content if parsed.content or not calls else None
+        return (ChatResponseMessage(content=content, tool_calls=calls or None),
+                reader.finish_reason(out.finish_reason))
+
     async def render_chat(self, messages: list[ChatMessage],
                           add_generation_prompt: bool = True,
                           continue_final_message: bool = False,
                           chat_template: str | None = None,
-                          chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+                          chat_template_kwargs: dict | None = None,
+                          tools: list[dict[str, Any]] | None = None,
+                          ) -> tuple[str, list[int]]:
         """The prompt text of a conversation through the chat template, and its ids.
 
-        Large conversations and request-supplied templates render off the event loop
-        with a time limit (offload.py); a request template needs
-        --trust-request-chat-template.
+        The template is the request's, else --chat-template, else the tokenizer's; it
+        gets `tools` as plain dicts. Large conversations and request-supplied templates
+        render off the event loop with a time limit (offload.py); a request template
+        needs --trust-request-chat-template.
         """
         if not messages:
             raise InvalidRequestError("messages must not be empty")
@@ -105,16 +143,21 @@ class OpenAIServingChat(OpenAIServing):
         reserved = sorted(kwargs.keys() & _RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved[0]!r}")
-        conversation = [{"role": m.role, "content": m.text() or ""} for m in messages]
+        conversation = [m.template_dict() for m in messages]
+        # Contents, plus the calls and tools the template will print (a JSON estimate).
         num_bytes = sum(len(m["content"].encode("utf-8")) + len(m["role"])
                         for m in conversation)
+        num_bytes += sum(len(json.dumps(m.get("tool_calls", ""))) for m in conversation)
+        num_bytes += len(json.dumps(tools)) if tools else 0
         self.check_prompt_bytes(num_bytes, kind="conversation")
         try:
             text = await self.offloader.run(
                 "rendering the chat template", num_bytes + 256 * len(conversation),
-                self.tokenizer.apply_chat_template, conversation, tokenize=False,
+                self.tokenizer.apply_chat_template, conversation, tools=tools,
+                tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, chat_template=chat_template,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template or self.chat_template,
                 untrusted=chat_template is not None, **kwargs)
         except InvalidRequestError:
             raise
@@ -151,8 +194,8 @@ class OpenAIServingChat(OpenAIServing):
     # ------------------------------------------------------------------ streaming
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
-                      streams: list) -> AsyncIterator[str]:
-        states = {i: _ChoiceState() for i in range(request.n)}
+                      streams: list, plan: ToolPlan) -> AsyncIterator[str]:
+        states = {i: _ChoiceState(tools=plan.new_reader()) for i in range(request.n)}
         num_prompt_tokens = 0
 
         def chunk(choice: ChatStreamChoice) -> str:
@@ -179,11 +222,11 @@ class OpenAIServingChat(OpenAIServing):
                     st.num_chars = max(st.num_chars, len(out.text))
                     st.num_tokens = len(out.token_ids)
                     st.is_finished = out.finish_reason is not None
-                    if delta or logprobs or st.is_finished:
+                    message, finish_reason = self._delta(st, delta, out.finish_reason)
+                    if message.content or message.tool_calls or logprobs or st.is_finished:
                         yield chunk(ChatStreamChoice(
-                            index=out.index, delta=DeltaMessage(content=delta or None),
-                            logprobs=logprobs, finish_reason=out.finish_reason,
-                            stop_reason=out.stop_reason))
+                            index=out.index, delta=message, logprobs=logprobs,
+                            finish_reason=finish_reason, stop_reason=out.stop_reason))
             if request.include_usage:
                 num_completion = sum(s.num_tokens for s in states.values())
                 usage = UsageInfo(prompt_tokens=num_prompt_tokens,
@@ -197,3 +240,18 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             self.abort_all(request_id, 1)
         yield sse("[DONE]")
+
+    @staticmethod
+    def _delta(st: _ChoiceState, text: str, finish_reason: str | None,
+               ) -> tuple[DeltaMessage, str | None]:
+        """A chunk's message of new text (through the choice's tool-call reader, which
+        may hold text back until it knows whether it belongs to a call)."""
+        if st.tools is None:
+            return DeltaMessage(content=text or None), finish_reason
+        parsed = st.tools.feed(text)
+        if st.is_finished:
+            parsed.extend(st.tools.finish())
+            finish_reason = st.tools.finish_reason(finish_reason)
+        return (DeltaMessage(content=parsed.content or None,
+                             tool_calls=stream_tool_calls(parsed.tool_calls) or None),
+                finish_reason)

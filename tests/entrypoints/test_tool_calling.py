@@ -1,0 +1,500 @@
+"""Tool calling in the chat API: the parsers (any chunking gives the same calls), the
+request checks (400s naming the field), the plan of each tool_choice, and one live
+server (the bundled SmolLM2 with a tools-aware --chat-template) driven by the `openai`
+client: forced calls (named, "required") validate against their schemas, streams
+assemble to the same calls, and conversations with calls and results render.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import ValidationError
+
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.serve_config import ServeConfig
+from pagedllm.entrypoints.openai.tool_calling import AUTO_NEEDS_FLAGS, plan_tools
+from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+from pagedllm.entrypoints.openai.tool_parsers.base import (ParsedDelta, ToolParser,
+                                                           assemble_calls, parse_all)
+from pagedllm.entrypoints.openai.tool_parsers.guided import (NamedToolParser,
+                                                             RequiredToolParser)
+from pagedllm.errors import InvalidRequestError
+from tests.entrypoints.utils import MODEL_NAME, RemoteServer
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                  "unit": {"$ref": "#/$defs/unit"}},
+                   "required": ["city", "unit"], "additionalProperties": False,
+                   "$defs": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {
+        "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"],
+        "additionalProperties": False}}}
+SCHEMAS = {"get_weather": WEATHER["function"]["parameters"],
+           "get_time": TIME["function"]["parameters"]}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def hermes() -> ToolParser:
+    return get_tool_parser("hermes")()
+
+
+def llama3() -> ToolParser:
+    return get_tool_parser("llama3_json")()
+
+
+def calls_of(delta: ParsedDelta) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in assemble_calls(delta.tool_calls)]
+
+
+def parse_chunked(parser: ToolParser, text: str, size: int) -> ParsedDelta:
+    out = ParsedDelta()
+    for i in range(0, len(text), size):
+        out.extend(parser.feed(text[i:i + size]))
+    return out.extend(parser.finish())
+
+
+# ------------------------------------------------------------------ parsers
+
+HERMES_CASES = [
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', "", [("f", {"a": 1})]),
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n'
+     '<tool_call>{"name": "g", "arguments": {"s": "x y"}}</tool_call>', "",
+     [("f", {"a": 1}), ("g", {"s": "x y"})]),
+    ('Let me check.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>', "Let me check.",
+     [("f", {})]),
+    ('A <tool_call>{"name": "f", "arguments": {}}</tool_call> then B', "A then B",
+     [("f", {})]),
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n\nDone.\n', "Done.\n",
+     [("f", {})]),
+    # Malformed: not JSON, not a call object, arguments not an object.
+    ("Hi <tool_call>{not json}</tool_call> bye", "Hi <tool_call>{not json}</tool_call> bye",
+     []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+     []),
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
+    # Left open at the end: a complete object still counts, a truncated one is content.
+    ('<tool_call>{"name": "f", "arguments": {"a": 2}}', "", [("f", {"a": 2})]),
+    ('ok <tool_call>{"name": "f", "argu', 'ok <tool_call>{"name": "f", "argu', []),
+    # Arguments given as a JSON string; a closing tag inside an argument string.
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 3}"}</tool_call>', "",
+     [("f", {"a": 3})]),
+    ('<tool_call>{"name": "f", "arguments": {"s": "</tool_call>"}}</tool_call>', "",
+     [("f", {"s": "</tool_call>"})]),
+    # Plain text, including a partial marker at the very end, is content exactly.
+    ("Just text.\n", "Just text.\n", []),
+    ("a < b and <tool", "a < b and <tool", []),
+]
+
+LLAMA3_CASES = [
+    ('{"name": "f", "parameters": {"a": 1}}', "", [("f", {"a": 1})]),
+    ('<|python_tag|>{"name": "f", "parameters": {"a": "}"}}', "", [("f", {"a": "}"})]),
+    ('{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"b": [1, 2]}}', "",
+     [("f", {}), ("g", {"b": [1, 2]})]),
+    (' {"name": "f", "arguments": {}}\n{"name": "g", "parameters": {}}', "",
+     [("f", {}), ("g", {})]),
+    # Malformed: prose that starts with a brace, a truncated object, trailing junk.
+    ("{curly} is a word", "{curly} is a word", []),
+    ('{"name": "f", "parame', '{"name": "f", "parame', []),
+    ('{"name": "f", "parameters": {}}; and more', "and more", [("f", {})]),
+    ('{"name": 5, "parameters": {}}', '{"name": 5, "parameters": {}}', []),
+    ("The weather is fine.", "The weather is fine.", []),
+    ("<|python", "<|python", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", HERMES_CASES)
+def test_hermes_parser(text, content, calls):
+    parsed = parse_all(hermes(), text)
+    assert parsed.content == content and calls_of(parsed) == calls
+
+
+@pytest.mark.parametrize("text,content,calls", LLAMA3_CASES)
+def test_llama3_json_parser(text, content, calls):
+    parsed = parse_all(llama3(), text)
+    assert parsed.content == content and calls_of(parsed) == calls
+
+
+@pytest.mark.parametrize("make,text", [(hermes, c[0]) for c in HERMES_CASES]
+                         + [(llama3, c[0]) for c in LLAMA3_CASES])
+@pytest.mark.parametrize("size", [1, 2, 3, 7])
+def test_streaming_gives_the_same_calls(make, text, size):
+    """Fed in pieces (1 = character by character), a parser releases the same content
+    and calls as over the whole text."""
+    whole = parse_all(make(), text)
+    pieces = parse_chunked(make(), text, size)
+    assert pieces.content == whole.content
+    assert calls_of(pieces) == calls_of(whole)
+
+
+def test_streamed_calls_are_openai_deltas():
+    parser = hermes()
+    text = ('Sure.<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+            '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    deltas = [d for ch in text for d in parser.feed(ch).tool_calls]
+    deltas += parser.finish().tool_calls
+    assert [d.index for d in deltas] == [0, 1]
+    assert all(d.id.startswith("call_") and len(d.id) == 29 for d in deltas)
+    assert deltas[0].id != deltas[1].id and deltas[0].name == "f"
+    assert json.loads(deltas[0].arguments) == {"a": 1}
+
+
+def test_hermes_holds_back_a_possible_marker():
+    parser = hermes()
+    assert parser.feed("Hello <tool").content == "Hello"  # the space and "<tool" wait
+    assert parser.feed("box> x").content == " <toolbox> x"  # not a marker after all
+    assert parser.feed(" <tool_call>").content == ""
+    done = parser.feed('{"name": "f", "arguments": {}}</tool_call>\n')
+    assert [c.name for c in done.tool_calls] == ["f"] and done.content == ""
+    assert parser.finish().content == ""  # whitespace after a call is dropped
+
+
+def test_required_parser_reads_the_guided_array():
+    text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]'
+    for size in (1, 4, len(text)):
+        parsed = parse_chunked(RequiredToolParser(), text, size)
+        assert calls_of(parsed) == [("f", {"a": 1}), ("g", {})] and parsed.content == ""
+    # Cut short by max_tokens: the complete calls stay, the rest is content.
+    cut = parse_all(RequiredToolParser(), '[{"name": "f", "parameters": {}}, {"name": "g"')
+    assert calls_of(cut) == [("f", {})] and cut.content == '{"name": "g"'
+
+
+def test_named_parser_streams_the_arguments():
+    parser = NamedToolParser("f")
+    first = parser.feed('{"a"')
+    assert first.tool_calls[0].name == "f" and first.tool_calls[0].id.startswith("call_")
+    rest = parser.feed(": 1}").extend(parser.finish())
+    assert [d.id for d in rest.tool_calls] == [None]
+    assert calls_of(first.extend(rest)) == [("f", {"a": 1})]
+
+
+# ------------------------------------------------------------------ request checks
+
+def validate(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": USER} | fields)
+
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+@pytest.mark.parametrize("fields,loc,fragment", [
+    ({"tool_choice": "required"}, ("tool_choice",), "`tools` must be set"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     ("tool_choice",), "`tools` must be set"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     ("tool_choice",), "'nope' is not one of the specified `tools`"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, ("tool_choice",), "must be \"none\""),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, ("tool_choice",),
+     "a named tool_choice must be exactly"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": 5}}},
+     ("tool_choice",), "a named tool_choice must be exactly"),
+    ({"tools": [WEATHER, WEATHER]}, ("tools",), "defined twice"),
+    ({"tools": [{"type": "function"}]}, ("tools", 0, "function"), "required"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, ("tools", 0, "type"), ""),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]},
+     ("tools", 0, "function", "name"), "empty"),
+    ({"tools": [{"type": "function", "function": {"name": "f",
+                                                  "parameters": {"type": "nonsense"}}}]},
+     ("tools", 0, "function", "parameters"), "not a valid JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"minimum": "x"}}}}}]},
+     ("tools", 0, "function", "parameters"), "not a valid JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f",
+                                                  "parameters": {"type": "array"}}}]},
+     ("tools", 0, "function", "parameters"), "must describe an object"),
+    ({"messages": [{"role": "tool", "content": "sunny"}]}, ("messages", 0), "tool_call_id"),
+    ({"messages": [{"role": "tool", "tool_call_id": "call_1"}]}, ("messages", 0), "content"),
+    ({"messages": [{"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]},
+     ("messages",), "must answer a call"),
+    ({"messages": USER + [{"role": "assistant", "content": None, "tool_calls": [CALL]}]},
+     ("messages",), "no answer to 'call_1'"),
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [CALL]},
+                          {"role": "user", "content": "well?"}]},
+     ("messages",), "must be followed by tool messages"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, ("messages", 0),
+     "only allowed in assistant messages"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "call_1"}]},
+     ("messages", 0), "only allowed in tool messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        CALL | {"function": {"name": "f", "arguments": "{oops"}}]}]},
+     ("messages", 0, "tool_calls", 0, "function", "arguments"), "JSON"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        CALL | {"function": {"name": "f", "arguments": "[1]"}}]}]},
+     ("messages", 0, "tool_calls", 0, "function", "arguments"), "JSON object"),
+    ({"functions": [{"name": "f"}]}, ("functions",), "not supported"),
+])
+def test_bad_tool_requests_name_the_field(fields, loc, fragment):
+    with pytest.raises(ValidationError) as e:
+        validate(**fields)
+    error = e.value.errors()[0]
+    assert tuple(error["loc"]) == loc and fragment in error["msg"], error
+
+
+def test_valid_tool_conversation_and_defaults():
+    req = validate(messages=USER + [
+        {"role": "assistant", "content": None, "tool_calls": [CALL, CALL | {"id": "call_2"}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_2"},
+        {"role": "tool", "content": "warm", "tool_call_id": "call_1"}], tools=[WEATHER])
+    assert req.effective_tool_choice == "auto"
+    assert validate().effective_tool_choice == "none"
+    assert validate(tools=[], tool_choice="none").effective_tool_choice == "none"
+    # Templates get the arguments decoded (HF templates expect a mapping).
+    rendered = req.messages[1].template_dict()
+    assert rendered["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert rendered["content"] == ""
+    assert req.messages[2].template_dict()["tool_call_id"] == "call_2"
+
+
+AUTO = ServeConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+
+
+def test_plan_per_tool_choice():
+    with pytest.raises(InvalidRequestError) as e:
+        plan_tools(validate(tools=[WEATHER]), ServeConfig())
+    assert str(e.value) == AUTO_NEEDS_FLAGS and "--enable-auto-tool-choice" in str(e.value)
+    auto = plan_tools(validate(tools=[WEATHER]), AUTO)
+    assert auto.constraint is None and type(auto.make_parser()).__name__ == "HermesToolParser"
+    none = plan_tools(validate(tools=[WEATHER], tool_choice="none"), ServeConfig())
+    assert none.make_parser is None
+    assert none.template_tools[0]["function"]["name"] == "get_weather"
+    named = plan_tools(validate(tools=[WEATHER, TIME], tool_choice={
+        "type": "function", "function": {"name": "get_time"}}), ServeConfig())
+    assert named.constraint == {"json": SCHEMAS["get_time"], "disable_any_whitespace": True}
+    assert named.is_named
+    required = plan_tools(validate(tools=[WEATHER, TIME], tool_choice="required",
+                                   parallel_tool_calls=False), ServeConfig())
+    schema = required.constraint["json"]
+    assert schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert "$defs" not in WEATHER["function"]["parameters"]["properties"]  # not mutated
+    assert schema["$defs"] == {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}
+    # The array schema accepts exactly the calls it describes.
+    good = [{"name": "get_weather", "parameters": {"city": "Rome", "unit": "celsius"}}]
+    jsonschema.validate(good, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {"city": "Rome"}}], schema)
+
+
+def test_plan_conflicts():
+    with pytest.raises(InvalidRequestError, match="cannot be combined"):
+        plan_tools(validate(tools=[WEATHER], tool_choice="required",
+                            response_format={"type": "json_object"}), ServeConfig())
+    other_unit = json.loads(json.dumps(TIME))
+    other_unit["function"]["parameters"]["$defs"] = {"unit": {"enum": ["kelvin"]}}
+    with pytest.raises(InvalidRequestError, match="defined differently"):
+        plan_tools(validate(tools=[WEATHER, other_unit], tool_choice="required"),
+                   ServeConfig())
+
+
+def test_serve_config_tool_flags(tmp_path):
+    with pytest.raises(ValueError, match="requires --tool-call-parser"):
+        ServeConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        ServeConfig(tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="neither a template nor a file"):
+        ServeConfig(chat_template=str(tmp_path / "missing.jinja"))
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0].content }}")
+    loaded = ServeConfig(chat_template=str(path)).load_chat_template()
+    assert loaded == "{{ messages[0].content }}"
+    assert ServeConfig(chat_template="{{ 1 }}").load_chat_template() == "{{ 1 }}"
+
+
+# ------------------------------------------------------------------ live server
+
+# ChatML with a tools section, calls rendered as Hermes <tool_call> blocks (arguments
+# must arrive as a mapping for `tojson` to print an object) and results as tool turns.
+TOOLS_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+You may call these functions:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{% for call in message.tool_calls %}<tool_call>{"name": "{{ call.function.name }}", \
+"arguments": {{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>tool
+<tool_response>{{ message.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+API_KEY = "tool-key"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    template = tmp_path_factory.mktemp("templates") / "tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
+    srv = RemoteServer(["--dtype", "float32", "--max-model-len", "1024",
+                        "--num-kv-blocks", "128", "--max-num-seqs", "8",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                        "--chat-template", str(template), "--trust-request-chat-template"],
+                       api_key=API_KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                         timeout=120)
+
+
+def chat(client, **kwargs):
+    kwargs = {"max_tokens": 64, "temperature": 0} | kwargs
+    return client.chat.completions.create(model=MODEL_NAME, messages=USER, **kwargs)
+
+
+def assemble_stream(stream) -> tuple[str, list[dict], str | None]:
+    """(content, calls, finish_reason) of a streamed choice 0, checking that each call's
+    first delta names it and later ones only add arguments."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            if d.index not in calls:
+                assert d.id.startswith("call_") and d.type == "function" and d.function.name
+                calls[d.index] = {"id": d.id, "name": d.function.name,
+                                  "arguments": d.function.arguments or ""}
+            else:
+                assert d.id is None and d.function.name is None
+                calls[d.index]["arguments"] += d.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def call_list(message) -> list[dict]:
+    return [{"name": c.function.name, "arguments": json.loads(c.function.arguments)}
+            for c in message.tool_calls or []]
+
+
+def test_named_tool_choice(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(client, tools=[WEATHER, TIME], tool_choice=named)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"  # OpenAI's for a forced function
+    assert choice.message.content is None and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+    # The same call, streamed.
+    content, calls, finish = assemble_stream(chat(client, tools=[WEATHER, TIME],
+                                                  tool_choice=named, stream=True))
+    assert content == "" and finish == "stop"
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", call.function.arguments)]
+
+
+def test_required_tool_choice(client):
+    r = chat(client, tools=[WEATHER, TIME], tool_choice="required")
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in call_list(choice.message):
+        jsonschema.validate(call["arguments"], SCHEMAS[call["name"]])
+    ids = [c.id for c in choice.message.tool_calls]
+    assert len(set(ids)) == len(ids)
+    content, calls, finish = assemble_stream(chat(client, tools=[WEATHER, TIME],
+                                                  tool_choice="required", stream=True))
+    assert finish == "tool_calls" and content == ""
+    assert [{"name": c["name"], "arguments": json.loads(c["arguments"])}
+            for c in calls] == call_list(choice.message)
+    single = chat(client, tools=[WEATHER, TIME], tool_choice="required",
+                  parallel_tool_calls=False)
+    assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_auto_with_hermes_parser(client):
+    """A 135M model seldom calls a tool by itself: only the shape is checked, and that a
+    stream reads to the same message."""
+    r = chat(client, tools=[WEATHER], max_tokens=24)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content is not None or choice.message.tool_calls
+    for call in call_list(choice.message):
+        assert isinstance(call["arguments"], dict)
+    content, calls, finish = assemble_stream(chat(client, tools=[WEATHER], max_tokens=24,
+                                                  stream=True))
+    assert finish == choice.finish_reason and content == (choice.message.content or "")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        (c["name"], c["arguments"]) for c in call_list(choice.message)]
+
+
+def test_tool_choice_none_is_plain_text(client):
+    r = chat(client, tools=[WEATHER], tool_choice="none", max_tokens=8)
+    assert r.choices[0].message.tool_calls is None
+    assert isinstance(r.choices[0].message.content, str)
+
+
+def test_conversation_with_calls_and_results(server, client):
+    messages = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_abc", "type": "function",
+             "function": {"name": "get_weather",
+                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "21 degrees, sunny"}]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=[WEATHER],
+                                       tool_choice="none", max_tokens=8, temperature=0)
+    assert r.choices[0].message.content is not None
+    # What the template made of it: the tools, the call's arguments as an object, the
+    # result; /tokenize renders the same way.
+    tokens = httpx.post(server.url + "/tokenize", headers=server.headers, json={
+        "messages": messages, "tools": [WEATHER]}).json()["tokens"]
+    assert len(tokens) == r.usage.prompt_tokens
+    text = httpx.post(server.url + "/detokenize", headers=server.headers,
+                      json={"tokens": tokens}).json()["prompt"]
+    assert '"name": "get_weather"' in text and "You may call these functions" in text
+    assert '"arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>' in text
+    assert "<tool_response>21 degrees, sunny</tool_response>" in text
+
+
+def test_request_chat_template_sees_tools_and_decoded_arguments(server, client):
+    template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}"
+                "|{% endfor %}")
+    messages = USER + [
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "hot"}]
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=[WEATHER, TIME], tool_choice="none",
+        max_tokens=2, extra_body={"chat_template": template})
+    expected = ("[get_weather][get_time]user:What is the weather in Paris?|"
+                "assistant:Rome|tool:hot|")
+    count = httpx.post(server.url + "/tokenize", headers=server.headers,
+                       json={"prompt": expected, "add_special_tokens": False}).json()["count"]
+    assert r.usage.prompt_tokens == count
+
+
+@pytest.mark.parametrize("body,param,needle", [
+    ({"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice", "not one of the specified `tools`"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": 5}}}}}]}, "tools",
+     "not a valid JSON schema"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "tool_call_id"),
+    ({"tools": [WEATHER], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, None, "cannot be combined"),
+])
+def test_http_400s(server, body, param, needle):
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=30,
+                   json={"model": MODEL_NAME, "messages": USER, "max_tokens": 4} | body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["param"] == param, error
