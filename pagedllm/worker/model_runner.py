@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,17 +14,21 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.distributed.comm import broadcast, recv_from_prev_stage, send_to_next_stage
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
+from pagedllm.kernels.cpu.ops import cpu_ops_available
 from pagedllm.loader import load_tokenizer
 from pagedllm.models.layers.linear import pack_linear_weights
 from pagedllm.sample.logprobs import LogprobsTensors
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sample.structured_output import GrammarManager
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.invariance import batch_invariance_caveat
 from pagedllm.worker.memory import (allocate_kv_cache, determine_num_blocks,
                                     determine_num_swap_blocks)
 from pagedllm.worker.model_loader import load_model
 from pagedllm.worker.prompt_logprobs import prompt_logprobs_chunks
 from pagedllm.worker.swap import allocate_host_kv_cache, swap_blocks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,6 +85,10 @@ class ModelRunner:
             # Eager CPU: oneDNN-packed weights (compiled graphs pack their own).
             pack_linear_weights(self.model)
         self.vocab_size = config.model.hf_config.vocab_size
+        caveat = batch_invariance_caveat(config, cpu_ops_available(torch.empty(0)))
+        if caveat is not None and parallel.is_driver:
+            logger.warning("outputs may differ with batching, chunked prefill and prefix "
+                           "caching: %s", caveat)
         self.sampler = Sampler()
         # Structured output: the tokenizer is loaded on the first grammar request.
         self.grammar = GrammarManager(

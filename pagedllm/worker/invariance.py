@@ -1,0 +1,32 @@
+"""Which configurations keep outputs independent of batching (DESIGN.md §10).
+
+The guarantee rests on the native CPU kernels: the bfloat16 GEMM sums each row in one
+chain over K, and attention reduces every row, decode or prefill, in the same steps of
+keys at absolute positions. Paths outside them make no such promise; the runner logs the
+reason at start-up so a user who needs bit-identical outputs knows to change it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.config import EngineConfig
+
+
+def batch_invariance_caveat(config: EngineConfig, native_kernels: bool) -> str | None:
+    """Why outputs may depend on the batch in this configuration, or None."""
+    device = config.device
+    if device.compile:
+        return ("torch.compile (--compile) fuses its own GEMMs and attention, whose "
+                "reductions depend on the batch shape")
+    if torch.device(device.device).type != "cpu":
+        return (f"on {device.device} the {device.attention_backend} kernels reduce in "
+                f"tiles that depend on the batch (only the CPU kernels are batch invariant)")
+    if not native_kernels:
+        return "the native CPU kernels are not loaded (torch's fallback kernels are used)"
+    if device.attention_backend != "cpu":
+        return f"the {device.attention_backend} attention backend is not batch invariant"
+    if config.model.dtype == "bfloat16" and config.cache.block_size % 16:
+        return (f"bfloat16 attention is batch invariant only with block sizes that are "
+                f"multiples of 16 (block_size={config.cache.block_size})")
+    return None
