@@ -26,7 +26,11 @@ def batch_invariance_caveat(config: EngineConfig, native_kernels: bool) -> str |
         return "the native CPU kernels are not loaded (torch's fallback kernels are used)"
     if device.attention_backend != "cpu":
         return f"the {device.attention_backend} attention backend is not batch invariant"
-    if config.model.dtype == "bfloat16" and config.cache.block_size % 16:
+    if config.model.dtype != "bfloat16":
+        return (f"only bfloat16 runs the batch-invariant kernels; in {config.model.dtype} "
+                f"oneDNN's GEMMs and the decode attention round differently by batch "
+                f"(greedy tokens are unaffected in practice, logprobs differ in the last bits)")
+    if config.cache.block_size % 16:
         return (f"bfloat16 attention is batch invariant only with block sizes that are "
                 f"multiples of 16 (block_size={config.cache.block_size})")
     return None

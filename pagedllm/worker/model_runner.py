@@ -87,8 +87,8 @@ class ModelRunner:
         self.vocab_size = config.model.hf_config.vocab_size
         caveat = batch_invariance_caveat(config, cpu_ops_available(torch.empty(0)))
         if caveat is not None and parallel.is_driver:
-            logger.warning("outputs may differ with batching, chunked prefill and prefix "
-                           "caching: %s", caveat)
+            logger.info("outputs may differ with batching, chunked prefill and prefix "
+                        "caching: %s", caveat)
         self.sampler = Sampler()
         # Structured output: the tokenizer is loaded on the first grammar request.
         self.grammar = GrammarManager(

@@ -36,6 +36,11 @@ def test_other_paths_say_why(config, change, native, fragment):
     assert fragment in batch_invariance_caveat(_with(config, **change), native)
 
 
+def test_float32_is_named(config):
+    f32 = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="float32"))
+    assert "only bfloat16" in batch_invariance_caveat(f32, True)
+
+
 def test_bf16_block_size_not_a_multiple_of_16(config):
     odd = dataclasses.replace(config, cache=dataclasses.replace(config.cache, block_size=8))
     assert "multiples of 16" in batch_invariance_caveat(odd, True)
