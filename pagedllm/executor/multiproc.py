@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections import deque
 import subprocess
 import sys
 import weakref
@@ -38,7 +37,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.errors import EngineDeadError
 from pagedllm.distributed.parallel_state import driver_rank
-from pagedllm.executor.step_future import StepFuture
+from pagedllm.executor.step_future import StepFuture, StepsInFlight
+from pagedllm.executor.worker_group import WorkerGroupExecutor
 from pagedllm.executor.mp_worker import BOOT
 from pagedllm.worker.worker import EXECUTE, WorkerInit, worker_config
 
@@ -51,7 +51,7 @@ SHUTDOWN_GRACE_S = 5.0
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(WorkerGroupExecutor):
     """tp x pp worker processes, each with one ModelRunner (its shard)."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -63,7 +63,8 @@ class MultiprocExecutor:
         self.driver = driver_rank(self.tp_size, self.pp_size)
         # Steps in flight: one per pipeline stage keeps every stage busy.
         self.max_concurrent_batches = self.pp_size
-        self._pending: deque[StepFuture] = deque()
+        self._pending = StepsInFlight(
+            lambda _: self._collect([self.driver], during="execute_model")[0])
         # The rendezvous: workers connect as clients; port 0 lets the OS pick one.
         self._store = dist.TCPStore(STORE_HOST, 0, None, True, wait_for_workers=False)
         self._procs: list[subprocess.Popen] = []
@@ -93,37 +94,13 @@ class MultiprocExecutor:
         logger.info("started %d workers (tp=%d, pp=%d; pids %s)", self.world_size,
                     self.tp_size, self.pp_size, [p.pid for p in self._procs])
 
-    def determine_num_blocks(self) -> int:
-        # Every rank must fit the same block ids: the smallest budget wins.
-        return min(self._call_all("determine_num_blocks"))
-
-    def determine_num_swap_blocks(self) -> int:
-        # Every rank must hold the same host block ids too.
-        return min(self._call_all("determine_num_swap_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
-        self._call_all("initialize_kv_cache", num_blocks, num_swap_blocks)
-
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
                       ) -> ModelRunnerOutput | StepFuture:
         """Send the step to every worker; its output, or (non_block) a future of it."""
         self._broadcast(EXECUTE, scheduler_output)
-        future = StepFuture(self._resolve_next)
-        self._pending.append(future)
+        # The driver's answers come back in order: the next one is the oldest step's.
+        future = self._pending.add()
         return future if non_block else future.result()
-
-    def _resolve_next(self) -> None:
-        """Read the driver's next answer: the output of the oldest step in flight."""
-        future = self._pending[0]
-        try:
-            output = self._collect([self.driver], during="execute_model")[0]
-        except BaseException as e:
-            # The group is dead: every step in flight fails the same way.
-            while self._pending:
-                self._pending.popleft().set_exception(e)
-            raise
-        self._pending.popleft()
-        future.set_result(output)
 
     def shutdown(self) -> None:
         self._finalizer()

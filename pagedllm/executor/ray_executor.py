@@ -50,7 +50,6 @@ import pickle
 import signal
 import threading
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -58,7 +57,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import driver_rank
 from pagedllm.errors import EngineDeadError
-from pagedllm.executor.step_future import StepFuture
+from pagedllm.executor.step_future import StepFuture, StepsInFlight
+from pagedllm.executor.worker_group import WorkerGroupExecutor
 from pagedllm.worker.worker import EXECUTE, Worker, WorkerInit, worker_config
 
 logger = logging.getLogger(__name__)
@@ -123,15 +123,7 @@ class _Cluster:
     """Actor handles, by rank."""
 
 
-@dataclass
-class _Step:
-    """A step in flight: its future and one call (ObjectRef) per rank."""
-
-    future: StepFuture
-    refs: list[Any]
-
-
-class RayExecutor:
+class RayExecutor(WorkerGroupExecutor):
     """tp x pp Ray actors, each with one ModelRunner (its shard)."""
 
     def __init__(self, config: EngineConfig, placement_strategy: str | None = None) -> None:
@@ -147,7 +139,10 @@ class RayExecutor:
         self.driver = driver_rank(self.tp_size, self.pp_size)
         # Steps in flight: one per pipeline stage keeps every stage busy.
         self.max_concurrent_batches = self.pp_size
-        self._pending: deque[_Step] = deque()
+        # A step's handle: its call (ObjectRef) on every rank, all waited for, so any
+        # rank's failure fails the step.
+        self._pending = StepsInFlight(
+            lambda refs: self._wait(refs, during="execute_model")[self.driver])
         self._failed: str | None = None
         self.worker_locations: list[tuple[str, int]] = []
         """(node IP, pid) of each rank's actor."""
@@ -225,17 +220,6 @@ class RayExecutor:
 
     # ------------------------------------------------------------------ executor API
 
-    def determine_num_blocks(self) -> int:
-        # Every rank must fit the same block ids: the smallest budget wins.
-        return min(self._call_all("determine_num_blocks"))
-
-    def determine_num_swap_blocks(self) -> int:
-        # Every rank must hold the same host block ids too.
-        return min(self._call_all("determine_num_swap_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
-        self._call_all("initialize_kv_cache", num_blocks, num_swap_blocks)
-
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
                       ) -> ModelRunnerOutput | StepFuture:
         """Send the step to every actor; its output, or (non_block) a future of it."""
@@ -243,23 +227,8 @@ class RayExecutor:
         data = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
         # Small: copied into each call's message; large: stored once (module docstring).
         payload = data if len(data) <= INLINE_MAX_BYTES else self._ray.put(data)
-        step = _Step(StepFuture(self._resolve_next), self._submit("execute_step", payload))
-        self._pending.append(step)
-        return step.future if non_block else step.future.result()
-
-    def _resolve_next(self) -> None:
-        """Wait for the oldest step in flight on every rank; settle its future with the
-        driver's output."""
-        step = self._pending[0]
-        try:
-            results = self._wait(step.refs, during="execute_model")
-        except BaseException as e:
-            # The group is dead: every step in flight fails the same way.
-            while self._pending:
-                self._pending.popleft().future.set_exception(e)
-            raise
-        self._pending.popleft()
-        step.future.set_result(results[self.driver])
+        future = self._pending.add(self._submit("execute_step", payload))
+        return future if non_block else future.result()
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -22,12 +22,12 @@ from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
-from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.models.layers.embedding import VocabEmbedding
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.models.llama import (LlamaAttention, LlamaMLP, head_dim_of,
                                    layer_sliding_window)
-from pagedllm.models.pipeline import make_layers, stage_part
+from pagedllm.models.pipeline import make_layers, stage_lm_head, stage_part
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS, load_stacked_weights
 
 
@@ -111,13 +111,12 @@ class Gemma2ForCausalLM(nn.Module):
         parallel = parallel or SINGLE_RANK
         self.config = cfg
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
-        is_last = parallel.is_last_stage
         self.model = GemmaModel(cfg, attn_backend, qk_norm, parallel,
-                                keep_embedding=is_last and self.tie_word_embeddings)
-        self.lm_head = stage_part(is_last, lambda: LMHead(cfg.vocab_size, cfg.hidden_size,
-                                                          parallel=parallel))
-        if self.tie_word_embeddings and is_last:
-            self.lm_head.tie(self.model.embed_tokens)
+                                keep_embedding=(parallel.is_last_stage
+                                                and self.tie_word_embeddings))
+        self.lm_head = stage_lm_head(
+            cfg.vocab_size, cfg.hidden_size, parallel,
+            tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

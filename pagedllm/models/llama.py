@@ -27,13 +27,13 @@ from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.models.layers.activation import GeluAndMul, SiluAndMul
-from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.models.layers.embedding import VocabEmbedding
 from pagedllm.models.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.models.native_layers import NativeLlamaLayers
-from pagedllm.models.pipeline import make_layers, stage_part
+from pagedllm.models.pipeline import make_layers, stage_lm_head, stage_part
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS, load_stacked_weights
 from pagedllm.nn import Module
 
@@ -244,13 +244,12 @@ class LlamaForCausalLM(Module):
         parallel = parallel or SINGLE_RANK
         self.config, self.variant = cfg, variant
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        is_last = parallel.is_last_stage
         self.model = LlamaModel(cfg, attn_backend, variant, parallel,
-                                keep_embedding=is_last and self.tie_word_embeddings)
-        self.lm_head = stage_part(is_last, lambda: LMHead(cfg.vocab_size, cfg.hidden_size,
-                                                          parallel=parallel))
-        if self.tie_word_embeddings and is_last:
-            self.lm_head.tie(self.model.embed_tokens)
+                                keep_embedding=(parallel.is_last_stage
+                                                and self.tie_word_embeddings))
+        self.lm_head = stage_lm_head(
+            cfg.vocab_size, cfg.hidden_size, parallel,
+            tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,

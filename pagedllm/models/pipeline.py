@@ -15,6 +15,7 @@ from collections.abc import Callable
 from torch import nn
 
 from pagedllm.distributed.parallel_state import ParallelState
+from pagedllm.models.layers.embedding import LMHead
 from pagedllm.nn import Module
 
 
@@ -52,3 +53,15 @@ def missing_prefixes(model: nn.Module) -> tuple[str, ...]:
     """Parameter-name prefixes of the parts held by other stages ("model.layers.7.")."""
     return tuple(f"{name}." for name, module in model.named_modules()
                  if isinstance(module, MissingLayer))
+
+
+def stage_lm_head(vocab_size: int, hidden_size: int, parallel: ParallelState,
+                  tied_to: nn.Module | None = None) -> nn.Module:
+    """The LM head on the last stage (sharing `tied_to`'s weight when given: the tied
+    embedding the last stage keeps for it), a placeholder on the others."""
+    if not parallel.is_last_stage:
+        return MissingLayer()
+    head = LMHead(vocab_size, hidden_size, parallel=parallel)
+    if tied_to is not None:
+        head.tie(tied_to)
+    return head

@@ -19,12 +19,11 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import ParallelState, SINGLE_RANK
 from pagedllm.errors import EngineDeadError
 from pagedllm.models.pipeline import layer_range
-from tests.distributed.test_tensor_parallel import (_assert_logprobs_close,
-                                                    _worker_processes)
+from tests.distributed.helpers import (assert_logprobs_close, generate, token_ids,
+                                       worker_processes)
 from tests.utils import random_prompts, save_tiny_model, tiny_llama_config
 
 VOCAB = 256
-GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
 
 def _gemma2_config():
@@ -72,12 +71,6 @@ def _make_llm(path, **kw) -> LLM:
     return LLM(str(path), dtype="float32", skip_tokenizer_init=True, max_num_seqs=4, **kw)
 
 
-def _generate(llm, prompts, params=GREEDY):
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-
-def _token_ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _count_in_flight(llm) -> list[int]:
@@ -107,17 +100,17 @@ def test_layer_range_splits_evenly_first_stages_take_the_rest():
 def test_greedy_parity(model_paths, prompts, name, tp):
     path = model_paths[name]
     ref_llm = _make_llm(path)
-    ref = _token_ids(_generate(ref_llm, prompts))
+    ref = token_ids(generate(ref_llm, prompts))
     ref_llm.shutdown()
     llm = _make_llm(path, pipeline_parallel_size=2, tensor_parallel_size=tp)
     try:
-        assert len(_worker_processes()) == 2 * tp
+        assert len(worker_processes()) == 2 * tp
         in_flight = _count_in_flight(llm)
-        assert _token_ids(_generate(llm, prompts)) == ref
+        assert token_ids(generate(llm, prompts)) == ref
         assert max(in_flight) == 2  # the stages overlapped
     finally:
         llm.shutdown()
-    assert _worker_processes() == []
+    assert worker_processes() == []
 
 
 def test_chunked_prefill_prefix_hits_sampling_state(model_paths, prompts):
@@ -135,34 +128,34 @@ def test_chunked_prefill_prefix_hits_sampling_state(model_paths, prompts):
     for pp in (1, 2):
         llm = _make_llm(model_paths["llama"], pipeline_parallel_size=pp, **kw)
         try:
-            results.append([_generate(llm, [shared + [1]], p) + _generate(llm, suffixed, p)
+            results.append([generate(llm, [shared + [1]], p) + generate(llm, suffixed, p)
                             for p in params])
         finally:
             llm.shutdown()
     for ref, outs in zip(*results):
-        assert _token_ids(outs) == _token_ids(ref)
+        assert token_ids(outs) == token_ids(ref)
         # The shared prefix hits (and, in the second round, whole earlier prompts).
         cached = [o.num_cached_tokens for o in outs[1:]]
         assert cached == [o.num_cached_tokens for o in ref[1:]] and min(cached) >= 16
         for ours, theirs in zip(outs, ref):
-            _assert_logprobs_close(ours.outputs[0].logprobs, theirs.outputs[0].logprobs)
+            assert_logprobs_close(ours.outputs[0].logprobs, theirs.outputs[0].logprobs)
 
 
-def test_killed_stage_fails_generate(model_paths, prompts):
+def test_killed_stage_failsgenerate(model_paths, prompts):
     llm = _make_llm(model_paths["llama"], pipeline_parallel_size=2)
     try:
-        _generate(llm, prompts[:2])
-        workers = _worker_processes()
+        generate(llm, prompts[:2])
+        workers = worker_processes()
         assert len(workers) == 2
         # The first stage dies: the last one waits on hidden states that never come.
         os.kill(workers[0].pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(EngineDeadError, match="worker"):
-            _generate(llm, prompts)
+            generate(llm, prompts)
         assert time.monotonic() - start < 30
     finally:
         llm.shutdown()
-    assert _worker_processes() == []
+    assert worker_processes() == []
 
 
 def test_unsupported_configs(tmp_path, model_paths):
@@ -175,4 +168,4 @@ def test_unsupported_configs(tmp_path, model_paths):
         _make_llm(gpt2, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="more than the model's 3 layers"):
         _make_llm(model_paths["llama"], pipeline_parallel_size=4)
-    assert _worker_processes() == []
+    assert worker_processes() == []

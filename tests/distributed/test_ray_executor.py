@@ -23,17 +23,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.core.contracts import CachedRequestData, SchedulerOutput
 from pagedllm.errors import EngineDeadError, ModelLoadError
+from tests.distributed.helpers import MAX_NEW, generate, token_ids
 from tests.utils import random_prompts, save_tiny_model, tiny_llama_config
 
 ray = pytest.importorskip("ray", reason="the Ray executor needs pagedllm[ray]")
 
-MAX_NEW = 12
 VOCAB = 256
 NUM_CPUS = 4
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # A second driver process (argv: model path, prompts as JSON, max_tokens): greedy tokens
 # through the Ray executor, as JSON on its last line of output.
@@ -67,7 +66,7 @@ def reference(model_path, prompts):
     """Greedy tokens of the in-process executor (one worker)."""
     llm = _make_llm(model_path)
     try:
-        return _token_ids(_generate(llm, prompts))
+        return token_ids(generate(llm, prompts))
     finally:
         llm.shutdown()
 
@@ -98,12 +97,6 @@ def _executor(llm: LLM):
     return llm.llm_engine.engine_core.executor
 
 
-def _generate(llm: LLM, prompts, params=GREEDY):
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-
-def _token_ids(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _worker_pids(llm: LLM) -> list[int]:
@@ -155,16 +148,16 @@ def test_own_cluster_and_killed_actor(model_path, prompts, reference, monkeypatc
         assert ray.is_initialized()
         daemons = _ray_daemons()
         assert daemons, "ray.init started a local cluster"
-        assert _token_ids(_generate(llm, prompts)) == reference
+        assert token_ids(generate(llm, prompts)) == reference
         pids = _worker_pids(llm)
         os.kill(pids[1], signal.SIGKILL)  # a non-driver rank
         start = time.monotonic()
         with pytest.raises(EngineDeadError, match="worker 1"):
-            _generate(llm, prompts)
+            generate(llm, prompts)
         assert time.monotonic() - start < 30
         # The executor stays dead: a new call fails at once instead of hanging.
         with pytest.raises(EngineDeadError):
-            _generate(llm, prompts[:1])
+            generate(llm, prompts[:1])
     finally:
         llm.shutdown()
     # The cluster the executor started is gone with it.
@@ -177,7 +170,7 @@ def test_greedy_parity_then_failing_step(ray_cluster, model_path, prompts, refer
     try:
         pids = _worker_pids(llm)
         assert all(_is_running(pid) for pid in pids)
-        assert _token_ids(_generate(llm, prompts)) == reference
+        assert token_ids(generate(llm, prompts)) == reference
         # A step naming a request the workers never saw: every rank raises KeyError.
         bad = SchedulerOutput(scheduled_new_reqs=[], num_scheduled_tokens={"nope": 1},
                               scheduled_cached_reqs=[CachedRequestData("nope", [], 0)],
@@ -224,7 +217,7 @@ def test_ray_pipeline_parallel(ray_cluster, model_path, prompts, reference, tp, 
     llm = _make_ray_llm(model_path, tp=tp, pp=pp)
     try:
         assert _executor(llm).max_concurrent_batches == pp
-        assert _token_ids(_generate(llm, prompts)) == reference
+        assert token_ids(generate(llm, prompts)) == reference
         pids = _worker_pids(llm)
     finally:
         llm.shutdown()

@@ -14,17 +14,16 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.contracts import CachedRequestData, SchedulerOutput
 from pagedllm.errors import EngineDeadError
+from tests.distributed.helpers import (MAX_NEW, assert_logprobs_close, generate, token_ids,
+                                       worker_processes)
 from tests.utils import random_prompts, save_tiny_model, tiny_llama_config
 
-MAX_NEW = 12
 VOCAB = 256
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 
 
 def _qwen2_config():
@@ -61,34 +60,17 @@ def _make_llm(path, **kw) -> LLM:
     return LLM(str(path), dtype="float32", skip_tokenizer_init=True, **kw)
 
 
-def _generate(llm: LLM, prompts, params=GREEDY):
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
-
-def _token_ids(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _worker_processes() -> list[psutil.Process]:
-    """This process's tensor-parallel worker children."""
-    out = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if any("pagedllm.executor.mp_worker" in arg for arg in child.cmdline()):
-                out.append(child)
-        except psutil.NoSuchProcess:
-            continue
-    return out
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_parity(model_paths, prompts, name):
-    with_one = _token_ids(_generate(_make_llm(model_paths[name]), prompts))
+    with_one = token_ids(generate(_make_llm(model_paths[name]), prompts))
     llm = _make_llm(model_paths[name], tensor_parallel_size=2)
     assert llm.llm_engine.config.parallel.distributed_executor_backend == "mp"
-    assert len(_worker_processes()) == 2
+    assert len(worker_processes()) == 2
     try:
-        assert _token_ids(_generate(llm, prompts)) == with_one
+        assert token_ids(generate(llm, prompts)) == with_one
     finally:
         if name == "qwen2":
             # Dropping the LLM (no shutdown call) stops the workers too.
@@ -96,7 +78,7 @@ def test_greedy_parity(model_paths, prompts, name):
             gc.collect()
         else:
             llm.shutdown()
-    assert _worker_processes() == []
+    assert worker_processes() == []
 
 
 def test_chunked_prefill_prefix_hits_and_logprobs(model_paths, prompts):
@@ -113,59 +95,52 @@ def test_chunked_prefill_prefix_hits_and_logprobs(model_paths, prompts):
     for tp in (1, 2):
         llm = _make_llm(path, tensor_parallel_size=tp, **kw)
         try:
-            results.append((_generate(llm, [shared + [1]], params),
-                            _generate(llm, suffixed, params),
-                            _generate(llm, prompts[:3], prompt_params)))
+            results.append((generate(llm, [shared + [1]], params),
+                            generate(llm, suffixed, params),
+                            generate(llm, prompts[:3], prompt_params)))
         finally:
             llm.shutdown()
     (ref_first, ref, ref_prompt), (first, outs, prompt_outs) = results
-    assert _token_ids(first) == _token_ids(ref_first)
-    assert _token_ids(outs) == _token_ids(ref)
+    assert token_ids(first) == token_ids(ref_first)
+    assert token_ids(outs) == token_ids(ref)
     assert [o.num_cached_tokens for o in outs] == [16] * 4
     for ours, theirs in zip(first + outs, ref_first + ref):
-        _assert_logprobs_close(ours.outputs[0].logprobs, theirs.outputs[0].logprobs)
+        assert_logprobs_close(ours.outputs[0].logprobs, theirs.outputs[0].logprobs)
     for ours, theirs in zip(prompt_outs, ref_prompt):
         assert ours.prompt_logprobs[0] is None
-        _assert_logprobs_close(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:])
+        assert_logprobs_close(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:])
 
 
-def _assert_logprobs_close(ours, theirs, atol=1e-4):
-    assert len(ours) == len(theirs)
-    for a, b in zip(ours, theirs):
-        assert a.keys() == b.keys()
-        for token_id in a:
-            assert abs(a[token_id].logprob - b[token_id].logprob) < atol
 
-
-def test_killed_worker_fails_generate(model_paths, prompts):
+def test_killed_worker_failsgenerate(model_paths, prompts):
     llm = _make_llm(model_paths["llama_kv_split"], tensor_parallel_size=2)
     try:
-        _generate(llm, prompts[:2])
-        workers = _worker_processes()
+        generate(llm, prompts[:2])
+        workers = worker_processes()
         assert len(workers) == 2
         os.kill(workers[1].pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(EngineDeadError, match="worker"):
-            _generate(llm, prompts)
+            generate(llm, prompts)
         assert time.monotonic() - start < 30
         # The executor stays dead: a new call fails at once instead of hanging.
         with pytest.raises(EngineDeadError):
-            _generate(llm, prompts[:1])
+            generate(llm, prompts[:1])
     finally:
         llm.shutdown()
-    assert _worker_processes() == []
+    assert worker_processes() == []
 
 
 def test_failing_worker_raises(model_paths, prompts):
     llm = _make_llm(model_paths["llama_kv_split"], tensor_parallel_size=2)
-    _generate(llm, prompts[:2])
+    generate(llm, prompts[:2])
     # A step naming a request the workers never saw: every rank raises KeyError.
     bad = SchedulerOutput(scheduled_new_reqs=[], num_scheduled_tokens={"nope": 1},
                           scheduled_cached_reqs=[CachedRequestData("nope", [], 0)],
                           total_num_scheduled_tokens=1)
     with pytest.raises(EngineDeadError, match="KeyError"):
         llm.llm_engine.engine_core.executor.execute_model(bad)
-    assert _worker_processes() == []
+    assert worker_processes() == []
     llm.shutdown()  # after a failure: a no-op that must not raise
 
 
@@ -179,4 +154,4 @@ def test_failing_worker_raises(model_paths, prompts):
 def test_invalid_parallel_configs(model_paths, kw, match):
     with pytest.raises(ValueError, match=match):
         _make_llm(model_paths["llama_kv_split"], **kw)
-    assert _worker_processes() == []
+    assert worker_processes() == []

@@ -12,21 +12,11 @@ import httpx
 import psutil
 import pytest
 
+from tests.distributed.helpers import worker_processes
 from tests.entrypoints.utils import MODEL_NAME, RemoteServer
 
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
                "--pipeline-parallel-size", "2"]
-
-
-def _workers(server: RemoteServer) -> list[psutil.Process]:
-    out = []
-    for child in psutil.Process(server.proc.pid).children(recursive=True):
-        try:
-            if any("pagedllm.executor.mp_worker" in arg for arg in child.cmdline()):
-                out.append(child)
-        except psutil.NoSuchProcess:
-            continue
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +47,7 @@ def test_pipeline_server_serves_then_fails_loudly_when_a_worker_dies(server):
         llm.shutdown()
     assert served == local
 
-    workers = _workers(server)
+    workers = worker_processes(server.proc.pid)
     assert len(workers) == 2
     os.kill(workers[1].pid, signal.SIGKILL)
     start = time.monotonic()

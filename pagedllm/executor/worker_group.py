@@ -1,0 +1,28 @@
+"""WorkerGroupExecutor: what the multiprocess and Ray executors share.
+
+Both run one worker per rank and answer the engine's set-up calls by asking every rank;
+they differ only in transport (`_call_all`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WorkerGroupExecutor:
+    """The KV-cache set-up calls of an executor over a group of ranks."""
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """`method(*args)` on every rank's runner; the results in rank order."""
+        raise NotImplementedError
+
+    def determine_num_blocks(self) -> int:
+        # Every rank must fit the same block ids: the smallest budget wins.
+        return min(self._call_all("determine_num_blocks"))
+
+    def determine_num_swap_blocks(self) -> int:
+        # Every rank must hold the same host block ids too.
+        return min(self._call_all("determine_num_swap_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
+        self._call_all("initialize_kv_cache", num_blocks, num_swap_blocks)
