@@ -20,12 +20,13 @@ from torch import nn
 from pagedllm.attention.backend import AttentionSpec
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.distributed.parallel_state import ParallelState
+from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.models.layers.activation import GeluTanh
-from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.models.layers.embedding import VocabEmbedding
 from pagedllm.models.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
 from pagedllm.models.layers.norm import LayerNorm
+from pagedllm.models.pipeline import make_layers, stage_lm_head, stage_part
 from pagedllm.models.utils import (QKV_STACKED_PARAMS, load_stacked_weights,
                                    split_interleaved_qkv)
 
@@ -105,22 +106,33 @@ class BloomBlock(nn.Module):
 
 
 class BloomModel(nn.Module):
+    """Stage layout under pipeline parallelism as LlamaModel's (models/pipeline.py); the
+    embedding LayerNorm belongs to the first stage. ALiBi slopes depend on the head only,
+    so a stage's layers keep theirs whatever its layer range."""
+
     def __init__(self, cfg: Any, attn_backend: str,
-                 parallel: ParallelState | None = None) -> None:
+                 parallel: ParallelState | None = None, keep_embedding: bool = False) -> None:
         super().__init__()
+        parallel = self.parallel = parallel or SINGLE_RANK
         eps = cfg.layer_norm_epsilon
-        self.word_embeddings = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
-        self.word_embeddings_layernorm = LayerNorm(cfg.hidden_size, eps)
-        self.h = nn.ModuleList(BloomBlock(cfg, attn_backend, parallel)
-                               for _ in range(cfg.num_hidden_layers))
-        self.ln_f = LayerNorm(cfg.hidden_size, eps)
+        self.word_embeddings = stage_part(
+            parallel.is_first_stage or keep_embedding,
+            lambda: VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel))
+        self.word_embeddings_layernorm = stage_part(
+            parallel.is_first_stage, lambda: LayerNorm(cfg.hidden_size, eps))
+        self.start_layer, self.end_layer, self.h = make_layers(
+            cfg.num_hidden_layers, lambda i: BloomBlock(cfg, attn_backend, parallel), parallel)
+        self.ln_f = stage_part(parallel.is_last_stage, lambda: LayerNorm(cfg.hidden_size, eps))
 
     def forward(self, input_ids: torch.Tensor, attn_metadata: AttentionMetadata,
-                ) -> torch.Tensor:
-        x = self.word_embeddings_layernorm(self.word_embeddings(input_ids))  # [T, hidden]
-        for block in self.h:
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        if self.parallel.is_first_stage:
+            x = self.word_embeddings_layernorm(self.word_embeddings(input_ids))  # [T, hidden]
+        else:
+            x = hidden_states
+        for block in self.h[self.start_layer:self.end_layer]:
             x = block(x, attn_metadata)
-        return self.ln_f(x)
+        return self.ln_f(x) if self.parallel.is_last_stage else x
 
 
 class BloomForCausalLM(nn.Module):
@@ -129,19 +141,26 @@ class BloomForCausalLM(nn.Module):
     unused: ALiBi reads them from the attention metadata's sequence layout. Under TP the
     logits are None on ranks other than 0."""
 
+    # Pipeline parallelism: forward takes the previous stage's hidden states.
+    supports_pp = True
+
     def __init__(self, cfg: Any, attn_backend: str,
                  parallel: ParallelState | None = None) -> None:
         super().__init__()
+        parallel = parallel or SINGLE_RANK
         self.config = cfg
-        self.transformer = BloomModel(cfg, attn_backend, parallel)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, parallel=parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head.tie(self.transformer.word_embeddings)
+        self.transformer = BloomModel(cfg, attn_backend, parallel,
+                                      keep_embedding=(parallel.is_last_stage
+                                                      and self.tie_word_embeddings))
+        self.lm_head = stage_lm_head(
+            cfg.vocab_size, cfg.hidden_size, parallel,
+            tied_to=self.transformer.word_embeddings if self.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.transformer(input_ids, attn_metadata)
+                attn_metadata: AttentionMetadata,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        return self.transformer(input_ids, attn_metadata, hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)

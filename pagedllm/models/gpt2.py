@@ -17,12 +17,13 @@ from torch import nn
 from pagedllm.attention.backend import AttentionSpec
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.distributed.parallel_state import ParallelState
+from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.models.layers.activation import get_act_fn
-from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.models.layers.embedding import VocabEmbedding
 from pagedllm.models.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
 from pagedllm.models.layers.norm import LayerNorm
+from pagedllm.models.pipeline import make_layers, stage_lm_head, stage_part
 from pagedllm.models.utils import QKV_STACKED_PARAMS, load_stacked_weights
 
 # Checkpoint modules stored as Conv1D ([in, out]).
@@ -85,23 +86,37 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
+    """Stage layout under pipeline parallelism as LlamaModel's (models/pipeline.py); the
+    learned positions are part of the embedding, so only the first stage holds them."""
+
     def __init__(self, cfg: Any, attn_backend: str,
-                 parallel: ParallelState | None = None) -> None:
+                 parallel: ParallelState | None = None, keep_embedding: bool = False) -> None:
         super().__init__()
-        self.wte = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
+        parallel = self.parallel = parallel or SINGLE_RANK
+        self.wte = stage_part(
+            parallel.is_first_stage or keep_embedding,
+            lambda: VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel))
         # Learned positions: max_model_len never exceeds n_positions (config.py caps it).
-        # Replicated on every rank (a position table is small).
-        self.wpe = VocabEmbedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(cfg, attn_backend, i, parallel)
-                               for i in range(cfg.num_hidden_layers))
-        self.ln_f = LayerNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        # Replicated on every TP rank of the first stage (a position table is small).
+        self.wpe = stage_part(parallel.is_first_stage, lambda: VocabEmbedding(
+            cfg.max_position_embeddings, cfg.hidden_size))
+        # Global layer indices: scale_attn_by_inverse_layer_idx reads them.
+        self.start_layer, self.end_layer, self.h = make_layers(
+            cfg.num_hidden_layers, lambda i: GPT2Block(cfg, attn_backend, i, parallel),
+            parallel)
+        self.ln_f = stage_part(parallel.is_last_stage,
+                               lambda: LayerNorm(cfg.hidden_size, cfg.layer_norm_epsilon))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)  # [T, hidden]
-        for block in self.h:
+                attn_metadata: AttentionMetadata,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        if self.parallel.is_first_stage:
+            x = self.wte(input_ids) + self.wpe(positions)  # [T, hidden]
+        else:
+            x = hidden_states
+        for block in self.h[self.start_layer:self.end_layer]:
             x = block(x, attn_metadata)
-        return self.ln_f(x)
+        return self.ln_f(x) if self.parallel.is_last_stage else x
 
 
 class GPT2LMHeadModel(nn.Module):
@@ -109,19 +124,26 @@ class GPT2LMHeadModel(nn.Module):
     compute_logits(hidden [N, hidden]) -> logits [N, vocab] (model dtype; None on tensor
     parallel ranks other than 0)."""
 
+    # Pipeline parallelism: forward takes the previous stage's hidden states.
+    supports_pp = True
+
     def __init__(self, cfg: Any, attn_backend: str,
                  parallel: ParallelState | None = None) -> None:
         super().__init__()
+        parallel = parallel or SINGLE_RANK
         self.config = cfg
-        self.transformer = GPT2Model(cfg, attn_backend, parallel)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, parallel=parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head.tie(self.transformer.wte)
+        self.transformer = GPT2Model(cfg, attn_backend, parallel,
+                                     keep_embedding=(parallel.is_last_stage
+                                                     and self.tie_word_embeddings))
+        self.lm_head = stage_lm_head(
+            cfg.vocab_size, cfg.hidden_size, parallel,
+            tied_to=self.transformer.wte if self.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.transformer(input_ids, positions, attn_metadata)
+                attn_metadata: AttentionMetadata,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        return self.transformer(input_ids, positions, attn_metadata, hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)

@@ -20,13 +20,14 @@ from torch import nn
 from pagedllm.attention.backend import AttentionSpec
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.distributed.parallel_state import ParallelState
+from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.models.layers.activation import get_act_fn
-from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.models.layers.embedding import VocabEmbedding
 from pagedllm.models.layers.linear import (ColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
 from pagedllm.models.layers.norm import LayerNorm
 from pagedllm.models.layers.rotary import get_rope
+from pagedllm.models.pipeline import make_layers, stage_lm_head, stage_part
 from pagedllm.models.utils import (QKV_STACKED_PARAMS, load_stacked_weights,
                                    split_interleaved_qkv)
 
@@ -100,20 +101,31 @@ class GPTNeoXLayer(nn.Module):
 
 
 class GPTNeoXModel(nn.Module):
+    """Stage layout under pipeline parallelism as LlamaModel's (models/pipeline.py)."""
+
     def __init__(self, cfg: Any, attn_backend: str,
-                 parallel: ParallelState | None = None) -> None:
+                 parallel: ParallelState | None = None, keep_embedding: bool = False) -> None:
         super().__init__()
-        self.embed_in = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
-        self.layers = nn.ModuleList(GPTNeoXLayer(cfg, attn_backend, parallel)
-                                    for _ in range(cfg.num_hidden_layers))
-        self.final_layer_norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
+        parallel = self.parallel = parallel or SINGLE_RANK
+        self.embed_in = stage_part(
+            parallel.is_first_stage or keep_embedding,
+            lambda: VocabEmbedding(cfg.vocab_size, cfg.hidden_size, parallel))
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_hidden_layers, lambda i: GPTNeoXLayer(cfg, attn_backend, parallel),
+            parallel)
+        self.final_layer_norm = stage_part(
+            parallel.is_last_stage, lambda: LayerNorm(cfg.hidden_size, cfg.layer_norm_eps))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_in(input_ids)  # [T, hidden]
-        for layer in self.layers:
+                attn_metadata: AttentionMetadata,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        if self.parallel.is_first_stage:
+            x = self.embed_in(input_ids)  # [T, hidden]
+        else:
+            x = hidden_states
+        for layer in self.layers[self.start_layer:self.end_layer]:
             x = layer(positions, x, attn_metadata)
-        return self.final_layer_norm(x)
+        return self.final_layer_norm(x) if self.parallel.is_last_stage else x
 
 
 class GPTNeoXForCausalLM(nn.Module):
@@ -121,19 +133,26 @@ class GPTNeoXForCausalLM(nn.Module):
     compute_logits(hidden [N, hidden]) -> logits [N, vocab] (model dtype; None on tensor
     parallel ranks other than 0)."""
 
+    # Pipeline parallelism: forward takes the previous stage's hidden states.
+    supports_pp = True
+
     def __init__(self, cfg: Any, attn_backend: str,
                  parallel: ParallelState | None = None) -> None:
         super().__init__()
+        parallel = parallel or SINGLE_RANK
         self.config = cfg
-        self.gpt_neox = GPTNeoXModel(cfg, attn_backend, parallel)
-        self.embed_out = LMHead(cfg.vocab_size, cfg.hidden_size, parallel=parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.embed_out.tie(self.gpt_neox.embed_in)
+        self.gpt_neox = GPTNeoXModel(cfg, attn_backend, parallel,
+                                     keep_embedding=(parallel.is_last_stage
+                                                     and self.tie_word_embeddings))
+        self.embed_out = stage_lm_head(
+            cfg.vocab_size, cfg.hidden_size, parallel,
+            tied_to=self.gpt_neox.embed_in if self.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.gpt_neox(input_ids, positions, attn_metadata)
+                attn_metadata: AttentionMetadata,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        return self.gpt_neox(input_ids, positions, attn_metadata, hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.embed_out(hidden)

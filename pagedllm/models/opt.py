@@ -20,12 +20,13 @@ from torch import nn
 from pagedllm.attention.backend import AttentionSpec
 from pagedllm.attention.layer import Attention
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.distributed.parallel_state import ParallelState
+from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.models.layers.activation import get_act_fn
-from pagedllm.models.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.models.layers.embedding import VocabEmbedding
 from pagedllm.models.layers.linear import (ColumnParallelLinear, LinearBase,
                                            QKVParallelLinear, RowParallelLinear)
 from pagedllm.models.layers.norm import LayerNorm
+from pagedllm.models.pipeline import make_layers, stage_lm_head, stage_part
 from pagedllm.models.utils import QKV_STACKED_PARAMS, load_stacked_weights
 
 # Rows 0 and 1 of embed_positions are never read by position ids >= 0.
@@ -88,33 +89,54 @@ class OPTDecoderLayer(nn.Module):
 
 class OPTDecoder(nn.Module):
     """Under TP the token embedding is vocab-parallel; positions and the (small)
-    project_in / project_out maps are replicated on every rank."""
+    project_in / project_out maps are replicated on every TP rank of their stage.
+
+    Stage layout under pipeline parallelism as LlamaModel's (models/pipeline.py): the first
+    stage embeds (tokens, project_in, positions), the last applies the final LayerNorm and
+    project_out, so the hidden states between stages are always hidden_size wide."""
 
     def __init__(self, cfg: Any, attn_backend: str,
-                 parallel: ParallelState | None = None) -> None:
+                 parallel: ParallelState | None = None, keep_embedding: bool = False) -> None:
         super().__init__()
+        parallel = self.parallel = parallel or SINGLE_RANK
+        first, last = parallel.is_first_stage, parallel.is_last_stage
         hidden, proj_dim = cfg.hidden_size, cfg.word_embed_proj_dim or cfg.hidden_size
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, proj_dim, parallel)
-        self.embed_positions = VocabEmbedding(cfg.max_position_embeddings + POSITION_OFFSET,
-                                              hidden)
+        self.embed_tokens = stage_part(
+            first or keep_embedding,
+            lambda: VocabEmbedding(cfg.vocab_size, proj_dim, parallel))
+        self.embed_positions = stage_part(first, lambda: VocabEmbedding(
+            cfg.max_position_embeddings + POSITION_OFFSET, hidden))
         self.project_in = self.project_out = None
         if proj_dim != hidden:
-            self.project_in = LinearBase(proj_dim, hidden, bias=False)
-            self.project_out = LinearBase(hidden, proj_dim, bias=False)
+            self.project_in = stage_part(
+                first, lambda: LinearBase(proj_dim, hidden, bias=False))
+            self.project_out = stage_part(
+                last, lambda: LinearBase(hidden, proj_dim, bias=False))
         self.final_layer_norm = None
         if cfg.do_layer_norm_before and not getattr(cfg, "_remove_final_layer_norm", False):
-            self.final_layer_norm = _layer_norm(cfg)
-        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, attn_backend, parallel)
-                                    for _ in range(cfg.num_hidden_layers))
+            self.final_layer_norm = stage_part(last, lambda: _layer_norm(cfg))
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_hidden_layers, lambda i: OPTDecoderLayer(cfg, attn_backend, parallel),
+            parallel)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: AttentionMetadata,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        if self.parallel.is_first_stage:
+            x = self._embed(input_ids, positions)  # [T, hidden]
+        else:
+            x = hidden_states
+        for layer in self.layers[self.start_layer:self.end_layer]:
+            x = layer(x, attn_metadata)
+        return self._finish(x) if self.parallel.is_last_stage else x
+
+    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, word_embed_proj_dim]
         if self.project_in is not None:
             x = self.project_in(x)  # [T, hidden]
-        x = x + self.embed_positions(positions + POSITION_OFFSET)
-        for layer in self.layers:
-            x = layer(x, attn_metadata)
+        return x + self.embed_positions(positions + POSITION_OFFSET)
+
+    def _finish(self, x: torch.Tensor) -> torch.Tensor:
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:
@@ -124,9 +146,9 @@ class OPTDecoder(nn.Module):
 
 class OPTModel(nn.Module):
     def __init__(self, cfg: Any, attn_backend: str,
-                 parallel: ParallelState | None = None) -> None:
+                 parallel: ParallelState | None = None, keep_embedding: bool = False) -> None:
         super().__init__()
-        self.decoder = OPTDecoder(cfg, attn_backend, parallel)
+        self.decoder = OPTDecoder(cfg, attn_backend, parallel, keep_embedding)
 
 
 class OPTForCausalLM(nn.Module):
@@ -134,20 +156,26 @@ class OPTForCausalLM(nn.Module):
     compute_logits(hidden [N, word_embed_proj_dim]) -> logits [N, vocab] (model dtype;
     None on tensor parallel ranks other than 0)."""
 
+    # Pipeline parallelism: forward takes the previous stage's hidden states.
+    supports_pp = True
+
     def __init__(self, cfg: Any, attn_backend: str,
                  parallel: ParallelState | None = None) -> None:
         super().__init__()
+        parallel = parallel or SINGLE_RANK
         self.config = cfg
-        self.model = OPTModel(cfg, attn_backend, parallel)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.word_embed_proj_dim or cfg.hidden_size,
-                              parallel=parallel)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head.tie(self.model.decoder.embed_tokens)
+        self.model = OPTModel(cfg, attn_backend, parallel,
+                              keep_embedding=(parallel.is_last_stage
+                                              and self.tie_word_embeddings))
+        self.lm_head = stage_lm_head(
+            cfg.vocab_size, cfg.word_embed_proj_dim or cfg.hidden_size, parallel,
+            tied_to=self.model.decoder.embed_tokens if self.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model.decoder(input_ids, positions, attn_metadata)
+                attn_metadata: AttentionMetadata,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.decoder(input_ids, positions, attn_metadata, hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)

@@ -48,8 +48,7 @@ def load_model(model_config: ModelConfig, attn_backend: str, device: torch.devic
     if parallel.pp_size > 1:
         if not getattr(cls, "supports_pp", False):
             raise ModelLoadError(f"pipeline parallelism is not supported for "
-                                 f"{model_config.architecture} yet (supported: the Llama "
-                                 f"family, Qwen2/3, Phi-3, Mixtral, Gemma 2/3)")
+                                 f"{model_config.architecture} yet")
         kwargs["parallel"] = parallel
     start = time.perf_counter()
     with torch.device(device), _default_dtype(dtype):
