@@ -38,6 +38,9 @@ class HermesToolParser(ToolParser):
         self._pending_ws = ""     # trailing whitespace held back: a call may follow
         self._has_content = False    # some content was released
         self._is_after_call = False  # a call, and no content since
+        # Inside a call: where the search for its closing tag resumes (everything
+        # before was searched, so a long call is scanned once, not once per chunk).
+        self._end_search = 0
 
     def feed(self, text: str) -> ParsedDelta:
         self._buf += text
@@ -60,6 +63,7 @@ class HermesToolParser(ToolParser):
             self._emit_text(self._buf[:start], out)
             self._buf = self._buf[start + len(START):]
             self._is_in_call = True
+            self._end_search = 0
         return out
 
     def finish(self) -> ParsedDelta:
@@ -77,9 +81,14 @@ class HermesToolParser(ToolParser):
     def _find_end(self) -> int:
         """Where the open call's closing tag is, or -1: a tag inside a JSON string of
         a still open object (arguments that mention "</tool_call>") is skipped."""
-        end = self._buf.find(END)
+        end = self._buf.find(END, self._end_search)
         while end >= 0 and _is_open_object(self._buf[:end]):
+            # Inside a string for good: what follows cannot close the object before it.
+            self._end_search = end + 1
             end = self._buf.find(END, end + 1)
+        if end < 0:
+            # A tag may still complete across the buffer's end.
+            self._end_search = max(self._end_search, len(self._buf) - len(END) + 1)
         return end
 
     def _emit_text(self, text: str, out: ParsedDelta) -> None:
