@@ -84,8 +84,14 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate.
+
+        `tools`: OpenAI-style tool definitions ({"type": "function", "function": {...}})
+        the template renders into the prompt (for templates that support tools); the
+        replies are plain text: parse tool calls from them, or use the server's
+        tool calling."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init is set)")
@@ -95,7 +101,7 @@ class LLM:
             # The template already holds the special tokens: don't let encode add BOS again.
             text = tokenizer.apply_chat_template(
                 conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template, **(chat_template_kwargs or {}))
+                chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)

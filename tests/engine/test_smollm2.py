@@ -45,6 +45,17 @@ def test_chat_uses_template(llm):
     assert "Paris" in outs[0].outputs[0].text
 
 
+def test_chat_renders_tools_through_the_template(llm):
+    template = ("{% for tool in tools %}tool: {{ tool.function.name }}\n{% endfor %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]
+    outs = llm.chat([{"role": "user", "content": "Weather in Paris?"}],
+                    SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
+                    chat_template=template, tools=tools)
+    assert outs[0].prompt == "tool: get_weather\nuser: Weather in Paris?\n"
+
+
 def test_sampling_with_seed_reproducible(llm):
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=0)
     a = llm.generate(["Hello, my name is", "The capital of France is"], params,
