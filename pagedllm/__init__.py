@@ -4,8 +4,9 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm import LLM
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidRequestError, ModelLoadError
-from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob,
-                              RequestOutput)
+from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
+                              EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
                                       StructuredOutputsParams)
 
@@ -14,4 +15,5 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "CompletionOutput", "Logprob", "InvalidRequestError", "ModelLoadError",
            "RequestOutputKind", "StructuredOutputsParams", "BeamSearchParams",
-           "BeamSearchOutput", "BeamSearchSequence", "__version__"]
+           "BeamSearchOutput", "BeamSearchSequence", "PoolingParams",
+           "EmbeddingOutput", "EmbeddingRequestOutput", "__version__"]

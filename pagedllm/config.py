@@ -104,6 +104,10 @@ class ModelConfig:
         return archs[0] if archs else ""
 
 
+# "fp8" is vLLM's alias of "fp8_e4m3" (CacheConfig normalizes it).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass
 class CacheConfig:
     """Paged KV cache geometry."""
@@ -119,8 +123,17 @@ class CacheConfig:
     swap_space: float = 4.0
     """Host memory in GiB for the KV blocks of swapped-out requests (used only with
     SchedulerConfig.preemption_mode "swap"; per worker under tensor parallelism)."""
+    cache_dtype: str = "auto"
+    """Storage dtype of the KV cache: "auto" (the model's dtype), "fp8_e4m3" or
+    "fp8_e5m2" (one byte per element, per-layer scales; "fp8" is accepted as an alias
+    of fp8_e4m3, as in vLLM, and normalized to it)."""
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.cache_dtype!r}")
+        if self.cache_dtype == "fp8":
+            self.cache_dtype = "fp8_e4m3"
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_space <= 0:
@@ -266,3 +279,9 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: DeviceConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's storage dtype by name: the model's dtype under "auto"."""
+        cache_dtype = self.cache.cache_dtype
+        return self.model.dtype if cache_dtype == "auto" else cache_dtype

@@ -176,6 +176,10 @@ class EngineMetrics:
                     self._labels(self.ttft).observe(max(0.0, ts - req.arrival_time))
                     self._labels(self.prompt_tokens).inc(req.num_prompt_tokens)
                     self.stats_log.num_prompt_tokens += req.num_prompt_tokens
+            if req.is_pooling and out.status == "finished_stopped":
+                # An embedding request: prompt tokens, no generation tokens.
+                self._labels(self.prompt_tokens).inc(req.num_prompt_tokens)
+                self.stats_log.num_prompt_tokens += req.num_prompt_tokens
             if out.status.startswith("finished"):
                 reason = {"finished_stopped": "stop", "finished_length": "length",
                           "finished_timeout": "timeout"}.get(out.status, "abort")

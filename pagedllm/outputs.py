@@ -81,3 +81,30 @@ class BeamSearchOutput:
     """The best `beam_width` beams of one prompt, best first."""
 
     sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class EmbeddingOutput:
+    """The embedding of one prompt."""
+
+    embedding: list[float]
+    """The pooled (and, by default, L2-normalized) final hidden states, float32 values;
+    [] when the request ended without one (aborted, timed out)."""
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of one embedding request (vLLM's name and fields)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    finish_reason: str = "stop"
+    """"stop" once pooled; "abort" or "timeout" when it ended without an embedding."""

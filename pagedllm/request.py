@@ -7,6 +7,7 @@ import enum
 import time
 from dataclasses import dataclass
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -76,12 +77,16 @@ class Request:
     `priority` orders requests under the "priority" scheduling policy (lower runs first);
     `deadline` is an absolute `time.monotonic()` time at which the scheduler finishes the
     request as FINISHED_TIMEOUT (None: no deadline).
+    A request with `pooling_params` is an embedding request: prefill only, its whole
+    prompt in one step, finished (FINISHED_STOPPED) once the runner's pooled vector is
+    in `pooler_output`; its `sampling_params` are a placeholder nothing samples with.
     """
 
     def __init__(self, req_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None,
                  arrival_time: float | None = None, priority: int = 0,
-                 max_tokens: int | None = None, deadline: float | None = None) -> None:
+                 max_tokens: int | None = None, deadline: float | None = None,
+                 pooling_params: PoolingParams | None = None) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -107,6 +112,9 @@ class Request:
         # Logprobs of prompt tokens 1.. (prompt_logprobs requests only); entry i scores
         # prompt token i + 1. Filled chunk by chunk as the prompt is prefilled.
         self.prompt_logprobs: list[TokenLogprobs] = []
+        self.pooling_params = pooling_params
+        # The pooled vector (embedding requests only): [] until the pooling step.
+        self.pooler_output: list[float] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -123,6 +131,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from pagedllm.attention.kv_quant import is_fp8, quantize_kv, raw_bytes
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -38,9 +39,11 @@ class AttentionImpl(Protocol):
     def __init__(self, spec: AttentionSpec) -> None: ...
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D], kv_cache [2, num_blocks, block_size, KVH, D]
-        -> output [T, H, D]."""
+        -> output [T, H, D]. An fp8 kv_cache stores K / k_scale and V / v_scale
+        (attention/kv_quant.py); other caches ignore the scales."""
         ...
 
 
@@ -70,8 +73,10 @@ def get_attention_backend(name: str) -> type[AttentionImpl]:
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V [T, KVH, D] into their cache slots.
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
+    """Scatter this step's K/V [T, KVH, D] into their cache slots (an fp8 cache gets
+    quantize_kv(K, k_scale) and quantize_kv(V, v_scale)).
 
     NOTE: the eager runner never pads, so slot_mapping holds no -1 here; checking for it
     would cost a device sync per layer. Padded (graph-captured) batches must point their
@@ -80,5 +85,9 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     num_kv_heads, head_size = key.shape[1], key.shape[2]
     # [2, num_blocks * block_size, KVH, D] view: a slot indexes the flattened block dims.
     flat = kv_cache.view(2, -1, num_kv_heads, head_size)
-    flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
+    if is_fp8(flat.dtype):
+        key, value = quantize_kv(key, k_scale, flat.dtype), quantize_kv(value, v_scale, flat.dtype)
+    # (torch has no CPU index_copy_ for fp8: the bytes are copied instead.)
+    flat = raw_bytes(flat)
+    flat[0].index_copy_(0, slot_mapping, raw_bytes(key.to(kv_cache.dtype)))
+    flat[1].index_copy_(0, slot_mapping, raw_bytes(value.to(kv_cache.dtype)))

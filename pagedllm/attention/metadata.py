@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,6 +32,14 @@ class AttentionMetadata:
     # Host copies of the two small arrays, so backends loop over requests without a sync.
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
+    # With KV cache groups (sliding-window layers, core/kv_groups.py): per group, this
+    # metadata with the group's block_table and slot_mapping (entry 0 is self); empty
+    # for a model with one group.
+    groups: tuple[AttentionMetadata, ...] = field(default=(), repr=False)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata an attention layer of KV cache group `group` reads."""
+        return self.groups[group] if self.groups else self
 
     @property
     def is_all_decode(self) -> bool:

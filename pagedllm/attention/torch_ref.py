@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backend import AttentionSpec, write_kv_cache
+from pagedllm.attention.kv_quant import dequantize_kv
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -43,17 +44,19 @@ class TorchRefAttention:
         self.spec = spec
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         spec = self.spec
-        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(query)  # [T, H, D]
         group = spec.num_heads // spec.num_kv_heads
         qsl, seq_lens = attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
         for i in range(attn_metadata.num_reqs):
             start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
             k, v = gather_context(kv_cache, attn_metadata.block_table[i], seq_len)
-            k = k.float().repeat_interleave(group, dim=1)  # [seq_len, H, D]
-            v = v.float().repeat_interleave(group, dim=1)
+            # fp8 caches dequantized: float(stored) * scale.
+            k = dequantize_kv(k, k_scale).repeat_interleave(group, dim=1)  # [seq_len, H, D]
+            v = dequantize_kv(v, v_scale).repeat_interleave(group, dim=1)
             q = query[start:end].float()  # [q_len, H, D]
             # The chunk's queries sit at the end of the context.
             q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)

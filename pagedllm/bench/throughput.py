@@ -47,17 +47,33 @@ def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, A
         llm.generate([{"prompt_token_ids": warm}],
                      SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
                                     detokenize=detokenize), use_tqdm=False)
+    scheduler = llm.llm_engine.engine_core.scheduler
+    counters = (scheduler.num_preemptions, scheduler.num_swaps_out,
+                scheduler.num_scheduled_tokens_total)
     start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_preemptions, num_swaps_out, num_scheduled = (
+        now - before for now, before in zip((scheduler.num_preemptions,
+                                             scheduler.num_swaps_out,
+                                             scheduler.num_scheduled_tokens_total),
+                                            counters))
+    # Each prompt token and each output token but the last is computed once at least;
+    # the rest were computed again after a recompute preemption (exact without prefix
+    # caching, whose hits are never computed).
+    num_needed = sum(len(r.prompt_token_ids) + r.max_tokens - 1 for r in requests)
     extra = {"model": config.model.path, "dtype": config.model.dtype,
              "enable_prefix_caching": config.cache.enable_prefix_caching,
              "num_threads": config.device.num_threads,
              # CPU seconds of this process per wall second: ~num_threads when the machine
              # is ours; lower means other processes took cores from the run.
              "cpu_utilization": cpu / elapsed,
-             "num_cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outputs)}
+             "num_cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
+             "preemption_mode": config.scheduler.preemption_mode,
+             "num_preemptions": num_preemptions, "num_swaps_out": num_swaps_out,
+             "num_recomputed_tokens": (None if config.cache.enable_prefix_caching
+                                       else num_scheduled - num_needed)}
     del llm, outputs
     gc.collect()
     return result_of("pagedllm", requests, num_output, elapsed, extra)
@@ -89,6 +105,10 @@ def _summary(r: dict[str, Any]) -> list[str]:
              f"output tokens/s:      {r['output_tokens_per_s']:.1f}",
              f"total tokens/s:       {r['total_tokens_per_s']:.1f}",
              f"peak RSS:             {r['peak_rss_mb']:.0f} MB"]
+    if r.get("num_preemptions"):
+        lines.append(f"preemptions:          {r['num_preemptions']} ({r['preemption_mode']}"
+                     f", {r['num_swaps_out']} swapped out, recomputed tokens "
+                     f"{r['num_recomputed_tokens']})")
     if "hf_batch_size" in r:
         lines.append(f"hf batch size:        {r['hf_batch_size']}")
     if "hf" in r:

@@ -176,8 +176,8 @@ class BlockPool:
         assert num_full_blocks <= min(len(blocks), len(block_hashes))
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:
-                continue
+            if block.block_hash is not None or block.is_null:
+                continue  # a prefix hit, or a window group's block given back
             block_hash = block_hashes[i]
             if block_hash in self.cached_block_hash_to_block:
                 continue

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 # The logprob records are defined beside Request, which stores them, so that request.py
 # never imports core/; the runner returns them through ModelRunnerOutput.
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import PromptLogprobsChunk, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -30,13 +31,18 @@ class NewRequestData:
     # recompute preemption; already in the cache (num_computed_tokens) after a swap-in.
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    # Physical KV block ids, in logical order (block i holds positions [i*B, (i+1)*B)).
-    block_ids: list[int]
+    # Physical KV block ids per KV cache group (core/kv_groups.py; one group unless the
+    # model has sliding windows), in logical order: block i holds positions
+    # [i*B, (i+1)*B); 0 (the null block) where a window group gave a block back.
+    block_ids: list[list[int]]
     # Tokens whose K/V is already in the cache before this step (prefix-cache hits, or
     # everything computed before a swap-out when the request is swapped back in).
     num_computed_tokens: int
     # EOS id masked by min_tokens (None: the tokenizer has none).
     eos_token_id: int | None = None
+    # Embedding requests only: how to pool the final hidden states of the prompt (its
+    # whole prompt is scheduled in this one step; nothing is sampled for it).
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -44,8 +50,11 @@ class CachedRequestData:
     """A request the runner already holds, continuing this step."""
 
     req_id: str
-    # Blocks appended to the request's block table this step (often empty when decoding).
-    new_block_ids: list[int]
+    # Per KV cache group: blocks appended to the request's block table this step (often
+    # empty when decoding; 0 for positions a window group already left behind). A
+    # window group's older blocks become 0 in the table by its window (the runner
+    # applies the scheduler's rule, core/kv_groups.num_skipped_blocks).
+    new_block_ids: list[list[int]]
     # Tokens with K/V in the cache before this step.
     num_computed_tokens: int
     # Under pipeline parallelism only: the token sampled for it since it last ran (the
@@ -98,6 +107,9 @@ class ModelRunnerOutput:
     # req_id -> prompt logprobs of the prompt tokens scored this step (prompt_logprobs
     # requests only; None when there are none).
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None
+    # req_id -> pooled (float32, normalized when asked) hidden states of the embedding
+    # requests of the step (None when there are none).
+    pooler_output: dict[str, list[float]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -35,6 +35,10 @@ ceil(max_num_seqs / pipeline_depth) requests, so the running requests spread ove
 them), and each continuing request carries the token sampled for it since it last ran
 (the pipeline's runners do not share their samples).
 
+KV cache groups (core/kv_groups.py): with sliding-window layers a request holds blocks
+per group; block ids, allocation and preemption span the groups, and `CachedRequestData`
+carries each group's new blocks.
+
 Deadlines: a request with `deadline` (absolute `time.monotonic()` time) still live at
 the start of a `schedule()` at or after it is finished as FINISHED_TIMEOUT, waiting,
 swapped or running; its blocks are freed at once and `pop_timed_out_requests()` hands it over.
@@ -97,7 +101,8 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, num_swap_blocks: int = 0,
                  clock: Callable[[], float] = time.monotonic,
-                 pipeline_depth: int = 1) -> None:
+                 pipeline_depth: int = 1,
+                 group_windows: Sequence[int | None] = (None,)) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -107,12 +112,13 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
-                                               cache_config.enable_prefix_caching)
+                                               cache_config.enable_prefix_caching,
+                                               group_windows)
         # NOTE: a sequence whose K/V outgrows the whole pool could never be scheduled
         # again, so it ends with "length" once it holds capacity + 1 tokens (the last
         # sampled token needs no slot). Only matters when the pool < max_model_len.
-        num_slots = (num_blocks - 1) * self.block_size
-        self.max_num_tokens = min(self.max_model_len, num_slots + 1)
+        capacity = self.kv_cache_manager.max_num_tokens(num_blocks - 1)
+        self.max_num_tokens = min(self.max_model_len, capacity + 1)
         # Live requests by id; waiting (in admission order of the policy) and running
         # (fcfs: admission order; priority: sorted by priority_key).
         self.requests: dict[str, Request] = {}
@@ -130,6 +136,9 @@ class Scheduler:
         self.swapped: RequestQueue = create_request_queue(self.policy)
         self.num_swaps_out = 0
         self.num_swaps_in = 0
+        # Tokens scheduled since start-up (recomputed ones counted again: benchmarks
+        # compare preemption modes by it).
+        self.num_scheduled_tokens_total = 0
         # Deadlines of live requests added with one.
         self._deadlines = DeadlineHeap()
         # Finished by their deadline, until pop_timed_out_requests() hands them over.
@@ -147,12 +156,18 @@ class Scheduler:
             raise InvalidRequestError(f"request id {request.req_id!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt must contain at least one token")
-        num_needed = self.kv_cache_manager.num_blocks_needed(request.num_prompt_tokens)
+        num_needed = self.kv_cache_manager.num_blocks_for_prompt(request.num_prompt_tokens)
         num_usable = self.num_blocks - 1  # block 0 is the null block
         if num_needed > num_usable:
             raise InvalidRequestError(
                 f"prompt of {request.num_prompt_tokens} tokens needs {num_needed} KV blocks "
                 f"but the cache holds only {num_usable} (block_size {self.block_size})")
+        if request.is_pooling and request.num_prompt_tokens > self.max_num_batched_tokens:
+            # Pooling needs the whole prompt in one step (no chunked prefill).
+            raise InvalidRequestError(
+                f"the prompt of an embedding request is computed in one step, but it has "
+                f"{request.num_prompt_tokens} tokens and a step holds at most "
+                f"{self.max_num_batched_tokens} (max_num_batched_tokens)")
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
         self.waiting.add(request)
@@ -224,6 +239,7 @@ class Scheduler:
         for req_id, num_tokens in step.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
         self.in_flight.update(step.num_scheduled_tokens)
+        self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         return output
 
     def _schedule_running(self, step: _StepState) -> None:
@@ -249,14 +265,14 @@ class Scheduler:
                 new_token_ids = request.all_token_ids[start:]
             step.cached_reqs.append(CachedRequestData(
                 req_id=request.req_id,
-                new_block_ids=[b.block_id for b in new_blocks],
+                new_block_ids=[[b.block_id for b in group] for group in new_blocks],
                 num_computed_tokens=request.num_computed_tokens,
                 new_token_ids=new_token_ids))
             step.add(request, num_new_tokens)
             req_index += 1
 
     def _allocate_or_preempt(self, request: Request, index: int, num_new_tokens: int,
-                             step: _StepState) -> list[KVCacheBlock] | None:
+                             step: _StepState) -> list[list[KVCacheBlock]] | None:
         """Allocate for running[index], preempting the last running request not in
         flight until it fits.
 
@@ -339,10 +355,11 @@ class Scheduler:
     def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int,
                                 step: _StepState) -> int:
         """Tokens after `num_computed_tokens`, capped by the budget (chunked prefill);
-        0 when they must all fit one step and do not."""
+        0 when they must all fit one step and do not (no chunked prefill, or an
+        embedding request: it pools its whole prompt in one step)."""
         num_new_tokens = request.num_tokens - num_computed_tokens
         if num_new_tokens > step.token_budget:
-            if not self.enable_chunked_prefill:
+            if not self.enable_chunked_prefill or request.is_pooling:
                 return 0  # the whole prompt must fit one step
             num_new_tokens = step.token_budget
         return num_new_tokens
@@ -397,14 +414,19 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.req_id),
             num_computed_tokens=request.num_computed_tokens,
-            eos_token_id=request.eos_token_id))
+            eos_token_id=request.eos_token_id,
+            pooling_params=request.pooling_params))
         step.add(request, num_new_tokens)
 
-    def _get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Prefix-cache hits of a waiting request (none when it wants prompt logprobs)."""
-        if request.sampling_params.prompt_logprobs is not None:
-            # Prompt logprobs need the logits of every prompt position: no cache hits.
-            return [], 0
+    def _get_computed_blocks(self, request: Request,
+                             ) -> tuple[list[list[KVCacheBlock]], int]:
+        """Prefix-cache hits of a waiting request, per KV cache group (none when it
+        wants prompt logprobs or mean pooling)."""
+        if (request.sampling_params.prompt_logprobs is not None
+                or (request.is_pooling and request.pooling_params.needs_all_positions)):
+            # Prompt logprobs need the logits of every prompt position, mean pooling
+            # their hidden states: no cache hits.
+            return [[] for _ in self.kv_cache_manager.group_windows], 0
         return self.kv_cache_manager.get_computed_blocks(request)
 
     # ---------------------------------------------------------------- priority, deadlines
@@ -462,6 +484,7 @@ class Scheduler:
         updated: list[Request] = []
         finished: set[str] = set()
         self._record_prompt_logprobs(model_runner_output)
+        self._finish_pooled(model_runner_output, updated, finished)
         all_logprobs = model_runner_output.logprobs
         for i, (req_id, token_ids) in enumerate(zip(model_runner_output.req_ids,
                                                     model_runner_output.sampled_token_ids)):
@@ -482,6 +505,20 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.req_id not in finished]
         return updated
+
+    def _finish_pooled(self, model_runner_output: ModelRunnerOutput,
+                       updated: list[Request], finished: set[str]) -> None:
+        """Embedding requests whose pooled vector arrived: store it, finish them as
+        FINISHED_STOPPED and free their blocks (they never sample)."""
+        for req_id, vector in (model_runner_output.pooler_output or {}).items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted meanwhile
+            request.pooler_output = vector
+            request.status = RequestStatus.FINISHED_STOPPED
+            updated.append(request)
+            finished.add(req_id)
+            self._free_request(request)
 
     def _record_prompt_logprobs(self, model_runner_output: ModelRunnerOutput) -> None:
         for req_id, chunk in (model_runner_output.prompt_logprobs or {}).items():

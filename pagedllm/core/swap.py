@@ -29,13 +29,16 @@ class SwapSpace:
 
     Host block 0 is never handed out, like the device null block, so the pool has the
     same shape and invariants as the device one (the property tests check both).
-    Contracts: `swap_out` needs `can_swap_out`; `swap_in` is all or nothing.
+    Contracts: `swap_out` needs `can_swap_out`; `swap_in` is all or nothing. With KV
+    cache groups (core/kv_groups.py) a request's host blocks are kept per group; the
+    null entries of a window group have no host block (None) and stay null.
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.host_pool = BlockPool(num_blocks, enable_caching=False)
-        # req_id -> host blocks, in the request's logical block order.
-        self.req_to_host_blocks: dict[str, list[KVCacheBlock]] = {}
+        # req_id -> per group, host blocks in the request's logical block order (None
+        # where the device entry is the null block).
+        self.req_to_host_blocks: dict[str, list[list[KVCacheBlock | None]]] = {}
 
     @property
     def num_swapped_blocks(self) -> int:
@@ -45,7 +48,7 @@ class SwapSpace:
     def can_swap_out(self, kv: KVCacheManager, request: Request) -> bool:
         """Whether the host pool has a block for every device block of `request` (and it
         has a token left to run, which its swap-in will schedule)."""
-        num_blocks = len(kv.req_to_blocks.get(request.req_id, ()))
+        num_blocks = kv.num_held_blocks(request.req_id)
         return (0 < num_blocks <= self.host_pool.get_num_free_blocks()
                 and request.num_computed_tokens < request.num_tokens)
 
@@ -53,14 +56,20 @@ class SwapSpace:
         """Move a running request's K/V to host blocks; returns (device, host) id pairs.
 
         The request holds exactly the blocks of its computed tokens (it is not scheduled
-        in this step), so cdiv(num_computed_tokens, block_size) blocks cross, the last one
-        possibly partial. Its device references are dropped afterwards, tail first.
+        in this step), so cdiv(num_computed_tokens, block_size) entries per group cross,
+        the last one possibly partial (null entries need no copy). Its device references
+        are dropped afterwards, tail first.
         """
-        blocks = kv.req_to_blocks[request.req_id]
-        assert len(blocks) == kv.num_blocks_needed(request.num_computed_tokens), request
-        host_blocks = self.host_pool.get_new_blocks(len(blocks))
-        self.req_to_host_blocks[request.req_id] = host_blocks
-        pairs = [(b.block_id, h.block_id) for b, h in zip(blocks, host_blocks)]
+        groups = kv.req_to_blocks[request.req_id]
+        num_needed = kv.num_blocks_needed(request.num_computed_tokens)
+        assert all(len(blocks) == num_needed for blocks in groups), request
+        fresh = iter(self.host_pool.get_new_blocks(kv.num_held_blocks(request.req_id)))
+        host_groups = [[None if b.is_null else next(fresh) for b in blocks]
+                       for blocks in groups]
+        self.req_to_host_blocks[request.req_id] = host_groups
+        pairs = [(b.block_id, h.block_id)
+                 for blocks, hosts in zip(groups, host_groups)
+                 for b, h in zip(blocks, hosts) if h is not None]
         kv.free(request)
         return pairs
 
@@ -69,18 +78,21 @@ class SwapSpace:
         """Give a swapped request device blocks for its computed tokens plus
         `num_new_tokens`; returns (host, device) pairs to copy, or None (nothing changed)
         when the device pool is short. Its host blocks are freed on success."""
-        host_blocks = self.req_to_host_blocks[request.req_id]
-        hits = kv.get_swap_in_hits(request, len(host_blocks))
-        blocks = kv.allocate_swapped_in(request, hits, num_new_tokens)
-        if blocks is None:
+        host_groups = self.req_to_host_blocks[request.req_id]
+        hits = kv.get_swap_in_hits(request, [len(hosts) for hosts in host_groups])
+        groups = kv.allocate_swapped_in(request, hits, num_new_tokens)
+        if groups is None:
             return None
-        # Hits need no copy: the device already holds those blocks' K/V.
+        # Hits need no copy: the device already holds those blocks' K/V. A window
+        # group's block out of the window by now needs none either (null on both ends).
         pairs = [(h.block_id, b.block_id)
-                 for h, b, hit in zip(host_blocks, blocks, hits) if hit is None]
+                 for hosts, blocks, group_hits in zip(host_groups, groups, hits)
+                 for h, b, hit in zip(hosts, blocks, group_hits)
+                 if hit is None and h is not None]
         self.free(request)
         return pairs
 
     def free(self, request: Request) -> None:
         """Release the request's host blocks (swapped in, or aborted while swapped)."""
-        host_blocks = self.req_to_host_blocks.pop(request.req_id, [])
-        self.host_pool.free_blocks(reversed(host_blocks))
+        for hosts in self.req_to_host_blocks.pop(request.req_id, []):
+            self.host_pool.free_blocks(h for h in reversed(hosts) if h is not None)

@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, PREEMPTION_MODES,
-                             SCHEDULING_POLICIES, CacheConfig,
+from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES,
+                             PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig,
                              DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, cache_root, default_model_path,
                              env_kv_cache_space, env_num_threads)
@@ -64,6 +64,11 @@ class EngineArgs:
                                 choices=PREEMPTION_MODES)
     swap_space: float = _arg(4.0, "host memory in GiB for swapped-out KV blocks "
                                   "(preemption_mode swap only)")
+    kv_cache_dtype: str = _arg("auto", "KV cache storage dtype: auto (the model's dtype), "
+                                       "fp8_e4m3 or fp8_e5m2 (one byte per element with "
+                                       "per-layer scales: twice the tokens of bfloat16 in the "
+                                       "same kv_cache_space; fp8 = fp8_e4m3)",
+                               choices=KV_CACHE_DTYPES)
     max_num_batched_tokens: int | None = _arg(None, "token budget per step (default 2048 with "
                                                     "chunked prefill, else max_model_len)")
     enable_prefix_caching: bool = _arg(True, "reuse KV blocks of equal prompt prefixes")
@@ -111,7 +116,7 @@ class EngineArgs:
         cache = CacheConfig(block_size=self.block_size, kv_cache_space=space,
                             num_kv_blocks=self.num_kv_blocks,
                             enable_prefix_caching=self.enable_prefix_caching,
-                            swap_space=self.swap_space)
+                            swap_space=self.swap_space, cache_dtype=self.kv_cache_dtype)
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)

@@ -31,8 +31,9 @@ from pagedllm.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 # Request list attributes that only grow (besides output_token_ids) and must reach the
-# front end's mirror of the request: only their new entries travel each step.
-GROWING_ATTRS = ("output_logprobs", "prompt_logprobs")
+# front end's mirror of the request: only their new entries travel each step. An
+# embedding request's pooled vector goes from [] to the whole vector in its one step.
+GROWING_ATTRS = ("output_logprobs", "prompt_logprobs", "pooler_output")
 
 
 # ------------------------------------------------------------------ front end -> core

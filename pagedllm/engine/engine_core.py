@@ -33,13 +33,19 @@ class EngineCore:
         self.num_swap_blocks = self.executor.determine_num_swap_blocks()
         self.executor.initialize_kv_cache(self.num_blocks, self.num_swap_blocks)
         self.max_concurrent_batches = self.executor.max_concurrent_batches
+        group_windows = self.executor.kv_cache_group_windows()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
                                    num_swap_blocks=self.num_swap_blocks,
-                                   pipeline_depth=self.max_concurrent_batches)
+                                   pipeline_depth=self.max_concurrent_batches,
+                                   group_windows=group_windows)
         # (SchedulerOutput, future of its ModelRunnerOutput), oldest first.
         self.batch_queue: deque[tuple[Any, Any]] = deque()
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks,
-                    config.cache.block_size, (self.num_blocks - 1) * config.cache.block_size)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", self.num_blocks,
+                    config.cache.block_size, (self.num_blocks - 1) * config.cache.block_size,
+                    config.kv_cache_dtype)
+        if group_windows != (None,):
+            logger.info("KV cache groups (windows give blocks back): %s",
+                        ", ".join(f"{w or 'full'}" for w in group_windows))
         if self.num_swap_blocks:
             logger.info("swap space: %d host blocks", self.num_swap_blocks - 1)
 

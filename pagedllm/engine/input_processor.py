@@ -6,6 +6,7 @@ from typing import Any, Union
 
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InvalidRequestError
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -38,14 +39,24 @@ class InputProcessor:
                                       "pass prompt_token_ids")
         return prompt, self.tokenizer.encode(prompt) if prompt else []
 
-    def process(self, req_id: str, prompt: PromptType, params: SamplingParams,
+    def process(self, req_id: str, prompt: PromptType,
+                params: SamplingParams | PoolingParams,
                 arrival_time: float | None = None, priority: int = 0,
                 deadline: float | None = None) -> tuple[Request, str | None]:
         """A validated Request and the prompt text (None for token-id prompts).
 
         `priority` and `deadline` (absolute `time.monotonic()` time) go to the scheduler
-        as they are; the caller checks them against the scheduling policy.
+        as they are; the caller checks them against the scheduling policy. PoolingParams
+        make an embedding request (prefill only, see request.py).
         """
+        if isinstance(params, PoolingParams):
+            text, ids = self.tokenize(prompt)
+            self.validate_prompt(ids)
+            # Placeholder sampling params: nothing samples for an embedding request.
+            request = Request(req_id, ids, SamplingParams(max_tokens=1), self.eos_token_id,
+                              arrival_time, priority=priority, max_tokens=1,
+                              deadline=deadline, pooling_params=params)
+            return request, text
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got "
                                       f"{type(params).__name__}")

@@ -11,7 +11,8 @@ from pagedllm.engine.beam_search import beam_search
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidRequestError
-from pagedllm.outputs import BeamSearchOutput, RequestOutput
+from pagedllm.outputs import BeamSearchOutput, EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -50,14 +51,8 @@ class LLM:
         `priority`: one per prompt (lower runs first); needs scheduling_policy="priority"
         unless every value is 0.
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} "
-                                      f"sampling params")
+        prompts, params = _one_per_prompt(prompts, sampling_params, SamplingParams(),
+                                          "sampling params")
         if priority is None:
             priority = [0] * len(prompts)
         elif not isinstance(priority, Sequence) or isinstance(priority, str):
@@ -70,6 +65,21 @@ class LLM:
         final = {id(p): _final_only(p) for p in params}
         params = [final[id(p)] for p in params]
         req_ids = self._add_all(prompts, params, priority)
+        return self._run(req_ids, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (strings or {"prompt_token_ids": [...]}), in
+        input order: the model's final hidden states, pooled (default: last token) and
+        L2-normalized. Each prompt runs as one prefill-only request."""
+        prompts, params = _one_per_prompt(prompts, pooling_params, PoolingParams(),
+                                          "pooling params")
+        bad = [p for p in params if not isinstance(p, PoolingParams)]
+        if bad:
+            raise InvalidRequestError(f"pooling_params must be PoolingParams, got "
+                                      f"{type(bad[0]).__name__}")
+        req_ids = self._add_all(prompts, params, [0] * len(prompts))
         return self._run(req_ids, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
@@ -106,7 +116,8 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add_all(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams],
+    def _add_all(self, prompts: Sequence[PromptType],
+                 params: Sequence[SamplingParams | PoolingParams],
                  priority: Sequence[int]) -> list[str]:
         engine = self.llm_engine
         req_ids: list[str] = []
@@ -121,9 +132,10 @@ class LLM:
             raise
         return req_ids
 
-    def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, req_ids: list[str], use_tqdm: bool) -> list[Any]:
+        """Step until every request is done; their final outputs in `req_ids` order."""
         engine = self.llm_engine
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, Any] = {}
         pbar = None
         if use_tqdm and len(req_ids) > 1:
             from tqdm.auto import tqdm
@@ -147,3 +159,17 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     params = params.clone()
     params.output_kind = RequestOutputKind.FINAL_ONLY
     return params
+
+
+def _one_per_prompt(prompts: PromptType | Sequence[PromptType], params: Any, default: Any,
+                    what: str) -> tuple[list[PromptType], list[Any]]:
+    """(prompts, params) as two lists of equal length: one prompt becomes a list, one
+    params object (or None: `default`) is shared by every prompt."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    params = params if params is not None else default
+    if isinstance(params, type(default)):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params)} {what}")
+    return list(prompts), list(params)

@@ -15,7 +15,8 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import DeferredSiblings, fan_out
 from pagedllm.errors import InvalidRequestError
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class LLMEngine:
         return cls(args.create_engine_config(), skip_tokenizer_init)
 
     def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams | None = None,
+                    params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
                     timeout: float | None = None) -> None:
         """Validate and queue a request; n > 1 / best_of fan out into child requests
@@ -59,6 +60,8 @@ class LLMEngine:
         `priority` (lower runs first) needs scheduling_policy "priority". `timeout`
         (seconds after `arrival_time`, a `time.monotonic()` time, default now) sets a
         deadline: a request still unfinished then ends with finish_reason "timeout".
+        PoolingParams make an embedding request: its one output is an
+        EmbeddingRequestOutput.
         """
         if self.output_processor.has_request(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -100,7 +103,7 @@ class LLMEngine:
         aborted += self.engine_core.abort_requests(child_ids)
         return self.output_processor.process(aborted)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """One engine step; requests ended by a stop string are finished in the core."""
         outputs = self.output_processor.process(self.engine_core.step())
         to_stop = self.output_processor.take_reqs_to_stop()

@@ -19,7 +19,8 @@ from typing import Any
 
 from pagedllm.core.contracts import TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                              Logprob, RequestOutput)
 from pagedllm.request import Request
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -85,6 +86,9 @@ class ParentRequest:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     first_token_time: float | None = None
     sent_prompt_logprobs: bool = False
+    # An embedding request (one child, never samples) and its pooled vector once back.
+    is_pooling: bool = False
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -114,14 +118,15 @@ class OutputProcessor:
         children = [ChildState(r.req_id, i, r.sampling_params, self._detokenizer(r))
                     for i, r in enumerate(requests)]
         parent = ParentRequest(request_id or first.req_id, prompt, first.prompt_token_ids,
-                               params, first.arrival_time, children)
+                               params, first.arrival_time, children,
+                               is_pooling=first.is_pooling)
         self.parents[parent.request_id] = parent
         for child in children:
             self.children[child.req_id] = (parent, child)
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
         sp = request.sampling_params
-        if self.tokenizer is None or not sp.detokenize:
+        if self.tokenizer is None or not sp.detokenize or request.is_pooling:
             return None
         return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                       sp.skip_special_tokens,
@@ -139,8 +144,10 @@ class OutputProcessor:
         ids, self.reqs_to_stop = self.reqs_to_stop, []
         return ids
 
-    def process(self, requests: list[Request]) -> list[RequestOutput]:
-        """RequestOutputs of the user requests touched by `requests`; finished ones are
+    def process(self, requests: list[Request],
+                ) -> list[RequestOutput | EmbeddingRequestOutput]:
+        """RequestOutputs of the user requests touched by `requests` (an
+        EmbeddingRequestOutput for a finished embedding request); finished ones are
         forgotten. Call `take_reqs_to_stop` afterwards and stop those in the engine."""
         now = time.monotonic()
         touched: dict[str, ParentRequest] = {}
@@ -149,6 +156,8 @@ class OutputProcessor:
             if entry is None or entry[1].finished:
                 continue
             parent, child = entry
+            if req.is_pooling and req.pooler_output:
+                parent.embedding = req.pooler_output
             self._update_child(parent, child, req, now)
             touched[parent.request_id] = parent
         outputs = []
@@ -231,7 +240,10 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ outputs
 
-    def _make_output(self, parent: ParentRequest, now: float) -> RequestOutput | None:
+    def _make_output(self, parent: ParentRequest, now: float,
+                     ) -> RequestOutput | EmbeddingRequestOutput | None:
+        if parent.is_pooling:
+            return self._embedding_output(parent) if parent.finished else None
         sp = parent.params
         kind = sp.output_kind
         num_samples = len(parent.children)
@@ -263,6 +275,16 @@ class OutputProcessor:
             finished=parent.finished, prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(c.num_cached_tokens for c in parent.children),
             metrics=metrics)
+
+    @staticmethod
+    def _embedding_output(parent: ParentRequest) -> EmbeddingRequestOutput:
+        child = parent.children[0]
+        return EmbeddingRequestOutput(
+            request_id=parent.request_id,
+            outputs=EmbeddingOutput(embedding=list(parent.embedding or [])),
+            prompt_token_ids=parent.prompt_token_ids, finished=True,
+            num_cached_tokens=child.num_cached_tokens,
+            finish_reason=child.finish_reason or "abort")
 
     @staticmethod
     def _completion(child: ChildState) -> CompletionOutput:

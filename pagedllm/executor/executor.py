@@ -24,6 +24,10 @@ class Executor(Protocol):
 
     def determine_num_swap_blocks(self) -> int: ...
 
+    def kv_cache_group_windows(self) -> tuple[int | None, ...]:
+        """Per KV cache group, its sliding window (core/kv_groups.py)."""
+        ...
+
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
@@ -47,6 +51,9 @@ class InProcExecutor:
 
     def determine_num_swap_blocks(self) -> int:
         return self.runner.determine_num_swap_blocks()
+
+    def kv_cache_group_windows(self) -> tuple[int | None, ...]:
+        return self.runner.kv_cache_group_windows()
 
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
         self.runner.initialize_kv_cache(num_blocks, num_swap_blocks)

@@ -262,16 +262,22 @@ class RayExecutor(WorkerGroupExecutor):
     def _first_failure(self, refs: list[Any], error: Exception,
                        ) -> tuple[int | None, Exception]:
         """(rank, error) of a failed call of `refs` (`error`, with no rank, if none is
-        found: it came from one of them)."""
+        found: it came from one of them). A dead actor is the cause when there is one:
+        the others' calls then fail too, in a collective with it, often first, so the
+        calls get a moment to settle."""
         ray = self._ray
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+        failures: list[tuple[int, Exception]] = []
         for rank, ref in enumerate(refs):
             if ref in ready:
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayError as e:
-                    return rank, e
-        return None, error
+                    failures.append((rank, e))
+        for rank, e in failures:
+            if isinstance(e, ray.exceptions.RayActorError):
+                return rank, e
+        return failures[0] if failures else (None, error)
 
     def _fail_call(self, rank: int | None, error: Exception, during: str,
                    reraise: bool) -> NoReturn:

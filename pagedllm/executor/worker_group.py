@@ -20,6 +20,10 @@ class WorkerGroupExecutor:
         # Every rank must fit the same block ids: the smallest budget wins.
         return min(self._call_all("determine_num_blocks"))
 
+    def kv_cache_group_windows(self) -> tuple[int | None, ...]:
+        # Computed from the same config on every rank.
+        return self._call_all("kv_cache_group_windows")[0]
+
     def determine_num_swap_blocks(self) -> int:
         # Every rank must hold the same host block ids too.
         return min(self._call_all("determine_num_swap_blocks"))

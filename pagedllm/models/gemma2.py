@@ -26,7 +26,7 @@ from pagedllm.models.layers.embedding import VocabEmbedding
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.models.llama import (LlamaAttention, LlamaMLP, head_dim_of,
-                                   layer_sliding_window)
+                                   layer_sliding_window, layer_sliding_windows)
 from pagedllm.models.pipeline import make_layers, stage_lm_head, stage_part
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS, load_stacked_weights
 
@@ -104,6 +104,9 @@ class Gemma2ForCausalLM(nn.Module):
     None on tensor parallel ranks other than 0)."""
 
     supports_pp = True
+
+    # Each layer's sliding window, for the KV cache groups (worker/kv_layout.py).
+    layer_sliding_windows = staticmethod(layer_sliding_windows)
 
     def __init__(self, cfg: Any, attn_backend: str, qk_norm: bool = False,
                  parallel: ParallelState | None = None) -> None:

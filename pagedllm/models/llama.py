@@ -59,6 +59,11 @@ def layer_sliding_window(cfg: Any, layer_idx: int) -> int | None:
     return window
 
 
+def layer_sliding_windows(cfg: Any) -> list[int | None]:
+    """Every layer's sliding window (None: full attention)."""
+    return [layer_sliding_window(cfg, i) for i in range(cfg.num_hidden_layers)]
+
+
 def gated_act(name: str) -> nn.Module:
     """act(gate) * up over a fused [.., 2d] gate_up output, by HF activation name."""
     if name in ("silu", "swish"):
@@ -236,6 +241,9 @@ class LlamaForCausalLM(Module):
 
     # Pipeline parallelism: forward takes the previous stage's hidden states.
     supports_pp = True
+
+    # Each layer's sliding window, for the KV cache groups (worker/kv_layout.py).
+    layer_sliding_windows = staticmethod(layer_sliding_windows)
 
     def __init__(self, cfg: Any, attn_backend: str,
                  variant: LlamaVariant = LlamaVariant(),

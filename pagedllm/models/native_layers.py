@@ -9,8 +9,9 @@ layers (tests/models/test_native_layers.py) and the Python layers stay the refer
 
 Applies when every layer is plain Llama: RMSNorm, fused qkv (+ bias), RoPE through the
 native op, the native paged attention (no soft-cap, no ALiBi), fused gate_up with SiLU,
-packed weights (native bfloat16 GEMM or oneDNN). Qwen3's q/k norm and Mixtral's experts
-keep the Python layers.
+packed weights (native bfloat16 GEMM or oneDNN), one KV cache group (the stack reads one
+block table). Qwen3's q/k norm, Mixtral's experts and models mixing sliding-window and
+full layers (KV cache groups) keep the Python layers.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def _fits(layer: Any, spec: Any, rotary: Any, eps: float, offset: float) -> bool
     if not (isinstance(impl, CpuAttention) and impl.runs_kernel
             and attn.attn.kv_cache is not None and attn.rotary_emb is rotary):
         return False
+    if attn.attn.kv_group != 0:
+        return False  # one block table for every layer (KV cache groups: per layer)
     if (own.num_heads, own.num_kv_heads, own.head_size, own.scale) != (
             spec.num_heads, spec.num_kv_heads, spec.head_size, spec.scale):
         return False
@@ -63,6 +66,9 @@ class NativeLlamaLayers:
                                 for layer in layers]
         self.spec, self.eps, self.norm_offset = spec, eps, norm_offset
         self.kv_caches = [layer.self_attn.attn.kv_cache for layer in layers]
+        # (k_scale, v_scale) of each layer in turn, read by fp8 caches.
+        self.kv_scales = [scale for layer in layers for scale in
+                          (layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale)]
 
     @classmethod
     def build(cls, layers: Any) -> NativeLlamaLayers | None:
@@ -99,5 +105,6 @@ class NativeLlamaLayers:
             x, positions, self.weights, self.sliding_windows, md.slot_mapping,
             md.block_table, md.seq_lens, md.query_start_loc, cos, sin, spec.num_heads,
             spec.num_kv_heads, spec.head_size, self.rotary.rotary_dim,
-            self.rotary.is_neox_style, spec.scale, self.eps, self.norm_offset)
+            self.rotary.is_neox_style, spec.scale, self.eps, self.norm_offset,
+            self.kv_scales)
         return x

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.contracts import NewRequestData
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.structured_output import GrammarManager
 from pagedllm.worker.sampling_state import SamplingState
@@ -26,7 +27,7 @@ class InputBatch:
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
                  vocab_size: int, device: torch.device,
-                 grammar: GrammarManager | None = None) -> None:
+                 grammar: GrammarManager | None = None, num_kv_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = device
@@ -35,12 +36,16 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        # Pad entries stay 0, the null block.
-        self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Per KV cache group (core/kv_groups.py) and row; pad entries stay 0, the null block.
+        self.block_tables = np.zeros((num_kv_groups, max_num_reqs, max_num_blocks_per_req),
+                                     dtype=np.int32)
+        self.num_blocks = np.zeros((num_kv_groups, max_num_reqs), dtype=np.int64)
         # Sampling parameters per row (scalars in arrays, extras in dicts).
         self.sampling = SamplingState(max_num_reqs, vocab_size, device, self.token_ids,
                                       self.num_tokens, self.num_prompt_tokens, grammar)
+        # Embedding rows (pooled, never sampled) and their pooling, by req_id.
+        self.is_pooling = np.zeros(max_num_reqs, dtype=bool)
+        self.pooling_params: dict[str, PoolingParams] = {}
         self.req_id_to_row: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -52,9 +57,12 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = len(new.prompt_token_ids)
         self.num_computed_tokens[row] = new.num_computed_tokens
-        self.num_blocks[row] = 0
+        self.num_blocks[:, row] = 0
         self.append_blocks(row, new.block_ids)
         self.sampling.add(row, new)
+        self.is_pooling[row] = new.pooling_params is not None
+        if new.pooling_params is not None:
+            self.pooling_params[new.req_id] = new.pooling_params
         return row
 
     def remove_request(self, req_id: str) -> None:
@@ -62,15 +70,21 @@ class InputBatch:
         if row is None:
             return
         self.sampling.remove(row)
+        self.is_pooling[row] = False
+        self.pooling_params.pop(req_id, None)
         # A reused row must pad with the null block again, not with this request's blocks.
-        self.block_table[row, :self.num_blocks[row]] = 0
-        self.num_blocks[row] = 0
+        for table, num_blocks in zip(self.block_tables, self.num_blocks):
+            table[row, :num_blocks[row]] = 0
+        self.num_blocks[:, row] = 0
         self._free_rows.append(row)
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        start = int(self.num_blocks[row])
-        self.block_table[row, start:start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+    def append_blocks(self, row: int, block_ids: list[list[int]]) -> None:
+        """Append each group's new block ids to the row's table of that group."""
+        for table, num_blocks, ids in zip(self.block_tables, self.num_blocks, block_ids,
+                                          strict=True):
+            start = int(num_blocks[row])
+            table[row, start:start + len(ids)] = ids
+            num_blocks[row] = start + len(ids)
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids

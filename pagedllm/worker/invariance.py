@@ -3,7 +3,9 @@
 The guarantee rests on the native CPU kernels: the bfloat16 GEMM sums each row in one
 chain over K, and attention reduces every row, decode or prefill, in the same steps of
 keys at absolute positions. Paths outside them make no such promise; the runner logs the
-reason at start-up so a user who needs bit-identical outputs knows to change it.
+reason at start-up so a user who needs bit-identical outputs knows to change it. An fp8
+KV cache adds no caveat: a token's K/V are quantized alone (fixed per-layer scales) and
+the kernels convert them exactly into the same passes.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from torch import nn
 
 from pagedllm.attention.layer import Attention
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_groups import KVCacheLayout, max_blocks_per_request
 
 logger = logging.getLogger(__name__)
 
@@ -25,27 +26,46 @@ def attention_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
-def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    """K and V bytes of one block summed over every attention layer."""
+def cache_slots(model: nn.Module, layout: KVCacheLayout | None = None,
+                first_layer: int = 0) -> dict[int, list[Attention]]:
+    """This worker's attention layers by KV cache slot (core/kv_groups.py: the layers of
+    one slot, one per group, share a K/V tensor). `first_layer`: the global index of
+    the first local attention layer (pipeline parallelism). Without a layout every
+    layer has its own slot."""
+    slots: dict[int, list[Attention]] = {}
+    for index, layer in enumerate(attention_layers(model), start=first_layer):
+        slot = layout.layer_slot[index] if layout is not None else index
+        slots.setdefault(slot, []).append(layer)
+    for layers in slots.values():
+        shapes = {(a.spec.num_kv_heads, a.spec.head_size) for a in layers}
+        if len(shapes) > 1:
+            raise ValueError(f"layers sharing a KV cache slot differ in K/V shape {shapes}: "
+                             "sliding-window KV groups need equal head shapes")
+    return slots
+
+
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype,
+                       layout: KVCacheLayout | None = None, first_layer: int = 0) -> int:
+    """K and V bytes of one block summed over every KV cache slot of this worker."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * layer.spec.num_kv_heads * layer.spec.head_size * elem
-               for layer in attention_layers(model))
+    return sum(2 * block_size * layers[0].spec.num_kv_heads * layers[0].spec.head_size * elem
+               for layers in cache_slots(model, layout, first_layer).values())
 
 
 def determine_num_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerConfig,
-                         dtype: torch.dtype) -> int:
+                         dtype: torch.dtype, layout: KVCacheLayout | None = None,
+                         first_layer: int = 0) -> int:
     """Blocks that fit kv_cache_space (or the num_kv_blocks override), block 0 included.
 
-    Never more than every sequence at full length needs: beyond that, memory (and the
-    scheduler's per-block bookkeeping) would be spent on blocks nobody can use.
+    Never more than every sequence at full length needs (a window group: its window's
+    blocks): beyond that, memory (and the scheduler's per-block bookkeeping) would be
+    spent on blocks nobody can use.
     """
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    per_block = kv_bytes_per_block(model, cache.block_size, dtype)
+    per_block = kv_bytes_per_block(model, cache.block_size, dtype, layout, first_layer)
     fit = int(cache.kv_cache_space * GiB) // per_block
-    blocks_per_seq = -(-sched.max_model_len // cache.block_size)
-    useful = sched.max_num_seqs * blocks_per_seq + 1
-    num_blocks = min(fit, useful)
+    num_blocks = min(fit, _num_useful_blocks(cache, sched, layout))
     if num_blocks < 2:
         raise ValueError(f"kv_cache_space={cache.kv_cache_space} GiB holds {fit} blocks of "
                          f"{per_block} bytes; at least 2 are needed")
@@ -53,7 +73,8 @@ def determine_num_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerC
 
 
 def determine_num_swap_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerConfig,
-                              dtype: torch.dtype) -> int:
+                              dtype: torch.dtype, layout: KVCacheLayout | None = None,
+                              first_layer: int = 0) -> int:
     """Host blocks of swap preemption that fit swap_space, block 0 included (unused, as
     on the device); 0 unless preemption_mode is "swap" or when fewer than 2 fit.
 
@@ -63,10 +84,9 @@ def determine_num_swap_blocks(model: nn.Module, cache: CacheConfig, sched: Sched
     """
     if sched.preemption_mode != "swap":
         return 0
-    per_block = kv_bytes_per_block(model, cache.block_size, dtype)
+    per_block = kv_bytes_per_block(model, cache.block_size, dtype, layout, first_layer)
     fit = int(cache.swap_space * GiB) // per_block
-    blocks_per_seq = -(-sched.max_model_len // cache.block_size)
-    num_blocks = min(fit, sched.max_num_seqs * blocks_per_seq + 1)
+    num_blocks = min(fit, _num_useful_blocks(cache, sched, layout))
     if num_blocks < 2:
         logger.warning("swap_space=%s GiB holds no KV block of %d bytes: every preemption "
                        "recomputes", cache.swap_space, per_block)
@@ -74,13 +94,32 @@ def determine_num_swap_blocks(model: nn.Module, cache: CacheConfig, sched: Sched
     return num_blocks
 
 
+def _num_useful_blocks(cache: CacheConfig, sched: SchedulerConfig,
+                       layout: KVCacheLayout | None) -> int:
+    """Blocks (null block included) beyond which none could ever be used: every
+    sequence at full length (a window group holding its window's blocks), and at least
+    one full-length prompt prefilled at once (every group holding every position)."""
+    windows = layout.group_windows if layout is not None else (None,)
+    blocks_per_seq = sum(max_blocks_per_request(w, sched.max_model_len, cache.block_size)
+                         for w in windows)
+    one_prompt = len(windows) * -(-sched.max_model_len // cache.block_size)
+    return max(sched.max_num_seqs * blocks_per_seq, one_prompt) + 1
+
+
 def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int,
-                      dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, KVH, D] tensor per attention layer, bound to it."""
-    caches = []
+                      dtype: torch.dtype, device: torch.device,
+                      layout: KVCacheLayout | None = None,
+                      first_layer: int = 0) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, KVH, D] tensor per KV cache slot (per attention
+    layer without KV cache groups), bound to its layers with their group."""
     for index, layer in enumerate(attention_layers(model)):
         layer.layer_index = index
-        shape = (2, num_blocks, block_size, layer.spec.num_kv_heads, layer.spec.head_size)
+        if layout is not None:
+            layer.kv_group = layout.layer_group[first_layer + index]
+    caches = []
+    for layers in cache_slots(model, layout, first_layer).values():
+        spec = layers[0].spec
+        shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_size)
         # Zeroed: padded reads of unused slots must be finite (masked later).
         if device.type == "cpu":
             cache = lazy_zeros(shape, dtype)
@@ -91,7 +130,8 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int,
             cache[:, :PREFAULT_BLOCKS].zero_()
         else:
             cache = torch.zeros(shape, dtype=dtype, device=device)
-        layer.kv_cache = cache
+        for layer in layers:
+            layer.kv_cache = cache
         caches.append(cache)
     return caches
 

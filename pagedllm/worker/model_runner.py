@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pagedllm.attention.kv_quant import kv_cache_torch_dtype, verify_kv_cache_support
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -20,11 +21,14 @@ from pagedllm.models.layers.linear import pack_linear_weights
 from pagedllm.sample.logprobs import LogprobsTensors
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sample.structured_output import GrammarManager
+from pagedllm.models.pipeline import layer_range
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.kv_layout import check_layer_windows, kv_cache_layout
 from pagedllm.worker.invariance import batch_invariance_caveat
 from pagedllm.worker.memory import (allocate_kv_cache, determine_num_blocks,
                                     determine_num_swap_blocks)
 from pagedllm.worker.model_loader import load_model
+from pagedllm.worker.pooler import pool_hidden_states
 from pagedllm.worker.prompt_logprobs import prompt_logprobs_chunks
 from pagedllm.worker.swap import allocate_host_kv_cache, swap_blocks
 
@@ -45,6 +49,8 @@ class StepInputs:
     sample_rows: np.ndarray
     # Position of each sampling request in req_ids.
     sample_positions: np.ndarray
+    # Row (in the input batch) of each request of req_ids.
+    rows: np.ndarray
 
 
 class ModelRunner:
@@ -64,6 +70,10 @@ class ModelRunner:
         self.parallel = parallel
         self.device = torch.device(config.device.device)
         self.dtype = getattr(torch, config.model.dtype)
+        # The KV cache's storage dtype (fp8 or the model's): sizes and allocates the cache.
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, self.dtype)
+        verify_kv_cache_support(self.kv_cache_dtype, config.device.attention_backend,
+                                self.device)
         self.block_size = config.cache.block_size
         self.max_model_len = config.scheduler.max_model_len
         if self.device.type == "cpu":
@@ -94,27 +104,39 @@ class ModelRunner:
         self.grammar = GrammarManager(
             lambda: load_tokenizer(config.model.path, config.model.tokenizer),
             self.vocab_size)
+        # KV cache groups (sliding-window layers get their own block tables): the same
+        # layout on every worker and in the scheduler; this worker's layers start at
+        # first_layer of the whole model (pipeline parallelism).
+        self.kv_layout = kv_cache_layout(config)
+        self.first_layer = layer_range(config.model.hf_config.num_hidden_layers, parallel)[0]
         self.input_batch: InputBatch | None = None
         self.kv_caches: list[torch.Tensor] = []
-        # Host blocks of swap preemption, one tensor per layer ([] unless swapping).
+        # Host blocks of swap preemption, one tensor per KV cache tensor ([] unless
+        # swapping).
         self.host_kv_caches: list[torch.Tensor] = []
 
     def determine_num_blocks(self) -> int:
         return determine_num_blocks(self.model, self.config.cache, self.config.scheduler,
-                                    self.dtype)
+                                    self.kv_cache_dtype, self.kv_layout, self.first_layer)
+
+    def kv_cache_group_windows(self) -> tuple[int | None, ...]:
+        return self.kv_layout.group_windows
 
     def determine_num_swap_blocks(self) -> int:
         return determine_num_swap_blocks(self.model, self.config.cache,
-                                         self.config.scheduler, self.dtype)
+                                         self.config.scheduler, self.kv_cache_dtype,
+                                         self.kv_layout, self.first_layer)
 
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
         self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size,
-                                           self.dtype, self.device)
+                                           self.kv_cache_dtype, self.device, self.kv_layout,
+                                           self.first_layer)
+        check_layer_windows(self.model, self.kv_layout, self.max_model_len)
         self.host_kv_caches = allocate_host_kv_cache(self.kv_caches, num_swap_blocks)
         max_blocks_per_req = -(-(self.max_model_len + 1) // self.block_size)
         self.input_batch = InputBatch(self.config.scheduler.max_num_seqs, self.max_model_len,
                                       max_blocks_per_req, self.vocab_size, self.device,
-                                      self.grammar)
+                                      self.grammar, self.kv_layout.num_groups)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -139,6 +161,11 @@ class ModelRunner:
         if self.input_batch.sampling.has_prompt_logprobs():
             output.prompt_logprobs = prompt_logprobs_chunks(
                 self.model, hidden, self.input_batch, inputs.req_ids,
+                inputs.attn_metadata.query_start_loc_cpu)
+        if self.parallel.is_driver and self.input_batch.pooling_params:
+            # Under TP every rank holds the full hidden states; only the driver reports.
+            output.pooler_output = pool_hidden_states(
+                hidden, self.input_batch, inputs.req_ids, inputs.rows,
                 inputs.attn_metadata.query_start_loc_cpu)
         return output
 
@@ -210,7 +237,7 @@ class ModelRunner:
         for cached in so.scheduled_cached_reqs:
             row = batch.req_id_to_row[cached.req_id]
             batch.num_computed_tokens[row] = cached.num_computed_tokens
-            if cached.new_block_ids:
+            if any(cached.new_block_ids):
                 batch.append_blocks(row, cached.new_block_ids)
             if cached.new_token_ids:
                 # Under PP: the tokens the last stage sampled for it (one per step).
@@ -234,27 +261,40 @@ class ModelRunner:
         positions = computed[req_of] + (np.arange(total) - query_start_loc[req_of])
         token_rows = rows[req_of]
         input_ids = batch.token_ids[token_rows, positions]
-        # slot = block_table[pos // block_size] * block_size + pos % block_size
-        block_ids = batch.block_table[token_rows, positions // block_size].astype(np.int64)
-        slot_mapping = block_ids * block_size + positions % block_size
         seq_lens = computed + num_sched
         max_seq_len = int(seq_lens.max())
         num_blocks = -(-max_seq_len // block_size)
-        # A request samples once its sequence is fully computed (prefill done or decoding).
-        samples = seq_lens >= batch.num_tokens[rows]
+        # A request samples once its sequence is fully computed (prefill done or decoding);
+        # an embedding request never does (it is pooled instead).
+        samples = (seq_lens >= batch.num_tokens[rows]) & ~batch.is_pooling[rows]
         sample_positions = np.nonzero(samples)[0]
         dev = self.device
+        tables = []
+        for group, window in enumerate(self.kv_layout.group_windows):
+            # slot = block_table[pos // block_size] * block_size + pos % block_size
+            block_ids = batch.block_tables[group, token_rows, positions // block_size]
+            slot_mapping = block_ids.astype(np.int64) * block_size + positions % block_size
+            block_table = batch.block_tables[group, rows, :num_blocks]  # a copy
+            if window is not None:
+                # Blocks out of the window were given back: the null block in their
+                # place (the scheduler's rule, kv_groups.num_skipped_blocks).
+                skip = np.maximum(computed - window + 1, 0) // block_size
+                block_table[np.arange(num_blocks) < skip[:, None]] = 0
+            tables.append((torch.from_numpy(block_table).to(dev),
+                           torch.from_numpy(slot_mapping).to(dev)))
         md = AttentionMetadata(
             num_reqs=len(req_ids), num_actual_tokens=total,
             query_start_loc=torch.from_numpy(query_start_loc).to(dev, torch.int32),
             seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
-            block_table=torch.from_numpy(batch.block_table[rows, :num_blocks]).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_table=tables[0][0], slot_mapping=tables[0][1],
             max_query_len=int(num_sched.max()), max_seq_len=max_seq_len,
             query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+        if len(tables) > 1:
+            md.groups = (md, *(replace(md, block_table=table, slot_mapping=slots)
+                               for table, slots in tables[1:]))
         return StepInputs(
             input_ids=torch.from_numpy(input_ids).to(dev),
             positions=torch.from_numpy(positions).to(dev),
             attn_metadata=md, req_ids=req_ids,
             logits_indices=torch.from_numpy(query_start_loc[1:][samples] - 1).to(dev),
-            sample_rows=rows[samples], sample_positions=sample_positions)
+            sample_rows=rows[samples], sample_positions=sample_positions, rows=rows)

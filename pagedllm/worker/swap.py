@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.attention.kv_quant import raw_bytes
 from pagedllm.worker.memory import lazy_zeros
 
 
@@ -64,7 +65,9 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: tuple[int, ...],
 
 def gather_scatter_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: tuple[int, ...],
                           dst_ids: tuple[int, ...]) -> None:
-    """Same-device copy (CPU: host to host): one gather and one scatter per layer."""
+    """Same-device copy (CPU: host to host): one gather and one scatter per layer. fp8
+    caches move as bytes (torch has no CPU index_copy_ for fp8)."""
+    src, dst = raw_bytes(src), raw_bytes(dst)
     index = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
     gathered = src.index_select(1, index)  # [2, n, block_size, KVH, D]
     dst.index_copy_(1, torch.tensor(dst_ids, dtype=torch.int64, device=dst.device),

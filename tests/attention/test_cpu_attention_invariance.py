@@ -1,7 +1,8 @@
 """Batch invariance of the native attention in bfloat16 (DESIGN.md §10): a query row's
 output is bit-identical whether its token is decoded alone, decoded in a batch (with the
 shared-prefix cascade or without), or sits anywhere in a prefill chunk of any length over
-any cached context, with and without a sliding window."""
+any cached context, with and without a sliding window; with a bfloat16 or an fp8 KV
+cache (converted on the fly into the same tile pass)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionSpec
 from pagedllm.attention.cpu import CpuAttention
+from pagedllm.attention.kv_quant import quantize_kv
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.cpu.features import has_avx512_bf16
 
@@ -38,10 +40,12 @@ SUBJECT_BLOCKS = list(range(1, -(-LEN // BLOCK) + 1))
 
 
 def _attend(reqs: list[tuple[list[int], int, int]], sliding_window: int | None,
-            subject_query: int = 0) -> torch.Tensor:
+            subject_query: int = 0, cache_dtype: torch.dtype = torch.bfloat16,
+            ) -> torch.Tensor:
     """Attention of a batch of (block ids, num_computed, query_len) requests, request
     `subject_query` being the subject; returns the subject's output rows. Every request's
-    keys are its blocks' cached K/V (the step writes back the same values)."""
+    keys are its blocks' cached K/V (the step writes back the same values: an fp8 value
+    is exact in bfloat16 and converts back to itself)."""
     seq_lens = np.array([c + q for _, c, q in reqs])
     max_blocks = max(len(b) for b, _, _ in reqs)
     table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
@@ -63,9 +67,11 @@ def _attend(reqs: list[tuple[list[int], int, int]], sliding_window: int | None,
         block_table=torch.from_numpy(table), slot_mapping=slot_mapping,
         max_query_len=max(q for _, _, q in reqs), max_seq_len=int(seq_lens.max()),
         query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-    cache = CACHE.clone()
+    cache = CACHE.clone() if cache_dtype == torch.bfloat16 else quantize_kv(CACHE, 1.0,
+                                                                             cache_dtype)
     flat = cache.view(2, NUM_BLOCKS * BLOCK, KV_HEADS, HEAD_SIZE)
-    k, v = flat[0, slot_mapping].clone(), flat[1, slot_mapping].clone()
+    k = flat[0, slot_mapping].to(torch.bfloat16)
+    v = flat[1, slot_mapping].to(torch.bfloat16)
     spec = AttentionSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
                          scale=HEAD_SIZE ** -0.5, sliding_window=sliding_window)
     out = CpuAttention(spec, True).forward(torch.cat(q_rows), k, v, cache, md)
@@ -80,15 +86,20 @@ def _other(i: int, shared_blocks: int, length: int) -> tuple[list[int], int, int
     return blocks[:-(-length // BLOCK)], length - 1, 1
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn,
+                                         torch.float8_e5m2], ids=["bf16", "e4m3", "e5m2"])
 @pytest.mark.parametrize("sliding_window", [None, 37])
-def test_a_row_is_bit_identical_in_every_batch_shape(sliding_window):
+def test_a_row_is_bit_identical_in_every_batch_shape(sliding_window, cache_dtype):
+    def attend(reqs, subject_query=0):
+        return _attend(reqs, sliding_window, subject_query, cache_dtype)
+
     # Reference: every position decoded alone.
-    alone = {p: _attend([(SUBJECT_BLOCKS, p, 1)], sliding_window)[0]
+    alone = {p: attend([(SUBJECT_BLOCKS, p, 1)])[0]
              for p in (0, 1, 15, 16, 47, 48, 49, 95, 96, 150, LEN - 1)}
     # Prefill chunks of several sizes over several cached contexts.
     for computed, qlen in [(0, LEN), (0, 50), (40, 60), (47, 2), (95, 56), (149, LEN - 149),
                            (200, LEN - 200)]:
-        rows = _attend([(SUBJECT_BLOCKS, computed, qlen)], sliding_window)
+        rows = attend([(SUBJECT_BLOCKS, computed, qlen)])
         for p, expected in alone.items():
             if computed <= p < computed + qlen:
                 assert torch.equal(rows[p - computed], expected), (computed, qlen, p)
@@ -98,9 +109,9 @@ def test_a_row_is_bit_identical_in_every_batch_shape(sliding_window):
         others = [_other(i, shared, 200 + 3 * i) for i in range(11)]
         for at in (0, 5, 11):
             batch = others[:at] + [(SUBJECT_BLOCKS, LEN - 1, 1)] + others[at:]
-            row = _attend(batch, sliding_window, subject_query=at)[0]
+            row = attend(batch, subject_query=at)[0]
             assert torch.equal(row, alone[LEN - 1]), (shared, at)
     # A mixed batch: prefill chunks of other requests around the subject's decode.
     mixed = [(list(range(150, 160)), 0, 33), (SUBJECT_BLOCKS, 150, 1),
              (list(range(160, 170)), 20, 40)]
-    assert torch.equal(_attend(mixed, sliding_window, subject_query=1)[0], alone[150])
+    assert torch.equal(attend(mixed, subject_query=1)[0], alone[150])

@@ -26,6 +26,7 @@ pytest.importorskip("triton", reason="the triton backend needs the `triton` pack
 
 from pagedllm.attention.backend import (AttentionSpec, get_attention_backend,  # noqa: E402
                                         write_kv_cache)
+from pagedllm.attention.kv_quant import quantize_kv  # noqa: E402
 from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedllm.attention.torch_ref import TorchRefAttention  # noqa: E402
 from pagedllm.attention.triton.attention import TritonAttention  # noqa: E402
@@ -251,3 +252,71 @@ def test_unsupported_configurations_raise(spec_kw, match):
     kw = dict(num_heads=4, num_kv_heads=2, head_size=64, scale=0.125) | spec_kw
     with pytest.raises(ValueError, match=match):
         TritonAttention(AttentionSpec(**kw))
+
+
+# --- fp8 KV cache --------------------------------------------------------------------
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def run_fp8(spec: AttentionSpec, reqs: list[tuple[int, int]], dtype: torch.dtype,
+            cache_dtype: torch.dtype, block_size: int, num_blocks: int = 48, seed: int = 0,
+            scales: tuple[float, float] = (0.5, 2.0), **triton_kw) -> None:
+    """Triton against torch_ref over the same random fp8 cache (torch_ref dequantizes):
+    the same bytes written, outputs within the query dtype's tolerance."""
+    computed, query_lens = zip(*reqs)
+    md = on_device(make_metadata(list(computed), list(query_lens), block_size, num_blocks,
+                                 seed=seed))
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, num_blocks, block_size, spec.num_kv_heads, spec.head_size,
+                        generator=gen).mul(2).to(cache_dtype).to(DEVICE)
+    q = torch.randn(md.num_actual_tokens, spec.num_heads, spec.head_size, generator=gen)
+    k, v = (torch.randn(md.num_actual_tokens, spec.num_kv_heads, spec.head_size,
+                        generator=gen).mul(2) for _ in range(2))
+    q, k, v = (t.to(DEVICE, dtype) for t in (q, k, v))
+    ref_cache, triton_cache = cache.clone(), cache.clone()
+    expected = TorchRefAttention(spec).forward(q, k, v, ref_cache, md, *scales)
+    actual = TritonAttention(spec, **triton_kw).forward(q, k, v, triton_cache, md, *scales)
+    assert torch.equal(triton_cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("cache_dtype,dtype,heads,block_size,sliding_window", [
+    (torch.float8_e4m3fn, torch.float32, (8, 2), 16, None),
+    (torch.float8_e5m2, torch.bfloat16, (8, 2), 32, None),
+    (torch.float8_e4m3fn, torch.bfloat16, (4, 1), 16, 7),
+    (torch.float8_e5m2, torch.float32, (6, 2), 32, 20),
+], ids=["e4m3-f32-gqa", "e5m2-bf16-gqa-b32", "e4m3-bf16-mqa-window", "e5m2-f32-b32-window"])
+def test_fp8_mixed_batch_matches_reference(cache_dtype, dtype, heads, block_size,
+                                           sliding_window):
+    spec = AttentionSpec(num_heads=heads[0], num_kv_heads=heads[1], head_size=32,
+                         scale=32 ** -0.5, sliding_window=sliding_window)
+    run_fp8(spec, MIXED, dtype, cache_dtype, block_size)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_fp8_split_kv_decode(cache_dtype):
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=32, scale=32 ** -0.5)
+    run_fp8(spec, [(c, 1) for c in DECODES], torch.bfloat16, cache_dtype, 16,
+            split_kv=True, partition_size=32)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_reshape_and_cache_is_torchs_conversion(cache_dtype, dtype):
+    """Bytes = torch's conversion of clamp(x / scale): values of every magnitude (also
+    below the smallest normal, where the interpreter's own fp8 cast misrounds), beyond
+    the range (saturated, not NaN or inf), NaN."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 2, 32, generator=gen) * 10 ** torch.randint(-6, 5, (64, 2, 32),
+                                                                      generator=gen).float()
+    x[0, 0, :4] = torch.tensor([float("nan"), 1e9, -1e9, 2.0 ** -10])
+    x = x.to(DEVICE, dtype)
+    slots = torch.randperm(4 * 32, generator=gen)[:64].to(DEVICE)
+    cache = torch.zeros(2, 4, 32, 2, 32, dtype=cache_dtype, device=DEVICE)
+    reshape_and_cache(x, x.flip(-1), cache, slots, k_scale=0.37, v_scale=1.0)
+    flat = cache.view(2, -1, 2, 32)
+    assert torch.equal(flat[0, slots].view(torch.uint8),
+                       quantize_kv(x, 0.37, cache_dtype).view(torch.uint8))
+    assert torch.equal(flat[1, slots].view(torch.uint8),
+                       quantize_kv(x.flip(-1), 1.0, cache_dtype).view(torch.uint8))

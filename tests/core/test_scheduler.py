@@ -37,7 +37,7 @@ def test_token_budget_and_max_num_seqs(make_scheduler, make_request, step) -> No
     # a takes 10, b the remaining 6 (a chunk), c nothing.
     assert output.num_scheduled_tokens == {"a": 10, "b": 6}
     assert output.total_num_scheduled_tokens == 16
-    assert [r.block_ids for r in output.scheduled_new_reqs] == [[1, 2, 3], [4, 5]]
+    assert [r.block_ids for r in output.scheduled_new_reqs] == [[[1, 2, 3]], [[4, 5]]]
     assert [r.req_id for r in updated] == ["a"]  # b's prefill is partial
     assert sched.num_running == 2 and sched.num_waiting == 1
     output, _ = step(sched)
@@ -58,22 +58,22 @@ def test_chunked_prefill_splits_long_prompt(make_scheduler, make_request, step) 
     output, updated = step(sched, by_length)
     assert output.num_scheduled_tokens == {"a": 8}
     (new,) = output.scheduled_new_reqs
-    assert new.block_ids == [1, 2] and new.num_computed_tokens == 0
+    assert new.block_ids == [[1, 2]] and new.num_computed_tokens == 0
     assert new.prompt_token_ids == prompt(20) and new.output_token_ids == []
     assert updated == [] and request.num_computed_tokens == 8
     output, updated = step(sched, by_length)
     (cached,) = output.scheduled_cached_reqs
-    assert (cached.new_block_ids, cached.num_computed_tokens) == ([3, 4], 8)
+    assert (cached.new_block_ids, cached.num_computed_tokens) == ([[3, 4]], 8)
     assert output.num_scheduled_tokens == {"a": 8} and updated == []
     output, updated = step(sched, by_length)
     (cached,) = output.scheduled_cached_reqs
-    assert (cached.new_block_ids, cached.num_computed_tokens) == ([5], 16)
+    assert (cached.new_block_ids, cached.num_computed_tokens) == ([[5]], 16)
     assert output.num_scheduled_tokens == {"a": 4}
     assert updated == [request] and request.output_token_ids == [1020]
     # Decode: position 20 opens logical block 5: cdiv(21, 4) = 6 blocks.
     output, _ = step(sched, by_length)
     (cached,) = output.scheduled_cached_reqs
-    assert (cached.new_block_ids, cached.num_computed_tokens) == ([6], 20)
+    assert (cached.new_block_ids, cached.num_computed_tokens) == ([[6]], 20)
     assert output.num_scheduled_tokens == {"a": 1}
 
 
@@ -100,15 +100,15 @@ def test_preemption_recomputes_and_finishes_correctly(make_scheduler, make_reque
     sched.add_request(a)
     sched.add_request(b)
     output, _ = step(sched, by_length)
-    assert [r.block_ids for r in output.scheduled_new_reqs] == [[1, 2], [3, 4]]
+    assert [r.block_ids for r in output.scheduled_new_reqs] == [[[1, 2]], [[3, 4]]]
     step(sched, by_length)  # both decode position 7: cdiv(8, 4) = 2 blocks, no growth
     # a needs a 3rd block for position 8; none is free -> b (last) is preempted.
     output, _ = step(sched, by_length)
     assert output.preempted_req_ids == {"b"}
-    assert cached_ids(output) == ["a"] and output.scheduled_cached_reqs[0].new_block_ids == [4]
+    assert cached_ids(output) == ["a"] and output.scheduled_cached_reqs[0].new_block_ids == [[4]]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and sched.num_preemptions == 1
-    assert list(sched.waiting) == [b] and sched.kv_cache_manager.get_block_ids("b") == []
+    assert list(sched.waiting) == [b] and sched.kv_cache_manager.get_block_ids("b") == [[]]
     assert b.output_token_ids == [1007, 1008]
     readmitted = None
     for _ in range(10):
@@ -254,6 +254,6 @@ def test_prefix_hit_through_scheduler(make_scheduler, make_request, step) -> Non
     (new,) = output.scheduled_new_reqs
     # Blocks 1-2 (tokens 0..7) are hits; token 8 is computed in a fresh block.
     assert new.num_computed_tokens == 8 and output.num_scheduled_tokens == {"b": 1}
-    assert new.block_ids[:2] == [1, 2] and b.num_cached_tokens == 8
+    assert new.block_ids[0][:2] == [1, 2] and b.num_cached_tokens == 8
     kv = sched.kv_cache_manager
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (18, 8)

@@ -73,7 +73,7 @@ def test_preemption_victim(make_scheduler, make_request, step, policy, victim) -
     output, _ = step(sched)
     first, second = ("a", "b") if policy == "fcfs" else ("b", "a")
     assert new_ids(output) == [first, second]
-    assert [r.block_ids for r in output.scheduled_new_reqs] == [[1, 2], [3, 4]]
+    assert [r.block_ids for r in output.scheduled_new_reqs] == [[[1, 2]], [[3, 4]]]
     assert ids(sched.running) == [first, second]
     step(sched)  # both decode position 7 in their 2 blocks
     # A later equal-priority arrival: under priority the victim goes back ahead of it.
@@ -83,7 +83,7 @@ def test_preemption_victim(make_scheduler, make_request, step, policy, victim) -
     survivor = "a" if victim == "b" else "b"
     assert output.preempted_req_ids == {victim}
     assert cached_ids(output) == [survivor] and new_ids(output) == []
-    assert output.scheduled_cached_reqs[0].new_block_ids == [4]
+    assert output.scheduled_cached_reqs[0].new_block_ids == [[4]]
     assert ids(sched.running) == [survivor]
     assert ids(sched.waiting) == [victim, "c"]
     assert sched.requests[victim].status == RequestStatus.PREEMPTED
@@ -109,7 +109,7 @@ def test_high_priority_arrival_preempts_when_max_num_seqs_is_full(
     assert output.num_scheduled_tokens == {"a": 1, "d": 3}
     assert ids(sched.running) == ["d", "a"] and ids(sched.waiting) == ["b", "c"]
     assert sched.requests["b"].num_computed_tokens == 0 and sched.num_preemptions == 1
-    assert sched.kv_cache_manager.get_block_ids("b") == []
+    assert sched.kv_cache_manager.get_block_ids("b") == [[]]
 
 
 def test_fcfs_ignores_priority(make_scheduler, make_request, step) -> None:
@@ -136,7 +136,7 @@ def test_high_priority_arrival_preempts_for_blocks(make_scheduler, make_request,
     assert output.preempted_req_ids == {"b"}
     assert cached_ids(output) == ["a"] and new_ids(output) == ["h"]
     # b's blocks were freed last-first: h gets 4 then 3.
-    assert output.scheduled_new_reqs[0].block_ids == [4, 3]
+    assert output.scheduled_new_reqs[0].block_ids == [[4, 3]]
     assert ids(sched.running) == ["h", "a"] and ids(sched.waiting) == ["b"]
 
 
@@ -179,7 +179,7 @@ def test_deadlines_expire_waiting_and_running_requests(make_scheduler, make_requ
     assert output.finished_req_ids == {"a"} and new_ids(output) == ["c"]
     assert a.status == RequestStatus.FINISHED_TIMEOUT and a.output_token_ids == [0, 0, 0]
     assert sched.pop_timed_out_requests() == [a]
-    assert sched.kv_cache_manager.get_block_ids("a") == []
+    assert sched.kv_cache_manager.get_block_ids("a") == [[]]
     assert sched.kv_cache_manager.get_num_free_blocks() == 9 - 2
     step(sched)
     assert c.status == RequestStatus.FINISHED_LENGTH and not sched.has_unfinished_requests()

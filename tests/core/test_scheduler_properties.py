@@ -1,14 +1,17 @@
 """Property test: random add / step / abort sequences keep the DESIGN.md §2 invariants.
 
 Both scheduling policies and both preemption modes run, with random priorities and
-deadlines on a fake clock that advances one unit per step. Under swap preemption the
+deadlines on a fake clock that advances one unit per step, with and without KV cache
+groups of sliding-window layers (core/kv_groups.py), which give back the blocks their
+window left behind. Under swap preemption the
 invariants hold on the host block pool too, whose size is drawn small enough that some
 preemptions fall back to recompute.
 
 A fake runner mirrors what the real one must do with the contracts: it keeps its own
 copy of each request (tokens, block_ids, num_computed_tokens) built only from
 `SchedulerOutput`, "writes" K/V into a slot -> context map through the block table and
-checks every token it attends to was written for the same context. Swaps copy those
+checks every token it attends to (in a window group: the keys its window sees) was
+written for the same context, in every group. Swaps copy those
 slot contexts between the device map and a host one, swap-outs first. So a wrong prefix
 hit, a block handed to two requests, a bad preemption or a wrong swap pair shows up as a
 wrong read.
@@ -26,6 +29,7 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.request_queue import priority_key
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_groups import cdiv, num_skipped_blocks
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.errors import InvalidRequestError
 from pagedllm.request import Request, RequestStatus
@@ -44,21 +48,23 @@ def fake_next_token(token_ids: list[int]) -> int:
 @dataclass
 class _RunnerRequest:
     token_ids: list[int]
-    block_ids: list[int]
+    # Per KV cache group.
+    block_ids: list[list[int]]
     num_computed_tokens: int
 
 
 @dataclass
 class FakeRunner:
     block_size: int
+    group_windows: tuple[int | None, ...] = (None,)
     requests: dict[str, _RunnerRequest] = field(default_factory=dict)
     # slot -> the context (token ids up to and including that position) whose K/V it holds
     kv: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # The same for host slots (swap preemption).
     host_kv: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
 
-    def slot(self, state: _RunnerRequest, pos: int) -> int:
-        block_id = state.block_ids[pos // self.block_size]
+    def slot(self, state: _RunnerRequest, pos: int, group: int) -> int:
+        block_id = state.block_ids[group][pos // self.block_size]
         assert block_id != 0, "the null block must never hold K/V"
         return block_id * self.block_size + pos % self.block_size
 
@@ -78,27 +84,40 @@ class FakeRunner:
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.requests
             self.requests[new.req_id] = _RunnerRequest(
-                new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
-                new.num_computed_tokens)
+                new.prompt_token_ids + new.output_token_ids,
+                [list(ids) for ids in new.block_ids], new.num_computed_tokens)
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             assert cached.num_computed_tokens == state.num_computed_tokens
-            state.block_ids.extend(cached.new_block_ids)
+            for ids, new_ids in zip(state.block_ids, cached.new_block_ids, strict=True):
+                ids.extend(new_ids)
+        for state in self.requests.values():
+            # What the model runner does: the blocks out of the window are null.
+            for ids, window in zip(state.block_ids, self.group_windows, strict=True):
+                skip = num_skipped_blocks(state.num_computed_tokens, window, self.block_size)
+                ids[:skip] = [0] * min(skip, len(ids))
         req_ids = [r.req_id for r in out.scheduled_new_reqs + out.scheduled_cached_reqs]
         assert sorted(req_ids) == sorted(out.num_scheduled_tokens)
         # Every layer writes this step's K/V for all requests before any attention reads.
+        starts = {}
         for req_id in req_ids:
             state = self.requests[req_id]
-            end = state.num_computed_tokens + out.num_scheduled_tokens[req_id]
+            starts[req_id] = start = state.num_computed_tokens
+            end = start + out.num_scheduled_tokens[req_id]
             assert end <= len(state.token_ids)
-            for pos in range(state.num_computed_tokens, end):
-                self.kv[self.slot(state, pos)] = tuple(state.token_ids[:pos + 1])
+            for group in range(len(self.group_windows)):
+                for pos in range(start, end):
+                    self.kv[self.slot(state, pos, group)] = tuple(state.token_ids[:pos + 1])
             state.num_computed_tokens = end
         sampled: list[list[int]] = []
         for req_id in req_ids:
             state = self.requests[req_id]
-            for pos in range(state.num_computed_tokens):
-                assert self.kv.get(self.slot(state, pos)) == tuple(state.token_ids[:pos + 1])
+            for group, window in enumerate(self.group_windows):
+                # The keys some query of this step sees: (start - window, end).
+                first = 0 if window is None else max(0, starts[req_id] - window + 1)
+                for pos in range(first, state.num_computed_tokens):
+                    assert self.kv.get(self.slot(state, pos, group)) == \
+                        tuple(state.token_ids[:pos + 1])
             if state.num_computed_tokens == len(state.token_ids):
                 token = fake_next_token(state.token_ids)
                 state.token_ids.append(token)
@@ -108,15 +127,19 @@ class FakeRunner:
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 
-def check_pool(pool: BlockPool, req_to_blocks: dict[str, list[KVCacheBlock]]) -> None:
-    """DESIGN.md §2 block invariants of one pool (device or host)."""
-    holdings = Counter(b.block_id for blocks in req_to_blocks.values() for b in blocks)
+def check_pool(pool: BlockPool,
+               req_to_blocks: dict[str, list[list[KVCacheBlock | None]]]) -> None:
+    """DESIGN.md §2 block invariants of one pool (device or host), whose requests hold
+    blocks per KV cache group (null entries, or None on the host, held by nobody)."""
+    holdings = Counter(b.block_id for groups in req_to_blocks.values()
+                       for blocks in groups for b in blocks
+                       if b is not None and not b.is_null)
     assert sum(b.ref_cnt for b in pool.blocks) == sum(holdings.values())
     assert all(b.ref_cnt == holdings[b.block_id] for b in pool.blocks)
     free_ids = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
     assert len(free_ids) == len(set(free_ids)) == pool.get_num_free_blocks()
     assert set(free_ids) == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
-    assert 0 not in free_ids and 0 not in holdings
+    assert 0 not in free_ids and 0 not in holdings and pool.blocks[0].ref_cnt == 0
     for block_hash, block in pool.cached_block_hash_to_block.items():
         assert block.block_hash == block_hash
     assert sum(b.block_hash is not None for b in pool.blocks) == len(
@@ -136,10 +159,18 @@ def check_invariants(sched: Scheduler) -> None:
         assert set(host.req_to_host_blocks) == {r.req_id for r in swapped}
         check_pool(host.host_pool, host.req_to_host_blocks)
         assert not host.host_pool.cached_block_hash_to_block
-        # A swapped request keeps num_computed_tokens: one host block per computed block.
+        # A swapped request keeps num_computed_tokens: one host entry per computed
+        # block, per group.
         for r in swapped:
-            assert len(host.req_to_host_blocks[r.req_id]) == kv.num_blocks_needed(
-                r.num_computed_tokens) > 0
+            assert [len(g) for g in host.req_to_host_blocks[r.req_id]] == [
+                kv.num_blocks_needed(r.num_computed_tokens)] * kv.num_groups
+            assert kv.num_blocks_needed(r.num_computed_tokens) > 0
+    # A window group holds the window's blocks and this step's (<= budget tokens).
+    for r in sched.running:
+        for window, blocks in zip(kv.group_windows, kv.req_to_blocks[r.req_id]):
+            if window is not None:
+                bound = cdiv(window - 1 + sched.max_num_batched_tokens, kv.block_size) + 1
+                assert sum(not b.is_null for b in blocks) <= bound
     assert all(r.status == RequestStatus.SWAPPED for r in swapped)
     assert len(sched.running) <= sched.max_num_seqs
     assert all(r.status == RequestStatus.RUNNING for r in sched.running)
@@ -179,7 +210,8 @@ def do_step(sched: Scheduler, runner: FakeRunner, clock: FakeClock) -> None:
     swapped_in = [new for new in out.scheduled_new_reqs if new.req_id in swapped_before]
     for new in swapped_in:
         assert new.num_computed_tokens == swapped_before[new.req_id] > 0
-    assert len(out.blocks_to_swap_in) <= sum(len(new.block_ids) for new in swapped_in)
+    assert len(out.blocks_to_swap_in) <= sum(len(ids) for new in swapped_in
+                                             for ids in new.block_ids)
     assert bool(out.blocks_to_swap_out) <= bool(out.preempted_req_ids)
     sched.update_from_output(out, runner.execute(out))
     for request in sched.running:
@@ -197,6 +229,12 @@ _ADD = st.tuples(st.just("add"), _PROMPTS, st.integers(4, 12), st.integers(0, 3)
                  st.one_of(st.none(), st.none(), st.integers(0, 30)))
 _STEP = st.tuples(st.just("step"))
 _ABORT = st.tuples(st.just("abort"), st.integers(0, 50))
+# KV cache groups: none (one full-attention group, most draws), a window in every
+# layer (Mistral), full + window layers (Gemma 2), full + two window groups (Gemma 3).
+_WINDOW = st.integers(1, 9)
+_GROUP_WINDOWS = st.one_of(
+    st.just((None,)), st.just((None,)), st.tuples(_WINDOW),
+    st.tuples(st.none(), _WINDOW), _WINDOW.map(lambda w: (None, w, w)))
 # Weights: add 3, step 4, abort 1.
 _OPS = st.one_of(_ADD, _ADD, _ADD, _STEP, _STEP, _STEP, _STEP, _ABORT)
 
@@ -217,6 +255,7 @@ def scenarios(draw: st.DrawFn, preemption_mode: str = "recompute") -> dict:
         preemption_mode=preemption_mode,
         num_swap_blocks=num_swap_blocks,
         enable_prefix_caching=draw(st.booleans()),
+        group_windows=draw(_GROUP_WINDOWS),
         enable_chunked_prefill=chunked,
         budget=draw(st.integers(1, 12)) if chunked else MAX_MODEL_LEN,
         max_num_seqs=draw(st.integers(1, 6)),
@@ -254,8 +293,9 @@ def run_scenario(scenario: dict) -> Scheduler:
                         preemption_mode=scenario["preemption_mode"]),
         CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
                     enable_prefix_caching=scenario["enable_prefix_caching"]),
-        num_blocks, num_swap_blocks=scenario["num_swap_blocks"], clock=clock)
-    runner = FakeRunner(block_size)
+        num_blocks, num_swap_blocks=scenario["num_swap_blocks"], clock=clock,
+        group_windows=scenario["group_windows"])
+    runner = FakeRunner(block_size, scenario["group_windows"])
     added: list[Request] = []
     for op in scenario["ops"]:
         if op[0] == "add":
@@ -264,7 +304,8 @@ def run_scenario(scenario: dict) -> Scheduler:
             request = Request(f"r{len(added)}", prompt_ids,
                               SamplingParams(max_tokens=max_tokens), eos_token_id=EOS,
                               arrival_time=clock.now, priority=priority, deadline=deadline)
-            fits = -(-len(prompt_ids) // block_size) <= num_blocks - 1
+            num_groups = len(scenario["group_windows"])
+            fits = num_groups * -(-len(prompt_ids) // block_size) <= num_blocks - 1
             try:
                 sched.add_request(request)
                 assert fits

@@ -25,7 +25,7 @@ def two_requests(make_scheduler, make_request, step):
         sched.add_request(make_request("b", B_PROMPT, max_tokens=4))
         out, _ = step(sched)
         assert [(n.req_id, n.block_ids) for n in out.scheduled_new_reqs] == [
-            ("a", [1, 2]), ("b", [3, 4])]
+            ("a", [[1, 2]]), ("b", [[3, 4]])]
         step(sched)  # both decode into their second block: 8 tokens computed each
         return sched
 
@@ -40,7 +40,7 @@ def test_swap_out_then_in_without_prefix_cache(two_requests, step):
     # (the runner copies 4 out before the forward pass writes it).
     assert out.blocks_to_swap_out == [(3, 1), (4, 2)]
     assert out.preempted_req_ids == {"b"} and out.blocks_to_swap_in == []
-    assert [(c.req_id, c.new_block_ids) for c in out.scheduled_cached_reqs] == [("a", [4])]
+    assert [(c.req_id, c.new_block_ids) for c in out.scheduled_cached_reqs] == [("a", [[4]])]
     assert b.status == RequestStatus.SWAPPED and b.num_computed_tokens == 8
     assert list(sched.swapped) == [b] and "b" not in sched.kv_cache_manager.req_to_blocks
     assert (sched.num_swaps_out, sched.num_swapped, sched.num_swapped_blocks) == (1, 1, 2)
@@ -50,7 +50,7 @@ def test_swap_out_then_in_without_prefix_cache(two_requests, step):
     out, _ = step(sched)
     assert out.finished_req_ids == {"a"}
     assert [(n.req_id, n.block_ids, n.num_computed_tokens)
-            for n in out.scheduled_new_reqs] == [("b", [3, 4, 2], 8)]
+            for n in out.scheduled_new_reqs] == [("b", [[3, 4, 2]], 8)]
     assert out.num_scheduled_tokens == {"b": 1}
     assert out.blocks_to_swap_in == [(1, 3), (2, 4)]
     assert b.status == RequestStatus.RUNNING and b.num_computed_tokens == 9
@@ -66,7 +66,7 @@ def test_swap_in_rereferences_cached_blocks(two_requests, step):
     out, _ = step(sched)
     # Block 0 of b (tokens 10..13) is still cached in device block 3: touched, not
     # copied. Block 1 lost its device copy (4 went to a): host block 2 -> fresh block 4.
-    assert [(n.req_id, n.block_ids) for n in out.scheduled_new_reqs] == [("b", [3, 4, 2])]
+    assert [(n.req_id, n.block_ids) for n in out.scheduled_new_reqs] == [("b", [[3, 4, 2]])]
     assert out.blocks_to_swap_in == [(2, 4)]
     pool = sched.kv_cache_manager.block_pool
     # Both full blocks of b are in the prefix cache again, block 2 is not full yet.

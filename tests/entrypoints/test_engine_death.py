@@ -84,6 +84,9 @@ def test_engine_death_fails_requests_and_health(server):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=5, headers=server.headers,
                    json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 503
+    r = httpx.post(server.url + "/v1/embeddings", timeout=5, headers=server.headers,
+                   json={"input": ["hi", "there"]})
+    assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
     # The HTTP side itself is still up.
     assert httpx.get(server.url + "/version", timeout=5,
                      headers=server.headers).status_code == 200

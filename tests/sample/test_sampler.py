@@ -37,7 +37,7 @@ def make_state(requests: list[tuple[SamplingParams, list[int], list[int]]],
         num_tokens[row], num_prompt[row] = len(prompt) + len(output), len(prompt)
         state.add(row, NewRequestData(req_id=str(row), prompt_token_ids=prompt,
                                       output_token_ids=output, sampling_params=params,
-                                      block_ids=[], num_computed_tokens=0,
+                                      block_ids=[[]], num_computed_tokens=0,
                                       eos_token_id=EOS))
     return state, rows
 

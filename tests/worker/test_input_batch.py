@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.contracts import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.core.kv_groups import build_kv_cache_layout
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.model_runner import ModelRunner, StepInputs
@@ -29,6 +30,7 @@ def make_runner(batch: InputBatch) -> ModelRunner:
     runner = ModelRunner.__new__(ModelRunner)
     runner.input_batch, runner.block_size = batch, BLOCK_SIZE
     runner.device = torch.device("cpu")
+    runner.kv_layout = build_kv_cache_layout([None], MAX_MODEL_LEN)
     return runner
 
 
@@ -37,7 +39,7 @@ def new_req(req_id: str, prompt: list[int], block_ids: list[int], num_computed: 
     return NewRequestData(req_id=req_id, prompt_token_ids=prompt,
                           output_token_ids=output or [],
                           sampling_params=SamplingParams(temperature=0, logprobs=2),
-                          block_ids=block_ids, num_computed_tokens=num_computed)
+                          block_ids=[block_ids], num_computed_tokens=num_computed)
 
 
 def step(new: list[NewRequestData], cached: list[CachedRequestData],
@@ -68,8 +70,8 @@ def second_step() -> SchedulerOutput:
     """x finished; b decodes its sampled token; c prefills its next 5 prompt tokens
     (crossing into a new block); a: new, 2 cached blocks (8 tokens) of prefix hit."""
     return step([new_req("a", PROMPT_A, [7, 3, 9], num_computed=8)],
-                [CachedRequestData("b", new_block_ids=[], num_computed_tokens=6),
-                 CachedRequestData("c", new_block_ids=[8, 11], num_computed_tokens=8)],
+                [CachedRequestData("b", new_block_ids=[[]], num_computed_tokens=6),
+                 CachedRequestData("c", new_block_ids=[[8, 11]], num_computed_tokens=8)],
                 {"b": 1, "c": 5, "a": 2}, finished=("x",))
 
 
@@ -136,7 +138,7 @@ def test_prepare_inputs_of_a_prompt_resumed_after_preemption():
                positions=[0, 1, 2, 3], slot_mapping=[20, 21, 22, 23],
                query_start_loc=[0, 4], seq_lens=[4], block_table=[[5]],
                logits_indices=[], sample_rows=[], sample_positions=[])
-    so = step([], [CachedRequestData("r", new_block_ids=[], num_computed_tokens=4)],
+    so = step([], [CachedRequestData("r", new_block_ids=[[]], num_computed_tokens=4)],
               {"r": 2})
     runner._update_states(so)
     check_step(runner._prepare_inputs(so), req_ids=["r"], input_ids=[8, 9],
@@ -153,10 +155,10 @@ def test_add_request_fills_its_row():
     assert batch.token_ids[0, :6].tolist() == [11, 12, 13, 14, 15, 0]
     assert (batch.num_tokens[0], batch.num_prompt_tokens[0]) == (5, 3)
     assert batch.num_computed_tokens[0] == 0
-    assert batch.block_table[0, :3].tolist() == [5, 6, 0] and batch.num_blocks[0] == 2
+    assert batch.block_tables[0, 0, :3].tolist() == [5, 6, 0] and batch.num_blocks[0, 0] == 2
     assert batch.sampling.num_logprobs[0] == 2
-    batch.append_blocks(0, [9])
-    assert batch.block_table[0, :4].tolist() == [5, 6, 9, 0] and batch.num_blocks[0] == 3
+    batch.append_blocks(0, [[9]])
+    assert batch.block_tables[0, 0, :4].tolist() == [5, 6, 9, 0] and batch.num_blocks[0, 0] == 3
 
 
 def test_append_sampled_extends_each_row():
@@ -184,9 +186,40 @@ def test_rows_are_reused_not_condensed():
     assert batch.req_id_to_row == {"c": 2, "d": 1, "e": 0, "f": 3}
     # A reused row pads with the null block, not with its previous request's blocks,
     # and forgets that request's sampling settings.
-    assert batch.block_table[1, :3].tolist() == [20, 0, 0] and batch.num_blocks[1] == 1
-    assert batch.block_table[0, :3].tolist() == [21, 0, 0]
+    assert batch.block_tables[0, 1, :3].tolist() == [20, 0, 0] and batch.num_blocks[0, 1] == 1
+    assert batch.block_tables[0, 0, :3].tolist() == [21, 0, 0]
     batch.remove_request("e")
-    assert batch.sampling.num_logprobs[0] == -1 and not batch.block_table[0].any()
+    assert batch.sampling.num_logprobs[0] == -1 and not batch.block_tables[:, 0].any()
     batch.remove_request("unknown")  # finished before it ever reached the runner
     assert batch.req_id_to_row == {"c": 2, "d": 1, "f": 3}
+
+
+def test_prepare_inputs_with_a_sliding_window_group():
+    # Layers 0, 2 full attention, 1, 3 a window of 5 keys: groups (full, 5). Request r
+    # has 13 tokens computed (positions 0..12) and decodes position 13, whose window is
+    # keys 9..13: blocks 0 and 1 (positions 0..7) are out of every later query's window
+    # (the scheduler gave them back: 0), block 2 (8..11) is not.
+    batch = InputBatch(MAX_NUM_REQS, MAX_MODEL_LEN, -(-(MAX_MODEL_LEN + 1) // BLOCK_SIZE),
+                       VOCAB, torch.device("cpu"), num_kv_groups=2)
+    runner = make_runner(batch)
+    runner.kv_layout = build_kv_cache_layout([None, 5, None, 5], MAX_MODEL_LEN)
+    assert runner.kv_layout.group_windows == (None, 5)
+    new = new_req("r", list(range(14)), [])
+    new.block_ids, new.num_computed_tokens = [[1, 2, 3, 4], [0, 6, 7, 8]], 13
+    so = step([new], [], {"r": 1})
+    runner._update_states(so)
+    md = runner._prepare_inputs(so).attn_metadata
+    assert md.for_group(0) is md and md.block_table.tolist() == [[1, 2, 3, 4]]
+    assert md.slot_mapping.tolist() == [4 * 4 + 1]
+    window = md.for_group(1)
+    # Block 1 (id 6) is still in the runner's table but the metadata nulls it.
+    assert window.block_table.tolist() == [[0, 0, 7, 8]]
+    assert window.slot_mapping.tolist() == [8 * 4 + 1]
+    assert window.seq_lens.tolist() == md.seq_lens.tolist() == [14]
+    # Next step: position 14, window 10..14: block 2 (8..11) still seen.
+    so = step([], [CachedRequestData("r", new_block_ids=[[], []], num_computed_tokens=14)],
+              {"r": 1})
+    runner._update_states(so)
+    batch.append_sampled(np.array([0]), np.array([14]))
+    window = runner._prepare_inputs(so).attn_metadata.for_group(1)
+    assert window.block_table.tolist() == [[0, 0, 7, 8]]

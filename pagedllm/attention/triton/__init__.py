@@ -1,6 +1,7 @@
 """The `triton` attention backend: Triton kernels for CUDA.
 
-- `cache.py`: `reshape_and_cache`, this step's K/V scattered into the paged cache.
+- `cache.py`: `reshape_and_cache`, this step's K/V scattered into the paged cache
+  (quantized into an fp8 cache).
 - `kernels.py`: the varlen paged-attention kernel for mixed prefill/decode batches (with
   a split-KV mode) and the reduce kernel that merges split-KV partitions.
 - `ops.py`: typed launch wrappers: tile sizes, grids, the split-KV heuristic.

@@ -14,9 +14,10 @@ from pagedllm.attention.triton.ops import (DEFAULT_PARTITION_SIZE, DEFAULT_TARGE
 
 
 class TritonAttention:
-    """Writes K/V with `reshape_and_cache`, then attends the whole mixed batch in one
-    launch of the varlen paged-attention kernel, or, for decode-only batches that the
-    `use_split_kv` heuristic picks, in the split-KV kernel pair.
+    """Writes K/V with `reshape_and_cache` (quantized into an fp8 cache), then attends the
+    whole mixed batch in one launch of the varlen paged-attention kernel, or, for
+    decode-only batches that the `use_split_kv` heuristic picks, in the split-KV kernel
+    pair.
 
     split_kv: None lets the heuristic choose; True / False force it (tests).
     partition_size: keys per split-KV partition (a multiple of ops.TILE_N).
@@ -43,11 +44,12 @@ class TritonAttention:
         self._target_programs = DEFAULT_TARGET_PROGRAMS
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         md = attn_metadata
         if self._params is None:
             self._params = self._make_params(query.device)
-        reshape_and_cache(key, value, kv_cache, md.slot_mapping)
+        reshape_and_cache(key, value, kv_cache, md.slot_mapping, k_scale, v_scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, H, D]
         split = self.split_kv
         if split is None:
@@ -55,7 +57,8 @@ class TritonAttention:
                                  self.spec.num_kv_heads, self.partition_size,
                                  self._target_programs)
         return paged_attention(out, query, kv_cache, md, self._params, split_kv=split,
-                               partition_size=self.partition_size, block_m=self.block_m)
+                               partition_size=self.partition_size, block_m=self.block_m,
+                               k_scale=k_scale, v_scale=v_scale)
 
     def _make_params(self, device: torch.device) -> AttentionParams:
         spec = self.spec

@@ -17,6 +17,10 @@ keys 0 .. its own position (causal within the chunk, full over the cached contex
 minus those at least `sliding_window` positions older. Keys are read in TILE_N-key tiles
 through the block table (key at position p: block block_table[p // BLOCK_SIZE], offset
 p % BLOCK_SIZE); an online softmax carries (row max, row sum, accumulator) across tiles.
+
+An fp8 cache (attention/kv_quant.py) is loaded as fp8 and converted to the dot dtype with
+the tiles (exact: every fp8 value is a float16 / bfloat16); its k_scale arrives folded
+into `scale` and v_scale multiplies the result once, in `_store_result`.
 """
 
 from __future__ import annotations
@@ -132,12 +136,14 @@ def _key_range(context_len, q_len, q_tile, sliding_window, BLOCK_Q: tl.constexpr
 
 @triton.jit
 def _store_result(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, m_i, l_i, acc,
-                  token, head, dims, row_valid, dim_valid, num_partitions,
+                  v_scale, token, head, dims, row_valid, dim_valid, num_partitions,
                   stride_out_token, stride_out_head, NUM_HEADS: tl.constexpr,
                   HEAD_PAD: tl.constexpr, IS_SPLIT: tl.constexpr):
     """The normalized rows into out, or (split) the unnormalized partials at
     [token, head, part]; an empty partition stores (-inf, 0, 0), which the reduce
-    weighs by exp(-inf) = 0."""
+    weighs by exp(-inf) = 0. acc sums unscaled values: v_scale applies here (1 unless
+    the cache is fp8)."""
+    acc = acc * v_scale
     if IS_SPLIT:
         part_idx = (token * NUM_HEADS + head) * num_partitions + tl.program_id(2)
         tl.store(part_max_ptr + part_idx, m_i, mask=row_valid)
@@ -167,7 +173,7 @@ def _paged_attention_kernel(
     # NOTE: typed, so a value of 1 is not specialized into a constexpr, which
     # _find_request's loop reassigns (some Triton releases reject that).
     num_reqs: tl.int32,
-    num_partitions, scale, soft_cap, sliding_window,
+    num_partitions, scale, v_scale, soft_cap, sliding_window,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
@@ -222,8 +228,8 @@ def _paged_attention_kernel(
                         USE_WINDOW, USE_SOFT_CAP, USE_ALIBI, DOT_DTYPE, DOT_PRECISION)
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION)
 
-    _store_result(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, m_i, l_i, acc, token,
-                  head, dims, row_valid, dim_valid, num_partitions, stride_out_token,
+    _store_result(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, m_i, l_i, acc, v_scale,
+                  token, head, dims, row_valid, dim_valid, num_partitions, stride_out_token,
                   stride_out_head, NUM_HEADS, HEAD_PAD, IS_SPLIT)
 
 

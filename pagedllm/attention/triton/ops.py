@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention.kv_quant import is_fp8
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.triton.kernels import (_paged_attention_kernel,
                                                _reduce_partitions_kernel)
@@ -67,7 +68,8 @@ def use_split_kv(num_reqs: int, max_query_len: int, max_seq_len: int, num_kv_hea
 def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
                     md: AttentionMetadata, params: AttentionParams, split_kv: bool = False,
                     partition_size: int = DEFAULT_PARTITION_SIZE,
-                    block_m: int | None = None) -> torch.Tensor:
+                    block_m: int | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Attend query [T, H, D] (request rows per md.query_start_loc) over the contexts in
     kv_cache [2, num_blocks, block_size, KVH, D] (md.block_table, md.seq_lens); writes
     out [T, H, D] and returns it. Rows past md.num_actual_tokens (graph padding) are left
@@ -76,6 +78,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
     split_kv: run the split-KV pair (partitions of `partition_size` keys, then a reduce).
     block_m: query rows per program (default by batch kind; tests shrink it so prefill
     chunks span several tiles).
+    k_scale / v_scale: an fp8 kv_cache's scales (attention/kv_quant.py), else ignored.
     """
     if md.num_reqs == 0:
         return out
@@ -97,12 +100,15 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
         part_max, part_sum, part_acc = _alloc_partials(md.num_actual_tokens, num_heads,
                                                        num_partitions, head_pad, query.device)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if not is_fp8(kv_cache.dtype):
+        k_scale = v_scale = 1.0
     # Any tensor stands in for absent ALiBi slopes (never read).
     alibi = params.alibi_slopes if params.alibi_slopes is not None else md.seq_lens
     _paged_attention_kernel[(shape.num_tiles, num_kv_heads, num_partitions)](
         out, query, key_cache, value_cache, block_table, md.seq_lens,
         md.query_start_loc, alibi, part_max, part_sum, part_acc,
-        md.num_reqs, num_partitions, params.scale, params.logits_soft_cap or 0.0,
+        md.num_reqs, num_partitions, params.scale * k_scale, float(v_scale),
+        params.logits_soft_cap or 0.0,
         params.sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

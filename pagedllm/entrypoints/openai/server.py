@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+POST /v1/embeddings, POST /tokenize,
 POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
 GET /debug/stats.
 Errors use OpenAI's body ({"error": {message, type, param, code}}, plus vLLM's
@@ -39,6 +40,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
                                                   ModelCard, ModelList, TokenizeRequest,
                                                   TokenizeResponse)
 from pagedllm.engine.async_llm import QueueFullError
+from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from pagedllm.entrypoints.openai.offload import Offloader
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -46,6 +48,7 @@ from pagedllm.entrypoints.openai.serving_common import (ModelNotFoundError,
                                                         RequestTimeoutError, error_body,
                                                         error_status, exception_message)
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -169,6 +172,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[
                        serve_config: ServeConfig, offloader: Offloader) -> None:
     completions = OpenAIServingCompletion(engine, served_model_names, serve_config, offloader)
     chat = OpenAIServingChat(engine, served_model_names, serve_config, offloader)
+    embeddings = OpenAIServingEmbedding(engine, served_model_names, serve_config, offloader)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -188,6 +192,11 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[
         if request.stream:
             return await chat.create_chat_completion(request)
         return await _cancel_on_disconnect(raw_request, chat.create_chat_completion(request))
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Any:
+        return await _cancel_on_disconnect(raw_request,
+                                           embeddings.create_embedding(request))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

@@ -25,7 +25,7 @@ from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.errors import EngineDeadError, InvalidRequestError
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -277,8 +277,9 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]],
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
-            elif item.finished and any(o.finish_reason == "timeout" for o in item.outputs):
-                num_tokens = sum(len(o.token_ids) for o in item.outputs)
+            elif item.finished and _timed_out(item):
+                num_tokens = (0 if isinstance(item, EmbeddingRequestOutput)
+                              else sum(len(o.token_ids) for o in item.outputs))
                 raise RequestTimeoutError(
                     f"The request timed out: it was still running at its deadline "
                     f"(`timeout`, or the server's --request-timeout) after {num_tokens} "
@@ -289,6 +290,12 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]],
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _timed_out(out: RequestOutput | EmbeddingRequestOutput) -> bool:
+    if isinstance(out, EmbeddingRequestOutput):
+        return out.finish_reason == "timeout"
+    return any(o.finish_reason == "timeout" for o in out.outputs)
 
 
 def sse(payload: str) -> str:

@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_attention.cpp", "cpu_ops.cpp", "cpu_decoder.cpp",
                                      "cpu_gemm.cpp")]
-HEADERS = [CSRC / name for name in ("simd.h", "attention_common.h", "attention_avx512.h",
-                                     "ops.h")]
+HEADERS = [CSRC / name for name in ("simd.h", "fp8.h", "attention_common.h",
+                                     "attention_avx512.h", "ops.h")]
 # -ffp-contract=off: no fused multiply-adds the source does not spell out, so float32
 # element-wise ops round like torch's. -Wall, less GCC 12's (-Wmaybe-)uninitialized: they
 # fire only inside its own AVX-512 intrinsics, whose pass-through operand is

@@ -29,16 +29,19 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor | 
                     value: torch.Tensor | None, kv_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    sliding_window: int | None, q_tile: int = 16) -> None:
+                    sliding_window: int | None, q_tile: int = 16, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
     """Write key/value [T, KVH, D] (if given) at slot_mapping, then attend query [T, H, D]
     over each request's paged context into out [T, H, D].
 
     block_table [R, max_blocks], seq_lens [R] and query_start_loc [R + 1] are int32;
-    slot_mapping [T] int64. Query tokens are tiled by `q_tile` per work item.
+    slot_mapping [T] int64. Query tokens are tiled by `q_tile` per work item. kv_cache has
+    the query's dtype or is float8_e4m3fn / float8_e5m2, holding K / k_scale and V / v_scale
+    (attention/kv_quant.py; the scales are ignored otherwise).
     """
     torch.ops.pagedllm_cpu.paged_attention.default(
         out, query, key, value, kv_cache, slot_mapping, block_table, seq_lens,
-        query_start_loc, scale, sliding_window or 0, q_tile)
+        query_start_loc, scale, sliding_window or 0, q_tile, k_scale, v_scale)
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -80,10 +83,10 @@ def llama_decoder_layers(x: torch.Tensor, positions: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                          num_kv_heads: int, head_size: int, rotary_dim: int,
                          is_neox_style: bool, scale: float, eps: float,
-                         norm_offset: float) -> None:
+                         norm_offset: float, kv_scales: list[float]) -> None:
     """Run every Llama decoder layer over x [T, hidden] in place (native_layers.py lists
-    the per-layer weight slots)."""
+    the per-layer weight slots; kv_scales: k_scale, v_scale of each layer in turn)."""
     torch.ops.pagedllm_cpu.llama_decoder_layers.default(
         x, positions, weights, sliding_windows, slot_mapping, block_table, seq_lens,
         query_start_loc, cos, sin, num_heads, num_kv_heads, head_size, rotary_dim,
-        is_neox_style, scale, eps, norm_offset)
+        is_neox_style, scale, eps, norm_offset, kv_scales)

@@ -7,9 +7,12 @@
 // P.V: FMAs into a float32 accumulator per row; on bfloat16, vdpbf16ps over pairs of
 // keys (probabilities rounded to bfloat16, as bf16 attention kernels do), which leaves the
 // accumulator's head dims in the unpack order, undone when the output is stored.
+// An fp8 cache (C, fp8.h) is read through the same code: keys and values are converted on
+// the fly, exactly, to bfloat16 pairs (the vdpbf16ps paths) or float32 lanes (the others);
+// k_scale is folded into the softmax scale and v_scale into the output normalization.
 #pragma once
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
 #include "attention_common.h"
@@ -19,6 +22,26 @@ namespace pagedllm_attention {
 
 using pagedllm_simd::exp16;
 using pagedllm_simd::load16;
+
+// 32 bfloat16 values (bits, in order) of a cache row: a bfloat16 cache as it is, fp8
+// converted exactly (fp8.h).
+inline __m512i load32_bf16(const c10::BFloat16* src) { return _mm512_loadu_si512(src); }
+
+template <typename C, std::enable_if_t<pagedllm_fp8::kIsFp8<C>, int> = 0>
+inline __m512i load32_bf16(const C* src) {
+  return pagedllm_fp8::bf16x32<C>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+
+// The same, or zeros without reading anything when !valid (a masked load, no branch).
+inline __m512i load32_bf16(const c10::BFloat16* src, bool valid) {
+  return _mm512_maskz_loadu_epi32(valid ? 0xffff : 0, src);
+}
+
+template <typename C, std::enable_if_t<pagedllm_fp8::kIsFp8<C>, int> = 0>
+inline __m512i load32_bf16(const C* src, bool valid) {
+  // A zero byte is +0 in both fp8 formats.
+  return pagedllm_fp8::bf16x32<C>(_mm256_maskz_loadu_epi8(valid ? ~0u : 0u, src));
+}
 
 // hsum16 reads key t's partial sums from slot kSlotOfKey[t].
 constexpr int kSlotOfKey[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
@@ -47,16 +70,16 @@ constexpr bool kHasBf16Dot = true;
 constexpr bool kHasBf16Dot = false;
 #endif
 
-// Partial dot product (16 lanes) of key row k with query row q (float32 or, kBf16, raw
-// bfloat16 pairs).
-template <typename T, int NV, bool kBf16>
-inline __m512 key_dot(const T* k, const void* q) {
+// Partial dot product (16 lanes) of key row k (cache dtype C) with query row q (float32
+// or, kBf16, raw bfloat16 pairs).
+template <typename C, int NV, bool kBf16>
+inline __m512 key_dot(const C* k, const void* q) {
 #if defined(__AVX512BF16__)
   if constexpr (kBf16) {
     const uint16_t* qb = static_cast<const uint16_t*>(q);
     __m512 a = _mm512_setzero_ps();
     for (int j = 0; j < NV / 2; ++j) {
-      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + 32 * j),
+      a = _mm512_dpbf16_ps(a, (__m512bh)load32_bf16(k + 32 * j),
                            (__m512bh)_mm512_loadu_si512(qb + 32 * j));
     }
     return a;
@@ -111,14 +134,14 @@ __attribute__((always_inline)) inline void row_softmax(__m512 s, __mmask16 mask,
 }
 
 // Scores and softmax update of one row against keys kb[0..n); writes its probabilities.
-template <typename T, int NV, bool kBf16>
-inline void row_scores(const T* const* kb, int n, const void* q, __mmask16 mask, float scale,
+template <typename C, int NV, bool kBf16>
+inline void row_scores(const C* const* kb, int n, const void* q, __mmask16 mask, float scale,
                        float& m, float* l, float* probs, uint16_t* pb, float& alpha) {
   __m512 s = _mm512_setzero_ps();
   if (mask != 0) {
     __m512 v[16];
     for (int t = 0; t < 16; ++t)
-      v[kSlotOfKey[t]] = t < n ? key_dot<T, NV, kBf16>(kb[t], q) : _mm512_setzero_ps();
+      v[kSlotOfKey[t]] = t < n ? key_dot<C, NV, kBf16>(kb[t], q) : _mm512_setzero_ps();
     s = hsum16(v);
   }
   row_softmax<kBf16>(s, mask, scale, m, l, probs, pb, alpha);
@@ -133,12 +156,12 @@ inline void row_scores(const T* const* kb, int n, const void* q, __mmask16 mask,
 // A 16 x 16 dword transpose per 32 dims, in registers (4 rounds of 16 shuffles): measured
 // ~10 cycles per vpgatherdd here, so the gathers (32 per chunk of 64 dims) cost ~5x the
 // shuffles and ~12% of a prefill tile's time.
-template <int NV>
-inline void transpose_keys(const c10::BFloat16* k0, int64_t stride, int n, __m512i* kt) {
+template <int NV, typename C>
+inline void transpose_keys(const C* k0, int64_t stride, int n, __m512i* kt) {
   for (int b = 0; b < NV / 2; ++b) {
     __m512i r[16], t[16];
     for (int i = 0; i < 16; ++i)  // rows >= n read nothing and are 0
-      r[i] = _mm512_maskz_loadu_epi32(i < n ? 0xffff : 0, k0 + i * stride + 32 * b);
+      r[i] = load32_bf16(k0 + i * stride + 32 * b, i < n);
     // Pairs of rows interleaved by dwords, then by qwords: r[4q + m] then holds, per
     // 128-bit lane L, dword 4L + m of rows 4q .. 4q + 3.
     for (int i = 0; i < 16; i += 2) {
@@ -168,9 +191,9 @@ inline void transpose_keys(const c10::BFloat16* k0, int64_t stride, int n, __m51
 #endif
 
 // acc (R rows) = acc * alpha + P . V over keys vb[0..n).
-template <typename T, int NV, int R, bool kBf16>
+template <typename C, int NV, int R, bool kBf16>
 inline void rows_pv(float* acc, const float* alpha, const float* probs, const uint16_t* pb,
-                    int64_t pstride, const T* const* vb, int n) {
+                    int64_t pstride, const C* const* vb, int n) {
   constexpr int D = NV * 16;
   __m512 a[R][NV];
   for (int r = 0; r < R; ++r) {
@@ -183,8 +206,8 @@ inline void rows_pv(float* acc, const float* alpha, const float* probs, const ui
     // d of that lane; the probability pair (p_t, p_t+1) is one broadcast dword.
     for (int t = 0; t < n; t += 2) {
       for (int j = 0; j < NV / 2; ++j) {
-        const __m512i va = _mm512_loadu_si512(vb[t] + 32 * j);
-        const __m512i vn = t + 1 < n ? _mm512_loadu_si512(vb[t + 1] + 32 * j)
+        const __m512i va = load32_bf16(vb[t] + 32 * j);
+        const __m512i vn = t + 1 < n ? load32_bf16(vb[t + 1] + 32 * j)
                                      : _mm512_setzero_si512();
         const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(va, vn);
         const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(va, vn);
@@ -216,8 +239,8 @@ inline void rows_pv(float* acc, const float* alpha, const float* probs, const ui
 // Write normalized outputs of one head's rows; kBf16 accumulators are in unpack order:
 // within each 32 head dims, lane 4L + m of the even vector is d = 8L + m, of the odd
 // vector d = 8L + 4 + m.
-template <typename T, int NV, bool kBf16>
-void store_rows(const Params<T>& p, const Item& item, int64_t h, const float* acc,
+template <typename T, typename C, int NV, bool kBf16>
+void store_rows(const Params<T, C>& p, const Item& item, int64_t h, const float* acc,
                 const float* l, int64_t head_rows) {
   constexpr int D = NV * 16;
   if constexpr (!kBf16) {
@@ -235,7 +258,7 @@ void store_rows(const Params<T>& p, const Item& item, int64_t h, const float* ac
     for (int64_t row = 0; row < head_rows; ++row) {
       T* dst = p.out + (item.tok_begin + row / p.group) * p.os0 +
                (h * p.group + row % p.group) * p.os1;
-      const __m512 inv = _mm512_set1_ps(1.0f / l[row]);
+      const __m512 inv = _mm512_set1_ps(p.v_scale / l[row]);
       for (int j = 0; j < NV / 2; ++j) {
         const __m512 ev = _mm512_loadu_ps(acc + row * D + 32 * j);
         const __m512 od = _mm512_loadu_ps(acc + row * D + 32 * j + 16);
@@ -249,8 +272,8 @@ void store_rows(const Params<T>& p, const Item& item, int64_t h, const float* ac
 }
 
 // Visible lanes of chunk c for the query at `pos`: keys lo <= c + t <= pos, t < n.
-template <typename T>
-inline __mmask16 visible(const Params<T>& p, int64_t pos, int64_t c, int n) {
+template <typename T, typename C>
+inline __mmask16 visible(const Params<T, C>& p, int64_t pos, int64_t c, int n) {
   const int64_t hi = std::min<int64_t>(n, pos - c + 1);
   const int64_t lo =
       p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1 - c) : 0;
@@ -258,8 +281,8 @@ inline __mmask16 visible(const Params<T>& p, int64_t pos, int64_t c, int n) {
 }
 
 // Cache offsets (slot * tok_stride) of keys [c, c + n) of request r.
-template <typename T>
-inline void chunk_offsets(const Params<T>& p, int64_t r, int64_t c, int n, int64_t* off) {
+template <typename T, typename C>
+inline void chunk_offsets(const Params<T, C>& p, int64_t r, int64_t c, int n, int64_t* off) {
   if (p.block_size % 16 == 0) {
     // c is a multiple of 16, so the chunk lies inside one block: consecutive slots.
     const int64_t first = slot_of(p, r, c) * p.tok_stride;
@@ -269,14 +292,14 @@ inline void chunk_offsets(const Params<T>& p, int64_t r, int64_t c, int n, int64
   }
 }
 
-template <typename T, int NV, bool kBf16>
-void head_chunk(const Params<T>& p, const Item& item, const Span& sp, int64_t h, int64_t c,
+template <typename T, typename C, int NV, bool kBf16>
+void head_chunk(const Params<T, C>& p, const Item& item, const Span& sp, int64_t h, int64_t c,
                 const int64_t* off, int n, const void* q, RowState& st) {
   constexpr int D = NV * 16;
   const int64_t head_rows = sp.num_toks * p.group;
   const int64_t row0 = (h - item.head_begin) * head_rows;
-  const T* kb[16];
-  const T* vb[16];
+  const C* kb[16];
+  const C* vb[16];
   for (int t = 0; t < n; ++t) {
     kb[t] = p.kc + off[t] + h * D;
     vb[t] = kb[t] + p.cache_half;
@@ -285,7 +308,7 @@ void head_chunk(const Params<T>& p, const Item& item, const Span& sp, int64_t h,
   for (int64_t rr = 0; rr < head_rows; ++rr) {
     const int64_t row = row0 + rr;
     const void* qr = static_cast<const char*>(q) + row * D * q_bytes;
-    row_scores<T, NV, kBf16>(kb, n, qr, visible(p, sp.pos0 + rr / p.group, c, n), p.scale,
+    row_scores<C, NV, kBf16>(kb, n, qr, visible(p, sp.pos0 + rr / p.group, c, n), p.scale,
                              st.m[row], st.l + row * 16, st.probs + rr * 16, st.pb + rr * 16,
                              st.alpha[rr]);
   }
@@ -295,10 +318,10 @@ void head_chunk(const Params<T>& p, const Item& item, const Span& sp, int64_t h,
     const float* pr = st.probs + r0 * 16;
     const uint16_t* pb = st.pb + r0 * 16;
     switch (std::min<int64_t>(4, head_rows - r0)) {
-      case 4: rows_pv<T, NV, 4, kBf16>(acc, al, pr, pb, 16, vb, n); break;
-      case 3: rows_pv<T, NV, 3, kBf16>(acc, al, pr, pb, 16, vb, n); break;
-      case 2: rows_pv<T, NV, 2, kBf16>(acc, al, pr, pb, 16, vb, n); break;
-      default: rows_pv<T, NV, 1, kBf16>(acc, al, pr, pb, 16, vb, n); break;
+      case 4: rows_pv<C, NV, 4, kBf16>(acc, al, pr, pb, 16, vb, n); break;
+      case 3: rows_pv<C, NV, 3, kBf16>(acc, al, pr, pb, 16, vb, n); break;
+      case 2: rows_pv<C, NV, 2, kBf16>(acc, al, pr, pb, 16, vb, n); break;
+      default: rows_pv<C, NV, 1, kBf16>(acc, al, pr, pb, 16, vb, n); break;
     }
   }
 }
@@ -307,17 +330,20 @@ void head_chunk(const Params<T>& p, const Item& item, const Span& sp, int64_t h,
 // of use. Contexts come mostly from memory; plain loads of the next chunk, independent of
 // the current chunk's math, overlap with it better than prefetch hints did here
 // (measured: 1.65 -> 1.1 ms per layer for a batch of 64 decodes with cold caches).
-template <typename T>
-inline void touch_chunk(const Params<T>& p, const Item& item, const int64_t* off, int n,
+template <typename T, typename C>
+inline void touch_chunk(const Params<T, C>& p, const Item& item, const int64_t* off, int n,
                         int64_t head_size) {
-  const int64_t bytes = (item.head_end - item.head_begin) * head_size * sizeof(T);
+  const int64_t bytes = (item.head_end - item.head_begin) * head_size * sizeof(C);
   __m512i sink = _mm512_setzero_si512();
   for (int t = 0; t < n; ++t) {
     const char* k = reinterpret_cast<const char*>(p.kc + off[t] + item.head_begin * head_size);
-    const char* v = k + p.cache_half * sizeof(T);
+    const char* v = k + p.cache_half * sizeof(C);
     for (int64_t b = 0; b < bytes; b += 64) {
-      sink = _mm512_xor_si512(sink, _mm512_loadu_si512(k + b));
-      sink = _mm512_xor_si512(sink, _mm512_loadu_si512(v + b));
+      // A row's tail shorter than 64 bytes (fp8 rows, head size 80) is read masked: the
+      // bytes past it may lie past the end of the cache.
+      const __mmask64 m = bytes - b >= 64 ? ~__mmask64{0} : ~__mmask64{0} >> (64 - (bytes - b));
+      sink = _mm512_xor_si512(sink, _mm512_maskz_loadu_epi8(m, k + b));
+      sink = _mm512_xor_si512(sink, _mm512_maskz_loadu_epi8(m, v + b));
     }
   }
   // Keep the loads (their values are not needed).
@@ -326,8 +352,9 @@ inline void touch_chunk(const Params<T>& p, const Item& item, const int64_t* off
 
 // The item's query rows, head-major (head h owns head_rows rows): raw bfloat16 for the
 // vdpbf16ps path (scores are scaled after the dot product), else float32.
-template <typename T, int NV, bool kBf16>
-void load_item_queries(const Params<T>& p, const Item& item, int64_t head_rows, Scratch& sc) {
+template <typename T, typename C, int NV, bool kBf16>
+void load_item_queries(const Params<T, C>& p, const Item& item, int64_t head_rows,
+                       Scratch& sc) {
   constexpr int D = NV * 16;
   const int64_t num_heads = item.head_end - item.head_begin;
   for (int64_t h = 0; h < num_heads; ++h) {
@@ -367,12 +394,12 @@ constexpr int kTileRows = std::clamp(24 / NV, 1, 6);
 // Values of keys [0, n) in pairs for vdpbf16ps over the keys: vi[t * NV + 2j] and
 // vi[t * NV + 2j + 1] are unpacklo/hi of keys 2t and 2t + 1 over dims [32j, 32j + 32)
 // (the accumulators' unpack order, undone by store_rows). A missing key 2t + 1 reads as 0.
-template <int NV>
-inline void interleave_values(const c10::BFloat16* const* vb, int n, __m512i* vi) {
+template <int NV, typename C>
+inline void interleave_values(const C* const* vb, int n, __m512i* vi) {
   for (int t = 0; 2 * t < n; ++t) {
     for (int j = 0; j < NV / 2; ++j) {
-      const __m512i va = _mm512_loadu_si512(vb[2 * t] + 32 * j);
-      const __m512i vn = 2 * t + 1 < n ? _mm512_loadu_si512(vb[2 * t + 1] + 32 * j)
+      const __m512i va = load32_bf16(vb[2 * t] + 32 * j);
+      const __m512i vn = 2 * t + 1 < n ? load32_bf16(vb[2 * t + 1] + 32 * j)
                                        : _mm512_setzero_si512();
       vi[t * NV + 2 * j] = _mm512_unpacklo_epi16(va, vn);
       vi[t * NV + 2 * j + 1] = _mm512_unpackhi_epi16(va, vn);
@@ -383,8 +410,8 @@ inline void interleave_values(const c10::BFloat16* const* vb, int n, __m512i* vi
 // One micro-kernel: R rows (bfloat16 queries q, D apart; row `row` of the item's head,
 // at position pos[r]) against a step of n keys starting at key c: scores, online softmax
 // (m, l by lane, acc rescaled) and acc += P . V.
-template <typename T, int NV, int R>
-inline void tile_rows(const Params<T>& p, const __m512i* kt, const __m512i* vi, int64_t c,
+template <typename T, typename C, int NV, int R>
+inline void tile_rows(const Params<T, C>& p, const __m512i* kt, const __m512i* vi, int64_t c,
                       int n, const uint16_t* q, const int64_t* pos, float* m, float* l,
                       float* acc) {
   constexpr int D = NV * 16;
@@ -464,23 +491,24 @@ inline void tile_rows(const Params<T>& p, const __m512i* kt, const __m512i* vi, 
 }
 
 // R = 1 .. kTileRows rows: the micro-kernel of that size.
-template <typename T, int NV, int R = kTileRows<NV>>
-inline void tile_rows_n(int rows, const Params<T>& p, const __m512i* kt, const __m512i* vi,
+template <typename T, typename C, int NV, int R = kTileRows<NV>>
+inline void tile_rows_n(int rows, const Params<T, C>& p, const __m512i* kt, const __m512i* vi,
                         int64_t c, int n, const uint16_t* q, const int64_t* pos, float* m,
                         float* l, float* acc) {
   if constexpr (R > 1) {
     if (rows < R) {
-      tile_rows_n<T, NV, R - 1>(rows, p, kt, vi, c, n, q, pos, m, l, acc);
+      tile_rows_n<T, C, NV, R - 1>(rows, p, kt, vi, c, n, q, pos, m, l, acc);
       return;
     }
   }
-  tile_rows<T, NV, R>(p, kt, vi, c, n, q, pos, m, l, acc);
+  tile_rows<T, C, NV, R>(p, kt, vi, c, n, q, pos, m, l, acc);
 }
 
 // run_item_chunks' key loop for bfloat16 with whole 16-key runs per block
 // (block_size % 16 == 0): steps of kTileKeys keys through the micro-kernels.
-template <typename T, int NV>
-void run_item_tiles_bf16(const Params<T>& p, const Item& item, const Span& sp, Scratch& sc) {
+template <typename T, typename C, int NV>
+void run_item_tiles_bf16(const Params<T, C>& p, const Item& item, const Span& sp,
+                         Scratch& sc) {
   constexpr int D = NV * 16;
   constexpr int R = kTileRows<NV>;
   const int64_t head_rows = sp.num_toks * p.group;
@@ -508,7 +536,7 @@ void run_item_tiles_bf16(const Params<T>& p, const Item& item, const Span& sp, S
     }
     // Heads of a token are adjacent in the cache: all of them per step reads it in order.
     for (int64_t h = item.head_begin; h < item.head_end; ++h) {
-      const T* vb[kTileKeys];
+      const C* vb[kTileKeys];
       for (int t = 0; t < n; ++t) vb[t] = p.kc + off[cur][t] + h * D + p.cache_half;
       for (int v = 0; v < kTileVecs; ++v) {
         const int nv = std::clamp(n - 16 * v, 0, 16);
@@ -523,7 +551,7 @@ void run_item_tiles_bf16(const Params<T>& p, const Item& item, const Span& sp, S
         int64_t pos[R];
         for (int r = 0; r < R; ++r) pos[r] = sp.pos0 + (rr + r) / p.group;
         const int64_t row = row0 + rr;
-        tile_rows_n<T, NV>(static_cast<int>(std::min<int64_t>(R, head_rows - rr)), p, kt, vi, c,
+        tile_rows_n<T, C, NV>(static_cast<int>(std::min<int64_t>(R, head_rows - rr)), p, kt, vi, c,
                            n, qb + row * D, pos, sc.m.data() + row, sc.l_lanes.data() + row * 16,
                            sc.acc.data() + row * D);
       }
@@ -537,13 +565,13 @@ void run_item_tiles_bf16(const Params<T>& p, const Item& item, const Span& sp, S
 //
 // `sh` (a decode item of a cascade, bfloat16 tile pass only): the rows start from their
 // state after the shared keys and go on from there.
-template <typename T, int NV, bool kBf16>
-void run_item_chunks(const Params<T>& p, const Item& item, Span sp, Scratch& sc,
+template <typename T, typename C, int NV, bool kBf16>
+void run_item_chunks(const Params<T, C>& p, const Item& item, Span sp, Scratch& sc,
                      const SharedPrefix* sh = nullptr) {
   constexpr int D = NV * 16;
   const int64_t head_rows = sp.num_toks * p.group;
   const int64_t rows = head_rows * (item.head_end - item.head_begin);
-  load_item_queries<T, NV, kBf16>(p, item, head_rows, sc);
+  load_item_queries<T, C, NV, kBf16>(p, item, head_rows, sc);
   if (sh != nullptr && sh->keys > 0) {
     // One token: row = (h - head_begin) * group + g, as the shared part stored it.
     const int64_t at0 = item.tok_begin * sh->heads + item.head_begin * p.group;
@@ -563,7 +591,7 @@ void run_item_chunks(const Params<T>& p, const Item& item, Span sp, Scratch& sc,
 #if defined(__AVX512BF16__)
   if constexpr (kBf16) {
     if (p.block_size % 16 == 0) {
-      run_item_tiles_bf16<T, NV>(p, item, sp, sc);
+      run_item_tiles_bf16<T, C, NV>(p, item, sp, sc);
       sum_lanes();
       return;
     }
@@ -583,7 +611,7 @@ void run_item_chunks(const Params<T>& p, const Item& item, Span sp, Scratch& sc,
     }
     // Heads of a token are adjacent in the cache: all of them per chunk reads it in order.
     for (int64_t h = item.head_begin; h < item.head_end; ++h)
-      head_chunk<T, NV, kBf16>(p, item, sp, h, c, offsets[cur], n, sc.q.data(), st);
+      head_chunk<T, C, NV, kBf16>(p, item, sp, h, c, offsets[cur], n, sc.q.data(), st);
     n = next_n;
   }
   sum_lanes();
@@ -591,34 +619,34 @@ void run_item_chunks(const Params<T>& p, const Item& item, Span sp, Scratch& sc,
 
 // An item's attention, its rows continued from the cascade's shared state when `sh` has
 // one (single-token items only).
-template <typename T, int NV, bool kBf16>
-void attend_item_from_avx512(const Params<T>& p, const Item& item, Scratch& sc,
+template <typename T, typename C, int NV, bool kBf16>
+void attend_item_from_avx512(const Params<T, C>& p, const Item& item, Scratch& sc,
                              const SharedPrefix* sh) {
   constexpr int D = NV * 16;
   const Span sp = span_of(p, item);
   const int64_t head_rows = sp.num_toks * p.group;
-  run_item_chunks<T, NV, kBf16>(p, item, sp, sc, sh);
+  run_item_chunks<T, C, NV, kBf16>(p, item, sp, sc, sh);
   for (int64_t h = 0; h < item.head_end - item.head_begin; ++h) {
-    store_rows<T, NV, kBf16>(p, item, item.head_begin + h, sc.acc.data() + h * head_rows * D,
+    store_rows<T, C, NV, kBf16>(p, item, item.head_begin + h, sc.acc.data() + h * head_rows * D,
                              sc.l.data() + h * head_rows, head_rows);
   }
 }
 
-template <typename T, int NV, bool kBf16>
-void attend_item_avx512(const Params<T>& p, const Item& item, Scratch& sc) {
-  attend_item_from_avx512<T, NV, kBf16>(p, item, sc, nullptr);
+template <typename T, typename C, int NV, bool kBf16>
+void attend_item_avx512(const Params<T, C>& p, const Item& item, Scratch& sc) {
+  attend_item_from_avx512<T, C, NV, kBf16>(p, item, sc, nullptr);
 }
 
 // Cascade, first part: the decode tokens [tok_begin, tok_end) (one per request, all
 // sharing request item.req's first sh.keys keys) over those keys, into sh.
-template <typename T, int NV, bool kBf16>
-void shared_prefix_item_avx512(const Params<T>& p, const Item& item, Scratch& sc,
+template <typename T, typename C, int NV, bool kBf16>
+void shared_prefix_item_avx512(const Params<T, C>& p, const Item& item, Scratch& sc,
                                SharedPrefix& sh) {
   constexpr int D = NV * 16;
   // Every shared key precedes every query: a position past all keys masks nothing.
   const Span sp{INT64_MAX / 4, item.tok_end - item.tok_begin, 0, sh.keys};
   const int64_t head_rows = sp.num_toks * p.group;
-  run_item_chunks<T, NV, kBf16>(p, item, sp, sc);
+  run_item_chunks<T, C, NV, kBf16>(p, item, sp, sc);
   for (int64_t h = item.head_begin; h < item.head_end; ++h) {
     for (int64_t rr = 0; rr < head_rows; ++rr) {
       const int64_t row = (h - item.head_begin) * head_rows + rr;
@@ -639,13 +667,13 @@ constexpr int64_t kDecodeSegmentBytes = 768 << 10;
 // sc.scores (invisible keys -inf); 2) per row: max, p = exp(s - max), l = sum p;
 // 3) acc = P . V chunk by chunk. K and V are each read once (K in pass 1, V in pass 3).
 // (float32 and float16; bfloat16 decodes take the tile pass, decode_tile_item_avx512.)
-template <typename T, int NV, bool kBf16>
-void decode_item_avx512(const Params<T>& p, const Item& item, Scratch& sc,
+template <typename T, typename C, int NV, bool kBf16>
+void decode_item_avx512(const Params<T, C>& p, const Item& item, Scratch& sc,
                         const SharedPrefix*) {
   constexpr int D = NV * 16;
   const Span sp = span_of(p, item);
   const int64_t rows = p.group * (item.head_end - item.head_begin);  // row h * G + g
-  load_item_queries<T, NV, kBf16>(p, item, p.group, sc);
+  load_item_queries<T, C, NV, kBf16>(p, item, p.group, sc);
   const int64_t c0 = sp.key_lo / 16 * 16;
   const int64_t stride = (sp.key_hi - c0 + 15) / 16 * 16;  // score row length
   float* scores = sc.scores.data();
@@ -658,14 +686,14 @@ void decode_item_avx512(const Params<T>& p, const Item& item, Scratch& sc,
   auto score_chunk = [&](int64_t c, int n) {
     const __mmask16 mask = visible(p, sp.pos0, c, n);
     for (int64_t h = item.head_begin; h < item.head_end; ++h) {
-      const T* kb[16];
+      const C* kb[16];
       for (int t = 0; t < n; ++t) kb[t] = p.kc + off[t] + h * D;
       for (int64_t g = 0; g < p.group; ++g) {
         const int64_t row = (h - item.head_begin) * p.group + g;
         const void* qr = reinterpret_cast<const char*>(sc.q.data()) + row * D * q_bytes;
         __m512 v[16];
         for (int t = 0; t < 16; ++t)
-          v[kSlotOfKey[t]] = t < n ? key_dot<T, NV, kBf16>(kb[t], qr) : _mm512_setzero_ps();
+          v[kSlotOfKey[t]] = t < n ? key_dot<C, NV, kBf16>(kb[t], qr) : _mm512_setzero_ps();
         const __m512 sv = _mm512_mul_ps(hsum16(v), _mm512_set1_ps(p.scale));
         _mm512_storeu_ps(scores + row * stride + (c - c0),
                          _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, sv));
@@ -682,7 +710,7 @@ void decode_item_avx512(const Params<T>& p, const Item& item, Scratch& sc,
   // plain loads over the segment's K and V (many reads in flight), then the math on it.
   // Measured on 64 decodes with contexts from memory: 1.5x the rate of reading each
   // chunk (or prefetching it) during the math, and faster than reading K and V apart.
-  const int64_t kv_bytes = 2 * (item.head_end - item.head_begin) * D * sizeof(T);
+  const int64_t kv_bytes = 2 * (item.head_end - item.head_begin) * D * sizeof(C);
   const int64_t segment = std::max<int64_t>(1, kDecodeSegmentBytes / kv_bytes / 16) * 16;
   for (int64_t s0 = c0; s0 < sp.key_hi; s0 += segment) {
     const int64_t s1 = std::min(sp.key_hi, s0 + segment);
@@ -719,7 +747,7 @@ void decode_item_avx512(const Params<T>& p, const Item& item, Scratch& sc,
   // (V comes from L2, or L3 on long contexts.)
   each_chunk(c0, sp.key_hi, [&](int64_t c, int n) {
     for (int64_t h = item.head_begin; h < item.head_end; ++h) {
-      const T* vb[16];
+      const C* vb[16];
       for (int t = 0; t < n; ++t) vb[t] = p.kc + off[t] + h * D + p.cache_half;
       const int64_t row0 = (h - item.head_begin) * p.group;
       for (int64_t r0 = row0; r0 < row0 + p.group; r0 += 4) {
@@ -728,17 +756,17 @@ void decode_item_avx512(const Params<T>& p, const Item& item, Scratch& sc,
         const float* pr = scores + r0 * stride + (c - c0);
         const uint16_t* pbr = pb + r0 * stride + (c - c0);
         switch (std::min<int64_t>(4, row0 + p.group - r0)) {
-          case 4: rows_pv<T, NV, 4, kBf16>(acc, al, pr, pbr, stride, vb, n); break;
-          case 3: rows_pv<T, NV, 3, kBf16>(acc, al, pr, pbr, stride, vb, n); break;
-          case 2: rows_pv<T, NV, 2, kBf16>(acc, al, pr, pbr, stride, vb, n); break;
-          default: rows_pv<T, NV, 1, kBf16>(acc, al, pr, pbr, stride, vb, n); break;
+          case 4: rows_pv<C, NV, 4, kBf16>(acc, al, pr, pbr, stride, vb, n); break;
+          case 3: rows_pv<C, NV, 3, kBf16>(acc, al, pr, pbr, stride, vb, n); break;
+          case 2: rows_pv<C, NV, 2, kBf16>(acc, al, pr, pbr, stride, vb, n); break;
+          default: rows_pv<C, NV, 1, kBf16>(acc, al, pr, pbr, stride, vb, n); break;
         }
       }
     }
   });
   for (int64_t h = item.head_begin; h < item.head_end; ++h) {
     const int64_t row0 = (h - item.head_begin) * p.group;
-    store_rows<T, NV, kBf16>(p, item, h, sc.acc.data() + row0 * D, sc.l.data() + row0,
+    store_rows<T, C, NV, kBf16>(p, item, h, sc.acc.data() + row0 * D, sc.l.data() + row0,
                              p.group);
   }
 }
@@ -749,14 +777,14 @@ void decode_item_avx512(const Params<T>& p, const Item& item, Scratch& sc,
 // so a token's attention is bit-identical whether it is decoded, prefilled in any chunk,
 // or recomputed after preemption (batch invariance, DESIGN.md §10). Block sizes that are
 // not a multiple of 16 have no tile pass and keep the three-pass decode.
-template <typename T, int NV>
-void decode_tile_item_avx512(const Params<T>& p, const Item& item, Scratch& sc,
+template <typename T, typename C, int NV>
+void decode_tile_item_avx512(const Params<T, C>& p, const Item& item, Scratch& sc,
                              const SharedPrefix* sh) {
   if (p.block_size % 16 == 0)
-    attend_item_from_avx512<T, NV, true>(p, item, sc, sh);
+    attend_item_from_avx512<T, C, NV, true>(p, item, sc, sh);
   else
-    decode_item_avx512<T, NV, true>(p, item, sc, sh);
+    decode_item_avx512<T, C, NV, true>(p, item, sc, sh);
 }
 
 }  // namespace pagedllm_attention
-#endif  // __AVX512F__
+#endif  // __AVX512F__ && __AVX512BW__

@@ -12,16 +12,19 @@
 #include <cstring>
 #include <vector>
 
+#include "fp8.h"
 #include "simd.h"
 
 namespace pagedllm_attention {
 
-// Everything an item needs to find its queries, its context and its output.
-template <typename T>
+// Everything an item needs to find its queries, its context and its output. T: the query
+// and output dtype; C: the cache's (T, or an fp8 type whose scales are folded into
+// `scale` and `v_scale`).
+template <typename T, typename C = T>
 struct Params {
   const T* q;           // [T, H, D] with strides qs0, qs1
   T* out;               // [T, H, D] with strides os0, os1
-  const T* kc;          // K half of the cache: slot s, kv head h at kc + s * tok_stride + h * D
+  const C* kc;          // K half of the cache: slot s, kv head h at kc + s * tok_stride + h * D
   const int32_t* bt;    // block table rows, bt_stride apart
   const int32_t* lens;  // seq_lens [R]
   const int32_t* qsl;   // query_start_loc [R + 1]
@@ -29,7 +32,8 @@ struct Params {
   int64_t head_size, group, block_size, tok_stride;
   int64_t cache_half;  // elements from a K entry to its V entry
   int64_t sliding_window;  // 0: none
-  float scale;
+  float scale;         // softmax scale (times k_scale for an fp8 cache)
+  float v_scale = 1;   // outputs are scaled by v_scale / l (fp8: the V scale)
 };
 
 // Cascade attention for a decode batch whose block tables share leading blocks: every row
@@ -57,8 +61,8 @@ struct Span {
   int64_t pos0, num_toks, key_lo, key_hi;
 };
 
-template <typename T>
-Span span_of(const Params<T>& p, const Item& item) {
+template <typename T, typename C>
+Span span_of(const Params<T, C>& p, const Item& item) {
   const int64_t r = item.req;
   const int64_t q_len = p.qsl[r + 1] - p.qsl[r];
   Span s;
@@ -71,8 +75,8 @@ Span span_of(const Params<T>& p, const Item& item) {
 }
 
 // Cache slot of key position `pos` of request r: block_table[pos / B] * B + pos % B.
-template <typename T>
-inline int64_t slot_of(const Params<T>& p, int64_t r, int64_t pos) {
+template <typename T, typename C>
+inline int64_t slot_of(const Params<T, C>& p, int64_t r, int64_t pos) {
   return static_cast<int64_t>(p.bt[r * p.bt_stride + pos / p.block_size]) * p.block_size +
          pos % p.block_size;
 }
@@ -98,6 +102,12 @@ inline void to_float(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// fp8 cache elements, unscaled (the kernels apply k_scale / v_scale folded).
+template <typename C, std::enable_if_t<pagedllm_fp8::kIsFp8<C>, int> = 0>
+inline void to_float(const C* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 // exp for the softmax rescaling (arguments are <= 0 there).
 using pagedllm_simd::exp_poly;
 
@@ -117,8 +127,8 @@ struct Scratch {
 };
 
 // Load the queries of KV head h as float32 times `scale`, rows i * G + g.
-template <typename T>
-void load_queries(const Params<T>& p, const Item& item, int64_t h, float* qf, float scale) {
+template <typename T, typename C>
+void load_queries(const Params<T, C>& p, const Item& item, int64_t h, float* qf, float scale) {
   const int64_t d = p.head_size;
   for (int64_t i = 0; i < item.tok_end - item.tok_begin; ++i) {
     for (int64_t g = 0; g < p.group; ++g) {
@@ -130,8 +140,8 @@ void load_queries(const Params<T>& p, const Item& item, int64_t h, float* qf, fl
   }
 }
 
-template <typename T>
-void store_outputs(const Params<T>& p, const Item& item, int64_t h, const float* acc,
+template <typename T, typename C>
+void store_outputs(const Params<T, C>& p, const Item& item, int64_t h, const float* acc,
                    const float* l) {
   const int64_t d = p.head_size;
   const int64_t rows = (item.tok_end - item.tok_begin) * p.group;
@@ -139,7 +149,7 @@ void store_outputs(const Params<T>& p, const Item& item, int64_t h, const float*
     T* dst = p.out + (item.tok_begin + row / p.group) * p.os0 +
              (h * p.group + row % p.group) * p.os1;
     // l > 0: every row sees at least its own key.
-    const float inv = 1.0f / l[row];
+    const float inv = p.v_scale / l[row];
     for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(acc[row * d + j] * inv);
   }
 }

@@ -15,6 +15,12 @@
 // When there are enough tiles, an item takes all KV heads of its tile, so the cache is
 // read in address order (the heads of a token are adjacent).
 //
+// The cache holds the query's dtype or fp8 (e4m3fn / e5m2, attention/kv_quant.py): written
+// as fp8(clamp(x / scale)), read converted on the fly (fp8.h); the keys' scale multiplies
+// the softmax scale and the values' the output normalization, so every pass runs unchanged
+// on the converted values (bfloat16 queries: the same tile pass, so fp8 keeps the batch
+// invariance of bfloat16).
+//
 // Built lazily by pagedllm/kernels/cpu/ops.py and build.py with -O3 -march=native.
 
 #include <ATen/core/Tensor.h>
@@ -40,8 +46,8 @@ using namespace pagedllm_attention;
 
 // ---------------------------------------------------------------------------------------
 // Generic item: one KV head, one block of keys at a time, rows one by one.
-template <typename T>
-void attend_head_generic(const Params<T>& p, const Item& item, int64_t h, Scratch& sc) {
+template <typename T, typename C>
+void attend_head_generic(const Params<T, C>& p, const Item& item, int64_t h, Scratch& sc) {
   const Span sp = span_of(p, item);
   const int64_t d = p.head_size, rows = sp.num_toks * p.group, bs = p.block_size;
   load_queries(p, item, h, sc.q.data(), p.scale);
@@ -51,7 +57,7 @@ void attend_head_generic(const Params<T>& p, const Item& item, int64_t h, Scratc
   float* s = sc.s.data();
   for (int64_t base = sp.key_lo / bs * bs; base < sp.key_hi; base += bs) {
     const int64_t n = std::min(bs, sp.key_hi - base);
-    const T* kb = p.kc + slot_of(p, item.req, base) * p.tok_stride + h * d;
+    const C* kb = p.kc + slot_of(p, item.req, base) * p.tok_stride + h * d;
     for (int64_t t = 0; t < n; ++t) {
       to_float(kb + t * p.tok_stride, sc.k.data() + t * d, d);
       to_float(kb + p.cache_half + t * p.tok_stride, sc.v.data() + t * d, d);
@@ -97,69 +103,93 @@ void attend_head_generic(const Params<T>& p, const Item& item, int64_t h, Scratc
   store_outputs(p, item, h, sc.acc.data(), sc.l.data());
 }
 
-template <typename T>
-void attend_item_generic(const Params<T>& p, const Item& item, Scratch& sc) {
+template <typename T, typename C>
+void attend_item_generic(const Params<T, C>& p, const Item& item, Scratch& sc) {
   for (int64_t h = item.head_begin; h < item.head_end; ++h) attend_head_generic(p, item, h, sc);
 }
 
-template <typename T>
-void decode_item_generic(const Params<T>& p, const Item& item, Scratch& sc,
+template <typename T, typename C>
+void decode_item_generic(const Params<T, C>& p, const Item& item, Scratch& sc,
                          const SharedPrefix*) {
   attend_item_generic(p, item, sc);
 }
 
-template <typename T>
-using ItemFn = void (*)(const Params<T>&, const Item&, Scratch&);
-template <typename T>
-using DecodeFn = void (*)(const Params<T>&, const Item&, Scratch&, const SharedPrefix*);
-template <typename T>
-using SharedFn = void (*)(const Params<T>&, const Item&, Scratch&, SharedPrefix&);
+template <typename T, typename C>
+using ItemFn = void (*)(const Params<T, C>&, const Item&, Scratch&);
+template <typename T, typename C>
+using DecodeFn = void (*)(const Params<T, C>&, const Item&, Scratch&, const SharedPrefix*);
+template <typename T, typename C>
+using SharedFn = void (*)(const Params<T, C>&, const Item&, Scratch&, SharedPrefix&);
 
 // The item implementations for a head size: tiles of several query tokens, decodes, and
 // the shared-prefix part of a cascade (nullptr: no cascade for this dtype / head size).
-template <typename T>
+template <typename T, typename C>
 struct ItemFns {
-  ItemFn<T> tile;
-  DecodeFn<T> decode;
-  SharedFn<T> shared;
+  ItemFn<T, C> tile;
+  DecodeFn<T, C> decode;
+  SharedFn<T, C> shared;
 };
 
-template <typename T, int NV>
-ItemFns<T> avx512_item_fns() {
-#if defined(__AVX512F__)
+template <typename T, typename C, int NV>
+ItemFns<T, C> avx512_item_fns() {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
   // vdpbf16ps needs head dims in pairs of 32. The cascade pays off only there: its shared
   // tile prepares each key chunk once for many rows (transpose_keys).
   // Decodes take the tile pass too (decode_tile_item_avx512): every row then reduces its
   // keys in the same steps with the same arithmetic, whatever its item (batch invariance).
   if constexpr (std::is_same_v<T, c10::BFloat16> && kHasBf16Dot && NV % 2 == 0)
-    return {attend_item_avx512<T, NV, true>, decode_tile_item_avx512<T, NV>,
-            shared_prefix_item_avx512<T, NV, true>};
+    return {attend_item_avx512<T, C, NV, true>, decode_tile_item_avx512<T, C, NV>,
+            shared_prefix_item_avx512<T, C, NV, true>};
   else
-    return {attend_item_avx512<T, NV, false>, decode_item_avx512<T, NV, false>, nullptr};
+    return {attend_item_avx512<T, C, NV, false>, decode_item_avx512<T, C, NV, false>, nullptr};
 #else
-  return {attend_item_generic<T>, decode_item_generic<T>, nullptr};
+  return {attend_item_generic<T, C>, decode_item_generic<T, C>, nullptr};
 #endif
 }
 
-template <typename T>
-ItemFns<T> pick_item_fns(int64_t head_size) {
+template <typename T, typename C>
+ItemFns<T, C> pick_item_fns(int64_t head_size) {
   switch (head_size) {
-    case 32: return avx512_item_fns<T, 2>();
-    case 64: return avx512_item_fns<T, 4>();
-    case 80: return avx512_item_fns<T, 5>();
-    case 96: return avx512_item_fns<T, 6>();
-    case 128: return avx512_item_fns<T, 8>();
-    case 256: return avx512_item_fns<T, 16>();
-    default: return {attend_item_generic<T>, decode_item_generic<T>, nullptr};
+    case 32: return avx512_item_fns<T, C, 2>();
+    case 64: return avx512_item_fns<T, C, 4>();
+    case 80: return avx512_item_fns<T, C, 5>();
+    case 96: return avx512_item_fns<T, C, 6>();
+    case 128: return avx512_item_fns<T, C, 8>();
+    case 256: return avx512_item_fns<T, C, 16>();
+    default: return {attend_item_generic<T, C>, decode_item_generic<T, C>, nullptr};
   }
 }
 
 // ---------------------------------------------------------------------------------------
 
-// Copy this step's K/V [T, KVH, D] into their slots of kv_cache [2, NB, BS, KVH, D].
-template <typename T>
+// One token's K or V row (n elements) into the cache: copied, or (fp8) divided by the
+// scale, saturated and rounded to nearest even, bit for bit as torch converts.
+template <typename T, typename C>
+inline void store_row(const T* src, C* dst, int64_t n, float scale) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(dst, src, n * sizeof(T));
+  } else {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    // x / 1 is x (the default scale): skip the division, a slow instruction.
+    const bool divide = scale != 1.0f;
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 mask = pagedllm_simd::first_lanes(n - i);
+      __m512 x = pagedllm_simd::load16(src + i, mask);
+      if (divide) x = _mm512_div_ps(x, s);
+      _mm_mask_storeu_epi8(dst + i, mask, pagedllm_fp8::fp8x16<C>(x));
+    }
+#else
+    for (int64_t i = 0; i < n; ++i)
+      dst[i] = pagedllm_fp8::from_float<C>(static_cast<float>(src[i]), scale);
+#endif
+  }
+}
+
+// Write this step's K/V [T, KVH, D] into their slots of kv_cache [2, NB, BS, KVH, D].
+template <typename T, typename C>
 void write_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
-                 const at::Tensor& slot_mapping) {
+                 const at::Tensor& slot_mapping, float k_scale, float v_scale) {
   const int64_t num_tokens = key.size(0);
   const int64_t row = key.size(1) * key.size(2);  // KVH * D, contiguous within a token
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
@@ -167,13 +197,17 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, const at::Tenso
   const T* k = key.data_ptr<T>();
   const T* v = value.data_ptr<T>();
   const int64_t ks = key.stride(0), vs = value.stride(0);
-  T* kc = kv_cache.data_ptr<T>();
-  T* vc = kc + num_slots * row;
+  C* kc = static_cast<C*>(kv_cache.data_ptr());
+  C* vc = kc + num_slots * row;
+  // Quantizing a long prefill is worth the threads (copies are not); tokens own distinct
+  // slots, so they never write the same bytes.
+  constexpr bool kConverts = !std::is_same_v<T, C>;
+#pragma omp parallel for if (kConverts && num_tokens >= 256)
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t slot = slots[t];
     if (slot < 0) continue;  // padding
-    std::memcpy(kc + slot * row, k + t * ks, row * sizeof(T));
-    std::memcpy(vc + slot * row, v + t * vs, row * sizeof(T));
+    store_row(k + t * ks, kc + slot * row, row, k_scale);
+    store_row(v + t * vs, vc + slot * row, row, v_scale);
   }
 }
 
@@ -189,8 +223,8 @@ static_assert(kCascadeAlign == pagedllm_attention::kTileKeys);
 
 // Keys every request's block table shares (whole leading blocks), when the call is all
 // decodes without a sliding window; 0 otherwise. Each request keeps >= 1 key of its own.
-template <typename T>
-int64_t shared_prefix_keys(const Params<T>& p, int64_t num_reqs, int64_t num_tokens) {
+template <typename T, typename C>
+int64_t shared_prefix_keys(const Params<T, C>& p, int64_t num_reqs, int64_t num_tokens) {
   if (num_tokens != num_reqs || num_reqs < kCascadeMinReqs || p.sliding_window > 0 ||
       p.block_size % 16 != 0)
     return 0;
@@ -210,15 +244,15 @@ int64_t shared_prefix_keys(const Params<T>& p, int64_t num_reqs, int64_t num_tok
   return keys >= kCascadeMinKeys ? keys : 0;
 }
 
-template <typename T>
+template <typename T, typename C>
 void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
             const at::Tensor& block_table, const at::Tensor& seq_lens,
             const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-            int64_t q_tile) {
-  Params<T> p;
+            int64_t q_tile, float k_scale, float v_scale) {
+  Params<T, C> p;
   p.q = query.data_ptr<T>();
   p.out = out.data_ptr<T>();
-  p.kc = kv_cache.data_ptr<T>();
+  p.kc = static_cast<const C*>(kv_cache.data_ptr());
   p.bt = block_table.data_ptr<int32_t>();
   p.lens = seq_lens.data_ptr<int32_t>();
   p.qsl = query_start_loc.data_ptr<int32_t>();
@@ -231,7 +265,9 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
   p.tok_stride = kv_cache.size(3) * p.head_size;
   p.cache_half = kv_cache.size(1) * p.block_size * p.tok_stride;
   p.sliding_window = sliding_window;
-  p.scale = static_cast<float>(scale);
+  // Scores of unscaled fp8 keys times k_scale; outputs of unscaled values times v_scale.
+  p.scale = static_cast<float>(scale) * k_scale;
+  p.v_scale = v_scale;
 
   const int64_t num_reqs = seq_lens.size(0), num_kv_heads = kv_cache.size(3);
   int64_t num_tiles = 0;
@@ -250,7 +286,7 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
     }
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
-  const ItemFns<T> fns = pick_item_fns<T>(p.head_size);
+  const ItemFns<T, C> fns = pick_item_fns<T, C>(p.head_size);
   SharedPrefix shared;
   std::vector<Item> shared_items;
   if (fns.shared != nullptr) shared.keys = shared_prefix_keys(p, num_reqs, query.size(0));
@@ -320,9 +356,11 @@ void check_inputs(const at::Tensor& out, const at::Tensor& query, const at::Tens
               "kv_cache must be a contiguous [2, NB, BS, KVH, D] tensor");
   TORCH_CHECK(kv_cache.size(4) == query.size(2), "head_size mismatch");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "num_heads % num_kv_heads != 0");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(),
-              "query, out and kv_cache must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype");
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() ||
+                  kv_cache.scalar_type() == at::kFloat8_e4m3fn ||
+                  kv_cache.scalar_type() == at::kFloat8_e5m2,
+              "kv_cache must have the query's dtype or be float8_e4m3fn / float8_e5m2");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
               "block_table must be int32 with contiguous rows");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
@@ -345,6 +383,49 @@ void check_kv(const at::Tensor& query, const at::Tensor& key, const at::Tensor& 
               "slot_mapping must be contiguous int64 [T]");
 }
 
+// Write (when given) and attend with query dtype T and cache dtype C.
+template <typename T, typename C>
+void write_and_attend(const at::Tensor& out, const at::Tensor& query,
+                      const std::optional<at::Tensor>& key,
+                      const std::optional<at::Tensor>& value, const at::Tensor& kv_cache,
+                      const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                      double scale, int64_t sliding_window, int64_t q_tile, float k_scale,
+                      float v_scale) {
+  if (key.has_value())
+    write_cache<T, C>(*key, *value, kv_cache, slot_mapping, k_scale, v_scale);
+  attend<T, C>(out, query, kv_cache, block_table, seq_lens, query_start_loc, scale,
+               sliding_window, q_tile, k_scale, v_scale);
+}
+
+// The cache dtype of query dtype T: T itself (scales unused) or fp8.
+template <typename T>
+void dispatch_cache(const at::Tensor& out, const at::Tensor& query,
+                    const std::optional<at::Tensor>& key,
+                    const std::optional<at::Tensor>& value, const at::Tensor& kv_cache,
+                    const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                    double scale, int64_t sliding_window, int64_t q_tile, double k_scale,
+                    double v_scale) {
+  const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return write_and_attend<T, c10::Float8_e4m3fn>(out, query, key, value, kv_cache,
+                                                     slot_mapping, block_table, seq_lens,
+                                                     query_start_loc, scale, sliding_window,
+                                                     q_tile, ks, vs);
+    case at::kFloat8_e5m2:
+      return write_and_attend<T, c10::Float8_e5m2>(out, query, key, value, kv_cache,
+                                                   slot_mapping, block_table, seq_lens,
+                                                   query_start_loc, scale, sliding_window,
+                                                   q_tile, ks, vs);
+    default:
+      return write_and_attend<T, T>(out, query, key, value, kv_cache, slot_mapping,
+                                    block_table, seq_lens, query_start_loc, scale,
+                                    sliding_window, q_tile, 1.0f, 1.0f);
+  }
+}
+
 // out [T, H, D] <- attention of query [T, H, D] over each request's paged context, after
 // writing key/value [T, KVH, D] (when given) into kv_cache at slot_mapping.
 void paged_attention(const at::Tensor& out, const at::Tensor& query,
@@ -352,24 +433,26 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query,
                      const std::optional<at::Tensor>& value, const at::Tensor& kv_cache,
                      const at::Tensor& slot_mapping, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     double scale, int64_t sliding_window, int64_t q_tile) {
+                     double scale, int64_t sliding_window, int64_t q_tile, double k_scale,
+                     double v_scale) {
   check_inputs(out, query, kv_cache, block_table, seq_lens, query_start_loc);
   TORCH_CHECK(q_tile >= 1, "q_tile must be >= 1");
+  TORCH_CHECK(k_scale > 0 && v_scale > 0, "k_scale and v_scale must be > 0");
   TORCH_CHECK(key.has_value() == value.has_value(), "key and value come together");
   if (key.has_value()) check_kv(query, *key, *value, slot_mapping);
   switch (query.scalar_type()) {
     case at::kFloat:
-      if (key.has_value()) write_cache<float>(*key, *value, kv_cache, slot_mapping);
-      return attend<float>(out, query, kv_cache, block_table, seq_lens, query_start_loc,
-                           scale, sliding_window, q_tile);
+      return dispatch_cache<float>(out, query, key, value, kv_cache, slot_mapping,
+                                   block_table, seq_lens, query_start_loc, scale,
+                                   sliding_window, q_tile, k_scale, v_scale);
     case at::kBFloat16:
-      if (key.has_value()) write_cache<c10::BFloat16>(*key, *value, kv_cache, slot_mapping);
-      return attend<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens,
-                                   query_start_loc, scale, sliding_window, q_tile);
+      return dispatch_cache<c10::BFloat16>(out, query, key, value, kv_cache, slot_mapping,
+                                           block_table, seq_lens, query_start_loc, scale,
+                                           sliding_window, q_tile, k_scale, v_scale);
     case at::kHalf:
-      if (key.has_value()) write_cache<c10::Half>(*key, *value, kv_cache, slot_mapping);
-      return attend<c10::Half>(out, query, kv_cache, block_table, seq_lens, query_start_loc,
-                               scale, sliding_window, q_tile);
+      return dispatch_cache<c10::Half>(out, query, key, value, kv_cache, slot_mapping,
+                                       block_table, seq_lens, query_start_loc, scale,
+                                       sliding_window, q_tile, k_scale, v_scale);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
   }
@@ -381,7 +464,8 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor? key, Tensor? value, "
       "Tensor(b!) kv_cache, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, float scale, int sliding_window, int q_tile) -> ()");
+      "Tensor query_start_loc, float scale, int sliding_window, int q_tile, "
+      "float k_scale=1.0, float v_scale=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("paged_attention", &pagedllm_ops::paged_attention); }

@@ -79,15 +79,19 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps, doubl
 }
 
 // x [T, hidden]: the embedded tokens in, the residual stream after the last layer out
-// (updated in place; the final norm is the caller's).
+// (updated in place; the final norm is the caller's). kv_scales: (k_scale, v_scale) per
+// layer, used by fp8 caches.
 void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
                           const Weights& weights, at::IntArrayRef sliding_windows,
                           const at::Tensor& slot_mapping, const at::Tensor& block_table,
                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                           const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_size, int64_t rotary_dim,
-                          bool is_neox, double scale, double eps, double norm_offset) {
+                          bool is_neox, double scale, double eps, double norm_offset,
+                          at::ArrayRef<double> kv_scales) {
   const int64_t num_layers = static_cast<int64_t>(sliding_windows.size());
+  TORCH_CHECK(static_cast<int64_t>(kv_scales.size()) == 2 * num_layers,
+              "llama_decoder_layers: expected a (k_scale, v_scale) pair per layer");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
               "llama_decoder_layers: expected ", kWeightsPerLayer, " weights per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "llama_decoder_layers: x is [T, hidden]");
@@ -106,7 +110,8 @@ void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
     paged_attention(attn, q.view({tokens, num_heads, head_size}),
                     k.view({tokens, num_kv_heads, head_size}),
                     v.view({tokens, num_kv_heads, head_size}), w(kKvCache), slot_mapping,
-                    block_table, seq_lens, query_start_loc, scale, sliding_windows[layer], 16);
+                    block_table, seq_lens, query_start_loc, scale, sliding_windows[layer], 16,
+                    kv_scales[2 * layer], kv_scales[2 * layer + 1]);
     add_linear(x, attn.view({tokens, q_size}), weights, base + kO);
     // MLP block: x += down(silu(gate) * up), by row chunks on long prefills so the
     // [rows, 2 * intermediate] activations stay in cache between the GEMMs and the
@@ -131,7 +136,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       "int[] sliding_windows, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
       "int head_size, int rotary_dim, bool is_neox, float scale, float eps, "
-      "float norm_offset) -> ()");
+      "float norm_offset, float[] kv_scales) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {

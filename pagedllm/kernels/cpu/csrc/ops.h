@@ -24,6 +24,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query,
                      const std::optional<at::Tensor>& value, const at::Tensor& kv_cache,
                      const at::Tensor& slot_mapping, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     double scale, int64_t sliding_window, int64_t q_tile);
+                     double scale, int64_t sliding_window, int64_t q_tile,
+                     double k_scale = 1.0, double v_scale = 1.0);
 
 }  // namespace pagedllm_ops

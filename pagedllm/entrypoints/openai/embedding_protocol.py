@@ -1,0 +1,45 @@
+"""Pydantic models of POST /v1/embeddings (OpenAI's fields, vLLM's extras)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, StrictInt, StrictStr
+
+from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel
+
+
+class EmbeddingRequest(RequestModel):
+    """OpenAI's embeddings body. Each input is embedded as its own engine request."""
+
+    model: str | None = None
+    # Text, texts, token ids, or lists of token ids (strict: no coercion of 1 <-> "1").
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    # Matryoshka truncation: refused unless None (the handler says so).
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM extras
+    add_special_tokens: bool = True
+    normalize: bool = True
+    priority: int = 0
+    timeout: float | None = Field(default=None, gt=0)
+
+
+class EmbeddingData(OpenAIBaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    # Floats, or base64 of their little-endian float32 bytes.
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage

@@ -1,0 +1,45 @@
+"""Pooler: the embedding of each embedding request, from a step's final hidden states.
+
+An embedding request is scheduled with its whole prompt in one step (core/scheduler.py),
+so the step's hidden states hold every position the pooling reads: the last prompt
+token ("last"), or all of them ("mean": such a request takes no prefix-cache hits, so
+its step starts at position 0). Kept apart from model_runner.py like prompt_logprobs.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.worker.input_batch import InputBatch
+
+
+def pool_hidden_states(hidden: torch.Tensor, batch: InputBatch, req_ids: list[str],
+                       rows: np.ndarray, query_start_loc: np.ndarray,
+                       ) -> dict[str, list[float]] | None:
+    """req_id -> pooled vector (float32, L2-normalized when asked) of each embedding
+    request of the step; None when the step has none.
+
+    `hidden` is [num_tokens, hidden_size] after the model's final norm, flattened in
+    `req_ids` order: request i's tokens are hidden[query_start_loc[i]:query_start_loc[i+1]].
+    Each vector is pooled and normalized on its own (no batched reduction), so it does
+    not depend on what else the step holds. Loops over the embedding requests only.
+    """
+    pooled_idx = np.nonzero(batch.is_pooling[rows])[0]
+    if len(pooled_idx) == 0:
+        return None
+    vectors = []
+    for i in pooled_idx.tolist():
+        params = batch.pooling_params[req_ids[i]]
+        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        if params.pooling_type == "mean":
+            # Every prompt position must be in this step (no cache hits for it).
+            assert batch.num_computed_tokens[rows[i]] == 0, req_ids[i]
+            vec = hidden[start:end].float().mean(dim=0)  # [H]
+        else:
+            vec = hidden[end - 1].float()  # [H]: the last prompt token
+        if params.normalize:
+            vec = torch.nn.functional.normalize(vec, p=2.0, dim=0)
+        vectors.append(vec)
+    values = torch.stack(vectors).cpu().tolist()  # one host sync for the step
+    return {req_ids[i]: v for i, v in zip(pooled_idx.tolist(), values)}
