@@ -198,6 +198,29 @@ def test_chat(server, client):
     assert r2.usage.completion_tokens == 2 and r2.choices[0].finish_reason == "length"
 
 
+def test_chat_echo_prepends_the_continued_assistant_message(client):
+    # vLLM's chat `echo`: the reply repeats the assistant message it continues.
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    kw = dict(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
+    plain = client.chat.completions.create(
+        **kw, extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    echoed = client.chat.completions.create(
+        **kw, extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                          "echo": True})
+    continuation = plain.choices[0].message.content
+    assert echoed.choices[0].message.content == "The capital of France is" + continuation
+    stream = client.chat.completions.create(
+        **kw, stream=True, extra_body={"continue_final_message": True,
+                                       "add_generation_prompt": False, "echo": True})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == echoed.choices[0].message.content
+    # The last message is the user's: nothing to echo.
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages[:1], max_tokens=4,
+                                       temperature=0, extra_body={"echo": True})
+    assert not r.choices[0].message.content.startswith("What is")
+
+
 def test_chat_stream_n2_logprobs(client):
     messages = [{"role": "user", "content": "Say hello."}]
     stream = client.chat.completions.create(

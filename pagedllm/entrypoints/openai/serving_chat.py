@@ -94,10 +94,13 @@ class OpenAIServingChat(OpenAIServing):
             self.abort_all(request_id, 1)  # no-op unless cancelled
         assert final is not None
         choices = []
+        echo = _echo_text(request)
         for out in sorted(final.outputs, key=lambda o: o.index):
             logprobs = (self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
                         if request.logprobs else None)
             message, finish_reason = self._message(out, plan.new_reader())
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
                 index=out.index, message=message, logprobs=logprobs,
                 finish_reason=finish_reason, stop_reason=out.stop_reason))
@@ -204,9 +207,12 @@ class OpenAIServingChat(OpenAIServing):
 
         try:
             # OpenAI's first chunk per choice carries the role.
+            echo = _echo_text(request)
             for i in range(request.n):
                 yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                          content="")))
+                if echo:
+                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)))
             async for _, ro in merge_streams(streams):
                 num_prompt_tokens = len(ro.prompt_token_ids)
                 for out in ro.outputs:
@@ -255,3 +261,16 @@ class OpenAIServingChat(OpenAIServing):
         return (DeltaMessage(content=parsed.content or None,
                              tool_calls=stream_tool_calls(parsed.tool_calls) or None),
                 finish_reason)
+
+
+def _echo_text(request: ChatCompletionRequest) -> str:
+    """What `echo` (vLLM's chat extra) puts before each reply: the last message's text
+    when it is the assistant's own (a reply continuing it, as with
+    continue_final_message), else nothing."""
+    if not request.echo or not request.messages or request.messages[-1].role != "assistant":
+        return ""
+    content = request.messages[-1].content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content
+                       if part.get("type") == "text")
+    return content or ""
