@@ -113,15 +113,22 @@ class KVCacheManager:
         if not self.enable_caching or request.num_tokens == 0:
             return empty, 0
         block_hashes = update_block_hashes(request, self.block_size)
-        max_num_blocks = min((request.num_tokens - 1) // self.block_size, len(block_hashes))
-        # cached[g][i]: block i of group g, or None.
-        cached = [[self.block_pool.get_cached_block(group_block_hash(h, g))
-                   for h in block_hashes[:max_num_blocks]] for g in range(self.num_groups)]
-        num_hit = max_num_blocks
+        num_hit = min((request.num_tokens - 1) // self.block_size, len(block_hashes))
+        # cached[g][i]: block i of group g. A full group's run stops at its first miss
+        # (the waiting head is looked up again every step while it does not fit).
+        cached: list[list[KVCacheBlock | None]] = [[] for _ in self.group_windows]
         for g, window in enumerate(self.group_windows):
-            if window is None:  # a full prefix
-                num_hit = min(num_hit, next((i for i, b in enumerate(cached[g]) if b is None),
-                                            num_hit))
+            if window is None:
+                for h in block_hashes[:num_hit]:
+                    block = self.block_pool.get_cached_block(group_block_hash(h, g))
+                    if block is None:
+                        break
+                    cached[g].append(block)
+                num_hit = len(cached[g])
+        for g, window in enumerate(self.group_windows):
+            if window is not None:
+                cached[g] = [self.block_pool.get_cached_block(group_block_hash(h, g))
+                             for h in block_hashes[:num_hit]]
         while num_hit > 0 and not all(
                 self._window_hit(cached[g], num_hit, w)
                 for g, w in enumerate(self.group_windows) if w is not None):

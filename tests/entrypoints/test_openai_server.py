@@ -29,8 +29,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
-                         timeout=120)
+    return server.openai_client()
 
 
 def num_tokens(server: RemoteServer, text: str) -> int:

@@ -11,7 +11,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import ValidationError
 
@@ -349,8 +348,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
-                         timeout=120)
+    return server.openai_client()
 
 
 def chat(client, **kwargs):

@@ -74,6 +74,13 @@ class RemoteServer:
     def stats(self) -> dict:
         return httpx.get(self.url + "/debug/stats", headers=self.headers, timeout=10).json()
 
+    def openai_client(self):
+        """The official `openai` client for this server (no retries: a failure shows)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none",
+                             max_retries=0, timeout=120)
+
     def stop(self) -> None:
         """Stop the server and delete its log (idempotent)."""
         if self.log.closed:
