@@ -7,6 +7,7 @@ this module sits below loader/. This is the only module that reads environment v
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import os
 from dataclasses import dataclass, field
@@ -77,6 +78,10 @@ def env_cpu_kernels_mode() -> str:
     return mode
 
 
+# Weight quantization methods a ModelConfig accepts (None: plain weights in `dtype`).
+QUANTIZATION_METHODS = (None, "gguf")
+
+
 @dataclass
 class ModelConfig:
     """What model to run and how its tensors are typed."""
@@ -93,6 +98,23 @@ class ModelConfig:
     """Tokenizer path when it differs from the model path."""
     seed: int = 0
     """Seed for weight-independent randomness (sampling of unseeded requests)."""
+    is_encoder_only: bool = False
+    """An encoder (BERT): bidirectional attention over each prompt, no KV cache, no
+    prefix caching, embeddings only (no generation). Set from the architecture."""
+    default_pooling_type: str = "last"
+    """The pooling of an embedding request that names none: the model directory's
+    sentence-transformers Pooling config, else "mean" for encoders, "last" otherwise."""
+    quantization: str | None = None
+    """"gguf": run a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K weights as stored, via the native
+    quantized GEMM (CPU; other tensor types are dequantized); None: dequantize every
+    weight to `dtype` on load. `dtype` names the activations either way."""
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, "
+                             f"got {self.quantization!r}")
+        if self.quantization == "gguf" and not self.is_gguf:
+            raise ValueError(f"quantization='gguf' needs a .gguf model, got {self.path!r}")
 
     @property
     def is_gguf(self) -> bool:
@@ -270,6 +292,64 @@ class ParallelConfig:
                                  f"tensor parallel size ({tp}).")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: each decoding step also verifies up to
+    `num_speculative_tokens` proposed tokens in the same forward pass (vLLM's
+    `speculative_config`). Outputs are what decoding without it gives."""
+
+    method: str = "ngram"
+    """"ngram": prompt lookup (the tokens that followed the latest earlier occurrence of
+    the sequence's last n tokens); "draft_model": a smaller model of the same vocabulary
+    (`model`) decodes the proposals greedily."""
+    num_speculative_tokens: int = 4
+    """Tokens proposed per step (k): a step emits between 1 and k + 1 tokens."""
+    prompt_lookup_min: int = 2
+    """ngram: the shortest suffix n-gram that may match."""
+    prompt_lookup_max: int = 4
+    """ngram: the longest suffix n-gram tried (longest first)."""
+    model: str | None = None
+    """draft_model: path of the draft model (HF directory or .gguf)."""
+    draft: ModelConfig | None = field(default=None, repr=False)
+    """draft_model: the draft's resolved config (set by EngineArgs, not by users)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("a draft model (speculative 'model') goes with method "
+                             "'draft_model', and that method needs one")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a decoding request needs beyond the step's tokens: the draft model
+        writes its own K/V for the k positions it proposes in the same step."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
+        """From vLLM's speculative_config dict; a "model" alone implies "draft_model"."""
+        values = dict(values)
+        if "model" in values and "method" not in values:
+            values["method"] = "draft_model"
+        known = {f.name for f in dataclasses.fields(cls)} - {"draft"}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; "
+                             f"valid: {sorted(known)}")
+        return cls(**values)
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine needs, composed from the per-concern configs."""
@@ -279,6 +359,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: DeviceConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
 
     @property
     def kv_cache_dtype(self) -> str:

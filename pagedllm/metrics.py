@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -39,6 +41,8 @@ class SchedulerStatsLike(Protocol):
     num_swapped: int  # requests swapped out to the host pool now
     num_swaps_out: int  # cumulative
     num_swaps_in: int  # cumulative
+    num_draft_tokens: int  # cumulative speculative proposals
+    num_accepted_tokens: int  # cumulative proposals accepted
 
 
 class CoreOutputLike(Protocol):
@@ -57,6 +61,24 @@ class CoreOutputsLike(Protocol):
 
     @property
     def outputs(self) -> Sequence[CoreOutputLike]: ...
+
+
+@dataclass
+class FinishedRequestTimes:
+    """When a finished request passed each stage (time.monotonic; None: never reached)."""
+
+    req_id: str
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+# Finished requests kept for the dashboard's timeline.
+NUM_RECENT_REQUESTS = 256
 
 
 class EngineMetrics:
@@ -91,6 +113,10 @@ class EngineMetrics:
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits",
                                          "Prompt tokens served from the prefix cache.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Tokens proposed by speculative decoding.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Proposed tokens accepted by verification.")
         self.num_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.num_swapped = gauge("num_requests_swapped", "Requests swapped out to host memory.")
@@ -108,6 +134,10 @@ class EngineMetrics:
                                     "Arrival to first scheduled.", _LATENCY_BUCKETS)
         # req_id -> time of its first token.
         self._first_token_time: dict[str, float] = {}
+        # req_id -> time of its first scheduling step (the dashboard's timeline).
+        self._first_scheduled_time: dict[str, float] = {}
+        # The last finished requests, oldest first (one record per request, not per token).
+        self.recent_requests: deque[FinishedRequestTimes] = deque(maxlen=NUM_RECENT_REQUESTS)
         # Previous cumulative values of the core's counters (Prometheus takes increments).
         self._last_stats: SchedulerStatsLike | None = None
         self.stats_log = StatsLog()
@@ -151,7 +181,11 @@ class EngineMetrics:
                 (self.prefix_cache_hits, stats.prefix_cache_hits,
                  last.prefix_cache_hits if last else 0),
                 (self.num_preemptions, stats.num_preemptions,
-                 last.num_preemptions if last else 0)):
+                 last.num_preemptions if last else 0),
+                (self.spec_draft_tokens, stats.num_draft_tokens,
+                 last.num_draft_tokens if last else 0),
+                (self.spec_accepted_tokens, stats.num_accepted_tokens,
+                 last.num_accepted_tokens if last else 0)):
             if now > before:
                 self._labels(metric).inc(now - before)
         self._last_stats = stats
@@ -165,6 +199,7 @@ class EngineMetrics:
             if req is None:
                 continue
             if out.first_scheduled_time is not None:
+                self._first_scheduled_time[out.req_id] = out.first_scheduled_time
                 self._labels(self.queue_time).observe(
                     max(0.0, out.first_scheduled_time - req.arrival_time))
             num_new = len(out.new_token_ids)
@@ -190,9 +225,17 @@ class EngineMetrics:
         self._finish(req, req.status.finish_reason or "abort", time.monotonic(),
                      req.num_output_tokens)
 
+    def stage_times(self, req_id: str) -> tuple[float | None, float | None]:
+        """(first scheduled, first token) times of a live request, None where not yet."""
+        return (self._first_scheduled_time.get(req_id),
+                self._first_token_time.get(req_id))
+
     def _finish(self, req: Request, reason: str, ts: float, num_output_tokens: int) -> None:
         self._labels(self.e2e).observe(max(0.0, ts - req.arrival_time))
         first = self._first_token_time.pop(req.req_id, None)
+        self.recent_requests.append(FinishedRequestTimes(
+            req.req_id, req.arrival_time, self._first_scheduled_time.pop(req.req_id, None),
+            first, ts, reason, req.num_prompt_tokens, num_output_tokens))
         if first is not None and num_output_tokens > 1:
             self._labels(self.tpot).observe((ts - first) / (num_output_tokens - 1))
         self.request_success.labels(model_name=self.model_name,

@@ -4,6 +4,8 @@ Pure Python (core/ imports it and must not pull in torch). A request created wit
 PoolingParams instead of SamplingParams is prefill only: the runner pools the final
 (normed) hidden states of its whole prompt, computed in one step, and the request
 finishes without sampling a token. Field names follow vLLM's `PoolingParams`.
+`pooling_type` None takes the model's default (`ModelConfig.default_pooling_type`), which
+the input processor fills in before the request reaches the scheduler.
 """
 
 from __future__ import annotations
@@ -12,24 +14,26 @@ from dataclasses import dataclass
 
 from pagedllm.errors import InvalidRequestError
 
-POOLING_TYPES = ("last", "mean")
+POOLING_TYPES = ("last", "mean", "cls")
 
 
 @dataclass
 class PoolingParams:
     """Pooling of one embedding request, validated on construction."""
 
-    pooling_type: str = "last"
+    pooling_type: str | None = None
     """"last": the hidden state of the last prompt token (vLLM's default for decoder
     models, which see the whole prompt only there); "mean": the average over every
-    prompt token."""
+    prompt token; "cls": the first prompt token's (BERT's [CLS]); None: the model's
+    default ("last" for decoders, the sentence-transformers Pooling config or "mean"
+    for encoders)."""
     normalize: bool = True
     """L2-normalize the pooled vector."""
     dimensions: int | None = None
     """Matryoshka truncation: not supported (a model must declare it), so only None."""
 
     def __post_init__(self) -> None:
-        if self.pooling_type not in POOLING_TYPES:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise InvalidRequestError(f"pooling_type must be one of {POOLING_TYPES}, got "
                                       f"{self.pooling_type!r}")
         if not isinstance(self.normalize, bool):
@@ -42,6 +46,7 @@ class PoolingParams:
 
     @property
     def needs_all_positions(self) -> bool:
-        """Whether every prompt position must be computed in the pooling step (no
-        prefix-cache hits): mean pooling reads each position's hidden state."""
-        return self.pooling_type == "mean"
+        """Whether the pooling step must compute the prompt from position 0 (no
+        prefix-cache hits): mean pooling reads each position's hidden state, cls the
+        first one's."""
+        return self.pooling_type in ("mean", "cls")

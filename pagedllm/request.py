@@ -115,6 +115,9 @@ class Request:
         self.pooling_params = pooling_params
         # The pooled vector (embedding requests only): [] until the pooling step.
         self.pooler_output: list[float] = []
+        # Speculative decoding: tokens proposed to follow all_token_ids, to be verified
+        # by the next step that schedules this request (never part of its tokens).
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

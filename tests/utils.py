@@ -155,3 +155,30 @@ def tiny_llama_config(**overrides):
               pad_token_id=None)
     kw.update(overrides)
     return LlamaConfig(**kw)
+
+
+# Word pieces of the tiny BERT's tokenizer (save_tiny_bert); BERT's five special tokens
+# first, as in bert-base-uncased's vocab.txt order of [PAD] [UNK] [CLS] [SEP] [MASK].
+TINY_BERT_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz",
+                   *".,!?'", "the", "a", "cat", "dog", "sat", "on", "mat", "man", "is",
+                   "play", "guitar", "paris", "capital", "of", "france", "hello", "world",
+                   "##s", "##ing", "##ed", "##er", "##ly"]
+
+
+def save_tiny_bert(path: Path, seed: int = 0, **overrides) -> Path:
+    """A random `transformers` BertModel (pooler included, as real checkpoints) and a
+    WordPiece tokenizer over TINY_BERT_VOCAB, saved as an HF directory (float32)."""
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    kw = dict(vocab_size=len(TINY_BERT_VOCAB) + 8, hidden_size=64, num_hidden_layers=2,
+              num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
+              type_vocab_size=2, hidden_act="gelu", layer_norm_eps=1e-12)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = BertModel(BertConfig(**kw))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(path)
+    BertTokenizer(vocab={w: i for i, w in enumerate(TINY_BERT_VOCAB)}).save_pretrained(path)
+    return path

@@ -165,3 +165,27 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+def spec_decode_stats(config: Any, scheduler: Any, before: tuple[int, int] = (0, 0),
+                      ) -> dict[str, Any]:
+    """Speculative decoding counters since `before` (num_draft_tokens,
+    num_accepted_tokens); {} without speculative decoding."""
+    if config.speculative is None:
+        return {}
+    drafts = scheduler.num_draft_tokens - before[0]
+    accepted = scheduler.num_accepted_tokens - before[1]
+    return {"speculative_method": config.speculative.method,
+            "num_speculative_tokens": config.speculative.num_speculative_tokens,
+            "num_draft_tokens": drafts, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafts if drafts else None}
+
+
+def spec_decode_line(r: dict[str, Any]) -> list[str]:
+    """The summary line of spec_decode_stats' figures ([] without them)."""
+    if "num_draft_tokens" not in r:
+        return []
+    rate = r["acceptance_rate"]
+    return [f"speculative:          {r['speculative_method']} k={r['num_speculative_tokens']}"
+            f", {r['num_accepted_tokens']}/{r['num_draft_tokens']} proposals accepted"
+            f" ({'-' if rate is None else f'{rate:.1%}'})"]

@@ -18,7 +18,7 @@ import psutil
 
 from pagedllm.bench.common import (BenchRequest, add_engine_bench_args, add_workload_args,
                                    emit, load_dataset, peak_rss_mb, random_requests,
-                                   summarize)
+                                   spec_decode_line, spec_decode_stats, summarize)
 from pagedllm.engine.arg_utils import EngineArgs
 
 
@@ -65,7 +65,11 @@ def run(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
                                    config.model.hf_config.vocab_size, ns.seed)
     ttfts, e2es, decode_rates = [], [], []
     startup_s = None
+    scheduler = engine.engine_core.scheduler
+    spec_before = (0, 0)
     for i in range(ns.num_iters_warmup + ns.num_iters):
+        if i == ns.num_iters_warmup:
+            spec_before = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens)
         request = requests[i % len(requests)]
         ttft, e2e, num_tokens = time_request(engine, f"latency-{i}", request,
                                              not ns.skip_tokenizer_init)
@@ -83,7 +87,8 @@ def run(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
               "input_len": len(requests[0].prompt_token_ids),
               "output_len": requests[0].max_tokens,
               **summarize(ttfts, "ttft_s"), **summarize(decode_rates, "decode_tokens_per_s"),
-              **summarize(e2es, "e2e_s"), "startup_s": startup_s, "peak_rss_mb": peak_rss_mb()}
+              **summarize(e2es, "e2e_s"), "startup_s": startup_s, "peak_rss_mb": peak_rss_mb(),
+              **spec_decode_stats(config, scheduler, spec_before)}
     emit(result, "latency", _summary(result))
     return result
 
@@ -97,4 +102,4 @@ def _summary(r: dict[str, Any]) -> list[str]:
             f"(p90 {r['decode_tokens_per_s_p90']:.1f})",
             f"end to end:         {r['e2e_s']:.3f} s  (p90 {r['e2e_s_p90']:.3f})",
             f"start-up:           {r['startup_s']:.2f} s (process start -> first token)",
-            f"peak RSS:           {r['peak_rss_mb']:.0f} MB"]
+            f"peak RSS:           {r['peak_rss_mb']:.0f} MB", *spec_decode_line(r)]

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from pagedllm.bench.common import (add_engine_bench_args, add_workload_args, emit, result_of,
-                                   workload_from_args)
+                                   spec_decode_line, spec_decode_stats, workload_from_args)
 from pagedllm.engine.arg_utils import EngineArgs
 
 
@@ -50,6 +50,7 @@ def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, A
     scheduler = llm.llm_engine.engine_core.scheduler
     counters = (scheduler.num_preemptions, scheduler.num_swaps_out,
                 scheduler.num_scheduled_tokens_total)
+    spec_before = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens)
     start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -73,7 +74,8 @@ def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, A
              "preemption_mode": config.scheduler.preemption_mode,
              "num_preemptions": num_preemptions, "num_swaps_out": num_swaps_out,
              "num_recomputed_tokens": (None if config.cache.enable_prefix_caching
-                                       else num_scheduled - num_needed)}
+                                       else num_scheduled - num_needed),
+             **spec_decode_stats(config, scheduler, spec_before)}
     del llm, outputs
     gc.collect()
     return result_of("pagedllm", requests, num_output, elapsed, extra)
@@ -109,6 +111,7 @@ def _summary(r: dict[str, Any]) -> list[str]:
         lines.append(f"preemptions:          {r['num_preemptions']} ({r['preemption_mode']}"
                      f", {r['num_swaps_out']} swapped out, recomputed tokens "
                      f"{r['num_recomputed_tokens']})")
+    lines += spec_decode_line(r)
     if "hf_batch_size" in r:
         lines.append(f"hf batch size:        {r['hf_batch_size']}")
     if "hf" in r:

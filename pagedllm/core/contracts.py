@@ -87,6 +87,9 @@ class SchedulerOutput:
     # after every swap-out of the step (a device block freed by a swap-out of this step
     # may be the destination of a swap-in).
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: req_id -> the proposed tokens this step verifies after the
+    # request's last token (its num_scheduled_tokens count them: 1 + len(drafts)).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -110,6 +113,9 @@ class ModelRunnerOutput:
     # req_id -> pooled (float32, normalized when asked) hidden states of the embedding
     # requests of the step (None when there are none).
     pooler_output: dict[str, list[float]] | None = None
+    # Speculative decoding: req_id -> tokens proposed to follow what it has now (verified
+    # by the next step that schedules it); None when nothing was proposed.
+    spec_token_ids: dict[str, list[int]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -150,7 +150,8 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: GroupBlocks | None = None,
-                       num_new_computed_tokens: int = 0) -> GroupBlocks | None:
+                       num_new_computed_tokens: int = 0,
+                       num_lookahead_tokens: int = 0) -> GroupBlocks | None:
         """Give the request blocks for `num_new_tokens` more tokens; None if the pool can't.
 
         Layout of the request's tokens after this call:
@@ -166,6 +167,8 @@ class KVCacheManager:
         blocks that become full once this step's tokens are written are registered in
         the prefix cache. Returns, per group, the entries appended (hits excluded; null
         entries included, so block ids line up with positions).
+        `num_lookahead_tokens` more slots are allocated past the new tokens (speculative
+        decoding: a draft model's proposals) but never cached.
         """
         req_id = request.req_id
         held = self.req_to_blocks.get(req_id)
@@ -174,7 +177,7 @@ class KVCacheManager:
         hits = new_computed_blocks or [[] for _ in self.group_windows]
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_after = num_computed + num_new_tokens
-        num_needed = self.num_blocks_needed(num_tokens_after)
+        num_needed = self.num_blocks_needed(num_tokens_after + num_lookahead_tokens)
         skips = [num_skipped_blocks(num_computed, w, self.block_size)
                  for w in self.group_windows]
         for blocks, skip in zip(held, skips):

@@ -39,6 +39,17 @@ KV cache groups (core/kv_groups.py): with sliding-window layers a request holds 
 per group; block ids, allocation and preemption span the groups, and `CachedRequestData`
 carries each group's new blocks.
 
+Speculative decoding: the runner proposes tokens to follow a request
+(`ModelRunnerOutput.spec_token_ids`); the next step that continues the request schedules
+them after its last token (1 + k tokens, k capped by the budget, max_tokens and the
+longest sequence) and lists them in `scheduled_spec_decode_tokens`. The runner emits
+the tokens it accepted plus one of its own, and `update_from_output` takes back the
+K/V of the rejected ones: num_computed_tokens drops by k + 1 - emitted (their slots stay
+allocated and are overwritten next step; blocks are cached only up to num_tokens, so a
+draft never enters the prefix cache). With `num_lookahead_tokens` (a draft model writes
+its own K/V for the tokens it proposes) a step that samples also reserves that many
+slots beyond its tokens.
+
 Deadlines: a request with `deadline` (absolute `time.monotonic()` time) still live at
 the start of a `schedule()` at or after it is finished as FINISHED_TIMEOUT, waiting,
 swapped or running; its blocks are freed at once and `pop_timed_out_requests()` hands it over.
@@ -76,6 +87,8 @@ class _StepState:
     # (device, host) block pairs of this step's swap-outs, (host, device) of swap-ins.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # req_id -> proposed tokens scheduled after the request's last token.
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # A running request could not get its blocks (set by _allocate_or_preempt, not by
     # preemptions that make room for a better waiting request).
     is_short_of_blocks: bool = False
@@ -102,7 +115,8 @@ class Scheduler:
                  num_blocks: int, num_swap_blocks: int = 0,
                  clock: Callable[[], float] = time.monotonic,
                  pipeline_depth: int = 1,
-                 group_windows: Sequence[int | None] = (None,)) -> None:
+                 group_windows: Sequence[int | None] = (None,),
+                 num_lookahead_tokens: int = 0) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -147,6 +161,11 @@ class Scheduler:
         self.in_flight: set[str] = set()
         self.send_token_ids = pipeline_depth > 1
         self.max_num_seqs_per_step = -(-self.max_num_seqs // pipeline_depth)
+        # Speculative decoding: slots reserved past a sampling step's tokens, and the
+        # proposed / accepted token counts since start-up (acceptance rate).
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # ---------------------------------------------------------------- requests
 
@@ -232,6 +251,7 @@ class Scheduler:
             preempted_req_ids=step.preempted_req_ids,
             blocks_to_swap_out=step.blocks_to_swap_out,
             blocks_to_swap_in=step.blocks_to_swap_in,
+            scheduled_spec_decode_tokens=step.spec_tokens,
         )
         self.finished_req_ids = set()
         # The runner reads num_computed_tokens from the output (values before this step);
@@ -255,9 +275,13 @@ class Scheduler:
             if num_new_tokens <= 0 or request.req_id in self.in_flight:
                 req_index += 1
                 continue
+            spec_token_ids = self._spec_tokens_to_schedule(request, step)
+            num_new_tokens += len(spec_token_ids)
             new_blocks = self._allocate_or_preempt(request, req_index, num_new_tokens, step)
             if new_blocks is None:
                 break  # the request preempted itself: nothing after it is left
+            if spec_token_ids:
+                step.spec_tokens[request.req_id] = spec_token_ids
             new_token_ids = []
             if self.send_token_ids:
                 # The runner holds the prompt and every token up to what was computed.
@@ -281,8 +305,11 @@ class Scheduler:
         not in flight, so a victim always exists. Returns None when `request` itself had
         to be preempted.
         """
+        num_lookahead = self._num_lookahead(request, request.num_computed_tokens,
+                                            num_new_tokens)
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=num_lookahead)
             if new_blocks is not None:
                 return new_blocks
             step.is_short_of_blocks = True
@@ -291,6 +318,30 @@ class Scheduler:
             self._preempt(victim, step)
             if victim is request:
                 return None
+
+    def _spec_tokens_to_schedule(self, request: Request, step: _StepState) -> list[int]:
+        """The request's proposed tokens this step verifies (consumed either way): only
+        when decoding (one token left to compute), capped so the budget holds them and
+        the tokens it may emit (k + 1) stay within max_tokens and the longest sequence."""
+        spec, request.spec_token_ids = request.spec_token_ids, []
+        if not spec or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        num_spec = min(len(spec), step.token_budget - 1,
+                       self.max_num_tokens - request.num_tokens - 1)
+        if request.max_tokens is not None:
+            num_spec = min(num_spec, request.max_tokens - request.num_output_tokens - 1)
+        return spec[:max(num_spec, 0)]
+
+    def _num_lookahead(self, request: Request, num_computed_tokens: int,
+                       num_new_tokens: int) -> int:
+        """Slots to reserve past this step's tokens: num_lookahead_tokens when the step
+        samples for the request (its tokens are all computed after it), within the
+        longest sequence; 0 otherwise."""
+        if (not self.num_lookahead_tokens or request.is_pooling
+                or num_computed_tokens + num_new_tokens < request.num_tokens):
+            return 0
+        room = self.max_num_tokens - (num_computed_tokens + num_new_tokens)
+        return max(0, min(self.num_lookahead_tokens, room))
 
     def _last_preemptible(self, start: int = 0) -> int:
         """Index of the last request of running[start:] not in flight (-1: none)."""
@@ -320,6 +371,7 @@ class Scheduler:
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
             self.waiting.prepend(request)
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         step.preempted_req_ids.add(request.req_id)
@@ -373,7 +425,8 @@ class Scheduler:
         if num_new_tokens == 0:
             return False
         new_blocks = self.kv_cache_manager.allocate_slots(
-            request, num_new_tokens, computed_blocks, num_computed_tokens)
+            request, num_new_tokens, computed_blocks, num_computed_tokens,
+            self._num_lookahead(request, num_computed_tokens, num_new_tokens))
         if new_blocks is None:
             return False
         request.num_computed_tokens = num_computed_tokens
@@ -486,11 +539,20 @@ class Scheduler:
         self._record_prompt_logprobs(model_runner_output)
         self._finish_pooled(model_runner_output, updated, finished)
         all_logprobs = model_runner_output.logprobs
+        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         for i, (req_id, token_ids) in enumerate(zip(model_runner_output.req_ids,
                                                     model_runner_output.sampled_token_ids)):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING or not token_ids:
                 continue  # unknown/aborted, or a partial prefill that sampled nothing
+            if req_id in spec_scheduled:
+                # The runner emitted the accepted drafts plus one token of its own: the
+                # K/V written for the rejected drafts is not the sequence's.
+                num_drafts = len(spec_scheduled[req_id])
+                num_accepted = len(token_ids) - 1
+                request.num_computed_tokens -= num_drafts - num_accepted
+                self.num_draft_tokens += num_drafts
+                self.num_accepted_tokens += num_accepted
             logprobs = all_logprobs[i] if all_logprobs is not None else None
             for j, token_id in enumerate(token_ids):
                 request.append_output_token_ids([token_id])
@@ -502,6 +564,10 @@ class Scheduler:
             if request.is_finished:
                 finished.add(req_id)
                 self._free_request(request)
+        for req_id, spec in (model_runner_output.spec_token_ids or {}).items():
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = spec
         if finished:
             self.running = [r for r in self.running if r.req_id not in finished]
         return updated

@@ -55,15 +55,18 @@ class SwapSpace:
     def swap_out(self, kv: KVCacheManager, request: Request) -> list[tuple[int, int]]:
         """Move a running request's K/V to host blocks; returns (device, host) id pairs.
 
-        The request holds exactly the blocks of its computed tokens (it is not scheduled
-        in this step), so cdiv(num_computed_tokens, block_size) entries per group cross,
-        the last one possibly partial (null entries need no copy). Its device references
-        are dropped afterwards, tail first.
+        The blocks of its computed tokens cross: cdiv(num_computed_tokens, block_size)
+        entries per group, the last one possibly partial (null entries need no copy).
+        Blocks past them (speculative decoding: slots of rejected proposals, lookahead)
+        hold nothing of the sequence and are not copied. Its device references are
+        dropped afterwards, tail first.
         """
-        groups = kv.req_to_blocks[request.req_id]
         num_needed = kv.num_blocks_needed(request.num_computed_tokens)
-        assert all(len(blocks) == num_needed for blocks in groups), request
-        fresh = iter(self.host_pool.get_new_blocks(kv.num_held_blocks(request.req_id)))
+        held = kv.req_to_blocks[request.req_id]
+        assert all(len(blocks) >= num_needed for blocks in held), request
+        groups = [blocks[:num_needed] for blocks in held]
+        num_copies = sum(1 for blocks in groups for b in blocks if not b.is_null)
+        fresh = iter(self.host_pool.get_new_blocks(num_copies))
         host_groups = [[None if b.is_null else next(fresh) for b in blocks]
                        for blocks in groups]
         self.req_to_host_blocks[request.req_id] = host_groups

@@ -9,6 +9,7 @@ lives here, above loader/ and below the entry points (as vLLM's engine/arg_utils
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,14 +17,17 @@ from typing import Any
 from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES,
                              PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig,
                              DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, cache_root, default_model_path,
+                             SchedulerConfig, SpeculativeConfig, cache_root, default_model_path,
                              env_kv_cache_space, env_num_threads)
 from pagedllm.errors import ModelLoadError
-from pagedllm.kernels.cpu.features import has_avx512_bf16
+from pagedllm.kernels.cpu.features import has_avx512_bf16, has_avx512_vnni
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_QUANTIZATIONS = ("auto", "gguf", "none")
 # Model types whose positions index a learned table: no sequence may outgrow it.
-_LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt"})
+_LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt", "bert"})
 
 
 def _arg(default: Any, help: str, **kw: Any) -> Any:
@@ -45,6 +49,15 @@ class EngineArgs:
     dtype: str = _arg("auto", "compute dtype: auto (bfloat16 on CPUs with avx512_bf16 and on "
                               "CUDA, float32 otherwise), float32, bfloat16, float16",
                       choices=_DTYPES)
+    quantization: str = _arg("auto", "weights of a .gguf file: gguf (run its Q8_0, Q4_0, "
+                                     "Q4_1, Q4_K blocks as stored through the native quantized "
+                                     "GEMM; other types are dequantized), none (dequantize "
+                                     "every weight to dtype), auto (gguf on CPUs with "
+                                     "AVX512-VNNI, the native kernels, one worker and no "
+                                     "compile; else none)",
+                             choices=_QUANTIZATIONS)
+    dequantize: bool = _arg(False, "dequantize GGUF weights to dtype on load (the same as "
+                                   "quantization=none)")
     max_model_len: int | None = _arg(None, "maximum prompt + output length (default: the "
                                            "model's, capped at 8192)")
     block_size: int = _arg(16, "tokens per KV cache block")
@@ -92,6 +105,12 @@ class EngineArgs:
               "ray (one Ray actor per worker, on any node of a Ray cluster: "
               "pip install pagedllm[ray]); default: uni for one worker, mp for more",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    speculative_config: dict[str, Any] | None = _arg(
+        None, "speculative decoding, as vLLM's: a JSON object such as "
+              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (prompt lookup) or "
+              "'{\"model\": \"/path/draft\", \"num_speculative_tokens\": 4}' (a draft "
+              "model of the same vocabulary); outputs equal those without it")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -109,13 +128,18 @@ class EngineArgs:
         max_model_len = _resolve_max_model_len(self.max_model_len, hf_config)
         model = ModelConfig(path=path, hf_config=hf_config, dtype=dtype,
                             max_model_len=max_model_len, tokenizer=self.tokenizer,
-                            seed=self.seed)
+                            seed=self.seed,
+                            quantization=self._resolve_quantization(path, device, dtype))
+        _set_embedding_traits(model, self.compile)
         space = self.kv_cache_space
         if space is None:
             space = env_kv_cache_space()
         cache = CacheConfig(block_size=self.block_size, kv_cache_space=space,
                             num_kv_blocks=self.num_kv_blocks,
-                            enable_prefix_caching=self.enable_prefix_caching,
+                            # An encoder's prompt is recomputed whole: a bidirectional
+                            # layer needs every position, and it keeps no KV to reuse.
+                            enable_prefix_caching=(self.enable_prefix_caching
+                                                   and not model.is_encoder_only),
                             swap_space=self.swap_space, cache_dtype=self.kv_cache_dtype)
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -130,8 +154,75 @@ class EngineArgs:
             device=device, attention_backend=backend,
             num_threads=_resolve_num_threads(self.num_threads), compile=self.compile,
             compile_cache_dir=str(cache_root() / "inductor"))
+        parallel = self._parallel_config(hf_config, device)
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device_config,
-                            parallel=self._parallel_config(hf_config, device))
+                            parallel=parallel,
+                            speculative=self._speculative_config(parallel, model, device))
+
+    def _speculative_config(self, parallel: ParallelConfig, target: ModelConfig,
+                            device: str) -> SpeculativeConfig | None:
+        if not self.speculative_config:
+            return None
+        if not isinstance(self.speculative_config, dict):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got "
+                             f"{self.speculative_config!r}")
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding with pipeline parallelism is not "
+                             "supported (the stages overlap steps; a step's proposals "
+                             "would arrive a step late)")
+        if self.compile:
+            raise ValueError("speculative decoding with compile=True is not supported")
+        if spec.method == "draft_model" and parallel.world_size > 1:
+            raise ValueError("a draft model with tensor parallelism is not supported yet "
+                             "(prompt lookup, method 'ngram', is)")
+        if spec.model is not None:
+            from pagedllm.loader.hf_config import load_hf_config
+
+            spec.model = self._resolve_path(spec.model)
+            hf_config = load_hf_config(spec.model)
+            if hf_config.vocab_size != target.hf_config.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({hf_config.vocab_size} "
+                                 f"tokens) differs from the model's "
+                                 f"({target.hf_config.vocab_size})")
+            spec.draft = ModelConfig(path=spec.model, hf_config=hf_config,
+                                     dtype=target.dtype, max_model_len=target.max_model_len,
+                                     seed=self.seed,
+                                     quantization=self._resolve_quantization(
+                                         spec.model, device, target.dtype))
+        return spec
+
+    def _resolve_quantization(self, path: str, device: str, dtype: str) -> str | None:
+        """ModelConfig.quantization: "gguf" where asked for or (auto) where it runs."""
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
+        if self.dequantize and self.quantization == "gguf":
+            raise ValueError("dequantize=True contradicts quantization='gguf'")
+        if self.dequantize or self.quantization == "none" or not path.endswith(".gguf"):
+            return "gguf" if self.quantization == "gguf" else None  # ModelConfig checks
+        from pagedllm.kernels.cpu.build import load_cpu_kernels
+
+        why = None
+        if device != "cpu":
+            why = f"the device is {device} (the quantized GEMM is a CPU kernel)"
+        elif self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            why = "tensor or pipeline parallelism (layers are sharded as dense weights)"
+        elif self.compile:
+            why = "compile=True (compiled graphs run dense weights)"
+        elif dtype not in ("bfloat16", "float32"):
+            why = f"dtype {dtype} (the quantized GEMM takes bfloat16 or float32 activations)"
+        elif not load_cpu_kernels():
+            why = "the native CPU kernels are unavailable"
+        if why is not None and self.quantization == "gguf":
+            raise ValueError(f"quantization='gguf' cannot run here: {why}")
+        if why is None and (self.quantization == "gguf" or has_avx512_vnni()):
+            return "gguf"
+        # auto only: without AVX512-VNNI the kernel's portable path is many times slower
+        # than the dequantized bfloat16 one (quantization='gguf' still runs it).
+        why = why or "the CPU lacks AVX512-VNNI (the quantized GEMM would be slow)"
+        logger.info("GGUF weights are dequantized on load (quantization=none): %s", why)
+        return None
 
     def _parallel_config(self, hf_config: Any, device: str) -> ParallelConfig:
         parallel = ParallelConfig(
@@ -150,15 +241,34 @@ class EngineArgs:
     def _resolve_model_path(self) -> str:
         if self.model is None:
             return default_model_path()
-        path = os.path.expanduser(self.model)
+        return self._resolve_path(self.model)
+
+    def _resolve_path(self, model: str) -> str:
+        """A local path (made absolute) or a Hugging Face id (resolved to its snapshot)."""
+        path = os.path.expanduser(model)
         if os.path.exists(path):
             return os.path.abspath(path)
         from pagedllm.loader.hub import looks_like_repo_id, resolve_repo_id
 
-        if looks_like_repo_id(self.model):
-            return resolve_repo_id(self.model, self.revision, self.download_dir)
-        raise ModelLoadError(f"model path does not exist: {self.model!r} (pass an HF model "
+        if looks_like_repo_id(model):
+            return resolve_repo_id(model, self.revision, self.download_dir)
+        raise ModelLoadError(f"model path does not exist: {model!r} (pass an HF model "
                              f"directory, a .gguf file or a Hugging Face id org/name)")
+
+
+def _set_embedding_traits(model: ModelConfig, compile: bool) -> None:
+    """Whether the model is an encoder, and its default pooling (the model directory's
+    sentence-transformers Pooling config, else mean for encoders, last for decoders;
+    vLLM falls back to CLS for BERT instead, sentence-transformers to mean)."""
+    from pagedllm.loader.st_config import load_st_pooling_type
+    from pagedllm.models.registry import is_encoder_only
+
+    model.is_encoder_only = is_encoder_only(model.architecture)
+    if model.is_encoder_only and compile:
+        raise ValueError(f"compile is not supported for the encoder model "
+                         f"{model.architecture} (its attention runs eagerly per request)")
+    fallback = "mean" if model.is_encoder_only else "last"
+    model.default_pooling_type = load_st_pooling_type(model.path) or fallback
 
 
 def _resolve_num_threads(requested: int | None) -> int:

@@ -184,7 +184,8 @@ class AsyncLLM:
         self._drain_local_finishes()
 
     async def call_utility(self, method: str) -> Any:
-        """Run a utility on the core ("get_stats", "reset_prefix_cache", "ping")."""
+        """Run a utility on the core ("get_stats", "reset_prefix_cache", "ping",
+        "kv_snapshot")."""
         self.check_health()
         call_id = self.core_client.call_utility(method)
         future = asyncio.get_running_loop().create_future()

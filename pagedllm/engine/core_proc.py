@@ -98,6 +98,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_swaps_in: int = 0
     """Cumulative swap-ins."""
     num_swapped_blocks: int = 0
+    num_draft_tokens: int = 0
+    """Cumulative tokens proposed by speculative decoding."""
+    num_accepted_tokens: int = 0
+    """Cumulative proposed tokens accepted."""
     """Host blocks held by swapped requests."""
 
 
@@ -138,7 +142,7 @@ CoreOutput = EngineCoreOutputs | EngineReady | EngineDead
 class EngineCoreProc:
     """Runs an EngineCore and serves the sockets until Shutdown or the parent exits."""
 
-    UTILITIES = ("get_stats", "reset_prefix_cache", "ping")
+    UTILITIES = ("get_stats", "reset_prefix_cache", "ping", "kv_snapshot")
 
     def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
                  parent_pid: int) -> None:
@@ -277,7 +281,9 @@ class EngineCoreProc:
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=sched.num_preemptions,
             num_free_blocks=kv.get_num_free_blocks(), num_blocks=self.core.num_blocks,
             num_swapped=sched.num_swapped, num_swaps_out=sched.num_swaps_out,
-            num_swaps_in=sched.num_swaps_in, num_swapped_blocks=sched.num_swapped_blocks)
+            num_swaps_in=sched.num_swaps_in, num_swapped_blocks=sched.num_swapped_blocks,
+            num_draft_tokens=sched.num_draft_tokens,
+            num_accepted_tokens=sched.num_accepted_tokens)
 
     def _utility(self, call: UtilityCall) -> Any:
         if call.method == "get_stats":
@@ -291,6 +297,17 @@ class EngineCoreProc:
             return self.core.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
         if call.method == "ping":
             return "pong"
+        if call.method == "kv_snapshot":
+            # The dashboard's block grid: built only when asked (the front end caches
+            # it and asks a few times a second at most), never in the step loop.
+            from pagedllm.core.kv_snapshot import snapshot_blocks
+
+            sched = self.core.scheduler
+            start = time.perf_counter()
+            snapshot = snapshot_blocks(sched.kv_cache_manager)
+            return {"snapshot": snapshot, "build_s": time.perf_counter() - start,
+                    "progress": {r.req_id: (r.num_computed_tokens, r.num_prompt_tokens)
+                                 for r in sched.running}}
         return RuntimeError(f"unknown utility {call.method!r}")
 
     def _send(self, msg: CoreOutput) -> None:

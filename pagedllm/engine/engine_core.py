@@ -37,7 +37,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
                                    num_swap_blocks=self.num_swap_blocks,
                                    pipeline_depth=self.max_concurrent_batches,
-                                   group_windows=group_windows)
+                                   group_windows=group_windows,
+                                   num_lookahead_tokens=_num_lookahead_tokens(config))
         # (SchedulerOutput, future of its ModelRunnerOutput), oldest first.
         self.batch_queue: deque[tuple[Any, Any]] = deque()
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", self.num_blocks,
@@ -108,3 +109,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _num_lookahead_tokens(config: EngineConfig) -> int:
+    """KV slots a sampling step reserves past its tokens (a draft model's proposals)."""
+    return config.speculative.num_lookahead_tokens if config.speculative else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Union
 
 from pagedllm.config import ModelConfig
@@ -20,6 +21,9 @@ class InputProcessor:
         self.vocab_size = model_config.hf_config.vocab_size
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id_of(tokenizer, model_config.hf_config)
+        self.architecture = model_config.architecture
+        self.is_encoder_only = model_config.is_encoder_only
+        self.default_pooling_type = model_config.default_pooling_type
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids)."""
@@ -52,6 +56,9 @@ class InputProcessor:
         if isinstance(params, PoolingParams):
             text, ids = self.tokenize(prompt)
             self.validate_prompt(ids)
+            if params.pooling_type is None:
+                # A copy: one PoolingParams may be shared by many prompts.
+                params = replace(params, pooling_type=self.default_pooling_type)
             # Placeholder sampling params: nothing samples for an embedding request.
             request = Request(req_id, ids, SamplingParams(max_tokens=1), self.eos_token_id,
                               arrival_time, priority=priority, max_tokens=1,
@@ -60,6 +67,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got "
                                       f"{type(params).__name__}")
+        self.check_generation()
         text, ids = self.tokenize(prompt)
         self.validate_prompt(ids)
         self.validate_params(params)
@@ -68,6 +76,13 @@ class InputProcessor:
         request = Request(req_id, ids, params, self.eos_token_id, arrival_time,
                           priority=priority, max_tokens=max_tokens, deadline=deadline)
         return request, text
+
+    def check_generation(self) -> None:
+        """Encoder-only models embed; they have no LM head to generate with."""
+        if self.is_encoder_only:
+            raise InvalidRequestError(
+                f"this model ({self.architecture}) does not support generation: it is an "
+                f"encoder-only embedding model; use embeddings (LLM.embed, /v1/embeddings)")
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:

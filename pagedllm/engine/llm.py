@@ -71,8 +71,10 @@ class LLM:
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """The embedding of every prompt (strings or {"prompt_token_ids": [...]}), in
-        input order: the model's final hidden states, pooled (default: last token) and
-        L2-normalized. Each prompt runs as one prefill-only request."""
+        input order: the model's final hidden states, pooled (default: the model's,
+        last token for decoders, mean for BERT unless its sentence-transformers config
+        says otherwise) and L2-normalized. Each prompt runs as one prefill-only
+        request."""
         prompts, params = _one_per_prompt(prompts, pooling_params, PoolingParams(),
                                           "pooling params")
         bad = [p for p in params if not isinstance(p, PoolingParams)]

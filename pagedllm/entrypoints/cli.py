@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import typing
 from typing import Any
@@ -45,9 +46,22 @@ def add_dataclass_args(group: Any, cls: type,
         group.add_argument(flag, **kw)
 
 
-def _scalar_type(hint: Any) -> type:
+def _scalar_type(hint: Any) -> Any:
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if typing.get_origin(args[0]) is dict or args[0] is dict:
+        return _json_object
     return args[0]
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag whose value is a JSON object (e.g. --speculative-config)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

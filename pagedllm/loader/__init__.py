@@ -52,16 +52,26 @@ def get_format(name: str) -> WeightFormat:
 
 
 def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype,
-                 load_format: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 load_format: str | None = None, quantization: str | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream `(hf_name, tensor)` pairs of a model, converted to `dtype`.
 
-    `load_format` overrides the format detected from the path. Path and format errors
-    raise here; errors inside the files raise when the stream is consumed.
+    `load_format` overrides the format detected from the path. With quantization "gguf"
+    (GGUF files only) weights the quantized GEMM runs on come as
+    `kernels.cpu.quant.QuantizedWeight`s instead (models dequantize those they cannot
+    use: models/utils.py). Path and format errors raise here; errors inside the files
+    raise when the stream is consumed.
     """
     if not os.path.exists(model_path):
         raise ModelLoadError(f"model path does not exist: {model_path!r}")
-    fmt = get_format(load_format or detect_format(model_path))
-    return fmt.iter_weights(model_path, hf_config, dtype)
+    name = load_format or detect_format(model_path)
+    fmt = get_format(name)
+    if quantization is None:
+        return fmt.iter_weights(model_path, hf_config, dtype)
+    if quantization != "gguf" or not name.startswith("gguf"):
+        raise ModelLoadError(f"quantization {quantization!r} applies to GGUF files only "
+                             f"({model_path!r} is {name})")
+    return fmt.iter_weights(model_path, hf_config, dtype, quantized=True)  # type: ignore[call-arg]
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None) -> Any:

@@ -8,6 +8,10 @@ checkpoint name and converted to the requested dtype. For llama it also undoes t
 permutation that llama.cpp's converter applies (see `_unpermute_rows`); for GPT-2 it
 transposes the projections back to the checkpoint's `Conv1D` layout.
 
+With `quantized` (ModelConfig.quantization "gguf"), 2-D weights of the types the native
+quantized GEMM runs on (Q8_0, Q4_0, Q4_1, Q4_K) are yielded as `QuantizedWeight`s instead: the
+file's block rows, q/k rows un-permuted as bytes (kernels/cpu/quant.py).
+
 Architectures are a per-architecture table (`_ARCHS`): tensor names, the transforms llama.cpp's
 converter applied, and the config attributes transformers' GGUF config parsing leaves out
 (`complete_hf_config`). Adding an architecture means adding a table entry, not control flow.
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.kernels.cpu.quant import NATIVE_QTYPES, QuantizedWeight, block_elems
 
 _QT = gguf.GGMLQuantizationType
 
@@ -56,6 +61,9 @@ class _ArchSpec:
     """Layer tensors (names after `blk.N.`) stored as the transpose of the HF checkpoint's."""
     complete_config: Callable[[gguf.GGUFReader, dict[str, Any]], None] | None = None
     """Fills, in a config dict parsed by transformers, what its GGUF table leaves out."""
+    native_quant: bool = True
+    """Whether the models of this architecture take `QuantizedWeight`s (they load their
+    tensors through `load_stacked_weights` unchanged)."""
 
 
 _LLAMA_GLOBAL = {
@@ -165,7 +173,7 @@ _ARCHS: Mapping[str, _ArchSpec] = {
     "gpt2": _ArchSpec("gpt2", _GPT2_GLOBAL, _GPT2_LAYER, layer_prefix="transformer.h.",
                       transposed=frozenset({"attn_qkv.weight", "attn_output.weight",
                                             "ffn_up.weight", "ffn_down.weight"}),
-                      complete_config=_complete_gpt2_config),
+                      complete_config=_complete_gpt2_config, native_quant=False),
 }
 
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
@@ -222,6 +230,7 @@ class GGUFWeights:
             raise ModelLoadError(f"GGUF architecture {self.arch!r} of {path!r} is not supported "
                                  f"(supported: {', '.join(sorted(_ARCHS))})")
         self.specs = self._plan(spec)
+        self.native_quant = spec.native_quant
 
     def _head_counts(self) -> tuple[int, int]:
         num_heads = _read_field(self.reader, f"{self.arch}.attention.head_count")
@@ -266,10 +275,31 @@ class GGUFWeights:
                                  f"dequantize: {', '.join(unsupported)}")
         return specs
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(hf_name, tensor)` one at a time, in file order, converted to `dtype`."""
+    def iter_weights(self, dtype: torch.dtype, quantized: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Yield `(hf_name, tensor)` one at a time, in file order, converted to `dtype`;
+        with `quantized`, the tensors `is_quantizable` accepts as `QuantizedWeight`s."""
         for spec in self.specs:
-            yield spec.hf_name, self.load(spec, dtype)
+            if quantized and self.is_quantizable(spec):
+                yield spec.hf_name, self.load_quantized(spec)
+            else:
+                yield spec.hf_name, self.load(spec, dtype)
+
+    def is_quantizable(self, spec: TensorSpec) -> bool:
+        """A 2-D weight of a type the quantized GEMM runs on, kept in the file's layout."""
+        t = self.reader.tensors[spec.gguf_index]
+        return (self.native_quant and t.tensor_type.name in NATIVE_QTYPES
+                and len(spec.shape) == 2 and not spec.transpose
+                and spec.shape[1] % block_elems(t.tensor_type.name) == 0)
+
+    def load_quantized(self, spec: TensorSpec) -> QuantizedWeight:
+        """One tensor's blocks as stored (q/k rows un-permuted: blocks never straddle rows)."""
+        t = self.reader.tensors[spec.gguf_index]
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
+        raw = raw.reshape(spec.shape[0], -1)
+        if spec.permute_heads is not None:
+            raw = _unpermute_rows(raw, spec.permute_heads, spec.hf_name).contiguous()
+        return QuantizedWeight(t.tensor_type.name, raw, spec.shape[1])
 
     def load(self, spec: TensorSpec, dtype: torch.dtype) -> torch.Tensor:
         """Dequantize one tensor to its HF layout and `dtype`."""
@@ -340,8 +370,8 @@ def complete_hf_config(path: str, config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype, quantized: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Uncached GGUF stream (the registry's `gguf` format goes through `gguf_cache`)."""
     del hf_config  # the GGUF metadata is authoritative for its own layout
-    yield from GGUFWeights(model_path).iter_weights(dtype)
+    yield from GGUFWeights(model_path).iter_weights(dtype, quantized)

@@ -6,6 +6,9 @@ The first load of a file therefore writes what it produced under
 
     cache_root()/gguf/<key>/
         weights-<dtype>.safetensors   HF-named tensors in the requested dtype
+        weights-gguf-<dtype>.safetensors  the same with quantized weights kept as blocks
+                                      (`quantization="gguf"`: raw uint8 rows, their type
+                                      in the header's metadata; the rest in the dtype)
         config/                       `PretrainedConfig.save_pretrained`
         tokenizer/                    `tokenizer.save_pretrained` (chat template included)
         source.json                   which file the entry was made from (for humans)
@@ -46,6 +49,7 @@ import torch
 
 from pagedllm.config import cache_root
 from pagedllm.errors import ModelLoadError
+from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.loader.gguf import GGUFWeights, complete_hf_config
 from pagedllm.loader.safetensors import iter_safetensors_file
 
@@ -55,7 +59,9 @@ FORMAT_VERSION = 2
 """Bump when the cached layout or the conversion changes; old entries are then ignored."""
 _HASH_BYTES = 1 << 20
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.float64: "F64"}
+              torch.float64: "F64", torch.uint8: "U8"}
+# (name, shape, dtype) of one tensor of a cached weights file.
+_Spec = tuple[str, tuple[int, ...], torch.dtype]
 
 
 def cache_key(path: str) -> str:
@@ -122,12 +128,12 @@ class _StreamingSafetensorsWriter:
     header order. Written to a temporary name; `commit` renames it into place.
     """
 
-    def __init__(self, target: Path, specs: list[tuple[str, tuple[int, ...]]],
-                 dtype: torch.dtype) -> None:
+    def __init__(self, target: Path, specs: list[_Spec],
+                 metadata: dict[str, str] | None = None) -> None:
         self.target = target
         self.tmp = target.with_name(f".tmp-{uuid.uuid4().hex}-{target.name}")
-        self.expected = iter(specs)
-        header = _header(specs, dtype)
+        self.expected = iter((name, shape) for name, shape, _ in specs)
+        header = _header(specs, metadata or {})
         self.file: BinaryIO | None = open(self.tmp, "wb")
         try:
             self.file.write(struct.pack("<Q", len(header)))
@@ -164,13 +170,13 @@ class _StreamingSafetensorsWriter:
             self.tmp.unlink(missing_ok=True)
 
 
-def _header(specs: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> bytes:
-    item_size = torch.empty((), dtype=dtype).element_size()
+def _header(specs: list[_Spec], metadata: dict[str, str]) -> bytes:
     meta: dict[str, Any] = {"__metadata__": {"format": "pt",
-                                             "pagedllm_gguf_cache": str(FORMAT_VERSION)}}
+                                             "pagedllm_gguf_cache": str(FORMAT_VERSION),
+                                             **metadata}}
     offset = 0
-    for name, shape in specs:
-        num_bytes = math.prod(shape) * item_size
+    for name, shape, dtype in specs:
+        num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         meta[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
                       "data_offsets": [offset, offset + num_bytes]}
         offset += num_bytes
@@ -180,28 +186,37 @@ def _header(specs: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> byt
 
 def _convert_and_fill(weights: GGUFWeights, dtype: torch.dtype, target: Path
                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the dequantized tensors, writing each to the cache file before it is yielded.
+    """Yield the dequantized tensors, writing each to the cache file before it is yielded."""
+    stream = ((spec.hf_name, weights.load(spec, dtype)) for spec in weights.specs)
+    yield from _write_through(target, [(s.hf_name, s.shape, dtype) for s in weights.specs],
+                              {}, stream)
+
+
+def _write_through(target: Path, specs: list[_Spec], metadata: dict[str, str],
+                   stream: Iterator[tuple[str, torch.Tensor | QuantizedWeight]],
+                   ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Yield `stream`, writing each tensor (a quantized weight's raw blocks) to the cache
+    file `target` before it is yielded.
 
     The file is published only when the caller consumed the whole stream; an abandoned or
     failed load removes it. A write error disables the cache for this load, not the load.
     """
     writer: _StreamingSafetensorsWriter | None = None
     try:
-        writer = _StreamingSafetensorsWriter(
-            target, [(s.hf_name, s.shape) for s in weights.specs], dtype)
+        writer = _StreamingSafetensorsWriter(target, specs, metadata)
     except OSError as e:
         logger.warning("not caching GGUF weights at %s: %s", target, e)
     try:
-        for spec in weights.specs:
-            tensor = weights.load(spec, dtype)
+        for name, tensor in stream:
             if writer is not None:
                 try:
-                    writer.write(spec.hf_name, tensor)
+                    writer.write(name, tensor.raw if isinstance(tensor, QuantizedWeight)
+                                 else tensor)
                 except OSError as e:
                     logger.warning("not caching GGUF weights at %s: %s", target, e)
                     writer.abort()
                     writer = None
-            yield spec.hf_name, tensor
+            yield name, tensor
         if writer is not None:
             try:
                 writer.commit()
@@ -227,12 +242,73 @@ def _open_cached(target: Path) -> bool:
         return False
 
 
-def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def _quantized_specs(weights: GGUFWeights, dtype: torch.dtype
+                     ) -> tuple[list[_Spec], dict[str, str]]:
+    """The cached file's tensors with `quantized`: raw block rows where the quantized GEMM
+    runs, `dtype` elsewhere; the metadata names each raw tensor's type and row length."""
+    specs: list[_Spec] = []
+    metadata: dict[str, str] = {}
+    for s in weights.specs:
+        t = weights.reader.tensors[s.gguf_index]
+        if weights.is_quantizable(s):
+            specs.append((s.hf_name, (s.shape[0], int(t.n_bytes) // s.shape[0]), torch.uint8))
+            metadata[f"qtype:{s.hf_name}"] = f"{t.tensor_type.name}:{s.shape[1]}"
+        else:
+            specs.append((s.hf_name, s.shape, dtype))
+    return specs, metadata
+
+
+def _convert_quantized(weights: GGUFWeights, dtype: torch.dtype, target: Path
+                       ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The quantized stream, written to `target` on the way (as `_convert_and_fill`)."""
+    yield from _write_through(target, *_quantized_specs(weights, dtype),
+                              weights.iter_weights(dtype, quantized=True))
+
+
+_TORCH_DTYPES = {name: dtype for dtype, name in _ST_DTYPES.items()}
+
+
+def _read_quantized(target: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """A cached quantized stream, tensor by tensor, read into fresh tensors with plain
+    reads (no memory map: mapped pages would count in the process' RSS on top of the
+    copies, ~2x the weights at the peak of a load)."""
+    with open(target, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        metadata = header.pop("__metadata__", {}) or {}
+        start = 8 + header_len
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = info["data_offsets"]
+            tensor = torch.empty(info["shape"], dtype=_TORCH_DTYPES[info["dtype"]])
+            f.seek(start + begin)
+            if f.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != end - begin:
+                raise ModelLoadError(f"truncated GGUF cache file {target}")
+            qtype = metadata.get(f"qtype:{name}")
+            if qtype is None:
+                yield name, tensor
+            else:
+                kind, in_features = qtype.split(":")
+                yield name, QuantizedWeight(kind, tensor, int(in_features))
+
+
+def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype, quantized: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """GGUF weights as `(hf_name, tensor)`: from the cache when present, else converted
-    (and cached on the way)."""
+    (and cached on the way). With `quantized`, weights of the types the quantized GEMM
+    runs on come as `QuantizedWeight`s (kernels/cpu/quant.py), the rest in `dtype`."""
     del hf_config  # the GGUF metadata is authoritative for its own layout
     entry = entry_dir(model_path)
+    if quantized:
+        target = entry / f"weights-gguf-{str(dtype).removeprefix('torch.')}.safetensors"
+        if _open_cached(target):
+            yield from _read_quantized(target)
+            return
+        weights = GGUFWeights(model_path)
+        if not _ensure_entry(entry, model_path):
+            yield from weights.iter_weights(dtype, quantized=True)
+            return
+        yield from _convert_quantized(weights, dtype, target)
+        return
     target = entry / f"weights-{str(dtype).removeprefix('torch.')}.safetensors"
     if dtype in _ST_DTYPES and _open_cached(target):
         yield from iter_safetensors_file(target, dtype)

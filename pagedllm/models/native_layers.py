@@ -9,7 +9,7 @@ layers (tests/models/test_native_layers.py) and the Python layers stay the refer
 
 Applies when every layer is plain Llama: RMSNorm, fused qkv (+ bias), RoPE through the
 native op, the native paged attention (no soft-cap, no ALiBi), fused gate_up with SiLU,
-packed weights (native bfloat16 GEMM or oneDNN), one KV cache group (the stack reads one
+packed weights (native bfloat16 GEMM, GGUF blocks for the quantized GEMM, or oneDNN), one KV cache group (the stack reads one
 block table). Qwen3's q/k norm, Mixtral's experts and models mixing sliding-window and
 full layers (KV cache groups) keep the Python layers.
 """

@@ -21,11 +21,21 @@ _MODELS: dict[str, tuple[str, str]] = {
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
+    # Encoder only (embeddings): sentence-transformers' all-MiniLM-L6-v2 and kin.
+    "BertModel": ("bert", "BertModel"),
 }
+
+# Architectures whose attention is bidirectional over each prompt: they keep no KV
+# cache, take no prefix-cache hits and only embed (they cannot generate).
+_ENCODER_ONLY = frozenset({"BertModel"})
 
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
+
+
+def is_encoder_only(architecture: str) -> bool:
+    return architecture in _ENCODER_ONLY
 
 
 def get_model_class(architecture: str) -> type:

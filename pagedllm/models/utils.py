@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.models.pipeline import missing_prefixes
 
 # (fused param name part, checkpoint name part, shard id) for Llama-like checkpoints.
@@ -30,7 +31,8 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
     shard; `skip` substrings are ignored (e.g. rotary inv_freq buffers, a tied lm_head);
     `rename` maps name prefixes. Weights of parts another pipeline stage holds
     (models/pipeline.py) are skipped. Fails loudly on unexpected names and on
-    parameters left unloaded.
+    parameters left unloaded. GGUF blocks (`QuantizedWeight`, quantization "gguf") go to
+    the parameter's `quant_loader`, or are dequantized to its dtype where it has none.
     """
     params = dict(model.named_parameters())
     elsewhere = missing_prefixes(model)
@@ -52,6 +54,13 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
         if param is None:
             raise ModelLoadError(f"unexpected weight {name!r} in checkpoint "
                                  f"(no parameter {target!r} in {type(model).__name__})")
+        if isinstance(tensor, QuantizedWeight):
+            quant_loader = getattr(param, "quant_loader", None)
+            if quant_loader is not None:
+                quant_loader(param, tensor, shard_id)
+                loaded.add(target)
+                continue
+            tensor = tensor.dequantize(param.dtype)
         loader = getattr(param, "weight_loader", None)
         with torch.no_grad():
             if loader is None:

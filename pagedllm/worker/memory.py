@@ -54,7 +54,7 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype,
 
 def determine_num_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerConfig,
                          dtype: torch.dtype, layout: KVCacheLayout | None = None,
-                         first_layer: int = 0) -> int:
+                         first_layer: int = 0, extra_bytes_per_block: int = 0) -> int:
     """Blocks that fit kv_cache_space (or the num_kv_blocks override), block 0 included.
 
     Never more than every sequence at full length needs (a window group: its window's
@@ -63,7 +63,13 @@ def determine_num_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerC
     """
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    per_block = kv_bytes_per_block(model, cache.block_size, dtype, layout, first_layer)
+    # extra_bytes_per_block: a draft model's K/V in the same blocks (speculative decoding).
+    per_block = (kv_bytes_per_block(model, cache.block_size, dtype, layout, first_layer)
+                 + extra_bytes_per_block)
+    if per_block == 0:
+        # No paged attention layer (an encoder-only model): block ids are the
+        # scheduler's bookkeeping only and cost no memory, so every useful one exists.
+        return _num_useful_blocks(cache, sched, layout)
     fit = int(cache.kv_cache_space * GiB) // per_block
     num_blocks = min(fit, _num_useful_blocks(cache, sched, layout))
     if num_blocks < 2:
@@ -74,7 +80,7 @@ def determine_num_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerC
 
 def determine_num_swap_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerConfig,
                               dtype: torch.dtype, layout: KVCacheLayout | None = None,
-                              first_layer: int = 0) -> int:
+                              first_layer: int = 0, extra_bytes_per_block: int = 0) -> int:
     """Host blocks of swap preemption that fit swap_space, block 0 included (unused, as
     on the device); 0 unless preemption_mode is "swap" or when fewer than 2 fit.
 
@@ -84,7 +90,11 @@ def determine_num_swap_blocks(model: nn.Module, cache: CacheConfig, sched: Sched
     """
     if sched.preemption_mode != "swap":
         return 0
-    per_block = kv_bytes_per_block(model, cache.block_size, dtype, layout, first_layer)
+    # extra_bytes_per_block: a draft model's K/V in the same blocks (speculative decoding).
+    per_block = (kv_bytes_per_block(model, cache.block_size, dtype, layout, first_layer)
+                 + extra_bytes_per_block)
+    if per_block == 0:
+        return 0  # no KV cache, nothing to swap
     fit = int(cache.swap_space * GiB) // per_block
     num_blocks = min(fit, _num_useful_blocks(cache, sched, layout))
     if num_blocks < 2:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import inspect
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.errors import ModelLoadError
 from pagedllm.loader import iter_weights
+from pagedllm.models.layers.linear import finalize_quantized_weights
 from pagedllm.models.registry import get_model_class
 
 
@@ -26,6 +28,32 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _trimming(weights: Iterator[tuple[str, object]], every: int = 4 << 20
+              ) -> Iterator[tuple[str, object]]:
+    """`weights`, returning freed heap memory to the OS every `every` bytes loaded.
+
+    Layers repack GGUF blocks as they arrive (models/layers/linear.py) and free the raw
+    rows: holes of mixed sizes below glibc's mmap threshold, which the heap keeps. On
+    SmolLM2 Q4_1 (93.8 MiB file) that took the load's RSS to +153 MiB, +114 with this.
+    """
+    since = 0
+    for name, tensor in weights:
+        yield name, tensor
+        raw = getattr(tensor, "raw", tensor)  # a QuantizedWeight's bytes
+        since += raw.numel() * raw.element_size()
+        if since >= every:
+            _return_freed_memory()
+            since = 0
 
 
 def load_model(model_config: ModelConfig, attn_backend: str, device: torch.device,
@@ -53,7 +81,14 @@ def load_model(model_config: ModelConfig, attn_backend: str, device: torch.devic
     start = time.perf_counter()
     with torch.device(device), _default_dtype(dtype):
         model = cls(model_config.hf_config, attn_backend, **kwargs)
-    model.load_weights(iter_weights(model_config.path, model_config.hf_config, dtype))
+    weights = iter_weights(model_config.path, model_config.hf_config, dtype,
+                           quantization=model_config.quantization)
+    if model_config.quantization is None:
+        model.load_weights(weights)
+    else:
+        model.load_weights(_trimming(weights))
+        finalize_quantized_weights(model)  # GGUF blocks not repacked yet (mixed types)
+        _return_freed_memory()
     model.eval()
     model.load_time_s = time.perf_counter() - start
     return model

@@ -19,6 +19,7 @@ from pagedllm.kernels.cpu.ops import cpu_ops_available
 from pagedllm.loader import load_tokenizer
 from pagedllm.models.layers.linear import pack_linear_weights
 from pagedllm.sample.logprobs import LogprobsTensors
+from pagedllm.sample.rejection_sampler import accept_drafts
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sample.structured_output import GrammarManager
 from pagedllm.models.pipeline import layer_range
@@ -26,8 +27,10 @@ from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_layout import check_layer_windows, kv_cache_layout
 from pagedllm.worker.invariance import batch_invariance_caveat
 from pagedllm.worker.memory import (allocate_kv_cache, determine_num_blocks,
-                                    determine_num_swap_blocks)
+                                    determine_num_swap_blocks, kv_bytes_per_block)
 from pagedllm.worker.model_loader import load_model
+from pagedllm.worker.draft_proposer import DraftModelProposer
+from pagedllm.worker.ngram_proposer import NgramProposer
 from pagedllm.worker.pooler import pool_hidden_states
 from pagedllm.worker.prompt_logprobs import prompt_logprobs_chunks
 from pagedllm.worker.swap import allocate_host_kv_cache, swap_blocks
@@ -51,6 +54,14 @@ class StepInputs:
     sample_positions: np.ndarray
     # Row (in the input batch) of each request of req_ids.
     rows: np.ndarray
+    # Speculative decoding (None in a step without proposals): per sampling request,
+    # its logits rows (1 + its proposals, consecutive in logits_indices) and its
+    # proposals (None where it has none).
+    num_logits: np.ndarray | None = None
+    drafts: list[list[int] | None] | None = None
+    # Per request of req_ids: tokens computed before this step, and scheduled in it.
+    num_computed: np.ndarray | None = None
+    num_scheduled: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -100,6 +111,7 @@ class ModelRunner:
             logger.info("outputs may differ with batching, chunked prefill and prefix "
                         "caching: %s", caveat)
         self.sampler = Sampler()
+        self.proposer = _make_proposer(config, self.device, self.dtype)
         # Structured output: the tokenizer is loaded on the first grammar request.
         self.grammar = GrammarManager(
             lambda: load_tokenizer(config.model.path, config.model.tokenizer),
@@ -115,9 +127,15 @@ class ModelRunner:
         # swapping).
         self.host_kv_caches: list[torch.Tensor] = []
 
+    def _draft_bytes_per_block(self) -> int:
+        if not isinstance(self.proposer, DraftModelProposer):
+            return 0
+        return kv_bytes_per_block(self.proposer.model, self.block_size, self.kv_cache_dtype)
+
     def determine_num_blocks(self) -> int:
         return determine_num_blocks(self.model, self.config.cache, self.config.scheduler,
-                                    self.kv_cache_dtype, self.kv_layout, self.first_layer)
+                                    self.kv_cache_dtype, self.kv_layout, self.first_layer,
+                                    self._draft_bytes_per_block())
 
     def kv_cache_group_windows(self) -> tuple[int | None, ...]:
         return self.kv_layout.group_windows
@@ -125,13 +143,22 @@ class ModelRunner:
     def determine_num_swap_blocks(self) -> int:
         return determine_num_swap_blocks(self.model, self.config.cache,
                                          self.config.scheduler, self.kv_cache_dtype,
-                                         self.kv_layout, self.first_layer)
+                                         self.kv_layout, self.first_layer,
+                                         self._draft_bytes_per_block())
 
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
         self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size,
                                            self.kv_cache_dtype, self.device, self.kv_layout,
                                            self.first_layer)
         check_layer_windows(self.model, self.kv_layout, self.max_model_len)
+        if isinstance(self.proposer, DraftModelProposer):
+            if self.kv_layout.num_groups > 1:
+                raise ValueError("a draft model needs a target without sliding-window KV "
+                                 "cache groups (it reads the first group's block tables)")
+            # The draft's K/V in the same block ids; swapped with the target's.
+            self.kv_caches += allocate_kv_cache(self.proposer.model, num_blocks,
+                                                self.block_size, self.kv_cache_dtype,
+                                                self.device)
         self.host_kv_caches = allocate_host_kv_cache(self.kv_caches, num_swap_blocks)
         max_blocks_per_req = -(-(self.max_model_len + 1) // self.block_size)
         self.input_batch = InputBatch(self.config.scheduler.max_num_seqs, self.max_model_len,
@@ -158,6 +185,8 @@ class ModelRunner:
                                    sampled_token_ids=[[] for _ in inputs.req_ids])
         if len(inputs.sample_rows):
             self._sample(inputs, hidden, output)
+        if self.proposer is not None:
+            self._propose(inputs, output)
         if self.input_batch.sampling.has_prompt_logprobs():
             output.prompt_logprobs = prompt_logprobs_chunks(
                 self.model, hidden, self.input_batch, inputs.req_ids,
@@ -194,6 +223,9 @@ class ModelRunner:
         ids, logprobs)."""
         # [N, V]; None on TP ranks but 0, which only take part in the logits gather.
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.num_logits is not None:
+            self._sample_verify(inputs, logits, output)
+            return
         sampler_output = None
         pipelined = self.parallel.pp_size > 1
         if self.parallel.is_driver:
@@ -215,6 +247,91 @@ class ModelRunner:
             output.sampled_token_ids[pos] = [tok]
         if sampler_output is not None and sampler_output.logprobs is not None:
             output.logprobs = self._sample_logprobs(inputs, sampler_output.logprobs)
+
+    def _sample_verify(self, inputs: StepInputs, logits: torch.Tensor,
+                       output: ModelRunnerOutput) -> None:
+        """A step with proposals: draw a token at every scored position, emit the
+        accepted proposals plus one draw per request (sample/rejection_sampler.py), and
+        record them as `_sample` does. Not under PP (the config refuses it)."""
+        counts = inputs.num_logits
+        rows = np.repeat(inputs.sample_rows, counts)  # each position samples as its row
+        batch = self.input_batch
+        sampler_output = None
+        if self.parallel.is_driver:
+            md = batch.sampling_metadata(rows)
+            # Seeded rows draw once per position; the draws of positions after a
+            # rejection are given back below, so the generator advances once per token.
+            starts = (np.cumsum(counts) - counts).tolist()
+            saved = {start: md.generators[start].get_state()
+                     for start, count in zip(starts, counts.tolist())
+                     if count > 1 and start in md.generators}
+            sampler_output = self.sampler(logits, md)
+            sampled_t = sampler_output.sampled_token_ids
+        else:
+            sampled_t = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+        sampled = broadcast(sampled_t.contiguous(), self.parallel).cpu().numpy()
+        emitted = accept_drafts(sampled, counts, inputs.drafts)
+        if sampler_output is not None:
+            self._rewind_generators(md.generators, saved, counts, emitted)
+        for j in range(max(len(e) for e in emitted)):
+            sel = [i for i, e in enumerate(emitted) if len(e) > j]
+            batch.append_sampled(inputs.sample_rows[sel],
+                                 np.array([emitted[i][j] for i in sel], dtype=np.int64))
+        for pos, tokens in zip(inputs.sample_positions.tolist(), emitted):
+            output.sampled_token_ids[pos] = tokens
+        if sampler_output is not None and sampler_output.logprobs is not None:
+            per_row = sampler_output.logprobs.tolists(
+                batch.sampling.num_logprobs[rows].tolist())
+            out: list[list[TokenLogprobs]] = [[] for _ in inputs.req_ids]
+            starts = np.cumsum(counts) - counts
+            for pos, start, tokens in zip(inputs.sample_positions.tolist(), starts.tolist(),
+                                          emitted):
+                if per_row[start] is not None:
+                    out[pos] = per_row[start:start + len(tokens)]
+            output.logprobs = out
+
+    def _rewind_generators(self, generators: dict[int, torch.Generator],
+                           saved: dict[int, torch.Tensor], counts: np.ndarray,
+                           emitted: list[list[int]]) -> None:
+        """Leave each seeded, verified request's generator advanced by one draw per
+        emitted token, as plain decoding would (same tokens, whatever was proposed)."""
+        starts = (np.cumsum(counts) - counts).tolist()
+        for i, (start, tokens) in enumerate(zip(starts, emitted)):
+            if start not in saved or len(tokens) == counts[i]:
+                continue
+            gen = generators[start]
+            gen.set_state(saved[start])
+            scratch = torch.empty(self.vocab_size, device=self.device)
+            for _ in tokens:
+                scratch.exponential_(generator=gen)
+
+    def _propose(self, inputs: StepInputs, output: ModelRunnerOutput) -> None:
+        """Speculative decoding: tokens to verify next step for the requests that just
+        sampled (only those whose sampling allows it; see SamplingState.can_speculate).
+        A draft model also catches up on every request of the step."""
+        if not self.parallel.is_driver:
+            return
+        batch = self.input_batch
+        sample_rows, sample_positions = inputs.sample_rows, inputs.sample_positions
+        eligible = batch.sampling.can_speculate(sample_rows)
+        proposals = {}
+        if isinstance(self.proposer, DraftModelProposer):
+            proposing = np.zeros(len(inputs.rows), dtype=bool)
+            proposing[sample_positions[eligible]] = True
+            # Positions that stand: the step's tokens less rejected proposals, plus the
+            # token just emitted (num_tokens, for the requests that sampled).
+            ends = inputs.num_computed + inputs.num_scheduled
+            ends[sample_positions] = batch.num_tokens[sample_rows]
+            drafts = self.proposer.propose(batch, inputs.rows, inputs.num_computed, ends,
+                                           proposing)
+            proposals = {inputs.req_ids[i]: d for i, d in enumerate(drafts) if d}
+        else:
+            for row, pos in zip(sample_rows[eligible].tolist(),
+                                sample_positions[eligible].tolist()):
+                tokens = self.proposer.propose(batch.token_ids[row, :batch.num_tokens[row]])
+                if tokens:
+                    proposals[inputs.req_ids[pos]] = tokens
+        output.spec_token_ids = proposals or None
 
     def _sample_logprobs(self, inputs: StepInputs, lp: LogprobsTensors,
                          ) -> list[list[TokenLogprobs]]:
@@ -260,6 +377,13 @@ class ModelRunner:
         req_of = np.repeat(np.arange(len(req_ids)), num_sched)
         positions = computed[req_of] + (np.arange(total) - query_start_loc[req_of])
         token_rows = rows[req_of]
+        spec = so.scheduled_spec_decode_tokens
+        for req_id, drafts in spec.items():
+            # Proposed tokens follow the request's tokens in its row (not counted in
+            # num_tokens: overwritten by whatever is emitted).
+            row = batch.req_id_to_row[req_id]
+            start = int(batch.num_tokens[row])
+            batch.token_ids[row, start:start + len(drafts)] = drafts
         input_ids = batch.token_ids[token_rows, positions]
         seq_lens = computed + num_sched
         max_seq_len = int(seq_lens.max())
@@ -292,9 +416,37 @@ class ModelRunner:
         if len(tables) > 1:
             md.groups = (md, *(replace(md, block_table=table, slot_mapping=slots)
                                for table, slots in tables[1:]))
+        logits_indices = query_start_loc[1:][samples] - 1
+        num_logits = drafts = None
+        if spec:
+            # A request with k proposals samples at its last k + 1 positions.
+            drafts = [spec.get(req_ids[i]) for i in sample_positions.tolist()]
+            num_logits = np.array([1 + len(d) if d else 1 for d in drafts], dtype=np.int64)
+            first = np.repeat(logits_indices - num_logits + 1, num_logits)
+            offsets = np.arange(int(num_logits.sum())) - np.repeat(
+                np.cumsum(num_logits) - num_logits, num_logits)
+            logits_indices = first + offsets
         return StepInputs(
             input_ids=torch.from_numpy(input_ids).to(dev),
             positions=torch.from_numpy(positions).to(dev),
             attn_metadata=md, req_ids=req_ids,
-            logits_indices=torch.from_numpy(query_start_loc[1:][samples] - 1).to(dev),
-            sample_rows=rows[samples], sample_positions=sample_positions, rows=rows)
+            logits_indices=torch.from_numpy(logits_indices).to(dev),
+            sample_rows=rows[samples], sample_positions=sample_positions, rows=rows,
+            num_logits=num_logits, drafts=drafts, num_computed=computed,
+            num_scheduled=num_sched)
+
+
+def _make_proposer(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                   ) -> NgramProposer | DraftModelProposer | None:
+    """The speculative decoding proposer of the config (None: no speculation)."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max)
+    draft = load_model(spec.draft, config.device.attention_backend, device, dtype)
+    if device.type == "cpu":
+        pack_linear_weights(draft)
+    return DraftModelProposer(draft, spec.num_speculative_tokens, config.cache.block_size,
+                              device)

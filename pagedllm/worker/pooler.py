@@ -2,8 +2,9 @@
 
 An embedding request is scheduled with its whole prompt in one step (core/scheduler.py),
 so the step's hidden states hold every position the pooling reads: the last prompt
-token ("last"), or all of them ("mean": such a request takes no prefix-cache hits, so
-its step starts at position 0). Kept apart from model_runner.py like prompt_logprobs.py.
+token ("last"), the first ("cls"), or all of them ("mean"; cls and mean requests take
+no prefix-cache hits, so their step starts at position 0). Kept apart from
+model_runner.py like prompt_logprobs.py.
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ def pool_hidden_states(hidden: torch.Tensor, batch: InputBatch, req_ids: list[st
     for i in pooled_idx.tolist():
         params = batch.pooling_params[req_ids[i]]
         start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        if params.pooling_type == "mean":
-            # Every prompt position must be in this step (no cache hits for it).
+        if params.pooling_type in ("mean", "cls"):
+            # The step starts at position 0 (no cache hits for it).
             assert batch.num_computed_tokens[rows[i]] == 0, req_ids[i]
+        if params.pooling_type == "mean":
             vec = hidden[start:end].float().mean(dim=0)  # [H]
+        elif params.pooling_type == "cls":
+            vec = hidden[start].float()  # [H]: the first prompt token ([CLS])
         else:
             vec = hidden[end - 1].float()  # [H]: the last prompt token
         if params.normalize:

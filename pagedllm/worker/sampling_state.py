@@ -119,6 +119,21 @@ class SamplingState:
             accept_tokens([self.matchers[r] for r in rows[idx].tolist()],
                           token_ids[idx].tolist())
 
+    def can_speculate(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows)] bool: rows whose next tokens may be proposed and verified in one
+        step. The sampler treats the k + 1 positions of a verified request as copies of
+        one row, so rows whose logits transform depends on the tokens before each
+        position are left out: penalties, bad words, a grammar, and min_tokens bans
+        still ahead."""
+        num_output = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        ok = ((self.presence[rows] == 0) & (self.frequency[rows] == 0)
+              & (self.repetition[rows] == 1) & ~self.has_grammar[rows]
+              & (num_output >= self.min_tokens[rows]))
+        if self.bad_words:
+            ok &= np.fromiter((r not in self.bad_words for r in rows.tolist()), bool,
+                              len(rows))
+        return ok
+
     def has_prompt_logprobs(self) -> bool:
         """True while some live request asked for prompt logprobs."""
         return bool((self.num_prompt_logprobs >= 0).any())

@@ -42,7 +42,7 @@ def test_pooled_request_runs_once_and_finishes(make_scheduler, make_request) -> 
     sched.add_request(make_request("g", list(range(100, 105)), max_tokens=3))
     out, updated = run_pooled_step(sched, {"e": [0.6, 0.8]})
     assert out.num_scheduled_tokens == {"e": 10, "g": 5}
-    assert out.scheduled_new_reqs[0].pooling_params == PoolingParams()
+    assert out.scheduled_new_reqs[0].pooling_params == PoolingParams(pooling_type="last")
     assert out.scheduled_new_reqs[1].pooling_params is None
     emb = next(r for r in updated if r.req_id == "e")
     assert emb.status == RequestStatus.FINISHED_STOPPED
@@ -74,7 +74,7 @@ def test_pooled_prompt_over_the_step_budget_is_rejected(make_scheduler) -> None:
     assert sched.num_waiting == 1
 
 
-@pytest.mark.parametrize("pooling_type,num_cached", [("mean", 0), ("last", 8)])
+@pytest.mark.parametrize("pooling_type,num_cached", [("mean", 0), ("cls", 0), ("last", 8)])
 def test_prefix_hits_only_for_last_pooling(make_scheduler, make_request, pooling_type,
                                            num_cached) -> None:
     sched = make_scheduler(num_blocks=20, block_size=4)

@@ -22,7 +22,8 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.errors import EngineDeadError
 from pagedllm.models.gpt2 import GPT2LMHeadModel
 from pagedllm.models.pipeline import layer_range
-from pagedllm.models.registry import get_model_class, supported_architectures
+from pagedllm.models.registry import (get_model_class, is_encoder_only,
+                                      supported_architectures)
 from pagedllm.worker.model_loader import load_model
 from tests.distributed.helpers import (assert_logprobs_close, generate, token_ids,
                                        worker_processes)
@@ -182,8 +183,11 @@ def test_killed_stage_failsgenerate(model_paths, prompts):
 
 
 def test_every_registered_family_supports_pp():
+    # Encoder-only (embedding) families run on one worker so far: load_model rejects
+    # them under PP by the same missing `supports_pp`.
     unsupported = [arch for arch in supported_architectures()
-                   if not getattr(get_model_class(arch), "supports_pp", False)]
+                   if not is_encoder_only(arch)
+                   and not getattr(get_model_class(arch), "supports_pp", False)]
     assert unsupported == []
 
 

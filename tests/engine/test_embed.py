@@ -43,7 +43,8 @@ def hf_hidden(tiny_llama, prompts):
 
 
 def _pool(hidden: torch.Tensor, pooling_type: str, normalize: bool) -> torch.Tensor:
-    vec = hidden[-1] if pooling_type == "last" else hidden.mean(dim=0)
+    vec = {"last": lambda: hidden[-1], "mean": lambda: hidden.mean(dim=0),
+           "cls": lambda: hidden[0]}[pooling_type]()
     return torch.nn.functional.normalize(vec, dim=0) if normalize else vec
 
 
@@ -58,7 +59,7 @@ def _ids(prompts):
 
 @pytest.mark.parametrize("backend", ["torch_ref", "cpu"])
 @pytest.mark.parametrize("pooling_type,normalize",
-                         [("last", True), ("mean", True), ("last", False)])
+                         [("last", True), ("mean", True), ("cls", True), ("last", False)])
 def test_embed_matches_transformers(tiny_llama, prompts, hf_hidden, backend, pooling_type,
                                     normalize):
     llm = _llm(tiny_llama, attention_backend=backend)
@@ -106,16 +107,16 @@ def test_embed_does_not_depend_on_batching(tiny_llama, prompts):
 
 
 def test_mean_pooling_with_cached_prefix(tiny_llama, hf_hidden, prompts):
-    """A prefix cached by an earlier request is recomputed for a mean-pooled request
-    (every position is pooled); last pooling may use the hits."""
+    """A prefix cached by an earlier request is recomputed for a mean- or cls-pooled
+    request (every position, or the first, is pooled); last pooling may use the hits."""
     llm = _llm(tiny_llama, block_size=4)
     long_prompt = max(prompts, key=len)
     hidden = hf_hidden[prompts.index(long_prompt)]
     llm.generate(_ids([long_prompt]), SamplingParams(max_tokens=1), use_tqdm=False)
-    for pooling_type in ("mean", "last"):
+    for pooling_type in ("mean", "cls", "last"):
         out = llm.embed(_ids([long_prompt]), PoolingParams(pooling_type=pooling_type),
                         use_tqdm=False)[0]
-        if pooling_type == "mean":
+        if pooling_type != "last":
             assert out.num_cached_tokens == 0
         else:
             assert out.num_cached_tokens > 0
@@ -132,7 +133,6 @@ def test_embedding_requests_free_their_blocks(tiny_llama, prompts):
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    ({"pooling_type": "cls"}, "pooling_type"),
     ({"pooling_type": "max"}, "pooling_type"),
     ({"normalize": "yes"}, "normalize"),
     ({"dimensions": 8}, "dimensions"),

@@ -4,13 +4,12 @@ usage, and 400s for bad bodies."""
 
 from __future__ import annotations
 
-import base64
 
 import httpx
 import numpy as np
 import pytest
 
-from tests.entrypoints.utils import MODEL_NAME, RemoteServer
+from tests.entrypoints.utils import MODEL_NAME, RemoteServer, embedding_vectors
 
 MAX_MODEL_LEN = 256
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
@@ -47,17 +46,6 @@ def _post(server, body: dict) -> httpx.Response:
     return httpx.post(server.url + "/v1/embeddings", json=body, timeout=120)
 
 
-def _vectors(body: dict) -> list[np.ndarray]:
-    out = []
-    for item in body["data"]:
-        emb = item["embedding"]
-        if isinstance(emb, str):
-            out.append(np.frombuffer(base64.b64decode(emb), dtype="<f4"))
-        else:
-            out.append(np.array(emb, dtype=np.float32))
-    return out
-
-
 def test_float_and_base64_match_offline(server, offline):
     want, prompt_ids = offline
     for fmt in ("float", "base64"):
@@ -68,7 +56,7 @@ def test_float_and_base64_match_offline(server, offline):
         assert body["object"] == "list" and body["model"] == MODEL_NAME
         assert [d["index"] for d in body["data"]] == [0, 1, 2]
         assert all(d["object"] == "embedding" for d in body["data"])
-        got = _vectors(body)
+        got = embedding_vectors(body)
         for g, w in zip(got, want):
             assert g.shape == w.shape == (576,)
             np.testing.assert_allclose(g, w, atol=TOL, rtol=0)
@@ -81,14 +69,14 @@ def test_single_string_and_token_ids(server, offline):
     want, prompt_ids = offline
     single = _post(server, {"input": TEXTS[1]}).json()
     assert len(single["data"]) == 1 and single["data"][0]["index"] == 0
-    np.testing.assert_allclose(_vectors(single)[0], want[1], atol=TOL, rtol=0)
+    np.testing.assert_allclose(embedding_vectors(single)[0], want[1], atol=TOL, rtol=0)
     # One list of ids is one input; a list of lists is several, in order.
     one = _post(server, {"input": prompt_ids[0]}).json()
-    np.testing.assert_allclose(_vectors(one)[0], want[0], atol=TOL, rtol=0)
+    np.testing.assert_allclose(embedding_vectors(one)[0], want[0], atol=TOL, rtol=0)
     assert one["usage"]["prompt_tokens"] == len(prompt_ids[0])
     many = _post(server, {"input": prompt_ids[::-1]}).json()
     assert [d["index"] for d in many["data"]] == [0, 1, 2]
-    for g, w in zip(_vectors(many), want[::-1]):
+    for g, w in zip(embedding_vectors(many), want[::-1]):
         np.testing.assert_allclose(g, w, atol=TOL, rtol=0)
 
 

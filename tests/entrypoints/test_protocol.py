@@ -96,6 +96,23 @@ def test_metrics_from_output_batches():
     assert not [s for s in fresh if s.name == "pagedllm:prompt_tokens_total"]
 
 
+def test_spec_decode_counters_take_increments():
+    metrics = EngineMetrics("m")
+
+    def stats(drafts: int, accepted: int) -> SchedulerStats:
+        return SchedulerStats(num_running=1, num_waiting=0, kv_cache_usage=0.1,
+                              prefix_cache_queries=0, prefix_cache_hits=0,
+                              num_preemptions=0, num_free_blocks=5, num_blocks=9,
+                              num_draft_tokens=drafts, num_accepted_tokens=accepted)
+
+    metrics.observe_scheduler_stats(stats(8, 3))
+    metrics.observe_scheduler_stats(stats(20, 11))
+    samples = {s.name: s.value for fam in text_string_to_metric_families(
+        metrics.render().decode()) for s in fam.samples}
+    assert samples["pagedllm:spec_decode_num_draft_tokens_total"] == 20
+    assert samples["pagedllm:spec_decode_num_accepted_tokens_total"] == 11
+
+
 @pytest.mark.parametrize("extra, loc, fragment", [
     ({"functions": [{"name": "f"}]}, ("functions",), "not supported"),
     ({"function_call": "auto"}, ("function_call",), "not supported"),

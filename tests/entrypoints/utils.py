@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import tempfile
 import time
 
 import httpx
+import numpy as np
 
 MODEL_NAME = "SmolLM2-135M-Instruct"  # the served name of the bundled default model
 
@@ -129,3 +131,15 @@ class HealthProbe:
         finally:
             os.unlink(self._stop_file)
         return [tuple(x) for x in json.loads(out)]
+
+
+def embedding_vectors(body: dict) -> list[np.ndarray]:
+    """The vectors of a /v1/embeddings reply, float or base64 (little-endian float32)."""
+    out = []
+    for item in body["data"]:
+        emb = item["embedding"]
+        if isinstance(emb, str):
+            out.append(np.frombuffer(base64.b64decode(emb), dtype="<f4"))
+        else:
+            out.append(np.array(emb, dtype=np.float32))
+    return out

@@ -42,7 +42,8 @@ class ServeConfig:
     max_queued_requests: int | None = _flag(None, "most requests waiting to be scheduled; "
                                                   "beyond, 503 with Retry-After (default: "
                                                   "unbounded)")
-    metrics_without_key: bool = _flag(False, "serve /metrics without the API key")
+    metrics_without_key: bool = _flag(False, "serve /metrics (and the dashboard's feed, "
+                                             "/dashboard/state) without the API key")
     chat_template: str | None = _flag(
         None, "a Jinja chat template, or the path of a file holding one, used instead of "
               "the model's (e.g. one that renders `tools`); a request's own `chat_template` "

@@ -3,7 +3,8 @@
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
 POST /v1/embeddings, POST /tokenize,
 POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
-GET /debug/stats.
+GET /debug/stats, GET /dashboard (a live page; its files need no key, its feed
+GET /dashboard/state is keyed like /metrics: dashboard/routes.py).
 Errors use OpenAI's body ({"error": {message, type, param, code}}, plus vLLM's
 "object": "error"): 400 for invalid parameters (FastAPI's 422 included), 401 for a
 missing or wrong API key (every route but /health, and /metrics with
@@ -40,6 +41,8 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
                                                   ModelCard, ModelList, TokenizeRequest,
                                                   TokenizeResponse)
 from pagedllm.engine.async_llm import QueueFullError
+from pagedllm.entrypoints.openai.dashboard import (PAGE_PATHS, STATE_PATH, DashboardFeed,
+                                                   add_dashboard_routes)
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from pagedllm.entrypoints.openai.offload import Offloader
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
@@ -115,10 +118,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
 
     serve_config = serve_config or ServeConfig()
     offloader = Offloader(serve_config.render_timeout)
+    dashboard = DashboardFeed(engine, served_model_names[0])
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # The dashboard's history (front-end counters, once a second).
+        sampler = asyncio.create_task(dashboard.run_sampler(), name="dashboard-sampler")
         yield
+        sampler.cancel()
         offloader.shutdown()
         if shutdown_engine:
             # Here, not after uvicorn returns: on SIGTERM uvicorn re-raises the signal
@@ -130,12 +137,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
     _install_error_handlers(app)
     # Added last = outermost: the body limit applies before anything reads the body.
     if api_key:
-        open_paths = {"/health"} | ({"/metrics"} if serve_config.metrics_without_key
-                                    else set())
+        open_paths = {"/health"} | PAGE_PATHS | (
+            {"/metrics", STATE_PATH} if serve_config.metrics_without_key else set())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.add_middleware(BodyLimitMiddleware, max_bytes=serve_config.max_body_bytes)
     _add_engine_routes(app, engine, __version__)
     _add_openai_routes(app, engine, served_model_names, serve_config, offloader)
+    add_dashboard_routes(app, dashboard)
     return app
 
 

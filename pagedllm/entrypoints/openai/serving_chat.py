@@ -54,6 +54,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      ) -> ChatCompletionResponse | SSEResponse:
         self.check_model(request.model)
+        self.check_generation()
         if request.top_logprobs is not None:
             if request.top_logprobs < 0:
                 raise InvalidRequestError(f"top_logprobs must be non-negative, got "

@@ -92,6 +92,14 @@ class OpenAIServing:
         if model is not None and model not in self.served_model_names:
             raise ModelNotFoundError(f"The model `{model}` does not exist.")
 
+    def check_generation(self) -> None:
+        """400 for completions and chat on an encoder-only (embedding) model."""
+        model = self.engine.config.model
+        if model.is_encoder_only:
+            raise InvalidRequestError(
+                f"The model `{self.model_name}` ({model.architecture}) does not support "
+                f"generation: it is an embedding model; use /v1/embeddings.")
+
     def check_limits(self, request: SamplingFields, num_logprobs: int | None,
                      logprobs_field: str = "logprobs") -> None:
         """The per-request maxima of ServeConfig (n, best_of, logprobs, stop lists);

@@ -42,6 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest,
                                 ) -> CompletionResponse | SSEResponse:
         self.check_model(request.model)
+        self.check_generation()
         if request.suffix is not None:
             raise InvalidRequestError("suffix is not currently supported")
         if request.logprobs is not None and request.logprobs < 0:

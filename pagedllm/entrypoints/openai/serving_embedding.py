@@ -1,7 +1,7 @@
 """POST /v1/embeddings: text, texts, token ids or lists of them; float or base64 output.
 
-Every input becomes its own embedding request (PoolingParams: last-token pooling,
-L2-normalized unless `normalize` is false), submitted all or none: a rejected input
+Every input becomes its own embedding request (PoolingParams: the model's default
+pooling, L2-normalized unless `normalize` is false), submitted all or none: a rejected input
 fails the whole call (400, or 503 once the engine is gone) and aborts the others.
 """
 

@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.kernels.cpu.build import load_cpu_kernels
 
-__all__ = ["argmax", "cpu_ops_available", "gemm_bf16", "llama_decoder_layers",
+__all__ = ["argmax", "cpu_ops_available", "gemm_bf16", "gemm_quant", "llama_decoder_layers",
            "load_cpu_kernels", "paged_attention", "rms_norm", "rotary_embedding",
            "silu_and_mul"]
 
@@ -69,6 +69,16 @@ def gemm_bf16(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     """out [M, N] = x [M, K] @ W^T + bias (bfloat16) from the packed weight
     [ceil(N/48), K/2, 48, 2] and float32 bias [N]; with `accumulate`, out += that."""
     torch.ops.pagedllm_cpu.gemm_bf16.default(out, x, weight, bias, accumulate)
+
+
+def gemm_quant(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor, accumulate: bool = False, portable: bool = False) -> None:
+    """out [M, N] = x [M, K] @ dequant(W)^T + bias, x and out bfloat16 or float32, from
+    GGUF blocks repacked by kernels/cpu/quant.py (uint8 [ceil(N/16), K/32, block_bytes];
+    Q8_0, Q4_0, Q4_1 or Q4_K) and float32 bias [N] (zeros for none). Each row of x is quantized
+    to int8 blocks of 32 first (results depend on the row alone). With `accumulate`,
+    out += that; `portable` runs the path of CPUs without AVX512-VNNI (same bits)."""
+    torch.ops.pagedllm_cpu.gemm_quant.default(out, x, weight, bias, accumulate, portable)
 
 
 def argmax(out: torch.Tensor, x: torch.Tensor) -> None:

@@ -15,7 +15,8 @@ from torch import nn
 
 from pagedllm.distributed.comm import all_reduce, gather
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
-from pagedllm.models.layers.linear import cpu_linear, pack_for_cpu
+from pagedllm.kernels.cpu.quant import ROW_QTYPES, QuantizedWeight, dequantize_rows, repack
+from pagedllm.models.layers.linear import cpu_linear, native_bias, pack_for_cpu
 from pagedllm.nn import Module
 
 
@@ -50,8 +51,35 @@ class VocabEmbedding(Module):
                                    requires_grad=False)
         if self.parallel.tp_size > 1:
             self.weight.weight_loader = self.shard.weight_loader
+        else:
+            self.weight.quant_loader = self._load_quantized
+
+    # GGUF blocks of the table, repacked (kernels/cpu/quant.py), else None: lookups
+    # dequantize the rows they read, and a tied LM head runs the quantized GEMM on them.
+    quant_weight: torch.Tensor | None = None
+    _quant: QuantizedWeight | None = None
+
+    def _load_quantized(self, param: nn.Parameter, loaded: QuantizedWeight,
+                        shard_id: object = None) -> None:
+        if loaded.shape != tuple(param.shape):
+            raise ValueError(f"weight shape mismatch: expected {tuple(param.shape)}, "
+                             f"got {loaded.shape}")
+        if loaded.qtype not in ROW_QTYPES:  # no row lookup for it: a dense table
+            param.data.copy_(loaded.dequantize(param.dtype))
+            return
+        self._quant = loaded
+        self.finalize_quantized()  # now: the raw rows are freed as the load goes
+
+    def finalize_quantized(self) -> None:
+        """Keep the GGUF blocks (repacked) instead of a dense table."""
+        if self._quant is not None:
+            self.quant_weight, self._quant = repack(self._quant), None
+            self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_weight is not None:
+            # The same values as F.embedding of the dequantized table.
+            return dequantize_rows(self.quant_weight, input_ids).to(self.weight.dtype)
         if self.parallel.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         # Ids outside this rank's slice look up row 0 and are zeroed; the all-reduce
@@ -80,6 +108,10 @@ class LMHead(Module):
             for param in (self.weight, self.bias):
                 if param is not None:
                     param.weight_loader = self.shard.weight_loader
+        else:
+            self.weight.quant_loader = self._load_quantized
+        # The embedding this head is tied to, in a tuple (not a submodule).
+        self._tied: tuple[VocabEmbedding, ...] = ()
 
     # Packed copies of `weight` for eager CPU runs (pack_for_cpu; see LinearBase), else
     # None. The plain weight stays: it may be the (tied) embedding table.
@@ -87,11 +119,39 @@ class LMHead(Module):
     native_weight: torch.Tensor | None = None
     native_bias: torch.Tensor | None = None
 
+    # GGUF blocks of an untied head until finalize_quantized.
+    _quant: QuantizedWeight | None = None
+
     def tie(self, embedding: VocabEmbedding) -> None:
         assert embedding.shard.per_rank == self.shard.per_rank, "tied slices must agree"
         self.weight = embedding.weight
+        self._tied = (embedding,)
+
+    def _load_quantized(self, param: nn.Parameter, loaded: QuantizedWeight,
+                        shard_id: object = None) -> None:
+        if loaded.shape != tuple(param.shape):
+            raise ValueError(f"weight shape mismatch: expected {tuple(param.shape)}, "
+                             f"got {loaded.shape}")
+        self._quant = loaded
+        self.finalize_quantized()
+
+    def finalize_quantized(self) -> None:
+        """After loading: the quantized GEMM on the head's GGUF blocks, or on those of the
+        embedding it is tied to (one copy for both)."""
+        packed = None
+        if self._quant is not None:
+            packed, self._quant = repack(self._quant), None
+            self.weight.data = self.weight.data.new_empty(0)
+        elif self._tied:
+            self._tied[0].finalize_quantized()
+            packed = self._tied[0].quant_weight
+        if packed is not None:
+            self.native_weight = packed
+            self.native_bias = native_bias(self.bias, self.shard.per_rank)
 
     def pack_for_cpu(self) -> None:
+        if self.native_weight is not None and self.native_weight.dtype == torch.uint8:
+            return  # GGUF blocks (finalize_quantized)
         self.packed_weight, self.native_weight, self.native_bias = pack_for_cpu(self.weight,
                                                                                 self.bias)
 

@@ -18,6 +18,7 @@ from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.features import has_avx512_bf16
 from pagedllm.kernels.cpu.ops import cpu_ops_available
+from pagedllm.kernels.cpu.quant import QuantizedWeight, repack
 from pagedllm.nn import Module
 
 # Output columns per panel of a native-packed weight (kernels/cpu/csrc/cpu_gemm.cpp).
@@ -39,6 +40,8 @@ class LinearBase(Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+        if self.tp_size == 1:  # GGUF blocks run whole weights only (no TP slicing)
+            self.weight.quant_loader = self._load_quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear(x, self.weight, self.bias, self.packed_weight, self.native_weight,
@@ -50,10 +53,53 @@ class LinearBase(Module):
 
     # oneDNN-packed copy of `weight` (CPU eager float32 runs; see pack_linear_weights).
     packed_weight: torch.Tensor | None = None
-    # bfloat16 weight packed for the native GEMM, and its float32 bias (zeros without one;
-    # its length is the output size), else None.
+    # bfloat16 weight packed for the native GEMM, or GGUF blocks (uint8) repacked for the
+    # quantized GEMM (finalize_quantized), and its float32 bias (zeros without one; its
+    # length is the output size), else None.
     native_weight: torch.Tensor | None = None
     native_bias: torch.Tensor | None = None
+    # GGUF blocks loaded for the weight, by shard id, until finalize_quantized.
+    _quant_shards: dict[str | int | None, QuantizedWeight] | None = None
+
+    def _load_quantized(self, param: nn.Parameter, loaded: QuantizedWeight,
+                        shard_id: str | int | None = None) -> None:
+        if self._quant_shards is None:
+            self._quant_shards = {}
+        self._quant_shards[shard_id] = loaded
+        if shard_id is None or set(self._shard_ids()) <= set(self._quant_shards):
+            # Repack now, not after the whole model: the raw rows are freed as the load
+            # goes, and the packed copy reuses their memory (peak RSS ~ the file).
+            self.finalize_quantized()
+
+    def _shard_ids(self) -> list[str | int | None]:
+        """The weight's row shards in order (subclasses that fuse projections)."""
+        return [None]
+
+    def finalize_quantized(self) -> None:
+        """Once the weight's shards are loaded (or after loading, for the rest): run the
+        GGUF blocks loaded for the weight through the quantized GEMM when they cover it
+        with one type (repacked once; the plain weight is
+        released), else dequantize them into the weight (mixed types, or some shards
+        came as plain tensors)."""
+        shards, self._quant_shards = self._quant_shards, None
+        if not shards:
+            return
+        ids = [None] if None in shards else self._shard_ids()
+        parts = [shards.get(i) for i in ids]
+        whole = (None not in parts and len({(p.qtype, p.in_features) for p in parts}) == 1
+                 and sum(p.shape[0] for p in parts) == self.output_size
+                 and parts[0].in_features == self.input_size)
+        if not whole:
+            for shard_id, part in shards.items():
+                weight = part.dequantize(self.weight.dtype)
+                if shard_id is None:
+                    self.weight_loader(self.weight, weight)
+                else:
+                    self.weight_loader(self.weight, weight, shard_id)
+            return
+        self.native_weight = repack(QuantizedWeight.cat(parts) if len(parts) > 1 else parts[0])
+        self.native_bias = native_bias(self._fused_bias(), self.output_size)
+        self.weight.data = self.weight.data.new_empty(0)
 
     def pack_for_cpu(self, release: bool = True) -> None:
         """Use a packed copy of the weight from now on: the native GEMM's layout for
@@ -122,8 +168,16 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x W^T + b, through the packed weight when there is one. x [..., in] -> [..., out].
 
     bfloat16 with a native_weight: the native GEMM (faster than oneDNN's at every row count
-    measured, most at decode batches: weights stream from memory every step).
+    measured, most at decode batches: weights stream from memory every step). A uint8
+    native_weight holds GGUF blocks: the quantized GEMM (bfloat16 or float32 x).
     """
+    if native_weight is not None and native_weight.dtype == torch.uint8:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        out = torch.empty((x2.shape[0], native_bias.numel()), dtype=x.dtype)
+        cpu_ops.gemm_quant(out, x2, native_weight, native_bias)
+        return out.view(*x.shape[:-1], out.shape[1])
     if native_weight is not None:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(1) != 1 or x2.stride(0) % 2:
@@ -134,6 +188,14 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if packed_weight is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise.default(x, packed_weight, bias, "none", [], "")
+
+
+def finalize_quantized_weights(model: nn.Module) -> None:
+    """After `load_weights`: every module holding GGUF blocks (`finalize_quantized`)
+    repacks them for the quantized GEMM or dequantizes them (see LinearBase)."""
+    for module in model.modules():
+        if callable(getattr(module, "finalize_quantized", None)):
+            module.finalize_quantized()
 
 
 def pack_linear_weights(model: nn.Module) -> int:
@@ -223,6 +285,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, parallel)
 
+    def _shard_ids(self) -> list[str | int | None]:
+        return list(range(len(self.output_sizes)))
+
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         if shard_id is None:  # checkpoint already fused: rows [shard 0 | shard 1 | ...]
             if self.tp_size == 1:
@@ -255,6 +320,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_size
         total = (self.q_size + 2 * self.kv_size) * tp_size
         super().__init__(hidden_size, total, bias, parallel)
+
+    def _shard_ids(self) -> list[str | int | None]:
+        return ["q", "k", "v"]
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         if shard_id is None:  # checkpoint already fused: rows [q | k | v] of all heads

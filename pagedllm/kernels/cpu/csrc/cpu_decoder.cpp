@@ -5,8 +5,9 @@
 // ~60 us; SmolLM2-135M has 30 layers per token.
 //
 // Per layer, `weights` holds kWeightsPerLayer optional tensors (see the enum); a linear
-// runs the native bfloat16 GEMM when it has a native-packed weight, oneDNN's packed GEMM
-// otherwise (models/layers/linear.py: cpu_linear).
+// runs the native bfloat16 GEMM when it has a native-packed weight, the quantized GEMM
+// when that weight is GGUF blocks (uint8, cpu_quant.cpp), oneDNN's packed GEMM otherwise
+// (models/layers/linear.py: cpu_linear).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -23,7 +24,9 @@ namespace {
 // Slots of one layer in the weight list.
 enum Slot : int64_t {
   kInputNorm,
-  kQkv,  // 4 slots per linear: oneDNN-packed, native-packed, bias, native (float32) bias
+  // 4 slots per linear: oneDNN-packed, native-packed (bfloat16, or uint8 GGUF blocks),
+  // bias, native (float32) bias
+  kQkv,
   kO = kQkv + 4,
   kPostNorm = kO + 4,
   kGateUp,
@@ -55,7 +58,11 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base) {
   if (native.has_value()) {
     const std::optional<at::Tensor> bias = w.get(base + 3);  // float32 [N], always there
     at::Tensor out = at::empty({x.size(0), bias->size(0)}, x.options());
-    gemm_bf16(out, x, *native, bias);
+    if (native->scalar_type() == at::kByte) {
+      gemm_quant(out, x, *native, bias);
+    } else {
+      gemm_bf16(out, x, *native, bias);
+    }
     return out;
   }
   return packed_linear(x, *w.get(base), w.get(base + 2));
@@ -66,7 +73,11 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base) {
 void add_linear(const at::Tensor& out, const at::Tensor& x, const Weights& w, int64_t base) {
   const std::optional<at::Tensor> native = w.get(base + 1);
   if (native.has_value()) {
-    gemm_bf16(out, x, *native, w.get(base + 3), /*accumulate=*/true);
+    if (native->scalar_type() == at::kByte) {
+      gemm_quant(out, x, *native, w.get(base + 3), /*accumulate=*/true);
+    } else {
+      gemm_bf16(out, x, *native, w.get(base + 3), /*accumulate=*/true);
+    }
     return;
   }
   out.add_(packed_linear(x, *w.get(base), w.get(base + 2)));

@@ -19,6 +19,11 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x);
 // accumulate: out += round(x . W^T + bias) (rounded again), else out = round(...).
 void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                const std::optional<at::Tensor>& bias, bool accumulate = false);
+// GGUF-quantized weight (cpu_quant.cpp): out = round(x . dequant(W)^T + bias); bias is a
+// float32 [N] (zeros for none); accumulate as gemm_bf16; portable: no AVX512-VNNI path.
+void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                const std::optional<at::Tensor>& bias, bool accumulate = false,
+                bool portable = false);
 void paged_attention(const at::Tensor& out, const at::Tensor& query,
                      const std::optional<at::Tensor>& key,
                      const std::optional<at::Tensor>& value, const at::Tensor& kv_cache,

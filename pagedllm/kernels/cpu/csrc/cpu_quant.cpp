@@ -1,0 +1,447 @@
+// Linear layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K), dequantized in
+// registers: out [M, N] = x [M, K] . dequant(W)^T + bias, as llama.cpp computes it.
+//
+// Activations: each row of x is quantized to int8 in blocks of 32 (d = max|x| / 127,
+// q = round(x / d), and the block's sum of q), as llama.cpp's Q8_0 / Q8_1 activations.
+// A row's quantization depends on that row alone, so its result does not depend on M.
+//
+// Weights (kernels/cpu/quant.py: repack) are kept as stored in the GGUF file, regrouped
+// so that 16 output columns sit side by side: [ceil(N / 16), K / 32, block_bytes] (Q4_K:
+// K / 256 super-blocks, laid out at kQ4KScales below), where one (group, block) holds
+//   Q4_0: qs [4][16 columns][4 bytes] | d [16] f16                 = 288 bytes
+//   Q4_1: qs [4][16 columns][4 bytes] | d [16] f16 | m [16] f16    = 320 bytes
+//   Q8_0: qs [8][16 columns][4 bytes] (q + 128 as uint8) | d [16]  = 544 bytes
+// (the block size tells the type apart). Q4 bytes are ggml's: byte j of a block holds
+// element j in its low nibble and element j + 16 in its high one; vector v of the group
+// holds bytes [4v, 4v + 4) of each column, so its low nibbles pair with x[4v, 4v + 4)
+// and its high nibbles with x[16 + 4v, 16 + 4v + 4). Q8_0 vector v holds elements
+// [4v, 4v + 4). Weights are unsigned (nibbles 0..15, q + 128), activations signed: one
+// AVX512-VNNI vpdpbusd multiplies 4 pairs per lane for 16 columns at once, and
+//   Q4_0: sum w x = d_w d_x (dot - 8 sum q_x)
+//   Q8_0: sum w x = d_w d_x (dot - 128 sum q_x)
+//   Q4_1: sum w x = d_w d_x dot + m_w (d_x sum q_x)
+//   Q4_K: sum w x = (d sc) d_x dot - (dmin m) (d_x sum q_x), per sub-block of 32
+// the integer parts exact, the float parts in one fixed order per (row, column): block
+// after block over K, whatever M and wherever the row sits in the batch (batch
+// invariance, DESIGN.md §10). The portable path (no AVX512-VNNI) does the same float
+// operations in the same order (std::fma for _mm512_fmadd_ps), so both give the same bits.
+//
+// Threads split the column groups (contiguous runs, so each streams its share of the
+// weight once per call), also at M = 1.
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "ops.h"
+#include "simd.h"
+
+namespace pagedllm_ops {
+namespace {
+
+constexpr int64_t kGroup = 16;  // output columns per group
+constexpr int64_t kBlock = 32;  // K per block
+constexpr int kRows = 8;        // rows per micro-kernel call
+constexpr int64_t kRowBlock = 64;  // rows whose quantized x stays in L1/L2 while groups go by
+
+enum class QType { kQ8_0, kQ4_0, kQ4_1, kQ4_K };
+
+struct Layout {
+  QType type;
+  int64_t qs_bytes;  // bytes of weights per (group, block), before the scales
+  int32_t offset;    // what the unsigned weights are shifted by (Q4_1, Q4_K: 0, they have m)
+  int64_t elems;     // weights of K per block (Q4_K: a super-block of 8 x 32)
+};
+
+// Q4_K (group, super-block), 2368 bytes: qs [4 chunks][8][16 columns][4 bytes], where
+// chunk c holds sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles), as ggml's bytes
+// [32c, 32c + 32) do | d [16] f16 | dmin [16] f16 | sc [8][16] u8 | m [8][16] u8 (the
+// 6-bit scales and mins unpacked): w = (d sc) q - dmin m per sub-block of 32.
+constexpr int64_t kQ4KScales = 2048;
+
+Layout layout_of(int64_t block_bytes) {
+  switch (block_bytes) {
+    case 288: return {QType::kQ4_0, 256, 8, kBlock};
+    case 320: return {QType::kQ4_1, 256, 0, kBlock};
+    case 544: return {QType::kQ8_0, 512, 128, kBlock};
+    case 2368: return {QType::kQ4_K, kQ4KScales, 0, 8 * kBlock};
+    default: TORCH_CHECK(false, "gemm_quant: unknown block size ", block_bytes,
+                         " (Q4_0: 288, Q4_1: 320, Q8_0: 544, Q4_K: 2368)");
+  }
+}
+
+// One row of x quantized: q [K] int8, per block d (float), sum of q (int32) and
+// d * sum (float, Q4_1's min term).
+struct QuantRows {
+  const int8_t* q;
+  const float* d;
+  const int32_t* sum;
+  const float* dsum;
+  int64_t k, nb;
+};
+
+template <typename T>
+inline float to_f(T v) { return static_cast<float>(v); }
+
+// Quantize x [K] (float32 or bfloat16) into the row's buffers; same bits on every path.
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* q, float* d, int32_t* sum, float* dsum) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const T* xb = x + b * kBlock;
+#if defined(__AVX512F__)
+    using namespace pagedllm_simd;
+    const __m512 v0 = load16(xb), v1 = load16(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+#else
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(to_f(xb[i])));
+#endif
+    const float db = amax / 127.0f;
+    const float id = db != 0.0f ? 1.0f / db : 0.0f;
+#if defined(__AVX512F__)
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+    const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+    int32_t s = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      // nearbyint: round half to even (the default mode), as vcvtps2dq.
+      const int32_t qi = static_cast<int32_t>(std::nearbyint(to_f(xb[i]) * id));
+      q[b * kBlock + i] = static_cast<int8_t>(qi);
+      s += qi;
+    }
+#endif
+    d[b] = db;
+    sum[b] = s;
+    dsum[b] = db * static_cast<float>(s);
+  }
+}
+
+template <typename T>
+inline void store_out(T* out, int64_t n, float v, bool accumulate) {
+  T r = static_cast<T>(v);
+  if (accumulate) r = static_cast<T>(static_cast<float>(out[n]) + static_cast<float>(r));
+  out[n] = r;
+}
+
+// The unsigned weight of column c, element i of block `blk` (portable path).
+inline int32_t weight_at(const uint8_t* blk, const Layout& L, int64_t c, int64_t i) {
+  if (L.type == QType::kQ8_0) return blk[(i / 4) * 64 + c * 4 + i % 4];
+  if (L.type == QType::kQ4_K) {  // i: an element of the super-block, in [0, 256)
+    const int64_t chunk = i / 64, l = i % 32;
+    const uint8_t byte = blk[chunk * 512 + (l / 4) * 64 + c * 4 + l % 4];
+    return (i % 64) < 32 ? (byte & 0x0f) : (byte >> 4);
+  }
+  const int64_t j = i % 16;  // ggml byte of element i; high nibble for i >= 16
+  const uint8_t byte = blk[(j / 4) * 64 + c * 4 + j % 4];
+  return i < 16 ? (byte & 0x0f) : (byte >> 4);
+}
+
+inline float half_at(const uint8_t* p, int64_t c) {
+  c10::Half h;
+  std::memcpy(&h, p + 2 * c, 2);
+  return static_cast<float>(h);
+}
+
+// Portable: rows [m0, m1) x groups [g0, g1), the same float operations as the SIMD path.
+template <typename T>
+void run_portable(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
+                  int64_t block_bytes, const Layout& L, const float* bias, T* out,
+                  int64_t ldo, int64_t n, bool accumulate, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t cols = std::min(kGroup, n - g * kGroup);
+    for (int64_t m = m0; m < m1; ++m) {
+      const int8_t* q = x.q + m * x.k;
+      for (int64_t c = 0; c < cols; ++c) {
+        float acc = 0.0f;
+        const int64_t per = L.elems / kBlock;  // activation blocks per weight block
+        for (int64_t b = 0; b < x.nb; ++b) {
+          const uint8_t* blk = w + (g * (x.nb / per) + b / per) * block_bytes;
+          const int64_t sub = b % per;  // Q4_K: the sub-block
+          int32_t dot = 0;
+          for (int64_t i = 0; i < kBlock; ++i)
+            dot += weight_at(blk, L, c, sub * kBlock + i) * q[b * kBlock + i];
+          if (L.type == QType::kQ4_K) {
+            const float dw = half_at(blk + kQ4KScales, c) *
+                             static_cast<float>(blk[kQ4KScales + 64 + sub * 16 + c]);
+            const float mw = half_at(blk + kQ4KScales + 32, c) *
+                             static_cast<float>(blk[kQ4KScales + 192 + sub * 16 + c]);
+            acc = std::fma(dw * x.d[m * x.nb + b], static_cast<float>(dot), acc);
+            acc = std::fma(-mw, x.dsum[m * x.nb + b], acc);
+            continue;
+          }
+          const float dw = half_at(blk + L.qs_bytes, c);
+          const float dd = dw * x.d[m * x.nb + b];
+          if (L.type == QType::kQ4_1) {
+            acc = std::fma(dd, static_cast<float>(dot), acc);
+            acc = std::fma(half_at(blk + L.qs_bytes + 32, c), x.dsum[m * x.nb + b], acc);
+          } else {
+            acc = std::fma(dd, static_cast<float>(dot - L.offset * x.sum[m * x.nb + b]), acc);
+          }
+        }
+        store_out(out + m * ldo, g * kGroup + c, acc + bias[g * kGroup + c], accumulate);
+      }
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// 16 float16 scales (one per column of a group) as float32.
+inline __m512 load_halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename T>
+inline void store16_out(T* dst, __m512 v, __mmask16 mask, bool accumulate) {
+  using namespace pagedllm_simd;
+  if (accumulate) {
+    // out += the rounded result, rounded again (what out.add_(linear(x)) gives).
+    v = _mm512_add_ps(load16(dst, mask), round_to<T>(v));
+  }
+  store16(dst, v, mask);
+}
+
+// Rows [0, R) (from `m`) of one column group, over all blocks.
+template <QType Q, int R, typename T>
+void micro(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_bytes,
+           const float* bias, T* out, int64_t ldo, int64_t cols, bool accumulate) {
+  constexpr int64_t qs_bytes = Q == QType::kQ8_0 ? 512 : 256;
+  constexpr int32_t offset = Q == QType::kQ8_0 ? 128 : (Q == QType::kQ4_0 ? 8 : 0);
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    const uint8_t* blk = wg + b * block_bytes;
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    if constexpr (Q == QType::kQ8_0) {
+      for (int v = 0; v < 8; ++v) {
+        const __m512i wv = _mm512_loadu_si512(blk + 64 * v);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = x.q + (m + r) * x.k + b * kBlock;
+          dot[r] = _mm512_dpbusd_epi32(dot[r], wv, bcast4(xq + 4 * v));
+        }
+      }
+    } else {
+      for (int v = 0; v < 4; ++v) {
+        const __m512i raw = _mm512_loadu_si512(blk + 64 * v);
+        const __m512i lo = _mm512_and_si512(raw, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = x.q + (m + r) * x.k + b * kBlock;
+          dot[r] = _mm512_dpbusd_epi32(dot[r], lo, bcast4(xq + 4 * v));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], hi, bcast4(xq + 16 + 4 * v));
+        }
+      }
+    }
+    const __m512 dw = load_halves(blk + qs_bytes);
+    if constexpr (Q == QType::kQ4_1) {
+      const __m512 mw = load_halves(blk + qs_bytes + 32);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m + r) * x.nb + b;
+        const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i]));
+        acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(dot[r]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.dsum[i]), acc[r]);
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m + r) * x.nb + b;
+        const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i]));
+        const __m512i adj = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(offset * x.sum[i]));
+        acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(adj), acc[r]);
+      }
+    }
+  }
+  const __mmask16 mask = pagedllm_simd::first_lanes(cols);
+  const __m512 bv = _mm512_maskz_loadu_ps(mask, bias);
+  for (int r = 0; r < R; ++r)
+    store16_out(out + (m + r) * ldo, _mm512_add_ps(acc[r], bv), mask, accumulate);
+}
+
+// 16 u8 (one per column of a group) as float32.
+inline __m512 load_bytes16(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+}
+
+// Q4_K: rows [0, R) (from `m`) of one column group, over all super-blocks.
+template <int R, typename T>
+void micro_q4k(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_bytes,
+               const float* bias, T* out, int64_t ldo, int64_t cols, bool accumulate) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < x.nb / 8; ++sb) {
+    const uint8_t* blk = wg + sb * block_bytes;
+    const __m512 d = load_halves(blk + kQ4KScales), dmin = load_halves(blk + kQ4KScales + 32);
+    for (int chunk = 0; chunk < 4; ++chunk) {
+      __m512i dot[2][R];  // sub-blocks 2 chunk (low nibbles) and 2 chunk + 1 (high)
+      for (int r = 0; r < R; ++r) dot[0][r] = dot[1][r] = _mm512_setzero_si512();
+      for (int v = 0; v < 8; ++v) {
+        const __m512i raw = _mm512_loadu_si512(blk + chunk * 512 + 64 * v);
+        const __m512i lo = _mm512_and_si512(raw, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = x.q + (m + r) * x.k + sb * 256 + chunk * 64;
+          dot[0][r] = _mm512_dpbusd_epi32(dot[0][r], lo, bcast4(xq + 4 * v));
+          dot[1][r] = _mm512_dpbusd_epi32(dot[1][r], hi, bcast4(xq + 32 + 4 * v));
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const int64_t sub = 2 * chunk + h;
+        const __m512 dw = _mm512_mul_ps(d, load_bytes16(blk + kQ4KScales + 64 + 16 * sub));
+        const __m512 mw = _mm512_mul_ps(dmin, load_bytes16(blk + kQ4KScales + 192 + 16 * sub));
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = (m + r) * x.nb + sb * 8 + sub;
+          const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i]));
+          acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(dot[h][r]), acc[r]);
+          acc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(x.dsum[i]), acc[r]);  // -mw dsum + acc
+        }
+      }
+    }
+  }
+  const __mmask16 mask = pagedllm_simd::first_lanes(cols);
+  const __m512 bv = _mm512_maskz_loadu_ps(mask, bias);
+  for (int r = 0; r < R; ++r)
+    store16_out(out + (m + r) * ldo, _mm512_add_ps(acc[r], bv), mask, accumulate);
+}
+
+template <QType Q, int R, typename T>
+void micro_any(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_bytes,
+               const float* bias, T* out, int64_t ldo, int64_t cols, bool accumulate) {
+  if constexpr (Q == QType::kQ4_K) {
+    micro_q4k<R, T>(x, m, wg, block_bytes, bias, out, ldo, cols, accumulate);
+  } else {
+    micro<Q, R, T>(x, m, wg, block_bytes, bias, out, ldo, cols, accumulate);
+  }
+}
+
+template <QType Q, typename T>
+void run_simd(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
+              int64_t block_bytes, const float* bias, T* out, int64_t ldo, int64_t n,
+              bool accumulate, int64_t g0, int64_t g1) {
+  using Fn = void (*)(const QuantRows&, int64_t, const uint8_t*, int64_t, const float*, T*,
+                      int64_t, int64_t, bool);
+  static constexpr Fn kMicro[kRows + 1] = {
+      nullptr, micro_any<Q, 1, T>, micro_any<Q, 2, T>, micro_any<Q, 3, T>, micro_any<Q, 4, T>,
+      micro_any<Q, 5, T>, micro_any<Q, 6, T>, micro_any<Q, 7, T>, micro_any<Q, 8, T>};
+  const int64_t blocks = Q == QType::kQ4_K ? x.nb / 8 : x.nb;  // weight blocks per group
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * blocks * block_bytes;
+    const int64_t cols = std::min(kGroup, n - g * kGroup);
+    for (int64_t m = m0; m < m1; m += kRows)
+      kMicro[std::min<int64_t>(kRows, m1 - m)](x, m, wg, block_bytes, bias + g * kGroup,
+                                               out + g * kGroup, ldo, cols, accumulate);
+  }
+}
+#endif
+
+template <typename T>
+void run(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w, int64_t block_bytes,
+         const Layout& L, const float* bias, T* out, int64_t ldo, int64_t n, bool accumulate,
+         int64_t g0, int64_t g1, bool portable) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (!portable) {
+    auto go = [&](auto simd) {
+      simd(x, m0, m1, w, block_bytes, bias, out, ldo, n, accumulate, g0, g1);
+    };
+    switch (L.type) {
+      case QType::kQ8_0: return go(run_simd<QType::kQ8_0, T>);
+      case QType::kQ4_0: return go(run_simd<QType::kQ4_0, T>);
+      case QType::kQ4_1: return go(run_simd<QType::kQ4_1, T>);
+      case QType::kQ4_K: return go(run_simd<QType::kQ4_K, T>);
+    }
+  }
+#endif
+  run_portable(x, m0, m1, w, block_bytes, L, bias, out, ldo, n, accumulate, g0, g1);
+}
+
+template <typename T>
+void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                     const float* bias, bool accumulate, bool portable) {
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  const int64_t nb = k / kBlock, groups = weight.size(0), block_bytes = weight.size(2);
+  const int64_t weight_blocks = weight.size(1);
+  const Layout L = layout_of(block_bytes);
+  // x quantized: q [M, K] int8 | d [M, nb] | sum [M, nb] | dsum [M, nb], one buffer.
+  at::Tensor buf = at::empty({m * k + 12 * m * nb + 4}, x.options().dtype(at::kByte));
+  int8_t* q = reinterpret_cast<int8_t*>(buf.data_ptr<uint8_t>());
+  float* d = reinterpret_cast<float*>(q + m * k + (-(m * k) & 3));
+  int32_t* sum = reinterpret_cast<int32_t*>(d + m * nb);
+  float* dsum = reinterpret_cast<float*>(sum + m * nb);
+  TORCH_CHECK(reinterpret_cast<uint8_t*>(dsum + m * nb) <= buf.data_ptr<uint8_t>() + buf.numel(),
+              "gemm_quant: scratch overflow");
+  const T* xp = x.data_ptr<T>();
+  const int64_t ldx = x.stride(0);
+#pragma omp parallel for if (m * k > (1 << 16))
+  for (int64_t r = 0; r < m; ++r)
+    quantize_row(xp + r * ldx, k, q + r * k, d + r * nb, sum + r * nb, dsum + r * nb);
+  const QuantRows xq{q, d, sum, dsum, k, nb};
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t ldo = out.stride(0);
+  // Small calls take microseconds, less than waking the other threads.
+  const bool parallel = groups * weight_blocks * block_bytes * (m + 4) > (1 << 18);
+#pragma omp parallel if (parallel)
+  {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
+    for (int64_t m0 = 0; m0 < m; m0 += kRowBlock)
+      run(xq, m0, std::min(m, m0 + kRowBlock), wp, block_bytes, L, bias, op, ldo, n,
+          accumulate, g0, g1, portable);
+  }
+}
+
+}  // namespace
+
+void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                const std::optional<at::Tensor>& bias, bool accumulate, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "gemm_quant: x is a bfloat16 or float32 [M, K] with contiguous rows");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "gemm_quant: K must be a multiple of 32");
+  TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.scalar_type() == at::kByte &&
+                  weight.size(1) * layout_of(weight.size(2)).elems == x.size(1),
+              "gemm_quant: weight is packed uint8 [ceil(N / 16), K / block, block_bytes]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
+                  out.scalar_type() == x.scalar_type() &&
+                  out.size(1) <= weight.size(0) * kGroup &&
+                  out.size(1) > (weight.size(0) - 1) * kGroup,
+              "gemm_quant: out is [M, N] of x's dtype with contiguous rows");
+  TORCH_CHECK(bias.has_value() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                  bias->numel() == out.size(1),
+              "gemm_quant: bias must be a contiguous float32 [N] (zeros for none)");
+  if (x.size(0) == 0) return;
+  const float* bp = bias->data_ptr<float>();  // read with masks past N: never beyond it
+  if (x.scalar_type() == at::kBFloat16) {
+    gemm_quant_impl<c10::BFloat16>(out, x, weight, bp, accumulate, portable);
+  } else {
+    gemm_quant_impl<float>(out, x, weight, bp, accumulate, portable);
+  }
+}
+
+}  // namespace pagedllm_ops
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def(
+      "gemm_quant(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, "
+      "bool accumulate=False, bool portable=False) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("gemm_quant", &pagedllm_ops::gemm_quant); }

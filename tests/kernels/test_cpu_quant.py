@@ -1,0 +1,128 @@
+"""The quantized GEMM (csrc/cpu_quant.cpp) and the GGUF block helpers (kernels/cpu/quant.py).
+
+References: the weights dequantized by gguf-py itself, and x quantized per row to int8
+blocks as the kernel does (`_quantize_rows`, numpy float32: the same operations). With both
+operands the kernel's, the only difference left is the float32 summation over K: the
+reference sums in float64, so the tolerance is a few float32 rounding steps (rtol 1e-5 of
+the sum of |terms|). Against the unquantized x the int8 activations cost ~1% (checked too).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.kernels.cpu import ops as cpu_ops
+from pagedllm.kernels.cpu.build import load_cpu_kernels
+from pagedllm.kernels.cpu.quant import ROW_QTYPES, QuantizedWeight, dequantize_rows, repack
+from tests.loader.test_gguf import random_k_blocks
+
+QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]
+_QT = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels() -> None:
+    assert load_cpu_kernels()
+
+
+def make_weight(qtype: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    """A random [n, k] weight quantized by gguf-py (as the file would hold it); Q4_K
+    (which gguf-py cannot quantize): random blocks, every scale and quant bit exercised,
+    k rounded up to its 256-weight blocks."""
+    rng = np.random.default_rng(seed)
+    if qtype == "Q4_K":
+        k = -(-k // 256) * 256
+        raw = random_k_blocks(rng, (n, k), _QT.Q4_K)
+        return QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(raw)), k)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    w[:, :32] += 0.02  # a non-zero mean in a block: exercises Q4_1's min
+    raw = gguf.quants.quantize(w, getattr(_QT, qtype))  # [n, k / 32 * block size] uint8
+    return QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(raw)), k)
+
+
+def gguf_dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(weight.raw.numpy(),
+                                                   getattr(_QT, weight.qtype))).float()
+
+
+def _quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernel quantizes it (per row, blocks of 32), dequantized: float64."""
+    xb = x.float().numpy().reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(axis=-1, keepdims=True)
+    d = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    q = np.rint((xb * inv).astype(np.float32))
+    return torch.from_numpy((q.astype(np.float64) * d).reshape(x.shape))
+
+
+def run_gemm(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None = None,
+             portable: bool = False) -> torch.Tensor:
+    n = weight.shape[0]
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    b = torch.zeros(n) if bias is None else bias
+    cpu_ops.gemm_quant(out, x, repack(weight), b, portable=portable)
+    return out
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_matches_gguf(qtype: str) -> None:
+    weight = make_weight(qtype, 37, 96)
+    ref = gguf_dequantize(weight)
+    assert torch.equal(weight.dequantize(torch.float32), ref)
+    if qtype in ROW_QTYPES:
+        rows = torch.tensor([0, 36, 5, 16, 15, 5])
+        assert torch.equal(dequantize_rows(repack(weight), rows), ref[rows])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 33, 64), (3, 7, 32), (17, 129, 160), (40, 48, 576)])
+def test_gemm_matches_dequantized_matmul(qtype: str, dtype: torch.dtype, m: int, n: int,
+                                         k: int) -> None:
+    weight = make_weight(qtype, n, k, seed=m + n + k)
+    k = weight.shape[1]
+    torch.manual_seed(m * n)
+    x = torch.randn(m, k).to(dtype)
+    x[0, :32] = 0  # an all-zero block (d = 0)
+    bias = torch.randn(n)
+    out = run_gemm(weight, x, bias).double()
+    w = gguf_dequantize(weight).double()
+    ref = _quantize_rows(x) @ w.T + bias.double()
+    # float32 accumulation (and the bfloat16 rounding of the output) vs float64.
+    scale = _quantize_rows(x).abs() @ w.abs().T + bias.double().abs()
+    out_rtol = 2 ** -8 if dtype == torch.bfloat16 else 0.0
+    assert ((out - ref).abs() <= 1e-5 * scale + out_rtol * ref.abs() + 1e-30).all()
+    # Against x itself (no activation quantization): int8 blocks cost ~1%.
+    exact = x.double() @ w.T + bias.double()
+    assert (out - exact).norm() <= 0.02 * exact.norm()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_rows_bit_identical_whatever_the_batch(qtype: str) -> None:
+    """Batch invariance: a row's output is the same bits alone, or anywhere in a batch."""
+    weight = make_weight(qtype, 200, 512)
+    x = torch.randn(33, 512).to(torch.bfloat16)
+    full = run_gemm(weight, x)
+    for i in (0, 5, 17, 32):
+        assert torch.equal(run_gemm(weight, x[i:i + 1]), full[i:i + 1])
+    assert torch.equal(run_gemm(weight, x[3:20]), full[3:20])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_portable_path_same_bits(qtype: str) -> None:
+    """The path of CPUs without AVX512-VNNI gives the same bits as the VNNI one."""
+    weight = make_weight(qtype, 45, 256)
+    x = torch.randn(11, 256)
+    assert torch.equal(run_gemm(weight, x, portable=True), run_gemm(weight, x))
+
+
+def test_accumulate_adds_rounded_result() -> None:
+    weight = make_weight("Q4_1", 50, 64)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    out = torch.randn(4, 50).to(torch.bfloat16)
+    expected = out + run_gemm(weight, x)
+    cpu_ops.gemm_quant(out, x, repack(weight), torch.zeros(50), accumulate=True)
+    assert torch.equal(out, expected)
