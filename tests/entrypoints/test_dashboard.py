@@ -122,7 +122,9 @@ def test_page_shows_the_engine_working(server, tmp_path):
     assert shutil.which("chromium"), "chromium is missing: run scripts/setup.sh"
     from playwright.sync_api import sync_playwright
 
-    num_requests, max_tokens = 4, 48
+    # Long enough that the 1 Hz history samples some steps while requests run (48 tokens
+    # each finished between two samples on the native quantized path).
+    num_requests, max_tokens = 4, 160
     # A shared prefix of 3 full blocks: the later requests hit the prefix cache and
     # share those blocks with the first.
     prefix = " ".join(f"word{i}" for i in range(40))
