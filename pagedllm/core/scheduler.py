@@ -323,8 +323,11 @@ class Scheduler:
         """The request's proposed tokens this step verifies (consumed either way): only
         when decoding (one token left to compute), capped so the budget holds them and
         the tokens it may emit (k + 1) stay within max_tokens and the longest sequence."""
-        spec, request.spec_token_ids = request.spec_token_ids, []
-        if not spec or request.num_tokens - request.num_computed_tokens != 1:
+        spec = request.spec_token_ids
+        if not spec:
+            return spec  # the common case: nothing proposed, nothing allocated per step
+        request.spec_token_ids = []
+        if request.num_tokens - request.num_computed_tokens != 1:
             return []
         num_spec = min(len(spec), step.token_budget - 1,
                        self.max_num_tokens - request.num_tokens - 1)

@@ -49,6 +49,8 @@ def tiny_llama(tmp_path_factory):
     # A small pool: requests are preempted and recomputed mid-speculation.
     dict(block_size=4, num_kv_blocks=20),
     dict(block_size=4, num_kv_blocks=20, preemption_mode="swap"),
+    # Tensor parallelism: rank 0 samples every position, every rank accepts the same.
+    dict(tensor_parallel_size=2),
 ])
 def test_ngram_matches_plain_decoding_tiny_llama(tiny_llama, engine_kw):
     sched = _assert_matches_plain_decoding(tiny_llama, NGRAM, engine_kw)
