@@ -1,8 +1,9 @@
 """Which configurations keep outputs independent of batching (DESIGN.md §10).
 
-The guarantee rests on the native CPU kernels: the bfloat16 GEMM sums each row in one
-chain over K, and attention reduces every row, decode or prefill, in the same steps of
-keys at absolute positions. Paths outside them make no such promise; the runner logs the
+The guarantee rests on the native CPU kernels: the bfloat16, float32 and quantized GEMMs
+sum each output in one chain over K whatever the number of rows, and attention reduces
+every row, decode or prefill, in the same steps of keys at absolute positions, in every
+dtype and block size. Paths outside them make no such promise; the runner logs the
 reason at start-up so a user who needs bit-identical outputs knows to change it. An fp8
 KV cache adds no caveat: a token's K/V are quantized alone (fixed per-layer scales) and
 the kernels convert them exactly into the same passes.
@@ -28,11 +29,10 @@ def batch_invariance_caveat(config: EngineConfig, native_kernels: bool) -> str |
         return "the native CPU kernels are not loaded (torch's fallback kernels are used)"
     if device.attention_backend != "cpu":
         return f"the {device.attention_backend} attention backend is not batch invariant"
-    if config.model.dtype != "bfloat16":
-        return (f"only bfloat16 runs the batch-invariant kernels; in {config.model.dtype} "
-                f"oneDNN's GEMMs and the decode attention round differently by batch "
-                f"(greedy tokens are unaffected in practice, logprobs differ in the last bits)")
-    if config.cache.block_size % 16:
-        return (f"bfloat16 attention is batch invariant only with block sizes that are "
-                f"multiples of 16 (block_size={config.cache.block_size})")
+    if getattr(config.model.hf_config, "num_local_experts", 0):
+        return ("the mixture-of-experts layers run torch's GEMM over the tokens routed to "
+                "each expert, whose rounding depends on how many there are")
+    if config.model.dtype == "float16":
+        return ("float16 linear layers run torch's GEMM, whose rounding depends on the batch "
+                "shape (bfloat16 and float32 have batch-invariant native GEMMs)")
     return None

@@ -1,8 +1,9 @@
-"""Batch invariance of the native attention in bfloat16 (DESIGN.md §10): a query row's
+"""Batch invariance of the native attention in every dtype (DESIGN.md §10): a query row's
 output is bit-identical whether its token is decoded alone, decoded in a batch (with the
 shared-prefix cascade or without), or sits anywhere in a prefill chunk of any length over
-any cached context, with and without a sliding window; with a bfloat16 or an fp8 KV
-cache (converted on the fly into the same tile pass)."""
+any cached context, with and without a sliding window; in bfloat16 with a bfloat16 or an
+fp8 KV cache (converted on the fly into the same tile pass), with blocks of 16 (the tile
+pass) or 8 tokens (the chunk pass); in float32 and float16."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from pagedllm.attention.cpu import CpuAttention
 from pagedllm.attention.kv_quant import quantize_kv
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.cpu.features import has_avx512_bf16
+from pagedllm.kernels.cpu.ops import load_cpu_kernels
 
-pytestmark = pytest.mark.skipif(not has_avx512_bf16(),
-                                reason="the bfloat16 tile pass needs AVX512-BF16")
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="native CPU ops not built")
 
 BLOCK = 16
 LEN = 230  # the subject request's context: 14.4 blocks, crosses several 48-key steps
@@ -28,8 +29,7 @@ NUM_BLOCKS = 200
 def _tables():
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_SIZE, generator=gen)
-    cache = cache.to(torch.bfloat16)
-    queries = torch.randn(LEN, HEADS, HEAD_SIZE, generator=gen).to(torch.bfloat16)
+    queries = torch.randn(LEN, HEADS, HEAD_SIZE, generator=gen)
     return cache, queries
 
 
@@ -40,12 +40,13 @@ SUBJECT_BLOCKS = list(range(1, -(-LEN // BLOCK) + 1))
 
 
 def _attend(reqs: list[tuple[list[int], int, int]], sliding_window: int | None,
-            subject_query: int = 0, cache_dtype: torch.dtype = torch.bfloat16,
-            ) -> torch.Tensor:
+            subject_query: int = 0, dtype: torch.dtype = torch.bfloat16,
+            cache_dtype: torch.dtype = torch.bfloat16, block: int = BLOCK) -> torch.Tensor:
     """Attention of a batch of (block ids, num_computed, query_len) requests, request
     `subject_query` being the subject; returns the subject's output rows. Every request's
     keys are its blocks' cached K/V (the step writes back the same values: an fp8 value
-    is exact in bfloat16 and converts back to itself)."""
+    is exact in bfloat16 and converts back to itself). Block ids count blocks of 16; with
+    `block` = 8 each is split in two (the same slots, so the same cache bytes)."""
     seq_lens = np.array([c + q for _, c, q in reqs])
     max_blocks = max(len(b) for b, _, _ in reqs)
     table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
@@ -59,6 +60,10 @@ def _attend(reqs: list[tuple[list[int], int, int]], sliding_window: int | None,
         # Other requests' queries: any values (they must not matter).
         q_rows.append(QUERIES[pos % LEN] if i == subject_query else
                       QUERIES[(pos * 7 + 3) % LEN].flip(-1))
+    if block != BLOCK:
+        split = BLOCK // block
+        table = (table[:, :, None] * split + np.arange(split, dtype=np.int32)).reshape(
+            len(reqs), -1)
     slot_mapping = torch.from_numpy(np.concatenate(slots))
     md = AttentionMetadata(
         num_reqs=len(reqs), num_actual_tokens=int(qsl[-1]),
@@ -67,14 +72,16 @@ def _attend(reqs: list[tuple[list[int], int, int]], sliding_window: int | None,
         block_table=torch.from_numpy(table), slot_mapping=slot_mapping,
         max_query_len=max(q for _, _, q in reqs), max_seq_len=int(seq_lens.max()),
         query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-    cache = CACHE.clone() if cache_dtype == torch.bfloat16 else quantize_kv(CACHE, 1.0,
-                                                                             cache_dtype)
+    cache = CACHE.to(dtype)
+    if cache_dtype != dtype:
+        cache = quantize_kv(cache, 1.0, cache_dtype)
     flat = cache.view(2, NUM_BLOCKS * BLOCK, KV_HEADS, HEAD_SIZE)
-    k = flat[0, slot_mapping].to(torch.bfloat16)
-    v = flat[1, slot_mapping].to(torch.bfloat16)
+    k = flat[0, slot_mapping].to(dtype)
+    v = flat[1, slot_mapping].to(dtype)
+    cache = cache.view(2, -1, block, KV_HEADS, HEAD_SIZE)
     spec = AttentionSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
                          scale=HEAD_SIZE ** -0.5, sliding_window=sliding_window)
-    out = CpuAttention(spec, True).forward(torch.cat(q_rows), k, v, cache, md)
+    out = CpuAttention(spec, True).forward(torch.cat(q_rows).to(dtype), k, v, cache, md)
     out = out.view(-1, HEADS, HEAD_SIZE)
     return out[qsl[subject_query]:qsl[subject_query + 1]]
 
@@ -86,12 +93,22 @@ def _other(i: int, shared_blocks: int, length: int) -> tuple[list[int], int, int
     return blocks[:-(-length // BLOCK)], length - 1, 1
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn,
-                                         torch.float8_e5m2], ids=["bf16", "e4m3", "e5m2"])
+BF16 = torch.bfloat16
+CASES = {"bf16": (BF16, BF16, 16), "e4m3": (BF16, torch.float8_e4m3fn, 16),
+         "e5m2": (BF16, torch.float8_e5m2, 16), "bf16-block8": (BF16, BF16, 8),
+         "f32": (torch.float32, torch.float32, 16), "f32-block8": (torch.float32,) * 2 + (8,),
+         "f16": (torch.float16, torch.float16, 16)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("sliding_window", [None, 37])
-def test_a_row_is_bit_identical_in_every_batch_shape(sliding_window, cache_dtype):
+def test_a_row_is_bit_identical_in_every_batch_shape(sliding_window, case):
+    dtype, cache_dtype, block = CASES[case]
+    if dtype == BF16 and not has_avx512_bf16():
+        pytest.skip("bfloat16 attention is native only with AVX512-BF16")
+
     def attend(reqs, subject_query=0):
-        return _attend(reqs, sliding_window, subject_query, cache_dtype)
+        return _attend(reqs, sliding_window, subject_query, dtype, cache_dtype, block)
 
     # Reference: every position decoded alone.
     alone = {p: attend([(SUBJECT_BLOCKS, p, 1)])[0]

@@ -1,7 +1,8 @@
-"""Batch invariance in the default dtype (DESIGN.md §10): with the bundled model in
-bfloat16, each request's greedy and seeded-sampled tokens and its logprobs are
-bit-identical alone, in a batch (in any order), under chunked prefill with prefix-cache
-hits (full and partial), and after preemption."""
+"""Batch invariance in every dtype (DESIGN.md §10): with the bundled model in bfloat16 (the
+default: its GGUF blocks through the quantized GEMM) and in float32 (dequantized: the
+native float32 GEMM), each request's greedy and seeded-sampled tokens and its logprobs
+are bit-identical alone, in a batch (in any order), under chunked prefill with
+prefix-cache hits (full and partial), and after preemption."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.cpu.features import has_avx512_bf16
 
-pytestmark = pytest.mark.skipif(
-    not has_avx512_bf16(), reason="bfloat16 runs natively only with AVX512-BF16")
+# (dtype, quantization): the default path, and float32 on dequantized weights.
+CONFIGS = {"bf16": dict(dtype="bfloat16"),
+           "f32-dequantized": dict(dtype="float32", quantization="none")}
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=12, logprobs=3),
           SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=12, logprobs=3)]
@@ -35,9 +37,13 @@ def _run(llm: LLM, prompts, params):
               for d in o.outputs[0].logprobs]) for o in outs]
 
 
-def test_outputs_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_outputs_do_not_depend_on_the_batch(config):
+    kwargs = CONFIGS[config]
+    if kwargs["dtype"] == "bfloat16" and not has_avx512_bf16():
+        pytest.skip("bfloat16 runs natively only with AVX512-BF16")
     prompts = _prompts()
-    llm = LLM(dtype="bfloat16", enable_prefix_caching=False)
+    llm = LLM(enable_prefix_caching=False, **kwargs)
     try:
         alone = [[_run(llm, [p], params)[0] for p in prompts] for params in PARAMS]
         for params, expected in zip(PARAMS, alone):
@@ -47,7 +53,7 @@ def test_outputs_do_not_depend_on_the_batch():
         llm.shutdown()
     # 7-token steps: every prompt prefilled in chunks, next to other requests' decodes;
     # the second round hits the prefix cache (the 70-token prefix, or whole prompts).
-    llm = LLM(dtype="bfloat16", max_num_batched_tokens=7, max_num_seqs=4)
+    llm = LLM(max_num_batched_tokens=7, max_num_seqs=4, **kwargs)
     try:
         for params, expected in zip(PARAMS, alone):
             assert _run(llm, prompts, params) == expected
@@ -55,7 +61,7 @@ def test_outputs_do_not_depend_on_the_batch():
     finally:
         llm.shutdown()
     # A cache of 23 usable blocks for 9 requests: some are preempted and recomputed.
-    llm = LLM(dtype="bfloat16", num_kv_blocks=24)
+    llm = LLM(num_kv_blocks=24, **kwargs)
     try:
         for params, expected in zip(PARAMS, alone):
             assert _run(llm, prompts, params) == expected

@@ -1,6 +1,6 @@
 """The fused native CPU ops behind RMSNorm, RotaryEmbedding and SiluAndMul match the
 layers' torch code (the fallback without a compiler); the native bfloat16 GEMM matches a
-float32 product."""
+float32 product, the native float32 GEMM a float64 one, with rows independent of the batch."""
 
 from __future__ import annotations
 
@@ -145,3 +145,50 @@ def test_native_gemm_accumulates_into_out(out_features, rows):
     # Columns outside out are untouched.
     assert torch.equal(wide[:, :10], before[:, :10])
     assert torch.equal(wide[:, 10 + out_features:], before[:, 10 + out_features:])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features", [8, 100, 576])
+def test_native_float32_gemm(bias, out_features):
+    """float32 linear layers run the native float32 GEMM after packing ([ceil(N/48), K,
+    48] panels). Each output is one fused multiply-add chain over K in order, so a row's
+    result is bit-identical alone, in any batch (1 to 300 rows: the 8-row micro-kernels,
+    the panel and the row split between threads) and on strided rows; it is within float32
+    summation error of a float64 product; accumulate adds the product to out exactly as
+    out.add_(product) does."""
+    gen = torch.Generator().manual_seed(5)
+    layer = ColumnParallelLinear(200, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_features, 200, generator=gen))
+        if bias:
+            layer.bias.copy_(torch.randn(out_features, generator=gen))
+    expected_weight = layer.weight.double()
+    expected_bias = layer.bias.double() if bias else None
+    pack_linear_weights(torch.nn.Sequential(layer))
+    assert layer.native_weight.dtype == torch.float32 and layer.weight.numel() == 0
+    x = torch.randn(300, 200, generator=gen)
+    batched = layer(x)
+    expected = torch.nn.functional.linear(x.double(), expected_weight, expected_bias)
+    torch.testing.assert_close(batched.double(), expected, rtol=1e-5, atol=1e-4)
+    for rows in (1, 2, 7, 9, 64):
+        assert torch.equal(layer(x[:rows]), batched[:rows])
+        assert torch.equal(layer(x[-rows:]), batched[-rows:])
+    assert all(torch.equal(layer(x[i:i + 1]), batched[i:i + 1]) for i in range(0, 300, 37))
+    wide = torch.randn(300, 2, 230, generator=gen)
+    wide[:, :, 20:220] = x.unsqueeze(1)
+    assert torch.equal(layer(wide[:, :, 20:220])[:, 1], batched)
+    residual = torch.randn(13, out_features, generator=gen)
+    summed = residual.clone()
+    torch.ops.pagedllm_cpu.gemm_f32(summed, x[:13], layer.native_weight, layer.native_bias,
+                                    True)
+    assert torch.equal(summed, residual + batched[:13])
+
+
+def test_native_float32_gemm_rejects_bad_shapes():
+    weight = torch.zeros(1, 16, 48)  # N <= 48, K = 16
+    with pytest.raises(RuntimeError, match="K, 48"):
+        torch.ops.pagedllm_cpu.gemm_f32(torch.empty(2, 40), torch.zeros(2, 18), weight,
+                                        torch.zeros(40))
+    with pytest.raises(RuntimeError, match="out is a float32"):
+        torch.ops.pagedllm_cpu.gemm_f32(torch.empty(2, 60), torch.zeros(2, 16), weight,
+                                        torch.zeros(60))

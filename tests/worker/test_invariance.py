@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -36,11 +37,25 @@ def test_other_paths_say_why(config, change, native, fragment):
     assert fragment in batch_invariance_caveat(_with(config, **change), native)
 
 
-def test_float32_is_named(config):
-    f32 = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="float32"))
-    assert "only bfloat16" in batch_invariance_caveat(f32, True)
+def _with_model_cache(config, dtype, block_size=16):
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, dtype=dtype),
+        cache=dataclasses.replace(config.cache, block_size=block_size))
 
 
-def test_bf16_block_size_not_a_multiple_of_16(config):
-    odd = dataclasses.replace(config, cache=dataclasses.replace(config.cache, block_size=8))
-    assert "multiples of 16" in batch_invariance_caveat(odd, True)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_bf16_and_f32_are_invariant_at_any_block_size(config, dtype, block_size):
+    assert batch_invariance_caveat(_with_model_cache(config, dtype, block_size), True) is None
+
+
+def test_float16_is_named(config):
+    assert "float16 linear layers" in batch_invariance_caveat(
+        _with_model_cache(config, "float16"), True)
+
+
+def test_mixture_of_experts_is_named(config):
+    hf = copy.deepcopy(config.model.hf_config)
+    hf.num_local_experts = 4
+    moe = dataclasses.replace(config, model=dataclasses.replace(config.model, hf_config=hf))
+    assert "mixture-of-experts" in batch_invariance_caveat(moe, True)

@@ -143,5 +143,5 @@ def _unavailable(mode: str, reason: str) -> bool:
 def _register_fakes() -> None:
     """Shape-only versions of the ops, so torch.compile can trace through them."""
     for name in ("paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-                 "gemm_bf16", "gemm_quant", "argmax"):
+                 "gemm_bf16", "gemm_f32", "gemm_quant", "argmax"):
         torch.library.register_fake(f"pagedllm_cpu::{name}")(lambda *args, **kwargs: None)

@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.kernels.cpu.build import load_cpu_kernels
 
-__all__ = ["argmax", "cpu_ops_available", "gemm_bf16", "gemm_quant", "llama_decoder_layers",
+__all__ = ["argmax", "cpu_ops_available", "gemm_bf16", "gemm_f32", "gemm_quant", "llama_decoder_layers",
            "load_cpu_kernels", "paged_attention", "rms_norm", "rotary_embedding",
            "silu_and_mul"]
 
@@ -69,6 +69,14 @@ def gemm_bf16(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     """out [M, N] = x [M, K] @ W^T + bias (bfloat16) from the packed weight
     [ceil(N/48), K/2, 48, 2] and float32 bias [N]; with `accumulate`, out += that."""
     torch.ops.pagedllm_cpu.gemm_bf16.default(out, x, weight, bias, accumulate)
+
+
+def gemm_f32(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor, accumulate: bool = False) -> None:
+    """out [M, N] = x [M, K] @ W^T + bias (float32) from the packed weight
+    [ceil(N/48), K, 48] and bias [N]; with `accumulate`, out += that. Each output is one
+    fused multiply-add chain over K in order, whatever M (batch invariant)."""
+    torch.ops.pagedllm_cpu.gemm_f32.default(out, x, weight, bias, accumulate)
 
 
 def gemm_quant(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,

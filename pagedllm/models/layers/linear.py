@@ -125,17 +125,24 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def can_native(weight: torch.Tensor) -> bool:
-    """The native bfloat16 GEMM (AVX512-BF16) applies to this weight."""
-    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0
-            and has_avx512_bf16() and cpu_ops_available(weight))
+    """A native GEMM applies to this weight: bfloat16 on AVX512-BF16, or float32 (every
+    CPU: batch invariant, where oneDNN's float32 GEMM rounds by batch shape)."""
+    if weight.dim() != 2 or not cpu_ops_available(weight):
+        return False
+    if weight.dtype == torch.bfloat16:
+        return weight.shape[1] % 2 == 0 and has_avx512_bf16()
+    return weight.dtype == torch.float32
 
 
 def pack_native(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> panels [ceil(N / 48), K / 2, 48, 2] (rows past N are zero): each
-    pair of K of 48 output columns is one contiguous run, as cpu_gemm.cpp reads it."""
+    """weight [N, K] -> panels of 48 output columns (rows past N are zero), as
+    cpu_gemm.cpp reads them: bfloat16 [ceil(N / 48), K / 2, 48, 2] (each pair of K of 48
+    columns one contiguous run), float32 [ceil(N / 48), K, 48]."""
     n, k = weight.shape
     panels = -(-n // NATIVE_PANEL)
     padded = F.pad(weight.detach(), (0, 0, 0, panels * NATIVE_PANEL - n))
+    if weight.dtype == torch.float32:
+        return padded.view(panels, NATIVE_PANEL, k).transpose(1, 2).contiguous()
     return padded.view(panels, NATIVE_PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
@@ -149,7 +156,8 @@ def native_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
 def pack_for_cpu(weight: torch.Tensor, bias: torch.Tensor | None,
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(packed_weight, native_weight, native_bias) for `weight`: the native GEMM's layout
-    for bfloat16 where the CPU has AVX512-BF16, oneDNN's otherwise, none if neither fits."""
+    (float32, or bfloat16 where the CPU has AVX512-BF16), oneDNN's otherwise, none if
+    neither fits."""
     if can_native(weight):
         return None, pack_native(weight), native_bias(bias, weight.shape[0])
     if can_pack(weight):
@@ -168,7 +176,8 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x W^T + b, through the packed weight when there is one. x [..., in] -> [..., out].
 
     bfloat16 with a native_weight: the native GEMM (faster than oneDNN's at every row count
-    measured, most at decode batches: weights stream from memory every step). A uint8
+    measured, most at decode batches: weights stream from memory every step); float32:
+    the native GEMM whose rows do not depend on the batch. A uint8
     native_weight holds GGUF blocks: the quantized GEMM (bfloat16 or float32 x).
     """
     if native_weight is not None and native_weight.dtype == torch.uint8:
@@ -183,7 +192,8 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if x2.stride(1) != 1 or x2.stride(0) % 2:
             x2 = x2.contiguous()
         out = torch.empty((x2.shape[0], native_bias.numel()), dtype=x.dtype)
-        cpu_ops.gemm_bf16(out, x2, native_weight, native_bias)
+        gemm = cpu_ops.gemm_f32 if native_weight.dtype == torch.float32 else cpu_ops.gemm_bf16
+        gemm(out, x2, native_weight, native_bias)
         return out.view(*x.shape[:-1], out.shape[1])
     if packed_weight is None:
         return F.linear(x, weight, bias)

@@ -659,131 +659,17 @@ void shared_prefix_item_avx512(const Params<T, C>& p, const Item& item, Scratch&
   }
 }
 
-// Bytes of K and V per read-then-compute segment of a decode: inside L2.
-constexpr int64_t kDecodeSegmentBytes = 768 << 10;
-
-// Decode item (one query token): three passes instead of the online softmax, so no
-// per-chunk max / rescale chains. 1) scores of every row for the whole context into
-// sc.scores (invisible keys -inf); 2) per row: max, p = exp(s - max), l = sum p;
-// 3) acc = P . V chunk by chunk. K and V are each read once (K in pass 1, V in pass 3).
-// (float32 and float16; bfloat16 decodes take the tile pass, decode_tile_item_avx512.)
+// Decode item (one query token): the pass of prefill rows (the bfloat16 tile pass, or the
+// chunks of 16 keys), continued from the cascade's shared state when there is one. A row's
+// arithmetic (score sums, steps of keys at absolute positions, the max, P . V) is then the
+// same whether its token is decoded, prefilled in any chunk, or recomputed after
+// preemption: attention is batch invariant in every dtype (DESIGN.md §10). (A three-pass
+// decode, scores then softmax then P . V, was a little faster on long float32 contexts but
+// rounded differently from the prefill rows.)
 template <typename T, typename C, int NV, bool kBf16>
 void decode_item_avx512(const Params<T, C>& p, const Item& item, Scratch& sc,
-                        const SharedPrefix*) {
-  constexpr int D = NV * 16;
-  const Span sp = span_of(p, item);
-  const int64_t rows = p.group * (item.head_end - item.head_begin);  // row h * G + g
-  load_item_queries<T, C, NV, kBf16>(p, item, p.group, sc);
-  const int64_t c0 = sp.key_lo / 16 * 16;
-  const int64_t stride = (sp.key_hi - c0 + 15) / 16 * 16;  // score row length
-  float* scores = sc.scores.data();
-  uint16_t* pb = reinterpret_cast<uint16_t*>(sc.scores_b.data());
-  const size_t q_bytes = kBf16 ? sizeof(uint16_t) : sizeof(float);
-  int64_t off[16];
-  auto chunk_n = [&](int64_t c) {
-    return static_cast<int>(std::clamp<int64_t>(sp.key_hi - c, 0, 16));
-  };
-  auto score_chunk = [&](int64_t c, int n) {
-    const __mmask16 mask = visible(p, sp.pos0, c, n);
-    for (int64_t h = item.head_begin; h < item.head_end; ++h) {
-      const C* kb[16];
-      for (int t = 0; t < n; ++t) kb[t] = p.kc + off[t] + h * D;
-      for (int64_t g = 0; g < p.group; ++g) {
-        const int64_t row = (h - item.head_begin) * p.group + g;
-        const void* qr = reinterpret_cast<const char*>(sc.q.data()) + row * D * q_bytes;
-        __m512 v[16];
-        for (int t = 0; t < 16; ++t)
-          v[kSlotOfKey[t]] = t < n ? key_dot<C, NV, kBf16>(kb[t], qr) : _mm512_setzero_ps();
-        const __m512 sv = _mm512_mul_ps(hsum16(v), _mm512_set1_ps(p.scale));
-        _mm512_storeu_ps(scores + row * stride + (c - c0),
-                         _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, sv));
-      }
-    }
-  };
-  auto each_chunk = [&](int64_t lo, int64_t hi, auto&& work) {
-    for (int64_t c = lo; c < hi; c += 16) {
-      chunk_offsets(p, item.req, c, chunk_n(c), off);
-      work(c, chunk_n(c));
-    }
-  };
-  // Pass 1: scores, by segments of the context that fit in L2: first a tight loop of
-  // plain loads over the segment's K and V (many reads in flight), then the math on it.
-  // Measured on 64 decodes with contexts from memory: 1.5x the rate of reading each
-  // chunk (or prefetching it) during the math, and faster than reading K and V apart.
-  const int64_t kv_bytes = 2 * (item.head_end - item.head_begin) * D * sizeof(C);
-  const int64_t segment = std::max<int64_t>(1, kDecodeSegmentBytes / kv_bytes / 16) * 16;
-  for (int64_t s0 = c0; s0 < sp.key_hi; s0 += segment) {
-    const int64_t s1 = std::min(sp.key_hi, s0 + segment);
-    each_chunk(s0, s1, [&](int64_t, int n) { touch_chunk(p, item, off, n, D); });
-    each_chunk(s0, s1, score_chunk);
-  }
-  // Pass 2: softmax numerators and sums.
-  for (int64_t row = 0; row < rows; ++row) {
-    float* sr = scores + row * stride;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < stride; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + i));
-    sc.m[row] = _mm512_reduce_max_ps(mx);
-    const __m512 m = _mm512_set1_ps(sc.m[row]);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < stride; i += 16) {
-      const __m512 x = _mm512_loadu_ps(sr + i);
-      const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-      const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, m)));
-      sum = _mm512_add_ps(sum, e);
-#if defined(__AVX512BF16__)
-      if constexpr (kBf16) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + row * stride + i),
-                            (__m256i)_mm512_cvtneps_pbh(e));
-        continue;
-      }
-#endif
-      _mm512_storeu_ps(sr + i, e);
-    }
-    sc.l[row] = _mm512_reduce_add_ps(sum);
-  }
-  // Pass 3: P . V.
-  std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.0f);
-  std::fill(sc.alpha.begin(), sc.alpha.begin() + rows, 1.0f);
-  // (V comes from L2, or L3 on long contexts.)
-  each_chunk(c0, sp.key_hi, [&](int64_t c, int n) {
-    for (int64_t h = item.head_begin; h < item.head_end; ++h) {
-      const C* vb[16];
-      for (int t = 0; t < n; ++t) vb[t] = p.kc + off[t] + h * D + p.cache_half;
-      const int64_t row0 = (h - item.head_begin) * p.group;
-      for (int64_t r0 = row0; r0 < row0 + p.group; r0 += 4) {
-        float* acc = sc.acc.data() + r0 * D;
-        const float* al = sc.alpha.data() + r0;
-        const float* pr = scores + r0 * stride + (c - c0);
-        const uint16_t* pbr = pb + r0 * stride + (c - c0);
-        switch (std::min<int64_t>(4, row0 + p.group - r0)) {
-          case 4: rows_pv<C, NV, 4, kBf16>(acc, al, pr, pbr, stride, vb, n); break;
-          case 3: rows_pv<C, NV, 3, kBf16>(acc, al, pr, pbr, stride, vb, n); break;
-          case 2: rows_pv<C, NV, 2, kBf16>(acc, al, pr, pbr, stride, vb, n); break;
-          default: rows_pv<C, NV, 1, kBf16>(acc, al, pr, pbr, stride, vb, n); break;
-        }
-      }
-    }
-  });
-  for (int64_t h = item.head_begin; h < item.head_end; ++h) {
-    const int64_t row0 = (h - item.head_begin) * p.group;
-    store_rows<T, C, NV, kBf16>(p, item, h, sc.acc.data() + row0 * D, sc.l.data() + row0,
-                             p.group);
-  }
-}
-
-// Decode item (one query token) in bfloat16: the tile pass of prefill rows, continued from
-// the cascade's shared state when there is one. Its arithmetic per row (score sums,
-// steps of kTileKeys keys at absolute positions, lazy max, P . V) is the prefill rows',
-// so a token's attention is bit-identical whether it is decoded, prefilled in any chunk,
-// or recomputed after preemption (batch invariance, DESIGN.md §10). Block sizes that are
-// not a multiple of 16 have no tile pass and keep the three-pass decode.
-template <typename T, typename C, int NV>
-void decode_tile_item_avx512(const Params<T, C>& p, const Item& item, Scratch& sc,
-                             const SharedPrefix* sh) {
-  if (p.block_size % 16 == 0)
-    attend_item_from_avx512<T, C, NV, true>(p, item, sc, sh);
-  else
-    decode_item_avx512<T, C, NV, true>(p, item, sc, sh);
+                        const SharedPrefix* sh) {
+  attend_item_from_avx512<T, C, NV, kBf16>(p, item, sc, sh);
 }
 
 }  // namespace pagedllm_attention

@@ -115,15 +115,11 @@ using pagedllm_simd::exp_poly;
 struct Scratch {
   std::vector<float> q, acc, m, l, l_lanes, k, v, s, probs, alpha;
   std::vector<uint16_t> probs_b;
-  // Decode items: scores (then probabilities) of every row over the whole context.
-  std::vector<float> scores;
-  std::vector<uint16_t> scores_b;
-  Scratch(int64_t max_rows, int64_t head_size, int64_t keys, int64_t decode_scores)
+  Scratch(int64_t max_rows, int64_t head_size, int64_t keys)
       : q(max_rows * head_size), acc(max_rows * head_size), m(max_rows), l(max_rows),
         l_lanes(max_rows * 16),
         k(keys * head_size), v(keys * head_size), s(keys), probs(max_rows * 16),
-        alpha(max_rows), probs_b(max_rows * 16 + 2), scores(decode_scores),
-        scores_b(decode_scores + 2) {}
+        alpha(max_rows), probs_b(max_rows * 16 + 2) {}
 };
 
 // Load the queries of KV head h as float32 times `scale`, rows i * G + g.

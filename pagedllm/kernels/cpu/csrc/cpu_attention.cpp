@@ -135,10 +135,10 @@ ItemFns<T, C> avx512_item_fns() {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   // vdpbf16ps needs head dims in pairs of 32. The cascade pays off only there: its shared
   // tile prepares each key chunk once for many rows (transpose_keys).
-  // Decodes take the tile pass too (decode_tile_item_avx512): every row then reduces its
+  // Decodes take the prefill rows' pass (decode_item_avx512): every row then reduces its
   // keys in the same steps with the same arithmetic, whatever its item (batch invariance).
   if constexpr (std::is_same_v<T, c10::BFloat16> && kHasBf16Dot && NV % 2 == 0)
-    return {attend_item_avx512<T, C, NV, true>, decode_tile_item_avx512<T, C, NV>,
+    return {attend_item_avx512<T, C, NV, true>, decode_item_avx512<T, C, NV, true>,
             shared_prefix_item_avx512<T, C, NV, true>};
   else
     return {attend_item_avx512<T, C, NV, false>, decode_item_avx512<T, C, NV, false>, nullptr};
@@ -311,18 +311,6 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
   }
   const int64_t num_shared_items = static_cast<int64_t>(shared_items.size());
   const int64_t keys = std::max<int64_t>(16, p.block_size);
-  // Single-token items (decodes, and the last tile of a chunk) keep every row's scores
-  // over the whole context (padded to 16 keys).
-  int64_t longest = 0;
-  bool any_single = false;
-  for (const Item& item : items) {
-    if (item.tok_end - item.tok_begin == 1) {
-      any_single = true;
-      longest = std::max<int64_t>(longest, p.lens[item.req]);
-    }
-  }
-  const int64_t decode_scores =
-      any_single ? p.group * heads_per_item * ((longest + 31) / 16 * 16) : 0;
   // (query token, key, KV head) triples: below ~32k the whole call takes a few
   // microseconds, less than waking the other threads.
   int64_t work = 0;
@@ -331,7 +319,7 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
 #pragma omp parallel if (num_items > 1 && work > 32768)
   {
     Scratch scratch(std::max(q_tile * heads_per_item, shared_tile) * p.group, p.head_size,
-                    keys, decode_scores);
+                    keys);
     // The shared parts first (the loop's barrier orders them before the merges).
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_shared_items; ++it)

@@ -5,7 +5,8 @@
 // ~60 us; SmolLM2-135M has 30 layers per token.
 //
 // Per layer, `weights` holds kWeightsPerLayer optional tensors (see the enum); a linear
-// runs the native bfloat16 GEMM when it has a native-packed weight, the quantized GEMM
+// runs the native bfloat16 or float32 GEMM when it has a native-packed weight (cpu_gemm.cpp),
+// the quantized GEMM
 // when that weight is GGUF blocks (uint8, cpu_quant.cpp), oneDNN's packed GEMM otherwise
 // (models/layers/linear.py: cpu_linear).
 
@@ -60,6 +61,8 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base) {
     at::Tensor out = at::empty({x.size(0), bias->size(0)}, x.options());
     if (native->scalar_type() == at::kByte) {
       gemm_quant(out, x, *native, bias);
+    } else if (native->scalar_type() == at::kFloat) {
+      gemm_f32(out, x, *native, *bias);
     } else {
       gemm_bf16(out, x, *native, bias);
     }
@@ -75,6 +78,8 @@ void add_linear(const at::Tensor& out, const at::Tensor& x, const Weights& w, in
   if (native.has_value()) {
     if (native->scalar_type() == at::kByte) {
       gemm_quant(out, x, *native, w.get(base + 3), /*accumulate=*/true);
+    } else if (native->scalar_type() == at::kFloat) {
+      gemm_f32(out, x, *native, *w.get(base + 3), /*accumulate=*/true);
     } else {
       gemm_bf16(out, x, *native, w.get(base + 3), /*accumulate=*/true);
     }

@@ -19,6 +19,10 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x);
 // accumulate: out += round(x . W^T + bias) (rounded again), else out = round(...).
 void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                const std::optional<at::Tensor>& bias, bool accumulate = false);
+// float32 (cpu_gemm.cpp): out = x . W^T + bias from W packed [ceil(N / 48), K, 48], one
+// fused multiply-add chain per output in K order; accumulate: out += that.
+void gemm_f32(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+              const at::Tensor& bias, bool accumulate = false);
 // GGUF-quantized weight (cpu_quant.cpp): out = round(x . dequant(W)^T + bias); bias is a
 // float32 [N] (zeros for none); accumulate as gemm_bf16; portable: no AVX512-VNNI path.
 void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
