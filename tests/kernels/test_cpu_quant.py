@@ -2,9 +2,11 @@
 
 References: the weights dequantized by gguf-py itself, and x quantized per row to int8
 blocks as the kernel does (`_quantize_rows`, numpy float32: the same operations). With both
-operands the kernel's, the only difference left is the float32 summation over K: the
-reference sums in float64, so the tolerance is a few float32 rounding steps (rtol 1e-5 of
-the sum of |terms|). Against the unquantized x the int8 activations cost ~1% (checked too).
+operands the kernel's, the only difference left is the float32 arithmetic over K (one
+rounded product d_w d_x and one fused multiply-add per block, or per half block for Q6_K's
+sub-blocks of 16, the integer dots exact): the reference sums in float64, so the
+tolerance is a few float32 rounding steps (rtol 1e-5 of the sum of |terms|), the same for
+every type. Against the unquantized x the int8 activations cost ~1% (checked too).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pagedllm.kernels.cpu.build import load_cpu_kernels
 from pagedllm.kernels.cpu.quant import ROW_QTYPES, QuantizedWeight, dequantize_rows, repack
 from tests.loader.test_gguf import random_k_blocks
 
-QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]
+QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+K_QTYPES = ("Q4_K", "Q5_K", "Q6_K")
 _QT = gguf.GGMLQuantizationType
 
 
@@ -29,13 +32,13 @@ def _kernels() -> None:
 
 
 def make_weight(qtype: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
-    """A random [n, k] weight quantized by gguf-py (as the file would hold it); Q4_K
-    (which gguf-py cannot quantize): random blocks, every scale and quant bit exercised,
-    k rounded up to its 256-weight blocks."""
+    """A random [n, k] weight quantized by gguf-py (as the file would hold it); K-types
+    (which gguf-py cannot quantize): random blocks, every scale and quant bit exercised
+    (Q6_K's int8 scales of both signs), k rounded up to their 256-weight blocks."""
     rng = np.random.default_rng(seed)
-    if qtype == "Q4_K":
+    if qtype in K_QTYPES:
         k = -(-k // 256) * 256
-        raw = random_k_blocks(rng, (n, k), _QT.Q4_K)
+        raw = random_k_blocks(rng, (n, k), getattr(_QT, qtype))
         return QuantizedWeight(qtype, torch.from_numpy(np.ascontiguousarray(raw)), k)
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     w[:, :32] += 0.02  # a non-zero mean in a block: exercises Q4_1's min
@@ -69,17 +72,18 @@ def run_gemm(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_dequantize_matches_gguf(qtype: str) -> None:
-    weight = make_weight(qtype, 37, 96)
+    weight = make_weight(qtype, 37, 320)  # K-types: 512, two blocks of 256
     ref = gguf_dequantize(weight)
     assert torch.equal(weight.dequantize(torch.float32), ref)
-    if qtype in ROW_QTYPES:
-        rows = torch.tensor([0, 36, 5, 16, 15, 5])
-        assert torch.equal(dequantize_rows(repack(weight), rows), ref[rows])
+    assert qtype in ROW_QTYPES
+    rows = torch.tensor([0, 36, 5, 16, 15, 5])
+    assert torch.equal(dequantize_rows(repack(weight), rows), ref[rows])
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(1, 33, 64), (3, 7, 32), (17, 129, 160), (40, 48, 576)])
+@pytest.mark.parametrize("m,n,k", [(1, 33, 64), (3, 7, 32), (17, 129, 160), (40, 48, 576),
+                                   (9, 20, 1024)])
 def test_gemm_matches_dequantized_matmul(qtype: str, dtype: torch.dtype, m: int, n: int,
                                          k: int) -> None:
     weight = make_weight(qtype, n, k, seed=m + n + k)
@@ -102,27 +106,42 @@ def test_gemm_matches_dequantized_matmul(qtype: str, dtype: torch.dtype, m: int,
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_rows_bit_identical_whatever_the_batch(qtype: str) -> None:
-    """Batch invariance: a row's output is the same bits alone, or anywhere in a batch."""
+    """Batch invariance: a row's output is the same bits alone, or anywhere in a batch
+    (70 rows: micro-kernels of 8 rows and fewer, and two blocks of 64 rows)."""
     weight = make_weight(qtype, 200, 512)
-    x = torch.randn(33, 512).to(torch.bfloat16)
+    x = torch.randn(70, 512).to(torch.bfloat16)
     full = run_gemm(weight, x)
-    for i in (0, 5, 17, 32):
+    for i in (0, 5, 17, 32, 69):
         assert torch.equal(run_gemm(weight, x[i:i + 1]), full[i:i + 1])
     assert torch.equal(run_gemm(weight, x[3:20]), full[3:20])
+    assert torch.equal(run_gemm(weight, x[60:]), full[60:])
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_portable_path_same_bits(qtype: str) -> None:
     """The path of CPUs without AVX512-VNNI gives the same bits as the VNNI one."""
-    weight = make_weight(qtype, 45, 256)
-    x = torch.randn(11, 256)
+    weight = make_weight(qtype, 45, 512)
+    x = torch.randn(11, 512)
     assert torch.equal(run_gemm(weight, x, portable=True), run_gemm(weight, x))
 
 
-def test_accumulate_adds_rounded_result() -> None:
-    weight = make_weight("Q4_1", 50, 64)
-    x = torch.randn(4, 64).to(torch.bfloat16)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_accumulate_adds_rounded_result(qtype: str) -> None:
+    weight = make_weight(qtype, 50, 64)
+    k = weight.shape[1]
+    x = torch.randn(4, k).to(torch.bfloat16)
     out = torch.randn(4, 50).to(torch.bfloat16)
     expected = out + run_gemm(weight, x)
     cpu_ops.gemm_quant(out, x, repack(weight), torch.zeros(50), accumulate=True)
     assert torch.equal(out, expected)
+
+
+# packed / file bytes (kernels/cpu/quant.py): the K-types' 6-bit scales unpacked to bytes.
+_PACKED_RATIO = {"Q4_K": 2368 / 2304, "Q5_K": 2880 / 2816}
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_repacked_weight_is_file_sized(qtype: str) -> None:
+    weight = make_weight(qtype, 64, 512)
+    packed = repack(weight)
+    assert packed.numel() == weight.raw.numel() * _PACKED_RATIO.get(qtype, 1)

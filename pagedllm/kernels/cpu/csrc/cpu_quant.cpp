@@ -1,26 +1,40 @@
-// Linear layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K), dequantized in
-// registers: out [M, N] = x [M, K] . dequant(W)^T + bias, as llama.cpp computes it.
+// Linear layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+// Q6_K), dequantized in registers: out [M, N] = x [M, K] . dequant(W)^T + bias, as
+// llama.cpp computes it.
 //
 // Activations: each row of x is quantized to int8 in blocks of 32 (d = max|x| / 127,
-// q = round(x / d), and the block's sum of q), as llama.cpp's Q8_0 / Q8_1 activations.
-// A row's quantization depends on that row alone, so its result does not depend on M.
+// q = round(x / d), and the sums of q over the block and over each half of 16), as
+// llama.cpp's Q8_0 / Q8_1 / Q8_K activations. A row's quantization depends on that row
+// alone, so its result does not depend on M.
 //
 // Weights (kernels/cpu/quant.py: repack) are kept as stored in the GGUF file, regrouped
-// so that 16 output columns sit side by side: [ceil(N / 16), K / 32, block_bytes] (Q4_K:
-// K / 256 super-blocks, laid out at kQ4KScales below), where one (group, block) holds
-//   Q4_0: qs [4][16 columns][4 bytes] | d [16] f16                 = 288 bytes
-//   Q4_1: qs [4][16 columns][4 bytes] | d [16] f16 | m [16] f16    = 320 bytes
-//   Q8_0: qs [8][16 columns][4 bytes] (q + 128 as uint8) | d [16]  = 544 bytes
+// so that 16 output columns sit side by side: [ceil(N / 16), K / 32, block_bytes] (K-types:
+// K / 256 super-blocks, laid out at kQ4KScales / kQ5KScales / kQ6KScales below), where
+// one (group, block) holds
+//   Q4_0: qs [4][16 columns][4 bytes] | d [16] f16                              = 288 bytes
+//   Q4_1: qs [4][16 columns][4 bytes] | d [16] f16 | m [16] f16                 = 320 bytes
+//   Q5_0: qs [4][16 columns][4 bytes] | qh [16 columns][4 bytes] | d [16] f16   = 352 bytes
+//   Q5_1: qs [4][16 columns][4 bytes] | qh [16 columns][4 bytes] | d | m        = 384 bytes
+//   Q8_0: qs [8][16 columns][4 bytes] (q + 128 as uint8) | d [16]               = 544 bytes
 // (the block size tells the type apart). Q4 bytes are ggml's: byte j of a block holds
 // element j in its low nibble and element j + 16 in its high one; vector v of the group
 // holds bytes [4v, 4v + 4) of each column, so its low nibbles pair with x[4v, 4v + 4)
 // and its high nibbles with x[16 + 4v, 16 + 4v + 4). Q8_0 vector v holds elements
-// [4v, 4v + 4). Weights are unsigned (nibbles 0..15, q + 128), activations signed: one
+// [4v, 4v + 4). Q5's fifth bits (ggml's qh, a u32 per block) are regrouped as a "plane"
+// that one vector of the group holds: byte i of a column has in bit v the fifth bit of
+// element 4v + i (low nibble of vector v) and in bit 4 + v that of element 16 + 4v + i
+// (its high nibble), so one shift and mask puts it at bit 4 of the nibble's byte.
+// Weights are unsigned (q = 0..15, 0..31, 0..63 or q + 128), activations signed: one
 // AVX512-VNNI vpdpbusd multiplies 4 pairs per lane for 16 columns at once, and
 //   Q4_0: sum w x = d_w d_x (dot - 8 sum q_x)
+//   Q5_0: sum w x = d_w d_x (dot - 16 sum q_x)
 //   Q8_0: sum w x = d_w d_x (dot - 128 sum q_x)
-//   Q4_1: sum w x = d_w d_x dot + m_w (d_x sum q_x)
-//   Q4_K: sum w x = (d sc) d_x dot - (dmin m) (d_x sum q_x), per sub-block of 32
+//   Q4_1, Q5_1: sum w x = d_w d_x dot + m_w (d_x sum q_x)
+//   Q4_K, Q5_K: sum w x = (d sc) d_x dot - (dmin m) (d_x sum q_x), per sub-block of 32
+//   Q6_K: sum w x = (d sc) d_x (dot - 32 sum16 q_x), per sub-block of 16: an activation
+//         block spans two, each with its own int32 dot (lower and upper 16 of the block,
+//         which are exactly the low and the high nibbles of the Q4 byte layout; started
+//         at -32 sum16 q_x) and its own float multiply-add, the lower one first
 // the integer parts exact, the float parts in one fixed order per (row, column): block
 // after block over K, whatever M and wherever the row sits in the batch (batch
 // invariance, DESIGN.md §10). The portable path (no AVX512-VNNI) does the same float
@@ -52,13 +66,14 @@ constexpr int64_t kBlock = 32;  // K per block
 constexpr int kRows = 8;        // rows per micro-kernel call
 constexpr int64_t kRowBlock = 64;  // rows whose quantized x stays in L1/L2 while groups go by
 
-enum class QType { kQ8_0, kQ4_0, kQ4_1, kQ4_K };
+enum class QType { kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K };
 
 struct Layout {
   QType type;
   int64_t qs_bytes;  // bytes of weights per (group, block), before the scales
-  int32_t offset;    // what the unsigned weights are shifted by (Q4_1, Q4_K: 0, they have m)
-  int64_t elems;     // weights of K per block (Q4_K: a super-block of 8 x 32)
+  int32_t offset;    // what the unsigned weights are shifted by (Q4_1, Q5_1, Q4_K, Q5_K: 0,
+                     // they have m)
+  int64_t elems;     // weights of K per block (K-types: a super-block of 8 x 32)
 };
 
 // Q4_K (group, super-block), 2368 bytes: qs [4 chunks][8][16 columns][4 bytes], where
@@ -66,25 +81,45 @@ struct Layout {
 // [32c, 32c + 32) do | d [16] f16 | dmin [16] f16 | sc [8][16] u8 | m [8][16] u8 (the
 // 6-bit scales and mins unpacked): w = (d sc) q - dmin m per sub-block of 32.
 constexpr int64_t kQ4KScales = 2048;
+// Q5_K (group, super-block), 2880 bytes: Q4_K's qs (the low 4 bits) | qh [4 chunks][2]
+// [16 columns][4 bytes]: plane h of chunk c holds the fifth bits of its vectors
+// [4h, 4h + 4) as Q5_0's plane holds those of its 4 vectors (bit v % 4: low nibble, bit
+// 4 + v % 4: high nibble) | then Q4_K's d, dmin, sc, m.
+constexpr int64_t kQ5KScales = 2560;
+// Q6_K (group, super-block), 3360 bytes: 8 blocks of 32 weights, each 384 bytes: the low
+// 4 bits as Q4_0's qs [4][16 columns][4 bytes] | the top 2 bits of its low nibbles [16
+// columns][4 bytes] | of its high nibbles, the same (byte i of a column: bits 2v, 2v + 1
+// belong to vector v's byte i) | d [16] f16 | sc [16][16 columns] i8: w = (d sc) (q - 32)
+// per sub-block of 16, q = 0..63.
+constexpr int64_t kQ6KScales = 3072;
+constexpr int64_t kQ6KBlock = 384;
 
 Layout layout_of(int64_t block_bytes) {
   switch (block_bytes) {
     case 288: return {QType::kQ4_0, 256, 8, kBlock};
     case 320: return {QType::kQ4_1, 256, 0, kBlock};
+    case 352: return {QType::kQ5_0, 320, 16, kBlock};
+    case 384: return {QType::kQ5_1, 320, 0, kBlock};
     case 544: return {QType::kQ8_0, 512, 128, kBlock};
     case 2368: return {QType::kQ4_K, kQ4KScales, 0, 8 * kBlock};
+    case 2880: return {QType::kQ5_K, kQ5KScales, 0, 8 * kBlock};
+    case 3360: return {QType::kQ6_K, kQ6KScales, 32, 8 * kBlock};
     default: TORCH_CHECK(false, "gemm_quant: unknown block size ", block_bytes,
-                         " (Q4_0: 288, Q4_1: 320, Q8_0: 544, Q4_K: 2368)");
+                         " (Q4_0: 288, Q4_1: 320, Q5_0: 352, Q5_1: 384, Q8_0: 544, Q4_K: 2368,"
+                         " Q5_K: 2880, Q6_K: 3360)");
   }
 }
 
-// One row of x quantized: q [K] int8, per block d (float), sum of q (int32) and
-// d * sum (float, Q4_1's min term).
+// One row of x quantized: q [K] int8, per block d (float), sum of q (int32), d * sum
+// (float, the min term of Q4_1 / Q5_1 / the K-types) and -32 x the sums of q over its
+// two halves of 16 (int32: Q6_K's offset term, the value its sub-block dots start at, so
+// that a broadcast from memory replaces a subtraction per row and sub-block).
 struct QuantRows {
   const int8_t* q;
   const float* d;
   const int32_t* sum;
   const float* dsum;
+  const int32_t* off16;  // [nb][2] per row
   int64_t k, nb;
 };
 
@@ -92,8 +127,10 @@ template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
 
 // Quantize x [K] (float32 or bfloat16) into the row's buffers; same bits on every path.
+// off16 (Q6_K only, else nullptr: its two reductions cost ~1% of a Q4 prefill GEMM).
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* q, float* d, int32_t* sum, float* dsum) {
+void quantize_row(const T* x, int64_t k, int8_t* q, float* d, int32_t* sum, float* dsum,
+                  int32_t* off16) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const T* xb = x + b * kBlock;
 #if defined(__AVX512F__)
@@ -111,19 +148,27 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, int32_t* sum, floa
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
-    const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    int32_t s[2] = {_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)), 0};  // all in s[0]
+    if (off16 != nullptr) {  // split into the two halves
+      s[1] = _mm512_reduce_add_epi32(q1);
+      s[0] -= s[1];
+    }
 #else
-    int32_t s = 0;
+    int32_t s[2] = {0, 0};
     for (int64_t i = 0; i < kBlock; ++i) {
       // nearbyint: round half to even (the default mode), as vcvtps2dq.
       const int32_t qi = static_cast<int32_t>(std::nearbyint(to_f(xb[i]) * id));
       q[b * kBlock + i] = static_cast<int8_t>(qi);
-      s += qi;
+      s[i / 16] += qi;
     }
 #endif
     d[b] = db;
-    sum[b] = s;
-    dsum[b] = db * static_cast<float>(s);
+    sum[b] = s[0] + s[1];
+    dsum[b] = db * static_cast<float>(sum[b]);
+    if (off16 != nullptr) {
+      off16[2 * b] = -32 * s[0];
+      off16[2 * b + 1] = -32 * s[1];
+    }
   }
 }
 
@@ -134,17 +179,39 @@ inline void store_out(T* out, int64_t n, float v, bool accumulate) {
   out[n] = r;
 }
 
+// Q4 byte pairing: element j of 32 (K-types: of 64, `half` 32) in the nibbles of the
+// group's vectors `qs`, column c; `plane`, if any, adds Q5's fifth bit (layout above).
+inline int32_t q4_at(const uint8_t* qs, const uint8_t* plane, int64_t c, int64_t j,
+                     int64_t half) {
+  const int64_t l = j % half, high = j / half;  // the byte of the element, which nibble
+  const int64_t at = (l / 4) * 64 + c * 4 + l % 4;
+  int32_t w = high ? (qs[at] >> 4) : (qs[at] & 0x0f);
+  if (plane != nullptr) {
+    const int64_t v = l / 4;  // the element's vector: plane v / 4, bit v % 4 (+ 4: high)
+    w |= ((plane[(v / 4) * 64 + c * 4 + l % 4] >> (v % 4 + 4 * high)) & 1) << 4;
+  }
+  return w;
+}
+
 // The unsigned weight of column c, element i of block `blk` (portable path).
 inline int32_t weight_at(const uint8_t* blk, const Layout& L, int64_t c, int64_t i) {
-  if (L.type == QType::kQ8_0) return blk[(i / 4) * 64 + c * 4 + i % 4];
-  if (L.type == QType::kQ4_K) {  // i: an element of the super-block, in [0, 256)
-    const int64_t chunk = i / 64, l = i % 32;
-    const uint8_t byte = blk[chunk * 512 + (l / 4) * 64 + c * 4 + l % 4];
-    return (i % 64) < 32 ? (byte & 0x0f) : (byte >> 4);
+  switch (L.type) {
+    case QType::kQ8_0: return blk[(i / 4) * 64 + c * 4 + i % 4];
+    case QType::kQ4_0: case QType::kQ4_1: return q4_at(blk, nullptr, c, i, 16);
+    case QType::kQ5_0: case QType::kQ5_1: return q4_at(blk, blk + 256, c, i, 16);
+    case QType::kQ4_K: case QType::kQ5_K: {  // i: an element of the super-block, in [0, 256)
+      const int64_t chunk = i / 64;
+      const uint8_t* plane = L.type == QType::kQ5_K ? blk + 2048 + chunk * 128 : nullptr;
+      return q4_at(blk + chunk * 512, plane, c, i % 64, 32);
+    }
+    case QType::kQ6_K: {
+      const uint8_t* b = blk + (i / 32) * kQ6KBlock;
+      const int64_t j = i % 32, l = j % 16;  // j: in the block; l: its byte
+      const uint8_t top = b[256 + (j / 16) * 64 + c * 4 + l % 4];
+      return q4_at(b, nullptr, c, j, 16) | (((top >> (2 * (l / 4))) & 3) << 4);
+    }
   }
-  const int64_t j = i % 16;  // ggml byte of element i; high nibble for i >= 16
-  const uint8_t byte = blk[(j / 4) * 64 + c * 4 + j % 4];
-  return i < 16 ? (byte & 0x0f) : (byte >> 4);
+  return 0;
 }
 
 inline float half_at(const uint8_t* p, int64_t c) {
@@ -153,45 +220,70 @@ inline float half_at(const uint8_t* p, int64_t c) {
   return static_cast<float>(h);
 }
 
-// Portable: rows [m0, m1) x groups [g0, g1), the same float operations as the SIMD path.
+// Portable: one (row, column) over all blocks, the same float operations in the same
+// order as the SIMD path.
+inline float dot_portable(const QuantRows& x, int64_t m, const uint8_t* wg,
+                          int64_t block_bytes, const Layout& L, int64_t c) {
+  const int8_t* q = x.q + m * x.k;
+  const int64_t per = L.elems / kBlock;  // activation blocks per weight block
+  float acc = 0.0f;
+  for (int64_t b = 0; b < x.nb; ++b) {
+    const uint8_t* blk = wg + (b / per) * block_bytes;
+    const int64_t sub = b % per;  // K-types: the sub-block of 32
+    const int64_t i = m * x.nb + b;
+    // lower and upper 16 weights (Q6_K: from its offset term, as the SIMD path)
+    int32_t dot[2] = {0, 0};
+    if (L.type == QType::kQ6_K) {
+      dot[0] = x.off16[2 * i];
+      dot[1] = x.off16[2 * i + 1];
+    }
+    for (int64_t e = 0; e < kBlock; ++e)
+      dot[e / 16] += weight_at(blk, L, c, sub * kBlock + e) * q[b * kBlock + e];
+    const int32_t dot32 = dot[0] + dot[1];
+    switch (L.type) {
+      case QType::kQ6_K:
+        for (int64_t h = 0; h < 2; ++h) {
+          const int8_t sc = static_cast<int8_t>(blk[kQ6KScales + 32 + (2 * sub + h) * 16 + c]);
+          const float dw = half_at(blk + kQ6KScales, c) * static_cast<float>(sc);
+          acc = std::fma(dw * x.d[i], static_cast<float>(dot[h]), acc);
+        }
+        break;
+      case QType::kQ4_K: case QType::kQ5_K: {
+        const uint8_t* s = blk + L.qs_bytes;
+        const float dw = half_at(s, c) * static_cast<float>(s[64 + sub * 16 + c]);
+        const float mw = half_at(s + 32, c) * static_cast<float>(s[192 + sub * 16 + c]);
+        acc = std::fma(dw * x.d[i], static_cast<float>(dot32), acc);
+        acc = std::fma(-mw, x.dsum[i], acc);
+        break;
+      }
+      case QType::kQ4_1: case QType::kQ5_1: {
+        const float dd = half_at(blk + L.qs_bytes, c) * x.d[i];
+        acc = std::fma(dd, static_cast<float>(dot32), acc);
+        acc = std::fma(half_at(blk + L.qs_bytes + 32, c), x.dsum[i], acc);
+        break;
+      }
+      default: {
+        const float dd = half_at(blk + L.qs_bytes, c) * x.d[i];
+        acc = std::fma(dd, static_cast<float>(dot32 - L.offset * x.sum[i]), acc);
+      }
+    }
+  }
+  return acc;
+}
+
+// Portable: rows [m0, m1) x groups [g0, g1).
 template <typename T>
 void run_portable(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
                   int64_t block_bytes, const Layout& L, const float* bias, T* out,
                   int64_t ldo, int64_t n, bool accumulate, int64_t g0, int64_t g1) {
+  const int64_t blocks = x.nb / (L.elems / kBlock);  // weight blocks per group
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t cols = std::min(kGroup, n - g * kGroup);
-    for (int64_t m = m0; m < m1; ++m) {
-      const int8_t* q = x.q + m * x.k;
+    for (int64_t m = m0; m < m1; ++m)
       for (int64_t c = 0; c < cols; ++c) {
-        float acc = 0.0f;
-        const int64_t per = L.elems / kBlock;  // activation blocks per weight block
-        for (int64_t b = 0; b < x.nb; ++b) {
-          const uint8_t* blk = w + (g * (x.nb / per) + b / per) * block_bytes;
-          const int64_t sub = b % per;  // Q4_K: the sub-block
-          int32_t dot = 0;
-          for (int64_t i = 0; i < kBlock; ++i)
-            dot += weight_at(blk, L, c, sub * kBlock + i) * q[b * kBlock + i];
-          if (L.type == QType::kQ4_K) {
-            const float dw = half_at(blk + kQ4KScales, c) *
-                             static_cast<float>(blk[kQ4KScales + 64 + sub * 16 + c]);
-            const float mw = half_at(blk + kQ4KScales + 32, c) *
-                             static_cast<float>(blk[kQ4KScales + 192 + sub * 16 + c]);
-            acc = std::fma(dw * x.d[m * x.nb + b], static_cast<float>(dot), acc);
-            acc = std::fma(-mw, x.dsum[m * x.nb + b], acc);
-            continue;
-          }
-          const float dw = half_at(blk + L.qs_bytes, c);
-          const float dd = dw * x.d[m * x.nb + b];
-          if (L.type == QType::kQ4_1) {
-            acc = std::fma(dd, static_cast<float>(dot), acc);
-            acc = std::fma(half_at(blk + L.qs_bytes + 32, c), x.dsum[m * x.nb + b], acc);
-          } else {
-            acc = std::fma(dd, static_cast<float>(dot - L.offset * x.sum[m * x.nb + b]), acc);
-          }
-        }
+        const float acc = dot_portable(x, m, w + g * blocks * block_bytes, block_bytes, L, c);
         store_out(out + m * ldo, g * kGroup + c, acc + bias[g * kGroup + c], accumulate);
       }
-    }
   }
 }
 
@@ -217,13 +309,36 @@ inline void store16_out(T* dst, __m512 v, __mmask16 mask, bool accumulate) {
   store16(dst, v, mask);
 }
 
-// Rows [0, R) (from `m`) of one column group, over all blocks.
+// Bits of `p` moved left by s (right by -s) within each byte, for the bits kept by the
+// mask applied next (a 16-bit shift: bits that cross into the neighbour byte are masked
+// off). s is a constant once the callers' loops over v are unrolled.
+inline __m512i shift_bits(__m512i p, int s) {
+  return s >= 0 ? _mm512_slli_epi16(p, s) : _mm512_srli_epi16(p, -s);
+}
+
+// Q4 bytes `raw` as two vectors of 4-bit weights (low nibbles, high nibbles); with
+// Q5's `plane`, vector v (v % 4 of its plane) gets the fifth bit of each (layout above).
+template <bool kFifth>
+inline void unpack_q4(__m512i raw, __m512i plane, int v, __m512i& lo, __m512i& hi) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  lo = _mm512_and_si512(raw, low4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+  if constexpr (kFifth) {
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    lo = _mm512_or_si512(lo, _mm512_and_si512(shift_bits(plane, 4 - v % 4), bit4));
+    hi = _mm512_or_si512(hi, _mm512_and_si512(shift_bits(plane, -(v % 4)), bit4));
+  }
+}
+
+// Rows [0, R) (from `m`) of one column group, over all blocks (Q8_0, Q4_0, Q4_1, Q5_0,
+// Q5_1).
 template <QType Q, int R, typename T>
 void micro(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_bytes,
            const float* bias, T* out, int64_t ldo, int64_t cols, bool accumulate) {
-  constexpr int64_t qs_bytes = Q == QType::kQ8_0 ? 512 : 256;
-  constexpr int32_t offset = Q == QType::kQ8_0 ? 128 : (Q == QType::kQ4_0 ? 8 : 0);
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  constexpr bool q5 = Q == QType::kQ5_0 || Q == QType::kQ5_1;
+  constexpr int64_t qs_bytes = Q == QType::kQ8_0 ? 512 : (q5 ? 320 : 256);
+  constexpr int32_t offset = Q == QType::kQ8_0 ? 128 :
+                             (Q == QType::kQ4_0 ? 8 : (Q == QType::kQ5_0 ? 16 : 0));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.nb; ++b) {
@@ -239,10 +354,11 @@ void micro(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_bytes
         }
       }
     } else {
+      const __m512i plane = q5 ? _mm512_loadu_si512(blk + 256) : _mm512_setzero_si512();
+#pragma GCC unroll 4  // shift_bits' counts as constants
       for (int v = 0; v < 4; ++v) {
-        const __m512i raw = _mm512_loadu_si512(blk + 64 * v);
-        const __m512i lo = _mm512_and_si512(raw, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        __m512i lo, hi;
+        unpack_q4<q5>(_mm512_loadu_si512(blk + 64 * v), plane, v, lo, hi);
         for (int r = 0; r < R; ++r) {
           const int8_t* xq = x.q + (m + r) * x.k + b * kBlock;
           dot[r] = _mm512_dpbusd_epi32(dot[r], lo, bcast4(xq + 4 * v));
@@ -251,7 +367,7 @@ void micro(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_bytes
       }
     }
     const __m512 dw = load_halves(blk + qs_bytes);
-    if constexpr (Q == QType::kQ4_1) {
+    if constexpr (Q == QType::kQ4_1 || Q == QType::kQ5_1) {
       const __m512 mw = load_halves(blk + qs_bytes + 32);
       for (int r = 0; r < R; ++r) {
         const int64_t i = (m + r) * x.nb + b;
@@ -280,23 +396,29 @@ inline __m512 load_bytes16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
 }
 
-// Q4_K: rows [0, R) (from `m`) of one column group, over all super-blocks.
-template <int R, typename T>
+// Q4_K, Q5_K: rows [0, R) (from `m`) of one column group, over all super-blocks.
+template <QType Q, int R, typename T>
 void micro_q4k(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_bytes,
                const float* bias, T* out, int64_t ldo, int64_t cols, bool accumulate) {
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  constexpr bool q5 = Q == QType::kQ5_K;
+  constexpr int64_t scales = q5 ? kQ5KScales : kQ4KScales;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < x.nb / 8; ++sb) {
     const uint8_t* blk = wg + sb * block_bytes;
-    const __m512 d = load_halves(blk + kQ4KScales), dmin = load_halves(blk + kQ4KScales + 32);
+    const __m512 d = load_halves(blk + scales), dmin = load_halves(blk + scales + 32);
     for (int chunk = 0; chunk < 4; ++chunk) {
       __m512i dot[2][R];  // sub-blocks 2 chunk (low nibbles) and 2 chunk + 1 (high)
       for (int r = 0; r < R; ++r) dot[0][r] = dot[1][r] = _mm512_setzero_si512();
+      __m512i planes[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+      if constexpr (q5) {
+        for (int h = 0; h < 2; ++h)
+          planes[h] = _mm512_loadu_si512(blk + 2048 + chunk * 128 + 64 * h);
+      }
+#pragma GCC unroll 8  // shift_bits' counts as constants
       for (int v = 0; v < 8; ++v) {
-        const __m512i raw = _mm512_loadu_si512(blk + chunk * 512 + 64 * v);
-        const __m512i lo = _mm512_and_si512(raw, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        __m512i lo, hi;
+        unpack_q4<q5>(_mm512_loadu_si512(blk + chunk * 512 + 64 * v), planes[v / 4], v, lo, hi);
         for (int r = 0; r < R; ++r) {
           const int8_t* xq = x.q + (m + r) * x.k + sb * 256 + chunk * 64;
           dot[0][r] = _mm512_dpbusd_epi32(dot[0][r], lo, bcast4(xq + 4 * v));
@@ -305,8 +427,8 @@ void micro_q4k(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_b
       }
       for (int h = 0; h < 2; ++h) {
         const int64_t sub = 2 * chunk + h;
-        const __m512 dw = _mm512_mul_ps(d, load_bytes16(blk + kQ4KScales + 64 + 16 * sub));
-        const __m512 mw = _mm512_mul_ps(dmin, load_bytes16(blk + kQ4KScales + 192 + 16 * sub));
+        const __m512 dw = _mm512_mul_ps(d, load_bytes16(blk + scales + 64 + 16 * sub));
+        const __m512 mw = _mm512_mul_ps(dmin, load_bytes16(blk + scales + 192 + 16 * sub));
         for (int r = 0; r < R; ++r) {
           const int64_t i = (m + r) * x.nb + sb * 8 + sub;
           const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i]));
@@ -322,11 +444,68 @@ void micro_q4k(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_b
     store16_out(out + (m + r) * ldo, _mm512_add_ps(acc[r], bv), mask, accumulate);
 }
 
+// Q6_K: rows [0, R) (from `m`) of one column group, over all super-blocks. Each block
+// of 32 is a Q4_0 block (the low 4 bits) plus two planes with the top 2 bits.
+template <int R, typename T>
+void micro_q6k(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_bytes,
+               const float* bias, T* out, int64_t ldo, int64_t cols, bool accumulate) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < x.nb / 8; ++sb) {
+    const uint8_t* sblk = wg + sb * block_bytes;
+    const __m512 d = load_halves(sblk + kQ6KScales);
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* blk = sblk + j * kQ6KBlock;
+      const __m512i top_lo = _mm512_loadu_si512(blk + 256), top_hi = _mm512_loadu_si512(blk + 320);
+      // sub-blocks 2j (low nibbles: x[0, 16)) and 2j + 1 (x[16, 32)), from -32 sum16 q_x
+      __m512i dot[2][R];
+      for (int r = 0; r < R; ++r) {
+        const int32_t* off = x.off16 + 2 * ((m + r) * x.nb + sb * 8 + j);
+        dot[0][r] = _mm512_set1_epi32(off[0]);
+        dot[1][r] = _mm512_set1_epi32(off[1]);
+      }
+#pragma GCC unroll 4  // shift_bits' counts as constants
+      for (int v = 0; v < 4; ++v) {
+        const __m512i raw = _mm512_loadu_si512(blk + 64 * v);
+        // bits 2v, 2v + 1 of the planes -> bits 4, 5 of the weight byte
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(raw, low4),
+                                           _mm512_and_si512(shift_bits(top_lo, 4 - 2 * v), bits45));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
+                                           _mm512_and_si512(shift_bits(top_hi, 4 - 2 * v), bits45));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = x.q + (m + r) * x.k + sb * 256 + j * 32;
+          dot[0][r] = _mm512_dpbusd_epi32(dot[0][r], lo, bcast4(xq + 4 * v));
+          dot[1][r] = _mm512_dpbusd_epi32(dot[1][r], hi, bcast4(xq + 16 + 4 * v));
+        }
+      }
+      __m512 dw[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m128i sc = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(sblk + kQ6KScales + 32 + 16 * (2 * j + h)));
+        dw[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 dx = _mm512_set1_ps(x.d[(m + r) * x.nb + sb * 8 + j]);
+        for (int h = 0; h < 2; ++h)  // the lower sub-block first
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[h], dx), _mm512_cvtepi32_ps(dot[h][r]),
+                                   acc[r]);
+      }
+    }
+  }
+  const __mmask16 mask = pagedllm_simd::first_lanes(cols);
+  const __m512 bv = _mm512_maskz_loadu_ps(mask, bias);
+  for (int r = 0; r < R; ++r)
+    store16_out(out + (m + r) * ldo, _mm512_add_ps(acc[r], bv), mask, accumulate);
+}
+
 template <QType Q, int R, typename T>
 void micro_any(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_bytes,
                const float* bias, T* out, int64_t ldo, int64_t cols, bool accumulate) {
-  if constexpr (Q == QType::kQ4_K) {
-    micro_q4k<R, T>(x, m, wg, block_bytes, bias, out, ldo, cols, accumulate);
+  if constexpr (Q == QType::kQ4_K || Q == QType::kQ5_K) {
+    micro_q4k<Q, R, T>(x, m, wg, block_bytes, bias, out, ldo, cols, accumulate);
+  } else if constexpr (Q == QType::kQ6_K) {
+    micro_q6k<R, T>(x, m, wg, block_bytes, bias, out, ldo, cols, accumulate);
   } else {
     micro<Q, R, T>(x, m, wg, block_bytes, bias, out, ldo, cols, accumulate);
   }
@@ -341,7 +520,8 @@ void run_simd(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
   static constexpr Fn kMicro[kRows + 1] = {
       nullptr, micro_any<Q, 1, T>, micro_any<Q, 2, T>, micro_any<Q, 3, T>, micro_any<Q, 4, T>,
       micro_any<Q, 5, T>, micro_any<Q, 6, T>, micro_any<Q, 7, T>, micro_any<Q, 8, T>};
-  const int64_t blocks = Q == QType::kQ4_K ? x.nb / 8 : x.nb;  // weight blocks per group
+  constexpr bool super = Q == QType::kQ4_K || Q == QType::kQ5_K || Q == QType::kQ6_K;
+  const int64_t blocks = super ? x.nb / 8 : x.nb;  // weight blocks per group
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = w + g * blocks * block_bytes;
     const int64_t cols = std::min(kGroup, n - g * kGroup);
@@ -365,7 +545,11 @@ void run(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w, int64_t b
       case QType::kQ8_0: return go(run_simd<QType::kQ8_0, T>);
       case QType::kQ4_0: return go(run_simd<QType::kQ4_0, T>);
       case QType::kQ4_1: return go(run_simd<QType::kQ4_1, T>);
+      case QType::kQ5_0: return go(run_simd<QType::kQ5_0, T>);
+      case QType::kQ5_1: return go(run_simd<QType::kQ5_1, T>);
       case QType::kQ4_K: return go(run_simd<QType::kQ4_K, T>);
+      case QType::kQ5_K: return go(run_simd<QType::kQ5_K, T>);
+      case QType::kQ6_K: return go(run_simd<QType::kQ6_K, T>);
     }
   }
 #endif
@@ -379,20 +563,24 @@ void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   const int64_t nb = k / kBlock, groups = weight.size(0), block_bytes = weight.size(2);
   const int64_t weight_blocks = weight.size(1);
   const Layout L = layout_of(block_bytes);
-  // x quantized: q [M, K] int8 | d [M, nb] | sum [M, nb] | dsum [M, nb], one buffer.
-  at::Tensor buf = at::empty({m * k + 12 * m * nb + 4}, x.options().dtype(at::kByte));
+  // x quantized: q [M, K] int8 | d [M, nb] | sum [M, nb] | dsum [M, nb] |
+  // off16 [M, nb, 2], one buffer.
+  at::Tensor buf = at::empty({m * k + 20 * m * nb + 4}, x.options().dtype(at::kByte));
   int8_t* q = reinterpret_cast<int8_t*>(buf.data_ptr<uint8_t>());
   float* d = reinterpret_cast<float*>(q + m * k + (-(m * k) & 3));
   int32_t* sum = reinterpret_cast<int32_t*>(d + m * nb);
   float* dsum = reinterpret_cast<float*>(sum + m * nb);
-  TORCH_CHECK(reinterpret_cast<uint8_t*>(dsum + m * nb) <= buf.data_ptr<uint8_t>() + buf.numel(),
+  int32_t* off16 = reinterpret_cast<int32_t*>(dsum + m * nb);
+  TORCH_CHECK(reinterpret_cast<uint8_t*>(off16 + 2 * m * nb) <=
+                  buf.data_ptr<uint8_t>() + buf.numel(),
               "gemm_quant: scratch overflow");
   const T* xp = x.data_ptr<T>();
   const int64_t ldx = x.stride(0);
 #pragma omp parallel for if (m * k > (1 << 16))
   for (int64_t r = 0; r < m; ++r)
-    quantize_row(xp + r * ldx, k, q + r * k, d + r * nb, sum + r * nb, dsum + r * nb);
-  const QuantRows xq{q, d, sum, dsum, k, nb};
+    quantize_row(xp + r * ldx, k, q + r * k, d + r * nb, sum + r * nb, dsum + r * nb,
+                 L.type == QType::kQ6_K ? off16 + 2 * r * nb : nullptr);
+  const QuantRows xq{q, d, sum, dsum, off16, k, nb};
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   T* op = out.data_ptr<T>();
   const int64_t ldo = out.stride(0);
