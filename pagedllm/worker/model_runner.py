@@ -255,13 +255,13 @@ class ModelRunner:
         record them as `_sample` does. Not under PP (the config refuses it)."""
         counts = inputs.num_logits
         rows = np.repeat(inputs.sample_rows, counts)  # each position samples as its row
+        starts = (np.cumsum(counts) - counts).tolist()  # each request's first logits row
         batch = self.input_batch
         sampler_output = None
         if self.parallel.is_driver:
             md = batch.sampling_metadata(rows)
             # Seeded rows draw once per position; the draws of positions after a
             # rejection are given back below, so the generator advances once per token.
-            starts = (np.cumsum(counts) - counts).tolist()
             saved = {start: md.generators[start].get_state()
                      for start, count in zip(starts, counts.tolist())
                      if count > 1 and start in md.generators}
@@ -272,7 +272,7 @@ class ModelRunner:
         sampled = broadcast(sampled_t.contiguous(), self.parallel).cpu().numpy()
         emitted = accept_drafts(sampled, counts, inputs.drafts)
         if sampler_output is not None:
-            self._rewind_generators(md.generators, saved, counts, emitted)
+            self._rewind_generators(md.generators, saved, starts, counts, emitted)
         for j in range(max(len(e) for e in emitted)):
             sel = [i for i, e in enumerate(emitted) if len(e) > j]
             batch.append_sampled(inputs.sample_rows[sel],
@@ -283,19 +283,17 @@ class ModelRunner:
             per_row = sampler_output.logprobs.tolists(
                 batch.sampling.num_logprobs[rows].tolist())
             out: list[list[TokenLogprobs]] = [[] for _ in inputs.req_ids]
-            starts = np.cumsum(counts) - counts
-            for pos, start, tokens in zip(inputs.sample_positions.tolist(), starts.tolist(),
+            for pos, start, tokens in zip(inputs.sample_positions.tolist(), starts,
                                           emitted):
                 if per_row[start] is not None:
                     out[pos] = per_row[start:start + len(tokens)]
             output.logprobs = out
 
     def _rewind_generators(self, generators: dict[int, torch.Generator],
-                           saved: dict[int, torch.Tensor], counts: np.ndarray,
-                           emitted: list[list[int]]) -> None:
+                           saved: dict[int, torch.Tensor], starts: list[int],
+                           counts: np.ndarray, emitted: list[list[int]]) -> None:
         """Leave each seeded, verified request's generator advanced by one draw per
         emitted token, as plain decoding would (same tokens, whatever was proposed)."""
-        starts = (np.cumsum(counts) - counts).tolist()
         for i, (start, tokens) in enumerate(zip(starts, emitted)):
             if start not in saved or len(tokens) == counts[i]:
                 continue

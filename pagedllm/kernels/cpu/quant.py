@@ -35,8 +35,6 @@ _SIZES = {"Q8_0": (32, 34, 544), "Q4_0": (32, 18, 288), "Q4_1": (32, 20, 320),
           "Q5_K": (256, 176, 2880), "Q6_K": (256, 210, 3360)}
 NATIVE_QTYPES = frozenset(_SIZES)
 """GGUF tensor types the quantized GEMM runs on (others are dequantized on load)."""
-ROW_QTYPES = NATIVE_QTYPES
-"""Types `dequantize_rows` reads (embedding lookups): all of them."""
 _BY_PACKED = {packed: name for name, (_, _, packed) in _SIZES.items()}
 
 

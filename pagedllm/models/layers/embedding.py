@@ -15,7 +15,7 @@ from torch import nn
 
 from pagedllm.distributed.comm import all_reduce, gather
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
-from pagedllm.kernels.cpu.quant import ROW_QTYPES, QuantizedWeight, dequantize_rows, repack
+from pagedllm.kernels.cpu.quant import QuantizedWeight, dequantize_rows, repack
 from pagedllm.models.layers.linear import cpu_linear, native_bias, pack_for_cpu
 from pagedllm.nn import Module
 
@@ -61,12 +61,7 @@ class VocabEmbedding(Module):
 
     def _load_quantized(self, param: nn.Parameter, loaded: QuantizedWeight,
                         shard_id: object = None) -> None:
-        if loaded.shape != tuple(param.shape):
-            raise ValueError(f"weight shape mismatch: expected {tuple(param.shape)}, "
-                             f"got {loaded.shape}")
-        if loaded.qtype not in ROW_QTYPES:  # no row lookup for it: a dense table
-            param.data.copy_(loaded.dequantize(param.dtype))
-            return
+        _check_shape(param, loaded)
         self._quant = loaded
         self.finalize_quantized()  # now: the raw rows are freed as the load goes
 
@@ -129,9 +124,7 @@ class LMHead(Module):
 
     def _load_quantized(self, param: nn.Parameter, loaded: QuantizedWeight,
                         shard_id: object = None) -> None:
-        if loaded.shape != tuple(param.shape):
-            raise ValueError(f"weight shape mismatch: expected {tuple(param.shape)}, "
-                             f"got {loaded.shape}")
+        _check_shape(param, loaded)
         self._quant = loaded
         self.finalize_quantized()
 
@@ -164,3 +157,10 @@ class LMHead(Module):
         if full is None or full.shape[-1] == self.shard.vocab_size:
             return full
         return full[:, :self.shard.vocab_size].contiguous()  # drop the padding columns
+
+
+def _check_shape(param: nn.Parameter, loaded: QuantizedWeight) -> None:
+    """GGUF blocks hold whole tables only (no TP slicing): the shapes must agree."""
+    if loaded.shape != tuple(param.shape):
+        raise ValueError(f"weight shape mismatch: expected {tuple(param.shape)}, "
+                         f"got {loaded.shape}")
