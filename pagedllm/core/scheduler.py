@@ -60,42 +60,18 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.contracts import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                     SchedulerOutput)
+from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.deadlines import DeadlineHeap
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.output_update import apply_runner_output
 from pagedllm.core.request_queue import RequestQueue, create_request_queue, priority_key
+from pagedllm.core.step_state import StepState
 from pagedllm.core.swap import SwapSpace
 from pagedllm.errors import InvalidRequestError
 from pagedllm.request import Request, RequestStatus
-
-
-@dataclass
-class _StepState:
-    """What one `schedule()` call has decided so far."""
-
-    # Tokens left in this step's budget.
-    token_budget: int
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    preempted_req_ids: set[str] = field(default_factory=set)
-    # (device, host) block pairs of this step's swap-outs, (host, device) of swap-ins.
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # req_id -> proposed tokens scheduled after the request's last token.
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # A running request could not get its blocks (set by _allocate_or_preempt, not by
-    # preemptions that make room for a better waiting request).
-    is_short_of_blocks: bool = False
-
-    def add(self, request: Request, num_new_tokens: int) -> None:
-        self.num_scheduled_tokens[request.req_id] = num_new_tokens
-        self.token_budget -= num_new_tokens
 
 
 class Scheduler:
@@ -233,7 +209,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step's work; advances num_computed_tokens of scheduled requests."""
         self._finish_expired_requests()
-        step = _StepState(token_budget=self.max_num_batched_tokens)
+        step = StepState(self.max_num_batched_tokens, self.max_num_tokens,
+                         self.enable_chunked_prefill, self.num_lookahead_tokens)
         if self.policy == "priority":
             # Before _schedule_running, so no scheduled request has to be undone.
             self._preempt_for_waiting_head(step)
@@ -242,17 +219,7 @@ class Scheduler:
         # would only thrash.
         if not step.is_short_of_blocks:
             self._schedule_admissions(step)
-        output = SchedulerOutput(
-            scheduled_new_reqs=step.new_reqs,
-            scheduled_cached_reqs=step.cached_reqs,
-            num_scheduled_tokens=step.num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(step.num_scheduled_tokens.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=step.preempted_req_ids,
-            blocks_to_swap_out=step.blocks_to_swap_out,
-            blocks_to_swap_in=step.blocks_to_swap_in,
-            scheduled_spec_decode_tokens=step.spec_tokens,
-        )
+        output = step.to_output(self.finished_req_ids)
         self.finished_req_ids = set()
         # The runner reads num_computed_tokens from the output (values before this step);
         # from here on they include the tokens this step computes.
@@ -262,7 +229,7 @@ class Scheduler:
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         return output
 
-    def _schedule_running(self, step: _StepState) -> None:
+    def _schedule_running(self, step: StepState) -> None:
         """Continue running requests in order; preempt from the back when blocks run out."""
         req_index = 0
         while (req_index < len(self.running) and step.token_budget > 0
@@ -275,7 +242,7 @@ class Scheduler:
             if num_new_tokens <= 0 or request.req_id in self.in_flight:
                 req_index += 1
                 continue
-            spec_token_ids = self._spec_tokens_to_schedule(request, step)
+            spec_token_ids = step.spec_tokens_to_schedule(request)
             num_new_tokens += len(spec_token_ids)
             new_blocks = self._allocate_or_preempt(request, req_index, num_new_tokens, step)
             if new_blocks is None:
@@ -287,16 +254,11 @@ class Scheduler:
                 # The runner holds the prompt and every token up to what was computed.
                 start = max(request.num_computed_tokens, request.num_prompt_tokens)
                 new_token_ids = request.all_token_ids[start:]
-            step.cached_reqs.append(CachedRequestData(
-                req_id=request.req_id,
-                new_block_ids=[[b.block_id for b in group] for group in new_blocks],
-                num_computed_tokens=request.num_computed_tokens,
-                new_token_ids=new_token_ids))
-            step.add(request, num_new_tokens)
+            step.add_cached(request, num_new_tokens, new_blocks, new_token_ids)
             req_index += 1
 
     def _allocate_or_preempt(self, request: Request, index: int, num_new_tokens: int,
-                             step: _StepState) -> list[list[KVCacheBlock]] | None:
+                             step: StepState) -> list[list[KVCacheBlock]] | None:
         """Allocate for running[index], preempting the last running request not in
         flight until it fits.
 
@@ -305,8 +267,8 @@ class Scheduler:
         not in flight, so a victim always exists. Returns None when `request` itself had
         to be preempted.
         """
-        num_lookahead = self._num_lookahead(request, request.num_computed_tokens,
-                                            num_new_tokens)
+        num_lookahead = step.num_lookahead(request, request.num_computed_tokens,
+                                           num_new_tokens)
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request, num_new_tokens, num_lookahead_tokens=num_lookahead)
@@ -319,33 +281,6 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _spec_tokens_to_schedule(self, request: Request, step: _StepState) -> list[int]:
-        """The request's proposed tokens this step verifies (consumed either way): only
-        when decoding (one token left to compute), capped so the budget holds them and
-        the tokens it may emit (k + 1) stay within max_tokens and the longest sequence."""
-        spec = request.spec_token_ids
-        if not spec:
-            return spec  # the common case: nothing proposed, nothing allocated per step
-        request.spec_token_ids = []
-        if request.num_tokens - request.num_computed_tokens != 1:
-            return []
-        num_spec = min(len(spec), step.token_budget - 1,
-                       self.max_num_tokens - request.num_tokens - 1)
-        if request.max_tokens is not None:
-            num_spec = min(num_spec, request.max_tokens - request.num_output_tokens - 1)
-        return spec[:max(num_spec, 0)]
-
-    def _num_lookahead(self, request: Request, num_computed_tokens: int,
-                       num_new_tokens: int) -> int:
-        """Slots to reserve past this step's tokens: num_lookahead_tokens when the step
-        samples for the request (its tokens are all computed after it), within the
-        longest sequence; 0 otherwise."""
-        if (not self.num_lookahead_tokens or request.is_pooling
-                or num_computed_tokens + num_new_tokens < request.num_tokens):
-            return 0
-        room = self.max_num_tokens - (num_computed_tokens + num_new_tokens)
-        return max(0, min(self.num_lookahead_tokens, room))
-
     def _last_preemptible(self, start: int = 0) -> int:
         """Index of the last request of running[start:] not in flight (-1: none)."""
         for i in range(len(self.running) - 1, start - 1, -1):
@@ -353,7 +288,7 @@ class Scheduler:
                 return i
         return -1
 
-    def _preempt(self, request: Request, step: _StepState) -> None:
+    def _preempt(self, request: Request, step: StepState) -> None:
         """Preempt a running request (already out of `running`, not scheduled this step).
 
         Swap mode with room on the host: copy its blocks out, keep num_computed_tokens,
@@ -379,7 +314,7 @@ class Scheduler:
         self.num_preemptions += 1
         step.preempted_req_ids.add(request.req_id)
 
-    def _schedule_admissions(self, step: _StepState) -> None:
+    def _schedule_admissions(self, step: StepState) -> None:
         """Swap in swapped requests and admit waiting ones, in `_next_queue` order; stop
         at the first that does not fit (no skipping, so neither queue is starved)."""
         while (len(self.running) < self.max_num_seqs and step.token_budget > 0
@@ -407,29 +342,17 @@ class Scheduler:
             return self.waiting
         return self.swapped
 
-    def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int,
-                                step: _StepState) -> int:
-        """Tokens after `num_computed_tokens`, capped by the budget (chunked prefill);
-        0 when they must all fit one step and do not (no chunked prefill, or an
-        embedding request: it pools its whole prompt in one step)."""
-        num_new_tokens = request.num_tokens - num_computed_tokens
-        if num_new_tokens > step.token_budget:
-            if not self.enable_chunked_prefill or request.is_pooling:
-                return 0  # the whole prompt must fit one step
-            num_new_tokens = step.token_budget
-        return num_new_tokens
-
-    def _admit(self, request: Request, step: _StepState) -> bool:
+    def _admit(self, request: Request, step: StepState) -> bool:
         """Give the waiting head its prefix hits and blocks for its first chunk (the
         caller pops it); False when it does not fit."""
         computed_blocks, num_computed_tokens = self._get_computed_blocks(request)
         # >= 1: the last token is never a prefix hit.
-        num_new_tokens = self._num_tokens_to_schedule(request, num_computed_tokens, step)
+        num_new_tokens = step.num_tokens_to_schedule(request, num_computed_tokens)
         if num_new_tokens == 0:
             return False
         new_blocks = self.kv_cache_manager.allocate_slots(
             request, num_new_tokens, computed_blocks, num_computed_tokens,
-            self._num_lookahead(request, num_computed_tokens, num_new_tokens))
+            step.num_lookahead(request, num_computed_tokens, num_new_tokens))
         if new_blocks is None:
             return False
         request.num_computed_tokens = num_computed_tokens
@@ -437,13 +360,12 @@ class Scheduler:
         self._start_running(request, num_new_tokens, step)
         return True
 
-    def _swap_in(self, request: Request, step: _StepState) -> bool:
+    def _swap_in(self, request: Request, step: StepState) -> bool:
         """Bring the swapped head back with its num_computed_tokens (the caller pops it);
         False when its blocks plus this step's tokens do not fit the device pool."""
         assert self.swap_space is not None
         # >= 1: a swapped request was running, so a token was waiting for it.
-        num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens,
-                                                      step)
+        num_new_tokens = step.num_tokens_to_schedule(request, request.num_computed_tokens)
         if num_new_tokens == 0:
             return False
         pairs = self.swap_space.swap_in(self.kv_cache_manager, request, num_new_tokens)
@@ -455,7 +377,7 @@ class Scheduler:
         return True
 
     def _start_running(self, request: Request, num_new_tokens: int,
-                       step: _StepState) -> None:
+                       step: StepState) -> None:
         """Put a request that got its blocks into `running` and send it in full."""
         if self.policy == "priority":
             # Nothing is preempted after admission, so inserting mid-list is safe.
@@ -463,16 +385,8 @@ class Scheduler:
         else:
             self.running.append(request)
         request.status = RequestStatus.RUNNING
-        step.new_reqs.append(NewRequestData(
-            req_id=request.req_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            output_token_ids=list(request.output_token_ids),
-            sampling_params=request.sampling_params,
-            block_ids=self.kv_cache_manager.get_block_ids(request.req_id),
-            num_computed_tokens=request.num_computed_tokens,
-            eos_token_id=request.eos_token_id,
-            pooling_params=request.pooling_params))
-        step.add(request, num_new_tokens)
+        step.add_new(request, num_new_tokens,
+                     self.kv_cache_manager.get_block_ids(request.req_id))
 
     def _get_computed_blocks(self, request: Request,
                              ) -> tuple[list[list[KVCacheBlock]], int]:
@@ -487,7 +401,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- priority, deadlines
 
-    def _preempt_for_waiting_head(self, step: _StepState) -> None:
+    def _preempt_for_waiting_head(self, step: StepState) -> None:
         """Priority policy: preempt worse running requests so the waiting head can start.
 
         Only while the head has a strictly smaller priority value than the worst running
@@ -531,89 +445,23 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[Request]:
-        """Append sampled tokens, apply stop conditions, free finished requests.
+        """Append sampled tokens, apply stop conditions, free finished requests
+        (core/output_update.py).
 
         Returns the requests that got new tokens or finished in this step, in the
         runner's order. Requests finished or aborted meanwhile are skipped.
         """
         self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
-        updated: list[Request] = []
-        finished: set[str] = set()
-        self._record_prompt_logprobs(model_runner_output)
-        self._finish_pooled(model_runner_output, updated, finished)
-        all_logprobs = model_runner_output.logprobs
-        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
-        for i, (req_id, token_ids) in enumerate(zip(model_runner_output.req_ids,
-                                                    model_runner_output.sampled_token_ids)):
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING or not token_ids:
-                continue  # unknown/aborted, or a partial prefill that sampled nothing
-            if req_id in spec_scheduled:
-                # The runner emitted the accepted drafts plus one token of its own: the
-                # K/V written for the rejected drafts is not the sequence's.
-                num_drafts = len(spec_scheduled[req_id])
-                num_accepted = len(token_ids) - 1
-                request.num_computed_tokens -= num_drafts - num_accepted
-                self.num_draft_tokens += num_drafts
-                self.num_accepted_tokens += num_accepted
-            logprobs = all_logprobs[i] if all_logprobs is not None else None
-            for j, token_id in enumerate(token_ids):
-                request.append_output_token_ids([token_id])
-                if logprobs:
-                    request.output_logprobs.append(logprobs[j])
-                if self._check_stop(request, token_id):
-                    break  # tokens after the stop point are dropped
-            updated.append(request)
-            if request.is_finished:
-                finished.add(req_id)
+        update = apply_runner_output(self.requests, scheduler_output, model_runner_output,
+                                     self.max_num_tokens)
+        self.num_draft_tokens += update.num_draft_tokens
+        self.num_accepted_tokens += update.num_accepted_tokens
+        if update.finished:
+            for request in update.finished:
                 self._free_request(request)
-        for req_id, spec in (model_runner_output.spec_token_ids or {}).items():
-            request = self.requests.get(req_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                request.spec_token_ids = spec
-        if finished:
+            finished = {r.req_id for r in update.finished}
             self.running = [r for r in self.running if r.req_id not in finished]
-        return updated
-
-    def _finish_pooled(self, model_runner_output: ModelRunnerOutput,
-                       updated: list[Request], finished: set[str]) -> None:
-        """Embedding requests whose pooled vector arrived: store it, finish them as
-        FINISHED_STOPPED and free their blocks (they never sample)."""
-        for req_id, vector in (model_runner_output.pooler_output or {}).items():
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted meanwhile
-            request.pooler_output = vector
-            request.status = RequestStatus.FINISHED_STOPPED
-            updated.append(request)
-            finished.add(req_id)
-            self._free_request(request)
-
-    def _record_prompt_logprobs(self, model_runner_output: ModelRunnerOutput) -> None:
-        for req_id, chunk in (model_runner_output.prompt_logprobs or {}).items():
-            request = self.requests.get(req_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                request.add_prompt_logprobs(chunk)
-
-    def _check_stop(self, request: Request, token_id: int) -> bool:
-        """Set a FINISHED_* status if `token_id` (just appended) ends the request."""
-        params = request.sampling_params
-        # EOS and stop ids count only once min_tokens outputs exist (this one included).
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id == request.eos_token_id and not params.ignore_eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = None
-                return True
-            if token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return True
-        max_tokens = request.max_tokens
-        if ((max_tokens is not None and request.num_output_tokens >= max_tokens)
-                or request.num_tokens >= self.max_num_tokens):
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
+        return update.updated
 
     def finish_requests(self, req_ids: Iterable[str] | str,
                         status: RequestStatus) -> list[Request]:
