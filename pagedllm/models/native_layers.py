@@ -10,7 +10,8 @@ layers (tests/models/test_native_layers.py) and the Python layers stay the refer
 Applies when every layer is plain Llama: RMSNorm, fused qkv (+ bias), RoPE through the
 native op, the native paged attention (no soft-cap, no ALiBi), fused gate_up with SiLU,
 packed weights (native bfloat16 GEMM, GGUF blocks for the quantized GEMM, or oneDNN), one KV cache group (the stack reads one
-block table). Qwen3's q/k norm, Mixtral's experts and models mixing sliding-window and
+block table); a fused projection of mixed GGUF types (LinearBase.native_shards) runs
+shard by shard. Qwen3's q/k norm, Mixtral's experts and models mixing sliding-window and
 full layers (KV cache groups) keep the Python layers.
 """
 
@@ -29,9 +30,19 @@ from pagedllm.models.layers.linear import LinearBase
 from pagedllm.models.layers.norm import RMSNorm
 
 
+# Shards a linear may have in the native stack (cpu_decoder.cpp: kMaxShards).
+MAX_SHARDS = 3
+
+
 def _linear_slots(linear: LinearBase) -> list[torch.Tensor | None]:
-    # The order of one linear's slots in cpu_decoder.cpp.
-    return [linear.packed_weight, linear.native_weight, linear.bias, linear.native_bias]
+    """One linear's slots in cpu_decoder.cpp's order: oneDNN-packed, native, bias, native
+    bias, then (GGUF blocks, float32 bias) of a mixed-type projection's further shards."""
+    (first, first_bias), *rest = (linear.native_shards
+                                  or [(linear.native_weight, linear.native_bias)])
+    slots = [linear.packed_weight, first, linear.bias, first_bias]
+    for blocks, bias in rest:
+        slots += [blocks, bias]
+    return slots + [None] * (4 + 2 * (MAX_SHARDS - 1) - len(slots))
 
 
 def _fits(layer: Any, spec: Any, rotary: Any, eps: float, offset: float) -> bool:
@@ -52,7 +63,8 @@ def _fits(layer: Any, spec: Any, rotary: Any, eps: float, offset: float) -> bool
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     return (all(isinstance(n, RMSNorm) and (n.eps, n.offset) == (eps, offset) for n in norms)
-            and all((lin.packed_weight is not None or lin.native_weight is not None)
+            and all((lin.packed_weight is not None or lin.native_weight is not None
+                     or len(lin.native_shards or ()) in range(2, MAX_SHARDS + 1))
                     and lin.tp_size == 1 for lin in linears))
 
 

@@ -1,8 +1,9 @@
 """GGUF weights run natively (quantization="gguf": the quantized GEMM on the file's blocks)
 against the same file dequantized (quantization="none"), both in float32, on a tiny
 Llama written here as llama.cpp would (q/k rows permuted, Q8_0 / Q4_0 / Q4_1 blocks,
-fused projections mixing types and F16 tensors that fall back to dequantizing, the Q8_0
-embedding tied as the LM head).
+fused projections mixing block types (run shard by shard, as Q4_K_M files need: v in more
+bits than q and k), F16 tensors that fall back to dequantizing, the Q8_0 embedding tied as
+the LM head).
 
 The native path quantizes activations to int8 blocks (as llama.cpp), so the two differ
 by ~1% of each GEMM. Measured here: the teacher-forced logprobs of the same sequences
@@ -22,7 +23,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.kernels.cpu.quant import packed_qtype
 from tests.loader.test_gguf import NUM_HEADS, NUM_KV_HEADS, hf_name_to_gguf, llamacpp_row_order
+from tests.models.test_native_layers import run_both_ways
 from tests.utils import pagedllm_sequence_logprobs, random_prompts
 
 QT = gguf.GGMLQuantizationType
@@ -30,10 +33,11 @@ VOCAB, MAX_NEW = 256, 16
 LOGPROB_ATOL = 0.1
 # Greedy runs may part only where the reference's top two logprobs are this close.
 NEAR_TIE = 0.02
-# Per layer: the storage type of each projection. Layer 1 falls back to dequantizing its
-# qkv (an F16 shard among Q8_0 ones), gate_up (Q4_0 and Q4_1 shards) and down (F16).
+# Per layer: the storage type of each projection. Layer 0's qkv runs in two shards (q and
+# k stacked as one Q4_1 weight, v Q8_0), layer 1's gate_up in two (Q4_0, Q4_1); layer 1
+# dequantizes its qkv (an F16 shard among Q8_0 ones) and down (F16).
 LAYER_TYPES = [
-    {"q_proj": QT.Q4_1, "k_proj": QT.Q4_1, "v_proj": QT.Q4_1, "o_proj": QT.Q4_0,
+    {"q_proj": QT.Q4_1, "k_proj": QT.Q4_1, "v_proj": QT.Q8_0, "o_proj": QT.Q4_0,
      "gate_proj": QT.Q4_1, "up_proj": QT.Q4_1, "down_proj": QT.Q8_0},
     {"q_proj": QT.Q8_0, "k_proj": QT.F16, "v_proj": QT.Q8_0, "o_proj": QT.Q4_1,
      "gate_proj": QT.Q4_0, "up_proj": QT.Q4_1, "down_proj": QT.F16},
@@ -104,11 +108,21 @@ def test_native_matches_dequantized(tiny_path):
                  quantization="gguf", num_kv_blocks=64)
     model = _model(native)
     layers = model.model.layers
-    # Which weights run on blocks: all of layer 0, layer 1's o_proj; the Q8_0 table.
-    kinds = [[getattr(lin.native_weight, "dtype", None) == torch.uint8 for lin in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-        layer.mlp.down_proj)] for layer in layers]
-    assert kinds == [[True, True, True, True], [False, True, False, False]]
+    # Which weights run on blocks, whole or in shards of one type each; the Q8_0 table.
+    def kind(lin) -> str:
+        if lin.native_shards is not None:
+            assert lin.weight.numel() == 0  # not dequantized as well
+            return "/".join(packed_qtype(blocks) for blocks, _ in lin.native_shards)
+        blocks = lin.native_weight
+        return packed_qtype(blocks) if getattr(blocks, "dtype", None) == torch.uint8 else "plain"
+
+    kinds = [[kind(lin) for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+             for layer in layers]
+    assert kinds == [["Q4_1/Q8_0", "Q4_0", "Q4_1", "Q8_0"],
+                     ["plain", "Q4_1", "Q4_0/Q4_1", "plain"]]
+    qkv_rows = [bias.numel() for _, bias in layers[0].self_attn.qkv_proj.native_shards]
+    assert qkv_rows == [(NUM_HEADS + NUM_KV_HEADS) * 16, NUM_KV_HEADS * 16]  # [q | k], v
     assert model.model.embed_tokens.quant_weight is not None
     assert model.lm_head.native_weight is model.model.embed_tokens.quant_weight
     got = _generate(native, prompts)
@@ -140,3 +154,17 @@ def test_quantized_batch_invariance(tiny_path):
     batched = _generate(llm, prompts)
     alone = [_generate(llm, [p])[0] for p in prompts]
     assert batched == alone
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_stack_equals_python_layers(tiny_path, dtype):
+    """The fused decoder stack runs the blocks, the mixed-type shards among them, bit for
+    bit as the Python layers do (prefill chunks next to decodes, one-token steps)."""
+    llm = LLM(str(tiny_path), dtype=dtype, skip_tokenizer_init=True, quantization="gguf",
+              num_kv_blocks=64, max_num_batched_tokens=24, enable_prefix_caching=False)
+    steps = run_both_ways(llm)
+    prompts = random_prompts(3, VOCAB, 5, 40, seed=1)
+    _generate(llm, prompts)
+    _generate(llm, prompts[:1])
+    assert 1 in steps and 24 in steps
+    assert _model(llm).model._native is not None

@@ -44,6 +44,8 @@ class LinearBase(Module):
             self.weight.quant_loader = self._load_quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_shards is not None:
+            return quantized_shards_linear(x, self.native_shards)
         return cpu_linear(x, self.weight, self.bias, self.packed_weight, self.native_weight,
                           self.native_bias)
 
@@ -58,6 +60,11 @@ class LinearBase(Module):
     # length is the output size), else None.
     native_weight: torch.Tensor | None = None
     native_bias: torch.Tensor | None = None
+    # A fused projection whose GGUF shards differ in type (Q4_K_M files store v as Q6_K
+    # next to Q4_K q and k): (repacked blocks, float32 bias) per shard in row order, each
+    # multiplied into its columns of the output (not dequantized: the weights stay the
+    # file's size).
+    native_shards: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
     # GGUF blocks loaded for the weight, by shard id, until finalize_quantized.
     _quant_shards: dict[str | int | None, QuantizedWeight] | None = None
 
@@ -78,17 +85,16 @@ class LinearBase(Module):
     def finalize_quantized(self) -> None:
         """Once the weight's shards are loaded (or after loading, for the rest): run the
         GGUF blocks loaded for the weight through the quantized GEMM when they cover it
-        with one type (repacked once; the plain weight is
-        released), else dequantize them into the weight (mixed types, or some shards
+        (repacked once, as one weight where the shards share a type, else shard by shard;
+        the plain weight is released), else dequantize them into the weight (some shards
         came as plain tensors)."""
         shards, self._quant_shards = self._quant_shards, None
         if not shards:
             return
         ids = [None] if None in shards else self._shard_ids()
         parts = [shards.get(i) for i in ids]
-        whole = (None not in parts and len({(p.qtype, p.in_features) for p in parts}) == 1
-                 and sum(p.shape[0] for p in parts) == self.output_size
-                 and parts[0].in_features == self.input_size)
+        whole = (None not in parts and sum(p.shape[0] for p in parts) == self.output_size
+                 and all(p.in_features == self.input_size for p in parts))
         if not whole:
             for shard_id, part in shards.items():
                 weight = part.dequantize(self.weight.dtype)
@@ -97,8 +103,20 @@ class LinearBase(Module):
                 else:
                     self.weight_loader(self.weight, weight, shard_id)
             return
-        self.native_weight = repack(QuantizedWeight.cat(parts) if len(parts) > 1 else parts[0])
-        self.native_bias = native_bias(self._fused_bias(), self.output_size)
+        # Runs of shards of one type stacked: one GEMM each (one shard for most weights).
+        runs = [[parts[0]]]
+        for part in parts[1:]:
+            if part.qtype == runs[-1][-1].qtype:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        blocks = [repack(QuantizedWeight.cat(run) if len(run) > 1 else run[0]) for run in runs]
+        bias = native_bias(self._fused_bias(), self.output_size)
+        if len(blocks) == 1:
+            self.native_weight, self.native_bias = blocks[0], bias
+        else:
+            rows = [sum(p.shape[0] for p in run) for run in runs]
+            self.native_shards = tuple(zip(blocks, (b.contiguous() for b in bias.split(rows))))
         self.weight.data = self.weight.data.new_empty(0)
 
     def pack_for_cpu(self, release: bool = True) -> None:
@@ -106,7 +124,8 @@ class LinearBase(Module):
         bfloat16 where the CPU has AVX512-BF16, oneDNN's otherwise. With `release` the
         plain weight is dropped (replaced by an empty tensor) so weights are not held
         twice."""
-        if self.packed_weight is not None or self.native_weight is not None:
+        if (self.packed_weight is not None or self.native_weight is not None
+                or self.native_shards is not None):
             return
         self.packed_weight, self.native_weight, self.native_bias = pack_for_cpu(
             self.weight, self._fused_bias())
@@ -200,6 +219,23 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return torch.ops.mkldnn._linear_pointwise.default(x, packed_weight, bias, "none", [], "")
 
 
+def quantized_shards_linear(x: torch.Tensor,
+                            shards: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+                            ) -> torch.Tensor:
+    """x W^T + b for W stored as GGUF shards of different types stacked by rows
+    (LinearBase.native_shards): each shard's quantized GEMM writes its own columns of
+    the output. x [..., in] -> [..., out]."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((x2.shape[0], sum(bias.numel() for _, bias in shards)), dtype=x.dtype)
+    start = 0
+    for blocks, bias in shards:
+        cpu_ops.gemm_quant(out.narrow(1, start, bias.numel()), x2, blocks, bias)
+        start += bias.numel()
+    return out.view(*x.shape[:-1], out.shape[1])
+
+
 def finalize_quantized_weights(model: nn.Module) -> None:
     """After `load_weights`: every module holding GGUF blocks (`finalize_quantized`)
     repacks them for the quantized GEMM or dequantizes them (see LinearBase)."""
@@ -225,8 +261,8 @@ def pack_linear_weights(model: nn.Module) -> int:
             module.pack_for_cpu(release=uses.get(id(module.weight), 0) == 1)
         elif callable(getattr(module, "pack_for_cpu", None)):
             module.pack_for_cpu()
-        count += (getattr(module, "packed_weight", None) is not None
-                  or getattr(module, "native_weight", None) is not None)
+        count += any(getattr(module, name, None) is not None
+                     for name in ("packed_weight", "native_weight", "native_shards"))
     return count
 
 

@@ -22,19 +22,28 @@
 namespace pagedllm_ops {
 namespace {
 
+// Slots of one linear in the weight list: oneDNN-packed, native-packed (bfloat16,
+// float32, or uint8 GGUF blocks), bias, native (float32) bias, then up to two more
+// (GGUF blocks, float32 bias) shards: a fused projection whose GGUF shards differ in type
+// (LinearBase.native_shards: Q4_K_M files store v as Q6_K beside Q4_K q and k) multiplies
+// them one by one into their columns of the output.
+constexpr int64_t kLinearSlots = 8, kMaxShards = 3;
+
 // Slots of one layer in the weight list.
 enum Slot : int64_t {
   kInputNorm,
-  // 4 slots per linear: oneDNN-packed, native-packed (bfloat16, or uint8 GGUF blocks),
-  // bias, native (float32) bias
   kQkv,
-  kO = kQkv + 4,
-  kPostNorm = kO + 4,
+  kO = kQkv + kLinearSlots,
+  kPostNorm = kO + kLinearSlots,
   kGateUp,
-  kDown = kGateUp + 4,
-  kKvCache = kDown + 4,
+  kDown = kGateUp + kLinearSlots,
+  kKvCache = kDown + kLinearSlots,
   kWeightsPerLayer,
 };
+
+// The native weight and float32 bias slots of shard s of the linear at `base`.
+constexpr int64_t shard_weight(int64_t base, int64_t s) { return base + (s == 0 ? 1 : 2 + 2 * s); }
+constexpr int64_t shard_bias(int64_t base, int64_t s) { return base + (s == 0 ? 3 : 3 + 2 * s); }
 
 using Weights = c10::List<std::optional<at::Tensor>>;
 
@@ -53,36 +62,45 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                  c10::string_view(""));
 }
 
-// x [T, in] -> [T, out] through the linear whose 4 slots start at `base`.
-at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base) {
-  const std::optional<at::Tensor> native = w.get(base + 1);
-  if (native.has_value()) {
-    const std::optional<at::Tensor> bias = w.get(base + 3);  // float32 [N], always there
-    at::Tensor out = at::empty({x.size(0), bias->size(0)}, x.options());
-    if (native->scalar_type() == at::kByte) {
-      gemm_quant(out, x, *native, bias);
-    } else if (native->scalar_type() == at::kFloat) {
-      gemm_f32(out, x, *native, *bias);
-    } else {
-      gemm_bf16(out, x, *native, bias);
-    }
-    return out;
+// out (+)= x . W^T + bias through the native GEMM of W's packing (bfloat16 or float32
+// panels, uint8 GGUF blocks).
+void native_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                 const at::Tensor& bias, bool accumulate) {
+  if (weight.scalar_type() == at::kByte) {
+    gemm_quant(out, x, weight, bias, accumulate);
+  } else if (weight.scalar_type() == at::kFloat) {
+    gemm_f32(out, x, weight, bias, accumulate);
+  } else {
+    gemm_bf16(out, x, weight, bias, accumulate);
   }
-  return packed_linear(x, *w.get(base), w.get(base + 2));
+}
+
+// x [T, in] -> [T, out] through the linear whose slots start at `base`.
+at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base) {
+  if (!w.get(shard_weight(base, 0)).has_value())
+    return packed_linear(x, *w.get(base), w.get(base + 2));
+  // Native: every shard's float32 bias is there (zeros for none) and gives its width.
+  int64_t shards = 0, n = 0;
+  for (; shards < kMaxShards && w.get(shard_weight(base, shards)).has_value(); ++shards)
+    n += w.get(shard_bias(base, shards))->size(0);
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  for (int64_t s = 0, start = 0; s < shards; ++s) {
+    const at::Tensor bias = *w.get(shard_bias(base, s));
+    native_gemm(shards == 1 ? out : out.narrow(1, start, bias.size(0)), x,
+                *w.get(shard_weight(base, s)), bias, /*accumulate=*/false);
+    start += bias.size(0);
+  }
+  return out;
 }
 
 // out += the linear of x (out.add_(linear(x)); the native GEMM adds in its epilogue, which
 // saves a pass over the residual stream per add: ~0.9 ms of a 64-token decode step).
 void add_linear(const at::Tensor& out, const at::Tensor& x, const Weights& w, int64_t base) {
-  const std::optional<at::Tensor> native = w.get(base + 1);
+  const std::optional<at::Tensor> native = w.get(shard_weight(base, 0));
   if (native.has_value()) {
-    if (native->scalar_type() == at::kByte) {
-      gemm_quant(out, x, *native, w.get(base + 3), /*accumulate=*/true);
-    } else if (native->scalar_type() == at::kFloat) {
-      gemm_f32(out, x, *native, *w.get(base + 3), /*accumulate=*/true);
-    } else {
-      gemm_bf16(out, x, *native, w.get(base + 3), /*accumulate=*/true);
-    }
+    TORCH_CHECK(!w.get(shard_weight(base, 1)).has_value(),
+                "llama_decoder_layers: o_proj / down_proj come in one shard");
+    native_gemm(out, x, *native, *w.get(shard_bias(base, 0)), /*accumulate=*/true);
     return;
   }
   out.add_(packed_linear(x, *w.get(base), w.get(base + 2)));
