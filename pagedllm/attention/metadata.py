@@ -41,6 +41,21 @@ class AttentionMetadata:
         """The metadata an attention layer of KV cache group `group` reads."""
         return self.groups[group] if self.groups else self
 
+    @classmethod
+    def from_host(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                  block_table: np.ndarray, slot_mapping: np.ndarray,
+                  device: torch.device) -> AttentionMetadata:
+        """The metadata of a step built on the host (numpy; the runner's and the draft
+        proposer's), its tensors copied to `device`."""
+        return cls(
+            num_reqs=len(seq_lens), num_actual_tokens=int(query_start_loc[-1]),
+            query_start_loc=torch.from_numpy(query_start_loc).to(device, torch.int32),
+            seq_lens=torch.from_numpy(seq_lens).to(device, torch.int32),
+            block_table=torch.from_numpy(block_table).to(device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            max_query_len=int(np.diff(query_start_loc).max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+
     @property
     def is_all_decode(self) -> bool:
         return self.max_query_len == 1

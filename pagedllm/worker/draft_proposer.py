@@ -92,14 +92,9 @@ class DraftModelProposer:
         token_rows = np.repeat(rows, counts)
         block_ids = batch.block_tables[0, token_rows, positions // block_size]
         slot_mapping = block_ids.astype(np.int64) * block_size + positions % block_size
-        md = AttentionMetadata(
-            num_reqs=len(rows), num_actual_tokens=int(query_start_loc[-1]),
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev, torch.int32),
-            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
-            block_table=torch.from_numpy(batch.block_tables[0, rows, :num_blocks]).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+        md = AttentionMetadata.from_host(query_start_loc, seq_lens,
+                                         batch.block_tables[0, rows, :num_blocks],
+                                         slot_mapping, dev)
         hidden = self.model(torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev),
                             torch.from_numpy(np.ascontiguousarray(positions)).to(dev), md)
         last = torch.from_numpy(query_start_loc[1:] - 1).to(dev)

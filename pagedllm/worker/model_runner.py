@@ -402,17 +402,11 @@ class ModelRunner:
                 # place (the scheduler's rule, kv_groups.num_skipped_blocks).
                 skip = np.maximum(computed - window + 1, 0) // block_size
                 block_table[np.arange(num_blocks) < skip[:, None]] = 0
-            tables.append((torch.from_numpy(block_table).to(dev),
-                           torch.from_numpy(slot_mapping).to(dev)))
-        md = AttentionMetadata(
-            num_reqs=len(req_ids), num_actual_tokens=total,
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev, torch.int32),
-            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
-            block_table=tables[0][0], slot_mapping=tables[0][1],
-            max_query_len=int(num_sched.max()), max_seq_len=max_seq_len,
-            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+            tables.append((block_table, slot_mapping))
+        md = AttentionMetadata.from_host(query_start_loc, seq_lens, *tables[0], dev)
         if len(tables) > 1:
-            md.groups = (md, *(replace(md, block_table=table, slot_mapping=slots)
+            md.groups = (md, *(replace(md, block_table=torch.from_numpy(table).to(dev),
+                                       slot_mapping=torch.from_numpy(slots).to(dev))
                                for table, slots in tables[1:]))
         logits_indices = query_start_loc[1:][samples] - 1
         num_logits = drafts = None
