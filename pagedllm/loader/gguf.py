@@ -11,7 +11,7 @@ transposes the projections back to the checkpoint's `Conv1D` layout.
 With `quantized` (ModelConfig.quantization "gguf"), 2-D weights of the types the native
 quantized GEMM runs on (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are yielded as
 `QuantizedWeight`s instead: the file's block rows, q/k rows un-permuted as bytes
-(kernels/cpu/quant.py).
+(kernels/cpu/quant.py); Q3_K rows come converted into Q6_K's (the same weights).
 
 Architectures are a per-architecture table (`_ARCHS`): tensor names, the transforms llama.cpp's
 converter applied, and the config attributes transformers' GGUF config parsing leaves out
@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from pagedllm.errors import ModelLoadError
-from pagedllm.kernels.cpu.quant import NATIVE_QTYPES, QuantizedWeight, block_elems
+from pagedllm.kernels.cpu.quant import (CONVERTED_QTYPES, NATIVE_QTYPES, QuantizedWeight,
+                                         block_elems, raw_row_bytes)
 
 _QT = gguf.GGMLQuantizationType
 
@@ -289,18 +290,32 @@ class GGUFWeights:
     def is_quantizable(self, spec: TensorSpec) -> bool:
         """A 2-D weight of a type the quantized GEMM runs on, kept in the file's layout."""
         t = self.reader.tensors[spec.gguf_index]
-        return (self.native_quant and t.tensor_type.name in NATIVE_QTYPES
+        name = t.tensor_type.name
+        return (self.native_quant and (name in NATIVE_QTYPES or name in CONVERTED_QTYPES)
                 and len(spec.shape) == 2 and not spec.transpose
                 and spec.shape[1] % block_elems(t.tensor_type.name) == 0)
 
+    def native_layout(self, spec: TensorSpec) -> tuple[str, int]:
+        """The native type a quantizable tensor comes as (its own, or the one
+        CONVERTED_QTYPES turns it into) and its bytes per row."""
+        qtype = self.reader.tensors[spec.gguf_index].tensor_type.name
+        if qtype in CONVERTED_QTYPES:
+            qtype = CONVERTED_QTYPES[qtype][0]
+        return qtype, raw_row_bytes(qtype, spec.shape[1])
+
     def load_quantized(self, spec: TensorSpec) -> QuantizedWeight:
-        """One tensor's blocks as stored (q/k rows un-permuted: blocks never straddle rows)."""
+        """One tensor's blocks as stored (q/k rows un-permuted: blocks never straddle rows),
+        or converted exactly into a native type's (CONVERTED_QTYPES: Q3_K as Q6_K)."""
         t = self.reader.tensors[spec.gguf_index]
         raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
         raw = raw.reshape(spec.shape[0], -1)
+        qtype = t.tensor_type.name
+        if qtype in CONVERTED_QTYPES:
+            qtype, convert = CONVERTED_QTYPES[qtype]
+            raw = convert(raw)
         if spec.permute_heads is not None:
             raw = _unpermute_rows(raw, spec.permute_heads, spec.hf_name).contiguous()
-        return QuantizedWeight(t.tensor_type.name, raw, spec.shape[1])
+        return QuantizedWeight(qtype, raw, spec.shape[1])
 
     def load(self, spec: TensorSpec, dtype: torch.dtype) -> torch.Tensor:
         """Dequantize one tensor to its HF layout and `dtype`."""

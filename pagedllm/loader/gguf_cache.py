@@ -55,9 +55,10 @@ from pagedllm.loader.safetensors import iter_safetensors_file
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Bump when the cached layout or the conversion changes; old entries are then ignored.
-(3: Q5_0 / Q5_1 / Q5_K / Q6_K weights kept as blocks in the quantized stream.)"""
+(3: Q5_0 / Q5_1 / Q5_K / Q6_K weights kept as blocks in the quantized stream; 4: Q3_K
+weights as Q6_K blocks.)"""
 _HASH_BYTES = 1 << 20
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.float64: "F64", torch.uint8: "U8"}
@@ -250,10 +251,10 @@ def _quantized_specs(weights: GGUFWeights, dtype: torch.dtype
     specs: list[_Spec] = []
     metadata: dict[str, str] = {}
     for s in weights.specs:
-        t = weights.reader.tensors[s.gguf_index]
         if weights.is_quantizable(s):
-            specs.append((s.hf_name, (s.shape[0], int(t.n_bytes) // s.shape[0]), torch.uint8))
-            metadata[f"qtype:{s.hf_name}"] = f"{t.tensor_type.name}:{s.shape[1]}"
+            qtype, row_bytes = weights.native_layout(s)
+            specs.append((s.hf_name, (s.shape[0], row_bytes), torch.uint8))
+            metadata[f"qtype:{s.hf_name}"] = f"{qtype}:{s.shape[1]}"
         else:
             specs.append((s.hf_name, s.shape, dtype))
     return specs, metadata

@@ -1,6 +1,7 @@
 """The quantized GGUF stream (quantization="gguf"): 2-D weights of the types the quantized
 GEMM runs on (Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K) come as
-`QuantizedWeight`s holding the file's blocks (q/k rows un-permuted as bytes), everything
+`QuantizedWeight`s holding the file's blocks (q/k rows un-permuted as bytes; Q3_K as
+the Q6_K blocks of the same weights), everything
 else dequantized as before; the stream is cached and read back without parsing the file.
 Uses test_gguf.py's tiny llama / qwen2 files (every block type, F16, BF16, Q5_*), and
 K-quant blocks; a tiny llama with Q6_K weights (as Q4_K_M files hold output.weight and
@@ -75,9 +76,10 @@ def test_dequantized_stream_unchanged_by_default(tiny_gguf):
     assert gguf.GGMLQuantizationType  # gguf-py present (the files above need it)
 
 
-def test_k_weights_stream_as_blocks(tmp_path):
+def test_k_weights_stream_as_blocks(tmp_path, monkeypatch):
     """Q4_K / Q5_K / Q6_K projections come as blocks too (gguf-py cannot quantize K-types:
-    random blocks); other K-types are dequantized."""
+    random blocks), Q3_K converted to Q6_K blocks that decode to the very same weights;
+    Q2_K is dequantized."""
     rng = np.random.default_rng(0)
     path = tmp_path / "k.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -86,7 +88,8 @@ def test_k_weights_stream_as_blocks(tmp_path):
     raws = {"attn_output.weight": (QT.Q4_K, (256, 256)),
             "ffn_down.weight": (QT.Q6_K, (256, 512)),
             "ffn_up.weight": (QT.Q5_K, (128, 256)),
-            "ffn_gate.weight": (QT.Q3_K, (96, 256))}
+            "ffn_gate.weight": (QT.Q3_K, (96, 512)),
+            "attn_q.weight": (QT.Q2_K, (256, 256))}
     expected = {}
     for name, (qtype, shape) in raws.items():
         raw = random_k_blocks(rng, shape, qtype)
@@ -104,8 +107,16 @@ def test_k_weights_stream_as_blocks(tmp_path):
         value = got[f"model.layers.0.{hf_name}"]
         assert isinstance(value, QuantizedWeight) and value.qtype == raws[name][0].name
         assert torch.equal(value.dequantize(torch.float32), expected[name])
-    gate = got["model.layers.0.mlp.gate_proj.weight"]
-    assert isinstance(gate, torch.Tensor) and torch.equal(gate, expected["ffn_gate.weight"])
+    gate = got["model.layers.0.mlp.gate_proj.weight"]  # Q3_K: every bit random
+    assert isinstance(gate, QuantizedWeight) and gate.qtype == "Q6_K"
+    assert torch.equal(gate.dequantize(torch.float32), expected["ffn_gate.weight"])
+    q = got["model.layers.0.self_attn.q_proj.weight"]  # Q2_K (rows un-permuted)
+    assert isinstance(q, torch.Tensor)
+    assert torch.equal(q, expected["attn_q.weight"][np.argsort(llamacpp_row_order(256, 4))])
+    # Read back from the conversion cache: the same Q6_K rows.
+    _forbid_conversion(monkeypatch)
+    cached = _quantized(path)["model.layers.0.mlp.gate_proj.weight"]
+    assert cached.qtype == "Q6_K" and torch.equal(cached.raw, gate.raw)
 
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:

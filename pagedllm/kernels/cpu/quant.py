@@ -18,6 +18,8 @@ loader produces.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +40,15 @@ NATIVE_QTYPES = frozenset(_SIZES)
 _BY_PACKED = {packed: name for name, (_, _, packed) in _SIZES.items()}
 
 
+def raw_row_bytes(qtype: str, k: int) -> int:
+    """Bytes of one row of K weights of a native type, as the file stores them."""
+    elems, raw_size, _ = _SIZES[qtype]
+    return k // elems * raw_size
+
+
 def block_elems(qtype: str) -> int:
-    """Weights per block of a native type (K must be a multiple)."""
-    return _SIZES[qtype][0]
+    """Weights per block of a native or converted type (K must be a multiple)."""
+    return 256 if qtype in CONVERTED_QTYPES else _SIZES[qtype][0]
 
 
 @dataclass
@@ -182,6 +190,44 @@ def _plane(top: torch.Tensor, width: int) -> torch.Tensor:
         return (top << shifts).sum(-2, dtype=torch.uint8)
     shifts = torch.arange(8, dtype=torch.uint8).view(2, 4, 1)
     return (top << shifts).sum((-3, -2), dtype=torch.uint8)
+
+
+def q3k_as_q6k(raw: torch.Tensor) -> torch.Tensor:
+    """Q3_K blocks [..., 110 * n] -> the same weights as Q6_K blocks [..., 210 * n], exactly:
+    both are d * sc * q per sub-block of 16 (Q3_K: q = 0..7 - 4, sc 6-bit - 32; Q6_K:
+    q = 0..63 - 32, sc int8), so q + 32, sc and d carry over. Q3_K files then run on the
+    Q6_K kernel at 1.9x their bytes (dequantized to bfloat16: 4.65x).
+
+    Q3_K (ggml): hmask [0:32] (bit 4h + j of byte i: the high bit of element 128h + 32j
+    + i), qs [32:96] (bits 2j of byte 32h + i: its low two), scales [96:108] (16 x 6 bits:
+    low nibbles in bytes 0-7, then bytes 0-7's high nibbles, the top 2 bits in bytes
+    8-11), d [108:110]."""
+    blocks = raw.unflatten(-1, (-1, 110))
+    hmask, qs, sb = blocks[..., :32], blocks[..., 32:96].unflatten(-1, (2, 32)), blocks[..., 96:108]
+    j = torch.arange(4, dtype=torch.uint8).view(4, 1)
+    low = (qs.unsqueeze(-2) >> (2 * j)) & 3  # [..., 2 (h), 4 (j), 32 (i)]
+    high = (hmask.unsqueeze(-2).unsqueeze(-2)
+            >> (4 * torch.arange(2, dtype=torch.uint8).view(2, 1, 1) + j)) & 1
+    u6 = (low + 4 * high + 28).flatten(-3)  # q3 + 4 = low + 4 high; q6 = q3 + 32
+    top = sb[..., 8:12]
+    nibbles = torch.cat([sb[..., :8] & 0x0F, sb[..., :8] >> 4], dim=-1)  # scales 0-15, low 4
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).repeat_interleave(4)
+    scales = (nibbles | (((top.repeat(*[1] * (top.dim() - 1), 4) >> shifts) & 3) << 4))
+    sc = (scales.to(torch.int16) - 32).to(torch.int8).view(torch.uint8)
+    # Q6_K (ggml): ql [0:128], qh [128:192] as _q6k_values reads them, sc [192:208], d.
+    v = u6.unflatten(-1, (2, 4, 32))  # [..., h, quarter f, l]: element 128h + 32f + l
+    ql = torch.cat([(v[..., 0, :] & 0x0F) | ((v[..., 2, :] & 0x0F) << 4),
+                    (v[..., 1, :] & 0x0F) | ((v[..., 3, :] & 0x0F) << 4)], dim=-1)
+    qh = ((v >> 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)).sum(
+        -2, dtype=torch.uint8)
+    out = torch.cat([ql.flatten(-2), qh.flatten(-2), sc, blocks[..., 108:110]], dim=-1)
+    return out.flatten(-2)
+
+
+CONVERTED_QTYPES: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {
+    "Q3_K": ("Q6_K", q3k_as_q6k)}
+"""GGUF types without a kernel whose blocks convert exactly into a native type's (raw
+rows [N, bytes] -> the native type's raw rows)."""
 
 
 def repack(weight: QuantizedWeight) -> torch.Tensor:
