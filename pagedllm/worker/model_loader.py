@@ -87,7 +87,7 @@ def load_model(model_config: ModelConfig, attn_backend: str, device: torch.devic
         model.load_weights(weights)
     else:
         model.load_weights(_trimming(weights))
-        finalize_quantized_weights(model)  # GGUF blocks not repacked yet (mixed types)
+        finalize_quantized_weights(model)  # blocks of projections some shards of which came plain
         _return_freed_memory()
     model.eval()
     model.load_time_s = time.perf_counter() - start

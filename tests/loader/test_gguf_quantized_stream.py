@@ -141,8 +141,8 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
                            sc.view(np.uint8), d.view(np.uint8)], -1).reshape(rows, -1)
 
 
-# Storage types of the tiny llama below, per layer (layer 1's qkv mixes Q8_0 and Q6_K:
-# dequantized, as Q4_K_M's Q4_K / Q6_K ones); the embedding and the untied head are Q6_K.
+# Storage types of the tiny llama below, per layer (layer 1's qkv mixes Q8_0 and Q6_K, as
+# Q4_K_M's Q4_K / Q6_K ones: two shards of blocks); the embedding and the untied head are Q6_K.
 _Q6K_LAYERS = [
     {"q_proj": QT.Q6_K, "k_proj": QT.Q6_K, "v_proj": QT.Q6_K, "o_proj": QT.Q8_0,
      "gate_proj": QT.Q8_0, "up_proj": QT.Q8_0, "down_proj": QT.Q6_K},

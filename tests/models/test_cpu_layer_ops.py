@@ -75,6 +75,17 @@ def test_silu_and_mul(monkeypatch, dtype):
     torch.testing.assert_close(fused, SiluAndMul()(x), **TOL[dtype])
 
 
+def _random_linear(in_features: int, out_features: int, bias: bool,
+                   gen: torch.Generator) -> ColumnParallelLinear:
+    """A float32 linear layer with standard-normal weights (and bias) from `gen`."""
+    layer = ColumnParallelLinear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_features, in_features, generator=gen))
+        if bias:
+            layer.bias.copy_(torch.randn(out_features, generator=gen))
+    return layer
+
+
 @pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="needs AVX512-BF16")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features", [8, 100, 576])
@@ -86,11 +97,7 @@ def test_native_gemm_matches_float32(bias, out_features, rows):
     rounding of the float32 product; a row alone (K split over several sums) and in a
     batch agree to that precision."""
     gen = torch.Generator().manual_seed(3)
-    layer = ColumnParallelLinear(96, out_features, bias=bias)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(out_features, 96, generator=gen))
-        if bias:
-            layer.bias.copy_(torch.randn(out_features, generator=gen))
+    layer = _random_linear(96, out_features, bias, gen)
     layer = layer.to(torch.bfloat16)
     expected_weight, expected_bias = layer.weight.float(), layer.bias.float() if bias else None
     model = torch.nn.Sequential(layer)
@@ -157,11 +164,7 @@ def test_native_float32_gemm(bias, out_features):
     summation error of a float64 product; accumulate adds the product to out exactly as
     out.add_(product) does."""
     gen = torch.Generator().manual_seed(5)
-    layer = ColumnParallelLinear(200, out_features, bias=bias)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(out_features, 200, generator=gen))
-        if bias:
-            layer.bias.copy_(torch.randn(out_features, generator=gen))
+    layer = _random_linear(200, out_features, bias, gen)
     expected_weight = layer.weight.double()
     expected_bias = layer.bias.double() if bias else None
     pack_linear_weights(torch.nn.Sequential(layer))

@@ -48,7 +48,8 @@ def raw_row_bytes(qtype: str, k: int) -> int:
 
 def block_elems(qtype: str) -> int:
     """Weights per block of a native or converted type (K must be a multiple)."""
-    return 256 if qtype in CONVERTED_QTYPES else _SIZES[qtype][0]
+    native = CONVERTED_QTYPES[qtype][0] if qtype in CONVERTED_QTYPES else qtype
+    return _SIZES[native][0]
 
 
 @dataclass

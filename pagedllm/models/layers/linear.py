@@ -200,12 +200,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     native_weight holds GGUF blocks: the quantized GEMM (bfloat16 or float32 x).
     """
     if native_weight is not None and native_weight.dtype == torch.uint8:
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
-        out = torch.empty((x2.shape[0], native_bias.numel()), dtype=x.dtype)
-        cpu_ops.gemm_quant(out, x2, native_weight, native_bias)
-        return out.view(*x.shape[:-1], out.shape[1])
+        return quantized_shards_linear(x, ((native_weight, native_bias),))
     if native_weight is not None:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(1) != 1 or x2.stride(0) % 2:
@@ -222,9 +217,9 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def quantized_shards_linear(x: torch.Tensor,
                             shards: tuple[tuple[torch.Tensor, torch.Tensor], ...]
                             ) -> torch.Tensor:
-    """x W^T + b for W stored as GGUF shards of different types stacked by rows
-    (LinearBase.native_shards): each shard's quantized GEMM writes its own columns of
-    the output. x [..., in] -> [..., out]."""
+    """x W^T + b for W stored as GGUF blocks, in shards stacked by rows (one, or
+    LinearBase.native_shards' runs of different types): each shard's quantized GEMM
+    writes its own columns of the output. x [..., in] -> [..., out]."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
