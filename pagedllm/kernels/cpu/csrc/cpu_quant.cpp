@@ -522,12 +522,25 @@ void run_simd(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
       micro_any<Q, 5, T>, micro_any<Q, 6, T>, micro_any<Q, 7, T>, micro_any<Q, 8, T>};
   constexpr bool super = Q == QType::kQ4_K || Q == QType::kQ5_K || Q == QType::kQ6_K;
   const int64_t blocks = super ? x.nb / 8 : x.nb;  // weight blocks per group
+  const int64_t group_bytes = blocks * block_bytes;
+  // The next group's weights are prefetched into L2, a slice before each micro-kernel
+  // call of this group, so they stream in while it computes. Measured on SmolLM2's
+  // shapes (Q4_1, every layer's weights in turn, 2 threads, Zen 4): M = 16 -8%, M = 64
+  // -8%, M = 128 -3%. With one call per group (M <= kRows) the hardware prefetcher is
+  // left alone: the slice would be the whole group at once (M = 1: +5%).
+  const int64_t calls = (m1 - m0 + kRows - 1) / kRows;
+  const int64_t lines_per_call = calls > 1 ? (group_bytes / 64 + calls - 1) / calls : 0;
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = w + g * blocks * block_bytes;
+    const uint8_t* wg = w + g * group_bytes;
     const int64_t cols = std::min(kGroup, n - g * kGroup);
-    for (int64_t m = m0; m < m1; m += kRows)
+    const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(wg + group_bytes) : nullptr;
+    int64_t at = 0;  // bytes of the next group prefetched so far
+    for (int64_t m = m0; m < m1; m += kRows) {
+      for (int64_t i = 0; next != nullptr && i < lines_per_call && at < group_bytes; ++i, at += 64)
+        _mm_prefetch(next + at, _MM_HINT_T1);
       kMicro[std::min<int64_t>(kRows, m1 - m)](x, m, wg, block_bytes, bias + g * kGroup,
                                                out + g * kGroup, ldo, cols, accumulate);
+    }
   }
 }
 #endif
