@@ -285,6 +285,14 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
         items.push_back({r, h, h + heads_per_item, t0, t1});
     }
   }
+  // Largest items first (keys x rows): the dynamic schedule then ends with small ones
+  // and the threads finish together (a causal prefill's last tile has the most keys).
+  auto cost = [&](const Item& item) {
+    const Span sp = span_of(p, item);
+    return (sp.key_hi - sp.key_lo) * sp.num_toks * (item.head_end - item.head_begin);
+  };
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
   const int64_t num_items = static_cast<int64_t>(items.size());
   const ItemFns<T, C> fns = pick_item_fns<T, C>(p.head_size);
   SharedPrefix shared;
