@@ -80,6 +80,22 @@ def test_dequantize_matches_gguf(qtype: str) -> None:
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
+def test_native_rows_match_python_rows(qtype: str) -> None:
+    """The native lookup (quant_rows) == dequantize_rows then .to(dtype), bit for bit: the
+    same float32 operations, one rounding to the output dtype."""
+    weight = make_weight(qtype, 37, 320, seed=3)
+    packed, ref = repack(weight), gguf_dequantize(weight)
+    rows = torch.tensor([36, 0, 5, 16, 15, 5, 31, 32])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = torch.full((len(rows), weight.shape[1]), float("nan"), dtype=dtype)
+        cpu_ops.quant_rows(out, packed, rows, 37)
+        assert torch.equal(out, dequantize_rows(packed, rows).to(dtype)), dtype
+    assert torch.equal(out.float(), ref[rows].half().float())
+    with pytest.raises(RuntimeError, match="id 37 is out of range"):
+        cpu_ops.quant_rows(out[:1], packed, torch.tensor([37]), 37)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 33, 64), (3, 7, 32), (17, 129, 160), (40, 48, 576),
                                    (9, 20, 1024)])

@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_attention.cpp", "cpu_ops.cpp", "cpu_decoder.cpp",
-                                     "cpu_gemm.cpp", "cpu_quant.cpp")]
+                                     "cpu_gemm.cpp", "cpu_quant.cpp",
+                                     "cpu_quant_rows.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "fp8.h", "attention_common.h",
                                      "attention_avx512.h", "ops.h")]
 # -ffp-contract=off: no fused multiply-adds the source does not spell out, so float32
@@ -143,5 +144,5 @@ def _unavailable(mode: str, reason: str) -> bool:
 def _register_fakes() -> None:
     """Shape-only versions of the ops, so torch.compile can trace through them."""
     for name in ("paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-                 "gemm_bf16", "gemm_f32", "gemm_quant", "argmax"):
+                 "gemm_bf16", "gemm_f32", "gemm_quant", "quant_rows", "argmax"):
         torch.library.register_fake(f"pagedllm_cpu::{name}")(lambda *args, **kwargs: None)

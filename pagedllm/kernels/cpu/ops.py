@@ -11,7 +11,7 @@ import torch
 from pagedllm.kernels.cpu.build import load_cpu_kernels
 
 __all__ = ["argmax", "cpu_ops_available", "gemm_bf16", "gemm_f32", "gemm_quant", "llama_decoder_layers",
-           "load_cpu_kernels", "paged_attention", "rms_norm", "rotary_embedding",
+           "load_cpu_kernels", "paged_attention", "quant_rows", "rms_norm", "rotary_embedding",
            "silu_and_mul"]
 
 
@@ -88,6 +88,14 @@ def gemm_quant(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     row alone). With `accumulate`,
     out += that; `portable` runs the path of CPUs without AVX512-VNNI (same bits)."""
     torch.ops.pagedllm_cpu.gemm_quant.default(out, x, weight, bias, accumulate, portable)
+
+
+def quant_rows(out: torch.Tensor, packed: torch.Tensor, ids: torch.Tensor,
+               num_rows: int) -> None:
+    """out [T, K] (float32, bfloat16 or float16) = rows `ids` [T] (int64, each in
+    [0, num_rows)) of the repacked GGUF weight `packed` (kernels/cpu/quant.py) dequantized:
+    the same bits as quant.dequantize_rows(packed, ids).to(out.dtype)."""
+    torch.ops.pagedllm_cpu.quant_rows.default(out, packed, ids, num_rows)
 
 
 def argmax(out: torch.Tensor, x: torch.Tensor) -> None:

@@ -342,7 +342,9 @@ def packed_qtype(packed: torch.Tensor) -> str:
 def dequantize_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows `rows` [T] (int64) of a repacked weight, dequantized: float32 [T, K], equal to
     `QuantizedWeight.dequantize(torch.float32)[rows]` (embedding lookups): each row's
-    bytes are gathered from its group back into `_file_fields`' fields."""
+    bytes are gathered from its group back into `_file_fields`' fields. The native op
+    `quant_rows` (csrc/cpu_quant_rows.cpp) gives the same bits ~30x faster; this is the
+    reference it is tested against and the path without the native kernels."""
     qtype = packed_qtype(packed)
     num, nb = rows.numel(), packed.shape[1]
     blk = packed[rows.div(GROUP, rounding_mode="floor")]  # [T, nb, block_bytes]

@@ -15,6 +15,7 @@ from torch import nn
 
 from pagedllm.distributed.comm import all_reduce, gather
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
+from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.quant import QuantizedWeight, dequantize_rows, repack
 from pagedllm.models.layers.linear import cpu_linear, native_bias, pack_for_cpu
 from pagedllm.nn import Module
@@ -47,6 +48,7 @@ class VocabEmbedding(Module):
         super().__init__()
         self.parallel = parallel or SINGLE_RANK
         self.shard = VocabShard(vocab_size, self.parallel)
+        self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.empty(self.shard.per_rank, hidden_size),
                                    requires_grad=False)
         if self.parallel.tp_size > 1:
@@ -73,8 +75,13 @@ class VocabEmbedding(Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.quant_weight is not None:
-            # The same values as F.embedding of the dequantized table.
-            return dequantize_rows(self.quant_weight, input_ids).to(self.weight.dtype)
+            # The same values as F.embedding of the dequantized table (both ways).
+            if not cpu_ops.cpu_ops_available(input_ids):
+                return dequantize_rows(self.quant_weight, input_ids).to(self.weight.dtype)
+            ids = input_ids.reshape(-1).long().contiguous()
+            out = torch.empty(ids.numel(), self.hidden_size, dtype=self.weight.dtype)
+            cpu_ops.quant_rows(out, self.quant_weight, ids, self.shard.per_rank)
+            return out.view(*input_ids.shape, -1)
         if self.parallel.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         # Ids outside this rank's slice look up row 0 and are zeroed; the all-reduce
