@@ -216,7 +216,7 @@ class LlamaModel(Module):
             x = hidden_states
         native = self._native_layers(x, attn_metadata)
         if native is not None:
-            return self.norm(native(positions, x, attn_metadata))
+            return native(positions, x, attn_metadata, final_norm=self.norm)
         for layer in self.layers[self.start_layer:self.end_layer]:
             x = layer(positions, x, attn_metadata)
         return self.norm(x) if self.parallel.is_last_stage else x

@@ -110,10 +110,14 @@ def llama_decoder_layers(x: torch.Tensor, positions: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                          num_kv_heads: int, head_size: int, rotary_dim: int,
                          is_neox_style: bool, scale: float, eps: float,
-                         norm_offset: float, kv_scales: list[float]) -> None:
+                         norm_offset: float, kv_scales: list[float],
+                         final_norm: torch.Tensor | None = None, final_eps: float = 0.0,
+                         final_offset: float = 0.0) -> None:
     """Run every Llama decoder layer over x [T, hidden] in place (native_layers.py lists
-    the per-layer weight slots; kv_scales: k_scale, v_scale of each layer in turn)."""
+    the per-layer weight slots; kv_scales: k_scale, v_scale of each layer in turn), then
+    the RMSNorm of weight `final_norm` (eps, offset) over x if given."""
     torch.ops.pagedllm_cpu.llama_decoder_layers.default(
         x, positions, weights, sliding_windows, slot_mapping, block_table, seq_lens,
         query_start_loc, cos, sin, num_heads, num_kv_heads, head_size, rotary_dim,
-        is_neox_style, scale, eps, norm_offset, kv_scales)
+        is_neox_style, scale, eps, norm_offset, kv_scales, final_norm, final_eps,
+        final_offset)

@@ -113,7 +113,9 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps, doubl
 }
 
 // x [T, hidden]: the embedded tokens in, the residual stream after the last layer out
-// (updated in place; the final norm is the caller's). kv_scales: (k_scale, v_scale) per
+// (updated in place), normed in place by final_norm when given (the model's last RMSNorm:
+// one dispatch from Python fewer per step, ~0.1 ms at one token, as the Python after a
+// decode step runs on caches the weights just flushed). kv_scales: (k_scale, v_scale) per
 // layer, used by fp8 caches.
 void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
                           const Weights& weights, at::IntArrayRef sliding_windows,
@@ -122,7 +124,9 @@ void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
                           const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_size, int64_t rotary_dim,
                           bool is_neox, double scale, double eps, double norm_offset,
-                          at::ArrayRef<double> kv_scales) {
+                          at::ArrayRef<double> kv_scales,
+                          const std::optional<at::Tensor>& final_norm, double final_eps,
+                          double final_offset) {
   const int64_t num_layers = static_cast<int64_t>(sliding_windows.size());
   TORCH_CHECK(static_cast<int64_t>(kv_scales.size()) == 2 * num_layers,
               "llama_decoder_layers: expected a (k_scale, v_scale) pair per layer");
@@ -159,6 +163,8 @@ void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
       add_linear(xs, act, weights, base + kDown);
     }
   }
+  // In place: each row is read whole (its sum of squares) before it is written.
+  if (final_norm.has_value()) rms_norm(x, x, *final_norm, final_eps, final_offset);
 }
 
 }  // namespace
@@ -170,7 +176,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       "int[] sliding_windows, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
       "int head_size, int rotary_dim, bool is_neox, float scale, float eps, "
-      "float norm_offset, float[] kv_scales) -> ()");
+      "float norm_offset, float[] kv_scales, Tensor? final_norm=None, float final_eps=0., "
+      "float final_offset=0.) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
