@@ -11,7 +11,9 @@ Applies when every layer is plain Llama: RMSNorm, fused qkv (+ bias), RoPE throu
 native op, the native paged attention (no soft-cap, no ALiBi), fused gate_up with SiLU,
 packed weights (native bfloat16 GEMM, GGUF blocks for the quantized GEMM, or oneDNN), one KV cache group (the stack reads one
 block table); a fused projection of mixed GGUF types (LinearBase.native_shards) runs
-shard by shard. Qwen3's q/k norm, Mixtral's experts and models mixing sliding-window and
+shard by shard. The model's final RMSNorm runs at the end of the same call (one Python
+call fewer per step; after a decode step's weight stream every Python call runs on cold
+caches). Qwen3's q/k norm, Mixtral's experts and models mixing sliding-window and
 full layers (KV cache groups) keep the Python layers.
 """
 
