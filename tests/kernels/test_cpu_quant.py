@@ -160,3 +160,22 @@ def test_repacked_weight_is_file_sized(qtype: str) -> None:
     weight = make_weight(qtype, 64, 512)
     packed = repack(weight)
     assert packed.numel() == weight.raw.numel() * _PACKED_RATIO.get(qtype, 1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "Q8_0"])
+def test_decode_calls_same_bits_whatever_the_threads(qtype: str) -> None:
+    """Calls of up to 4 rows claim the column groups in runs (csrc/work_split.h), larger
+    ones split them evenly: the bits of a row are the same either way, with 1, 2 or 3
+    threads (a weight large enough for the threads to start: 64 groups of 16 columns)."""
+    weight = make_weight(qtype, 1024, 512, seed=11)
+    x = torch.randn(40, weight.shape[1]).to(torch.bfloat16)
+    batched = run_gemm(weight, x)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for rows in (1, 2, 4):
+                assert torch.equal(run_gemm(weight, x[:rows]), batched[:rows]), (n, rows)
+            assert torch.equal(run_gemm(weight, x[29:30]), batched[29:30]), n
+    finally:
+        torch.set_num_threads(threads)

@@ -195,3 +195,28 @@ def test_native_float32_gemm_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="out is a float32"):
         torch.ops.pagedllm_cpu.gemm_f32(torch.empty(2, 60), torch.zeros(2, 16), weight,
                                         torch.zeros(60))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_gemm_decode_calls_same_bits_whatever_the_threads(dtype):
+    """Calls of up to 4 rows share the weight's panels among threads in claimed runs
+    (csrc/work_split.h) where larger ones split them evenly, with the next panel
+    prefetched: a row's bits are the same either way, with 1, 2 or 3 threads (a weight
+    large enough for the threads to start: 3072 x 576, 64 panels)."""
+    if dtype == torch.bfloat16 and not cpu_has_avx512_bf16():
+        pytest.skip("needs AVX512-BF16")
+    gen = torch.Generator().manual_seed(6)
+    layer = _random_linear(576, 3072, True, gen).to(dtype)
+    pack_linear_weights(torch.nn.Sequential(layer))
+    assert layer.native_weight is not None
+    x = torch.randn(64, 576, generator=gen).to(dtype)
+    batched = layer(x)  # 64 rows: the even split with prefetch
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for rows in (1, 2, 4):
+                assert torch.equal(layer(x[:rows]), batched[:rows]), (n, rows)
+            assert torch.equal(layer(x[37:38]), batched[37:38]), n
+    finally:
+        torch.set_num_threads(threads)

@@ -34,7 +34,8 @@ SOURCES = [CSRC / name for name in ("cpu_attention.cpp", "cpu_ops.cpp", "cpu_dec
                                      "cpu_gemm.cpp", "cpu_quant.cpp",
                                      "cpu_quant_rows.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "fp8.h", "attention_common.h",
-                                     "attention_avx512.h", "ops.h", "quant_layout.h")]
+                                     "attention_avx512.h", "ops.h", "quant_layout.h",
+                                     "work_split.h")]
 # -ffp-contract=off: no fused multiply-adds the source does not spell out, so float32
 # element-wise ops round like torch's. -Wall, less GCC 12's (-Wmaybe-)uninitialized: they
 # fire only inside its own AVX-512 intrinsics, whose pass-through operand is

@@ -41,7 +41,8 @@
 // operations in the same order (std::fma for _mm512_fmadd_ps), so both give the same bits.
 //
 // Threads split the column groups (contiguous runs, so each streams its share of the
-// weight once per call), also at M = 1.
+// weight once per call), also at M = 1; calls of a few rows claim the runs in turn
+// (work_split.h).
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
@@ -50,6 +51,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +59,7 @@
 
 #include "ops.h"
 #include "quant_layout.h"
+#include "work_split.h"
 #include "simd.h"
 
 namespace pagedllm_ops {
@@ -66,6 +69,9 @@ using namespace quant;
 
 constexpr int kRows = 8;        // rows per micro-kernel call
 constexpr int64_t kRowBlock = 64;  // rows whose quantized x stays in L1/L2 while groups go by
+// Calls of up to this many rows claim their column groups in runs of at least
+// kMinRunGroups (work_split.h): they do little more than stream the weight.
+constexpr int64_t kStreamRows = 4, kMinRunGroups = 4;
 
 
 // One row of x quantized: q [K] int8, per block d (float), sum of q (int32), d * sum
@@ -551,13 +557,20 @@ void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   const int64_t ldo = out.stride(0);
   // Small calls take microseconds, less than waking the other threads.
   const bool parallel = groups * weight_blocks * block_bytes * (m + 4) > (1 << 18);
+  std::atomic<int64_t> next_group{0};
 #pragma omp parallel if (parallel)
   {
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
-    for (int64_t m0 = 0; m0 < m; m0 += kRowBlock)
-      run(xq, m0, std::min(m, m0 + kRowBlock), wp, block_bytes, L, bias, op, ldo, n,
-          accumulate, g0, g1, portable);
+    if (m <= kStreamRows) {
+      claim_runs(next_group, groups, threads, kMinRunGroups, [&](int64_t g0, int64_t g1) {
+        run(xq, 0, m, wp, block_bytes, L, bias, op, ldo, n, accumulate, g0, g1, portable);
+      });
+    } else {
+      const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
+      for (int64_t m0 = 0; m0 < m; m0 += kRowBlock)
+        run(xq, m0, std::min(m, m0 + kRowBlock), wp, block_bytes, L, bias, op, ldo, n,
+            accumulate, g0, g1, portable);
+    }
   }
 }
 
