@@ -10,9 +10,9 @@ import torch
 
 from pagedllm.kernels.cpu.build import load_cpu_kernels
 
-__all__ = ["argmax", "cpu_ops_available", "gemm_bf16", "gemm_f32", "gemm_quant", "llama_decoder_layers",
-           "load_cpu_kernels", "paged_attention", "quant_rows", "rms_norm", "rotary_embedding",
-           "silu_and_mul"]
+__all__ = ["argmax", "cpu_ops_available", "gemm_bf16", "gemm_f32", "gemm_quant",
+           "llama_decoder_stack", "llama_layers", "load_cpu_kernels", "paged_attention",
+           "quant_rows", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
 
 def cpu_ops_available(x: torch.Tensor) -> bool:
@@ -103,21 +103,27 @@ def argmax(out: torch.Tensor, x: torch.Tensor) -> None:
     torch.ops.pagedllm_cpu.argmax.default(out, x)
 
 
-def llama_decoder_layers(x: torch.Tensor, positions: torch.Tensor,
-                         weights: list[torch.Tensor | None], sliding_windows: list[int],
-                         slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                         cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                         num_kv_heads: int, head_size: int, rotary_dim: int,
-                         is_neox_style: bool, scale: float, eps: float,
-                         norm_offset: float, kv_scales: list[float],
-                         final_norm: torch.Tensor | None = None, final_eps: float = 0.0,
-                         final_offset: float = 0.0) -> None:
-    """Run every Llama decoder layer over x [T, hidden] in place (native_layers.py lists
-    the per-layer weight slots; kv_scales: k_scale, v_scale of each layer in turn), then
-    the RMSNorm of weight `final_norm` (eps, offset) over x if given."""
-    torch.ops.pagedllm_cpu.llama_decoder_layers.default(
-        x, positions, weights, sliding_windows, slot_mapping, block_table, seq_lens,
-        query_start_loc, cos, sin, num_heads, num_kv_heads, head_size, rotary_dim,
-        is_neox_style, scale, eps, norm_offset, kv_scales, final_norm, final_eps,
-        final_offset)
+def llama_layers(weights: list[torch.Tensor | None], sliding_windows: list[int],
+                 kv_scales: list[float], num_heads: int, num_kv_heads: int, head_size: int,
+                 rotary_dim: int, is_neox_style: bool, scale: float, eps: float,
+                 norm_offset: float) -> torch.ScriptObject:
+    """The model's side of llama_decoder_stack, bound once: every layer's weight slots
+    (models/native_layers.py lists them; the last is the layer's KV cache), each layer's
+    sliding window (0: none), (k_scale, v_scale) of each layer in turn, the attention
+    shape, RoPE style and the layers' RMSNorm eps / offset."""
+    return torch.classes.pagedllm_cpu.LlamaLayers(
+        weights, sliding_windows, kv_scales, num_heads, num_kv_heads, head_size, rotary_dim,
+        is_neox_style, scale, eps, norm_offset)
+
+
+def llama_decoder_stack(layers: torch.ScriptObject, x: torch.Tensor, positions: torch.Tensor,
+                        slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor,
+                        final_norm: torch.Tensor | None = None, final_eps: float = 0.0,
+                        final_offset: float = 0.0) -> None:
+    """Run every decoder layer of `layers` (llama_layers) over x [T, hidden] in place,
+    then the RMSNorm of weight `final_norm` (eps, offset) over x if given."""
+    torch.ops.pagedllm_cpu.llama_decoder_stack.default(
+        layers, x, positions, slot_mapping, block_table, seq_lens, query_start_loc, cos, sin,
+        final_norm, final_eps, final_offset)

@@ -12,10 +12,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "ops.h"
 
@@ -167,24 +170,58 @@ void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
   if (final_norm.has_value()) rms_norm(x, x, *final_norm, final_eps, final_offset);
 }
 
+// A model's side of llama_decoder_layers, bound once (models/native_layers.py builds it
+// when the weights are packed and the KV caches bound): the weight list (~34 entries a
+// layer, ~1000 for SmolLM2) and the per-layer lists would otherwise be converted from
+// Python on every step: measured ~30 us warm, ~65 us after a 100 MB stream (a decode
+// step's caches).
+struct LlamaLayers : torch::CustomClassHolder {
+  Weights weights;
+  std::vector<int64_t> sliding_windows;
+  std::vector<double> kv_scales;
+  int64_t num_heads, num_kv_heads, head_size, rotary_dim;
+  bool is_neox;
+  double scale, eps, norm_offset;
+
+  LlamaLayers(Weights weights, std::vector<int64_t> sliding_windows,
+              std::vector<double> kv_scales, int64_t num_heads, int64_t num_kv_heads,
+              int64_t head_size, int64_t rotary_dim, bool is_neox, double scale, double eps,
+              double norm_offset)
+      : weights(std::move(weights)), sliding_windows(std::move(sliding_windows)),
+        kv_scales(std::move(kv_scales)), num_heads(num_heads), num_kv_heads(num_kv_heads),
+        head_size(head_size), rotary_dim(rotary_dim), is_neox(is_neox), scale(scale),
+        eps(eps), norm_offset(norm_offset) {}
+};
+
+// llama_decoder_layers with the model's side taken from `layers`; the step's tensors
+// (and the final norm) come with the call.
+void llama_decoder_stack(const c10::intrusive_ptr<LlamaLayers>& layers, const at::Tensor& x,
+                         const at::Tensor& positions, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_table, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, const at::Tensor& cos,
+                         const at::Tensor& sin, const std::optional<at::Tensor>& final_norm,
+                         double final_eps, double final_offset) {
+  const LlamaLayers& l = *layers;
+  llama_decoder_layers(x, positions, l.weights, l.sliding_windows, slot_mapping, block_table,
+                       seq_lens, query_start_loc, cos, sin, l.num_heads, l.num_kv_heads,
+                       l.head_size, l.rotary_dim, l.is_neox, l.scale, l.eps, l.norm_offset,
+                       l.kv_scales, final_norm, final_eps, final_offset);
+}
+
 }  // namespace
 }  // namespace pagedllm_ops
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.class_<pagedllm_ops::LlamaLayers>("LlamaLayers")
+      .def(torch::init<pagedllm_ops::Weights, std::vector<int64_t>, std::vector<double>,
+                       int64_t, int64_t, int64_t, int64_t, bool, double, double, double>());
   m.def(
-      "llama_decoder_layers(Tensor(a!) x, Tensor positions, Tensor?[] weights, "
-      "int[] sliding_windows, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
-      "int head_size, int rotary_dim, bool is_neox, float scale, float eps, "
-      "float norm_offset, float[] kv_scales, Tensor? final_norm=None, float final_eps=0., "
-      "float final_offset=0.) -> ()");
+      "llama_decoder_stack(__torch__.torch.classes.pagedllm_cpu.LlamaLayers layers, "
+      "Tensor(a!) x, Tensor positions, Tensor slot_mapping, Tensor block_table, "
+      "Tensor seq_lens, Tensor query_start_loc, Tensor cos, Tensor sin, "
+      "Tensor? final_norm=None, float final_eps=0., float final_offset=0.) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
-  m.impl("llama_decoder_layers", &pagedllm_ops::llama_decoder_layers);
-}
-
-// The oneDNN-packed weights in the list dispatch as MkldnnCPU tensors.
-TORCH_LIBRARY_IMPL(pagedllm_cpu, MkldnnCPU, m) {
-  m.impl("llama_decoder_layers", &pagedllm_ops::llama_decoder_layers);
+  m.impl("llama_decoder_stack", &pagedllm_ops::llama_decoder_stack);
 }
