@@ -59,8 +59,8 @@
 
 #include "ops.h"
 #include "quant_layout.h"
-#include "work_split.h"
 #include "simd.h"
+#include "work_split.h"
 
 namespace pagedllm_ops {
 namespace {
