@@ -47,14 +47,13 @@ constexpr int64_t kRowBlockBytes = 4 << 20;
 // a panel split (RMSNorm 40 -> 8 ms over 30 layers), and the GEMMs ~15% faster too;
 // below it (decode batches) splitting the panels streams each weight once.
 constexpr int64_t kRowSplitMin = 256;
-// Up to this many rows a call leaves the streaming of its weight to the hardware
-// prefetcher: the micro-kernel's loop is then so short that the software prefetches of the
-// next panel only compete with it. Measured on Zen 4 (30 SmolLM2 layers, weights cold,
-// in-process A/B): one row 9.37 -> 8.17 ms per step and the LM head 1.76 -> 1.45 ms
-// (39 GB/s) without them, 4 rows -5%, 6 rows even; from 8 rows the prefetch wins (12 rows
-// +17% without it).
-constexpr int64_t kHardwareStreamRows = 4;
-// Such calls also claim their panels in runs (work_split.h), at least this many at a time.
+// Calls of up to kStreamRows rows (work_split.h) leave the streaming of their weight to
+// the hardware prefetcher: the micro-kernel's loop is then so short that the software
+// prefetches of the next panel only compete with it. Measured on Zen 4 (30 SmolLM2
+// layers, weights cold, in-process A/B): one row 9.37 -> 8.17 ms per step and the LM head
+// 1.76 -> 1.45 ms (39 GB/s) without them, 4 rows -5%, 6 rows even; from 8 rows the
+// prefetch wins (12 rows +17% without it). They also claim their panels in runs, at
+// least this many at a time.
 constexpr int64_t kMinRunPanels = 2;
 
 // Spreads `lines` cache-line prefetches of `ahead` (the next panel's share of this call)
@@ -215,11 +214,11 @@ struct Gemm {
   bool accumulate;
 
   // Panels [p0, p1) for rows [m0, m1). While a panel is in use, the next one is
-  // prefetched a slice per row block (above kHardwareStreamRows rows): weights stream from
+  // prefetched a slice per row block (above kStreamRows rows): weights stream from
   // memory once per call (decode steps re-read every layer's weights), and without the
   // prefetch each panel's first reads stall.
   void run_panels(int64_t m0, int64_t m1, int64_t p0, int64_t p1) const {
-    const bool prefetch = m1 - m0 > kHardwareStreamRows;
+    const bool prefetch = m1 - m0 > kStreamRows;
     const int64_t panel_elems = steps * step_elems;
     const int64_t panel_lines = panel_elems * static_cast<int64_t>(sizeof(W)) / 64;
     const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
@@ -253,7 +252,7 @@ struct Gemm {
 #pragma omp parallel if (parallel)
       {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-        if (m1 - m0 <= kHardwareStreamRows) {
+        if (m1 - m0 <= kStreamRows) {
           // Streaming the weight is all the call does: runs of panels claimed in turn.
           claim_runs(next_panel, panels, threads, kMinRunPanels,
                      [&](int64_t p0, int64_t p1) { run_panels(m0, m1, p0, p1); });

@@ -69,9 +69,9 @@ using namespace quant;
 
 constexpr int kRows = 8;        // rows per micro-kernel call
 constexpr int64_t kRowBlock = 64;  // rows whose quantized x stays in L1/L2 while groups go by
-// Calls of up to this many rows claim their column groups in runs of at least
-// kMinRunGroups (work_split.h): they do little more than stream the weight.
-constexpr int64_t kStreamRows = 4, kMinRunGroups = 4;
+// Calls of up to kStreamRows rows claim their column groups in runs of at least this many
+// (work_split.h): they do little more than stream the weight.
+constexpr int64_t kMinRunGroups = 4;
 
 
 // One row of x quantized: q [K] int8, per block d (float), sum of q (int32), d * sum

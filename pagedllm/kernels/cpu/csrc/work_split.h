@@ -17,6 +17,11 @@
 
 namespace pagedllm_ops {
 
+// Rows up to which a GEMM call counts as streaming its weight (decode): such calls claim
+// their runs here, and the bfloat16 / float32 GEMM leaves the stream to the hardware
+// prefetcher (cpu_gemm.cpp).
+constexpr int64_t kStreamRows = 4;
+
 // Calls fn(begin, end) for runs of [0, total) claimed from `next` (shared by the threads
 // of one parallel region, starting at 0) until none are left.
 template <typename Fn>
