@@ -34,6 +34,7 @@ from pagedllm.worker.ngram_proposer import NgramProposer
 from pagedllm.worker.pooler import pool_hidden_states
 from pagedllm.worker.prompt_logprobs import prompt_logprobs_chunks
 from pagedllm.worker.swap import allocate_host_kv_cache, swap_blocks
+from pagedllm.worker.weight_pages import move_to_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +104,10 @@ class ModelRunner:
 
             self._forward = CompiledForward(self.model, Path(config.device.compile_cache_dir))
         elif self.device.type == "cpu":
-            # Eager CPU: oneDNN-packed weights (compiled graphs pack their own).
+            # Eager CPU: oneDNN-packed weights (compiled graphs pack their own), the
+            # native kernels' on huge pages.
             pack_linear_weights(self.model)
+            move_to_huge_pages(self.model)
         self.vocab_size = config.model.hf_config.vocab_size
         caveat = batch_invariance_caveat(config, cpu_ops_available(torch.empty(0)))
         if caveat is not None and parallel.is_driver:
@@ -440,5 +443,6 @@ def _make_proposer(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     draft = load_model(spec.draft, config.device.attention_backend, device, dtype)
     if device.type == "cpu":
         pack_linear_weights(draft)
+        move_to_huge_pages(draft)
     return DraftModelProposer(draft, spec.num_speculative_tokens, config.cache.block_size,
                               device)

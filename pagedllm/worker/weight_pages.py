@@ -1,0 +1,96 @@
+"""The packed CPU weights moved into one arena on transparent huge pages.
+
+A decode step streams every packed weight from memory once (~66 MB of SmolLM2's Q4_1
+blocks, ~270 MB in bfloat16), and on 4 KiB pages that stream takes a TLB miss every
+4 KiB. torch's allocations are plain pages where the kernel gives huge pages only on
+request (transparent_hugepage=madvise, a common default); `lazy_zeros` asks for them.
+One arena for all weights, not one mapping each, because a partly used huge page at the
+end of every mapping would cost up to 2 MiB of memory per weight.
+
+Measured on Zen 4 (2 threads, every layer's decode GEMVs in turn, weights cold, the two
+placements interleaved in one process): Q4_1 2.79 -> 2.64 and 2.83 -> 2.62 ms, bfloat16
+7.58 -> 7.25 and 7.45 -> 7.00 ms.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagedllm.worker.memory import lazy_zeros
+
+# What the native kernels stream: packed weights (linear layers, LM heads), GGUF blocks
+# (quantized linears and embeddings), the shards of a mixed-type projection.
+_WEIGHT_ATTRS = ("native_weight", "quant_weight")
+_THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_ALIGN = 64  # a cache line: what torch's CPU allocator aligns to
+
+
+def huge_pages_available() -> bool:
+    """Whether the kernel may back a madvise'd mapping with huge pages."""
+    try:
+        return "[never]" not in _THP_SETTING.read_text()
+    except OSError:
+        return False
+
+
+def _weight_refs(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, int]]]:
+    """Where each distinct packed / GGUF-block weight the native kernels read is held,
+    by data pointer: (module, attribute, shard index or -1) per reference."""
+    refs: dict[int, list[tuple[nn.Module, str, int]]] = {}
+
+    def add(t: object, module: nn.Module, name: str, index: int) -> None:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel():
+            refs.setdefault(t.data_ptr(), []).append((module, name, index))
+
+    for module in model.modules():
+        for name in _WEIGHT_ATTRS:
+            add(getattr(module, name, None), module, name, -1)
+        for i, (blocks, _) in enumerate(getattr(module, "native_shards", None) or ()):
+            add(blocks, module, "native_shards", i)
+    return refs
+
+
+def _get(module: nn.Module, name: str, index: int) -> torch.Tensor:
+    value = getattr(module, name)
+    return value if index < 0 else value[index][0]
+
+
+def _set(module: nn.Module, name: str, index: int, t: torch.Tensor) -> None:
+    if index < 0:
+        setattr(module, name, t)
+    else:
+        shards = list(module.native_shards)
+        shards[index] = (t, shards[index][1])
+        module.native_shards = tuple(shards)
+
+
+def native_weights(model: nn.Module) -> list[torch.Tensor]:
+    """Every distinct packed / GGUF-block weight of `model` the native kernels read."""
+    return [_get(*where[0]) for where in _weight_refs(model).values()]
+
+
+def move_to_huge_pages(model: nn.Module) -> int:
+    """Copy the native weights of `model` into one huge-page arena and point the modules
+    at the copies (same values). Each old tensor goes with its last reference as soon
+    as it is copied, so memory peaks at the weights plus the largest one. Call before
+    the first forward pass: the native decoder stack binds the weights it finds then.
+    Returns the bytes moved (0 when the kernel gives no huge pages)."""
+    refs = [where for where in _weight_refs(model).values() if _get(*where[0]).is_contiguous()]
+    if not refs or not huge_pages_available():
+        return 0
+    sizes = [_get(*where[0]).numel() * _get(*where[0]).element_size() for where in refs]
+    total = sum(-(-size // _ALIGN) * _ALIGN for size in sizes)
+    arena = lazy_zeros((total,), torch.uint8)
+    offset = 0
+    for where, size in zip(refs, sizes):
+        old = _get(*where[0])
+        copy = arena[offset:offset + size].view(old.dtype).view(old.shape)
+        copy.copy_(old)
+        del old
+        for module, name, index in where:
+            _set(module, name, index, copy)
+        offset += -(-size // _ALIGN) * _ALIGN
+    return sum(sizes)
