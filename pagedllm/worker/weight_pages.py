@@ -5,7 +5,10 @@ blocks, ~270 MB in bfloat16), and on 4 KiB pages that stream takes a TLB miss ev
 4 KiB. torch's allocations are plain pages where the kernel gives huge pages only on
 request (transparent_hugepage=madvise, a common default); `lazy_zeros` asks for them.
 One arena for all weights, not one mapping each, because a partly used huge page at the
-end of every mapping would cost up to 2 MiB of memory per weight.
+end of every mapping would cost up to 2 MiB of memory per weight. Each weight's old
+memory is freed (and the heap trimmed) as the copies go, so the weights are never held
+twice: peak RSS of the bundled model 1490 -> 1428 MB in bfloat16, 1223 -> 1211 MB on its
+Q4_1 blocks (the trim also returns what packing freed).
 
 Measured on Zen 4 (2 threads, every layer's decode GEMVs in turn, weights cold, the two
 placements interleaved in one process): Q4_1 2.79 -> 2.64 and 2.83 -> 2.62 ms, bfloat16
@@ -14,6 +17,8 @@ placements interleaved in one process): Q4_1 2.79 -> 2.64 and 2.83 -> 2.62 ms, b
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from pathlib import Path
 
 import torch
@@ -26,6 +31,8 @@ from pagedllm.worker.memory import lazy_zeros
 _WEIGHT_ATTRS = ("native_weight", "quant_weight")
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _ALIGN = 64  # a cache line: what torch's CPU allocator aligns to
+# Bytes copied between two heap trims (see _trim_heap): bounds the memory held twice.
+_TRIM_EVERY = 32 << 20
 
 
 def huge_pages_available() -> bool:
@@ -84,7 +91,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
     sizes = [_get(*where[0]).numel() * _get(*where[0]).element_size() for where in refs]
     total = sum(-(-size // _ALIGN) * _ALIGN for size in sizes)
     arena = lazy_zeros((total,), torch.uint8)
-    offset = 0
+    offset = untrimmed = 0
     for where, size in zip(refs, sizes):
         old = _get(*where[0])
         copy = arena[offset:offset + size].view(old.dtype).view(old.shape)
@@ -93,4 +100,20 @@ def move_to_huge_pages(model: nn.Module) -> int:
         for module, name, index in where:
             _set(module, name, index, copy)
         offset += -(-size // _ALIGN) * _ALIGN
+        untrimmed += size
+        if untrimmed >= _TRIM_EVERY:
+            _trim_heap()
+            untrimmed = 0
+    _trim_heap()
     return sum(sizes)
+
+
+def _trim_heap() -> None:
+    """Return freed heap memory to the OS. glibc serves allocations below its (adaptive,
+    up to 32 MiB) mmap threshold from the heap and keeps them there once freed, so
+    without this the replaced weights stayed resident: measured +350 MB RSS for the
+    bundled model in bfloat16 (270 MB of weights), +52 MB from its Q4_1 blocks."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim this way
