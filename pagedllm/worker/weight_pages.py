@@ -7,18 +7,19 @@ request (transparent_hugepage=madvise, a common default); `lazy_zeros` asks for 
 One arena for all weights, not one mapping each, because a partly used huge page at the
 end of every mapping would cost up to 2 MiB of memory per weight. Each weight's old
 memory is freed (and the heap trimmed) as the copies go, so the weights are never held
-twice: peak RSS of the bundled model 1490 -> 1428 MB in bfloat16, 1223 -> 1211 MB on its
+twice: peak RSS of the bundled model 1490 -> 1425 MB in bfloat16, 1223 -> 1211-1223 MB on its
 Q4_1 blocks (the trim also returns what packing freed).
 
-Measured on Zen 4 (2 threads, every layer's decode GEMVs in turn, weights cold, the two
-placements interleaved in one process): Q4_1 2.79 -> 2.64 and 2.83 -> 2.62 ms, bfloat16
-7.58 -> 7.25 and 7.45 -> 7.00 ms.
+Measured on Zen 4 (2 threads; the two placements swapped within one process, rounds
+interleaved): a single decode step of the bundled model in bfloat16 9.22 -> 8.34,
+10.35 -> 8.95 and 9.37 -> 8.07 ms, on its Q4_1 blocks 5.47 -> 5.30 and 6.66 -> 6.21 ms;
+every layer's decode GEMVs alone (weights cold) Q4_1 2.79 -> 2.64 ms, bfloat16 7.58 ->
+7.25 ms. Batched steps (64 rows, compute-bound) and prefills: unchanged.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from pathlib import Path
 
 import torch
@@ -43,14 +44,16 @@ def huge_pages_available() -> bool:
         return False
 
 
-def _weight_refs(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, int]]]:
-    """Where each distinct packed / GGUF-block weight the native kernels read is held,
-    by data pointer: (module, attribute, shard index or -1) per reference."""
-    refs: dict[int, list[tuple[nn.Module, str, int]]] = {}
+def _weight_refs(model: nn.Module) -> dict[tuple, list[tuple[nn.Module, str, int]]]:
+    """Where each distinct packed / GGUF-block weight the native kernels read is held
+    (a tied weight: several places): (module, attribute, shard index or -1) per
+    reference, keyed by the tensor's memory and layout."""
+    refs: dict[tuple, list[tuple[nn.Module, str, int]]] = {}
 
     def add(t: object, module: nn.Module, name: str, index: int) -> None:
         if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel():
-            refs.setdefault(t.data_ptr(), []).append((module, name, index))
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+            refs.setdefault(key, []).append((module, name, index))
 
     for module in model.modules():
         for name in _WEIGHT_ATTRS:
@@ -82,7 +85,7 @@ def native_weights(model: nn.Module) -> list[torch.Tensor]:
 def move_to_huge_pages(model: nn.Module) -> int:
     """Copy the native weights of `model` into one huge-page arena and point the modules
     at the copies (same values). Each old tensor goes with its last reference as soon
-    as it is copied, so memory peaks at the weights plus the largest one. Call before
+    as it is copied, so memory peaks ~32 MB above the weights (_TRIM_EVERY). Call before
     the first forward pass: the native decoder stack binds the weights it finds then.
     Returns the bytes moved (0 when the kernel gives no huge pages)."""
     refs = [where for where in _weight_refs(model).values() if _get(*where[0]).is_contiguous()]
@@ -114,6 +117,6 @@ def _trim_heap() -> None:
     without this the replaced weights stayed resident: measured +350 MB RSS for the
     bundled model in bfloat16 (270 MB of weights), +52 MB from its Q4_1 blocks."""
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: libc's
     except (OSError, AttributeError):
         pass  # not glibc: nothing to trim this way

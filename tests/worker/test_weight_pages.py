@@ -68,6 +68,21 @@ def test_weights_move_into_one_arena_unchanged(monkeypatch):
     assert model.empty.native_weight.numel() == 0
 
 
+def test_views_of_one_memory_in_other_shapes_move_whole(monkeypatch):
+    """Two tensors on the same memory with different layouts are two weights (each
+    keeps its shape), not one."""
+    monkeypatch.setattr(weight_pages, "huge_pages_available", lambda: True)
+    blocks = torch.randint(0, 256, (4, 2, 34), dtype=torch.uint8)
+    model = nn.Module()
+    model.a = _Linear(blocks)
+    model.b = _Linear(blocks.view(2, 4, 34))
+    move_to_huge_pages(model)
+    assert model.a.native_weight.shape == (4, 2, 34)
+    assert model.b.native_weight.shape == (2, 4, 34)
+    assert torch.equal(model.a.native_weight, blocks)
+    assert torch.equal(model.b.native_weight, blocks.view(2, 4, 34))
+
+
 def test_nothing_moves_without_huge_pages(monkeypatch):
     monkeypatch.setattr(weight_pages, "huge_pages_available", lambda: False)
     model = _model()
