@@ -88,21 +88,23 @@ def move_to_huge_pages(model: nn.Module) -> int:
     as it is copied, so memory peaks ~32 MB above the weights (_TRIM_EVERY). Call before
     the first forward pass: the native decoder stack binds the weights it finds then.
     Returns the bytes moved (0 when the kernel gives no huge pages)."""
+    # The references only, not the tensors: each old weight must go as soon as its
+    # modules point at the copy (its memory is returned at the next trim).
     refs = [where for where in _weight_refs(model).values() if _get(*where[0]).is_contiguous()]
     if not refs or not huge_pages_available():
         return 0
-    sizes = [_get(*where[0]).numel() * _get(*where[0]).element_size() for where in refs]
-    total = sum(-(-size // _ALIGN) * _ALIGN for size in sizes)
-    arena = lazy_zeros((total,), torch.uint8)
+    sizes = [_get(*where[0]).nbytes for where in refs]
+    slots = [-(-size // _ALIGN) * _ALIGN for size in sizes]  # each on a cache line
+    arena = lazy_zeros((sum(slots),), torch.uint8)
     offset = untrimmed = 0
-    for where, size in zip(refs, sizes):
+    for where, size, slot in zip(refs, sizes, slots):
         old = _get(*where[0])
         copy = arena[offset:offset + size].view(old.dtype).view(old.shape)
         copy.copy_(old)
         del old
         for module, name, index in where:
             _set(module, name, index, copy)
-        offset += -(-size // _ALIGN) * _ALIGN
+        offset += slot
         untrimmed += size
         if untrimmed >= _TRIM_EVERY:
             _trim_heap()
