@@ -120,6 +120,20 @@ def test_cpu_all_decode_batch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_many_items_prefetching_the_next(dtype):
+    """44 requests, so more than 8 work items per thread: each thread claims its next
+    item before running the current one, whose last steps prefetch the next one's first
+    keys. Contexts of one step (< 48 keys), two and many, decodes and prefill chunks, in
+    an order the kernel's largest-first sort reshuffles."""
+    spec = AttentionSpec(num_heads=9, num_kv_heads=3, head_size=64, scale=0.125)
+    computed = [(i * 37) % 260 for i in range(44)]
+    query_lens = [1] * 40 + [20, 33, 5, 64]
+    md = make_metadata(computed, query_lens, 16, 900, seed=6)
+    actual, expected = run_both(spec, md, dtype, 16, 900, seed=6)
+    torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [5, 16])
 @pytest.mark.parametrize("head_size", [64, 128])
 def test_cpu_scores_growing_along_the_context(dtype, block_size, head_size):

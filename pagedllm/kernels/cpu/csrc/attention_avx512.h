@@ -545,9 +545,11 @@ inline void tile_rows_n(int rows, const Params<T, C>& p, const __m512i* kt, cons
 
 // run_item_chunks' key loop for bfloat16 with whole 16-key runs per block
 // (block_size % 16 == 0): steps of kTileKeys keys through the micro-kernels.
+// `shared_keys`: the cascade's shared prefix, whose keys the thread's next item (then a
+// decode continuing from the shared state) does not read.
 template <typename T, typename C, int NV>
 void run_item_tiles_bf16(const Params<T, C>& p, const Item& item, const Span& sp,
-                         Scratch& sc) {
+                         Scratch& sc, int64_t shared_keys) {
   constexpr int D = NV * 16;
   constexpr int R = kTileRows<NV>;
   const int64_t head_rows = sp.num_toks * p.group;
@@ -579,15 +581,37 @@ void run_item_tiles_bf16(const Params<T, C>& p, const Item& item, const Span& sp
   if (step_keys(first + kTileKeys) > 0) step_offsets(first + kTileKeys, off[1]);
   // One micro-kernel call per (head, run of R rows); next() once per query pair of each.
   const int64_t calls = (item.head_end - item.head_begin) * ((head_rows + R - 1) / R) * NV * 8;
-  for (int64_t c = first, cur = 0; c < sp.key_hi; c += kTileKeys, cur = (cur + 1) % 3) {
+  // The last two steps prefetch the first two of the thread's next item instead (its
+  // first step, read in a burst when it starts, then comes from L2): the first step of
+  // the next item during the second-to-last step, and during the last step its second
+  // (or its first, for an item of one step).
+  const int64_t num_steps = (sp.key_hi - first + kTileKeys - 1) / kTileKeys;
+  Span next_sp{};
+  int64_t next_first = 0;
+  if (sc.next != nullptr) {
+    next_sp = span_of(p, *sc.next);
+    next_sp.key_lo = std::max(next_sp.key_lo, shared_keys);
+    next_first = next_sp.key_lo / kTileKeys * kTileKeys;
+  }
+  for (int64_t c = first, cur = 0, i = 0; c < sp.key_hi;
+       c += kTileKeys, cur = (cur + 1) % 3, ++i) {
     const int n = step_keys(c);
     if (const int next_n = step_keys(c + kTileKeys); next_n > 0)
       touch_chunk(p, item, off[(cur + 1) % 3], next_n, D);
     StepPrefetch<C> ahead;
+    int64_t* far = off[(cur + 2) % 3];
     if (const int far_n = step_keys(c + 2 * kTileKeys); far_n > 0) {
-      int64_t* far = off[(cur + 2) % 3];
       step_offsets(c + 2 * kTileKeys, far);
       ahead = StepPrefetch<C>(p, item, far, far_n, calls);
+    } else if (sc.next != nullptr) {
+      const int64_t j = num_steps == 1 ? 0 : i + 2 - num_steps;  // the next item's step
+      const int64_t nc = next_first + j * kTileKeys;
+      const int far_n = static_cast<int>(std::clamp<int64_t>(next_sp.key_hi - nc, 0, kTileKeys));
+      for (int v = 0; v < kTileVecs; ++v) {
+        const int nv = std::clamp(far_n - 16 * v, 0, 16);
+        if (nv > 0) chunk_offsets(p, sc.next->req, nc + 16 * v, nv, far + 16 * v);
+      }
+      if (far_n > 0) ahead = StepPrefetch<C>(p, *sc.next, far, far_n, calls);
     }
     // Heads of a token are adjacent in the cache: all of them per step reads it in order.
     for (int64_t h = item.head_begin; h < item.head_end; ++h) {
@@ -647,7 +671,7 @@ void run_item_chunks(const Params<T, C>& p, const Item& item, Span sp, Scratch& 
 #if defined(__AVX512BF16__)
   if constexpr (kBf16) {
     if (p.block_size % 16 == 0) {
-      run_item_tiles_bf16<T, C, NV>(p, item, sp, sc);
+      run_item_tiles_bf16<T, C, NV>(p, item, sp, sc, sh != nullptr ? sh->keys : 0);
       sum_lanes();
       return;
     }

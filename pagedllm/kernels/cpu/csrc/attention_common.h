@@ -115,6 +115,9 @@ using pagedllm_simd::exp_poly;
 struct Scratch {
   std::vector<float> q, acc, m, l, l_lanes, k, v, s, probs, alpha;
   std::vector<uint16_t> probs_b;
+  // The item this thread runs after the current one, when it is already claimed: the
+  // current item's last steps prefetch its first keys (nullptr: none known).
+  const Item* next = nullptr;
   Scratch(int64_t max_rows, int64_t head_size, int64_t keys)
       : q(max_rows * head_size), acc(max_rows * head_size), m(max_rows), l(max_rows),
         l_lanes(max_rows * 16),

@@ -30,6 +30,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -326,6 +327,10 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
   int64_t work = 0;
   for (int64_t r = 0; r < num_reqs; ++r) work += (p.qsl[r + 1] - p.qsl[r]) * p.lens[r];
   work *= num_kv_heads;
+  // Claiming ahead can leave a thread holding one item while another has run out: only
+  // with enough items that the last ones (the smallest, by the sort) are short.
+  const bool claim_ahead = num_items >= 8 * omp_get_max_threads();
+  std::atomic<int64_t> next_item{0};
 #pragma omp parallel if (num_items > 1 && work > 512)
   {
     Scratch scratch(std::max(q_tile * heads_per_item, shared_tile) * p.group, p.head_size,
@@ -334,13 +339,23 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_shared_items; ++it)
       fns.shared(p, shared_items[it], scratch, shared);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < num_items; ++it) {
+    // Items claimed one at a time (a dynamic schedule); with many items each thread
+    // claims its next one before running the current, whose last steps then prefetch the
+    // next one's first keys (the cache comes from memory; without this an item opened
+    // with a burst of misses that nothing overlapped). Measured on Zen 4, 2 threads, 64
+    // decodes of ~220 keys, per layer: 618 -> 579 us, 706 -> 678 us (two runs);
+    // 16 decodes of 1024 keys 716 -> 694 us (fewer, longer items).
+    int64_t it = next_item.fetch_add(1, std::memory_order_relaxed);
+    while (it < num_items) {
+      const int64_t after =
+          claim_ahead ? next_item.fetch_add(1, std::memory_order_relaxed) : num_items;
+      scratch.next = after < num_items ? &items[after] : nullptr;
       const Item& item = items[it];
       if (item.tok_end - item.tok_begin == 1)
         fns.decode(p, item, scratch, &shared);
       else
         fns.tile(p, item, scratch);
+      it = claim_ahead ? after : next_item.fetch_add(1, std::memory_order_relaxed);
     }
   }
 }
