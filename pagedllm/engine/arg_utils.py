@@ -50,7 +50,7 @@ class EngineArgs:
                               "CUDA, float32 otherwise), float32, bfloat16, float16",
                       choices=_DTYPES)
     quantization: str = _arg("auto", "weights of a .gguf file: gguf (run its Q8_0, Q4_0, "
-                                     "Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K blocks as stored, and "
+                                     "Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K, Q6_K blocks as stored, and "
                                      "Q3_K as Q6_K blocks, through the native quantized "
                                      "GEMM; other types are dequantized), none (dequantize "
                                      "every weight to dtype), auto (gguf on CPUs with "

@@ -9,7 +9,7 @@ permutation that llama.cpp's converter applies (see `_unpermute_rows`); for GPT-
 transposes the projections back to the checkpoint's `Conv1D` layout.
 
 With `quantized` (ModelConfig.quantization "gguf"), 2-D weights of the types the native
-quantized GEMM runs on (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are yielded as
+quantized GEMM runs on (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K, Q6_K) are yielded as
 `QuantizedWeight`s instead: the file's block rows, q/k rows un-permuted as bytes
 (kernels/cpu/quant.py); Q3_K rows come converted into Q6_K's (the same weights).
 

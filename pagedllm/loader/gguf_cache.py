@@ -55,10 +55,10 @@ from pagedllm.loader.safetensors import iter_safetensors_file
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """Bump when the cached layout or the conversion changes; old entries are then ignored.
 (3: Q5_0 / Q5_1 / Q5_K / Q6_K weights kept as blocks in the quantized stream; 4: Q3_K
-weights as Q6_K blocks.)"""
+weights as Q6_K blocks; 5: Q2_K weights kept as blocks.)"""
 _HASH_BYTES = 1 << 20
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.float64: "F64", torch.uint8: "U8"}

@@ -4,7 +4,8 @@ References: the weights dequantized by gguf-py itself, and x quantized per row t
 blocks as the kernel does (`_quantize_rows`, numpy float32: the same operations). With both
 operands the kernel's, the only difference left is the float32 arithmetic over K (one
 rounded product d_w d_x and one fused multiply-add per block, or per half block for Q6_K's
-sub-blocks of 16, the integer dots exact): the reference sums in float64, so the
+and Q2_K's sub-blocks of 16, plus one for the min term of Q4_1 / Q5_1 / Q2_K / Q4_K / Q5_K;
+the integer dots exact): the reference sums in float64, so the
 tolerance is a few float32 rounding steps (rtol 1e-5 of the sum of |terms|), the same for
 every type. Against the unquantized x the int8 activations cost ~1% (checked too).
 """
@@ -21,8 +22,8 @@ from pagedllm.kernels.cpu.build import load_cpu_kernels
 from pagedllm.kernels.cpu.quant import QuantizedWeight, dequantize_rows, repack
 from tests.loader.test_gguf import random_k_blocks
 
-QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
-K_QTYPES = ("Q4_K", "Q5_K", "Q6_K")
+QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K"]
+K_QTYPES = ("Q2_K", "Q4_K", "Q5_K", "Q6_K")
 _QT = gguf.GGMLQuantizationType
 
 
@@ -162,7 +163,7 @@ def test_repacked_weight_is_file_sized(qtype: str) -> None:
     assert packed.numel() == weight.raw.numel() * _PACKED_RATIO.get(qtype, 1)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q2_K", "Q6_K", "Q8_0"])
 def test_decode_calls_same_bits_whatever_the_threads(qtype: str) -> None:
     """Calls of up to 4 rows claim the column groups in runs (csrc/work_split.h), larger
     ones split them evenly: the bits of a row are the same either way, with 1, 2 or 3

@@ -77,9 +77,9 @@ def test_dequantized_stream_unchanged_by_default(tiny_gguf):
 
 
 def test_k_weights_stream_as_blocks(tmp_path, monkeypatch):
-    """Q4_K / Q5_K / Q6_K projections come as blocks too (gguf-py cannot quantize K-types:
-    random blocks), Q3_K converted to Q6_K blocks that decode to the very same weights;
-    Q2_K is dequantized."""
+    """Q2_K / Q4_K / Q5_K / Q6_K projections come as blocks too (gguf-py cannot quantize
+    K-types: random blocks), Q3_K converted to Q6_K blocks that decode to the very same
+    weights."""
     rng = np.random.default_rng(0)
     path = tmp_path / "k.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -110,9 +110,10 @@ def test_k_weights_stream_as_blocks(tmp_path, monkeypatch):
     gate = got["model.layers.0.mlp.gate_proj.weight"]  # Q3_K: every bit random
     assert isinstance(gate, QuantizedWeight) and gate.qtype == "Q6_K"
     assert torch.equal(gate.dequantize(torch.float32), expected["ffn_gate.weight"])
-    q = got["model.layers.0.self_attn.q_proj.weight"]  # Q2_K (rows un-permuted)
-    assert isinstance(q, torch.Tensor)
-    assert torch.equal(q, expected["attn_q.weight"][np.argsort(llamacpp_row_order(256, 4))])
+    q = got["model.layers.0.self_attn.q_proj.weight"]  # Q2_K (rows un-permuted as bytes)
+    assert isinstance(q, QuantizedWeight) and q.qtype == "Q2_K"
+    assert torch.equal(q.dequantize(torch.float32),
+                       expected["attn_q.weight"][np.argsort(llamacpp_row_order(256, 4))])
     # Read back from the conversion cache: the same Q6_K rows.
     _forbid_conversion(monkeypatch)
     cached = _quantized(path)["model.layers.0.mlp.gate_proj.weight"]

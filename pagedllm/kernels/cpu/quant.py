@@ -1,15 +1,16 @@
 """GGUF block-quantized weights for the native quantized GEMM (csrc/cpu_quant.cpp).
 
 A `QuantizedWeight` is a 2-D weight [N, K] as the GGUF file stores it: each row is K / 32
-blocks of ggml's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 (32 weights) or Q4_K / Q5_K / Q6_K (256)
-layout, kept as raw bytes [N, K / block * block size].
+blocks of ggml's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 (32 weights) or Q2_K / Q4_K / Q5_K / Q6_K
+(256) layout, kept as raw bytes [N, K / block * block size].
 The loader yields it in place of a dequantized tensor; rows can be permuted or
 concatenated as bytes (a block never straddles rows). `repack` regroups the blocks once,
 16 output columns side by side, into the kernel's layout [ceil(N / 16), K / block,
 block_bytes] (described in cpu_quant.cpp): the same bits, moved (Q8_0's with the sign bit
 flipped; Q5's and Q6_K's high bits regrouped into "planes"; Q4_K's and Q5_K's 6-bit
 scales unpacked to bytes: +2.8% and +2.3%), so weights stay file-sized: packed / file
-bytes is 1 for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q6_K, 1.028 for Q4_K, 1.023 for Q5_K.
+bytes is 1 for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K and Q6_K, 1.028 for Q4_K, 1.023 for
+Q5_K.
 
 The dequantizers here reproduce gguf-py's `gguf.quants.dequantize` bit for bit (float32,
 the same operations), so a tensor dequantized here equals the one the dequantizing
@@ -34,7 +35,7 @@ GROUP = 16
 # (group, block)).
 _SIZES = {"Q8_0": (32, 34, 544), "Q4_0": (32, 18, 288), "Q4_1": (32, 20, 320),
           "Q5_0": (32, 22, 352), "Q5_1": (32, 24, 384), "Q4_K": (256, 144, 2368),
-          "Q5_K": (256, 176, 2880), "Q6_K": (256, 210, 3360)}
+          "Q5_K": (256, 176, 2880), "Q6_K": (256, 210, 3360), "Q2_K": (256, 84, 1344)}
 NATIVE_QTYPES = frozenset(_SIZES)
 """GGUF tensor types the quantized GEMM runs on (others are dequantized on load)."""
 _BY_PACKED = {packed: name for name, (_, _, packed) in _SIZES.items()}
@@ -57,7 +58,7 @@ class QuantizedWeight:
     """A GGUF-quantized 2-D weight: `raw` [N, K / 32 * block size] uint8, as stored."""
 
     qtype: str
-    """ggml type name: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K."""
+    """ggml type name: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K or Q6_K."""
     raw: torch.Tensor
     """The file's bytes, one row of blocks per output row."""
     in_features: int
@@ -97,9 +98,13 @@ def _half(two_bytes: torch.Tensor) -> torch.Tensor:
 def _file_fields(qtype: str, blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """ggml's blocks [..., raw_size] -> `_combine`'s fields: q [..., elems] (uint8, the
     unsigned weights in element order; Q8_0: the int8 bytes), d [..., 1] float32, then m
-    (Q4_1, Q5_1) or dmin, sc and mins [..., 8] (Q4_K, Q5_K) or sc [..., 16] (Q6_K)."""
+    (Q4_1, Q5_1) or dmin, sc and mins [..., 8] (Q4_K, Q5_K) or sc [..., 16] (Q6_K) or
+    dmin and the scale bytes [..., 16] (Q2_K: scale low nibble, min high nibble)."""
     if qtype == "Q6_K":
         return _q6k_values(blocks), _half(blocks[..., 208:210]), blocks[..., 192:208]
+    if qtype == "Q2_K":
+        return (_q2k_values(blocks[..., 16:80]), _half(blocks[..., 80:82]),
+                _half(blocks[..., 82:84]), blocks[..., :16])
     d = _half(blocks[..., 0:2])
     if qtype == "Q8_0":
         return blocks[..., 2:], d
@@ -129,6 +134,11 @@ def _combine(qtype: str, q: torch.Tensor, d: torch.Tensor, *rest: torch.Tensor
     if qtype == "Q6_K":
         d_sub = (d * rest[0].view(torch.int8).float()).unsqueeze(-1)  # [..., 16, 1]
         return (d_sub * (q.to(torch.int8) - 32).float().unflatten(-1, (16, 16))).flatten(-2)
+    if qtype == "Q2_K":
+        dmin, scales = rest
+        d_sub = (d * (scales & 0x0F).float()).unsqueeze(-1)  # [..., 16, 1]
+        dm_sub = (dmin * (scales >> 4).float()).unsqueeze(-1)
+        return (d_sub * q.unflatten(-1, (16, 16)).float() - dm_sub).flatten(-2)
     dmin, sc, mins = rest  # Q4_K, Q5_K
     d_sub = (d * sc.float()).unsqueeze(-1)  # [..., 8, 1]
     dm_sub = (dmin * mins.float()).unsqueeze(-1)
@@ -179,6 +189,13 @@ def _q6k_values(blocks: torch.Tensor) -> torch.Tensor:
     low = torch.cat([ql & 0x0F, ql >> 4], dim=-1).flatten(-2)
     high = _bits(blocks[..., 128:192].unflatten(-1, (2, 32)), 2).flatten(-2)
     return low | (high << 4)
+
+
+def _q2k_values(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K's 64 bytes [..., 64] -> the 256 2-bit weights [..., 256]: bits 2s, 2s + 1 of
+    byte 32h + l hold element 128h + 32s + l."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    return ((qs.unflatten(-1, (2, 1, 32)) >> shifts) & 3).flatten(-3)
 
 
 def _plane(top: torch.Tensor, width: int) -> torch.Tensor:
@@ -264,6 +281,8 @@ def _repack_rows(raw: torch.Tensor, qtype: str, k: int, out: torch.Tensor) -> No
         return _repack_q4k(blocks, out)
     if qtype == "Q6_K":
         return _repack_q6k(blocks, out)
+    if qtype == "Q2_K":
+        return _repack_q2k(blocks, out)
     # ggml's block: d (| m) f16 (| qh u32: Q5) | qs
     num_scales = 2 if qtype in ("Q4_1", "Q5_1") else 1
     is_q5 = qtype in ("Q5_0", "Q5_1")
@@ -334,6 +353,21 @@ def _repack_q6k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out[..., 3104:].view(groups, nb, 16, GROUP).copy_(blocks[..., 192:208].permute(0, 2, 3, 1))
 
 
+def _repack_q2k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """Q2_K blocks [G, 16, nb, 84] into `out` [G, nb, 1344] (layout: csrc/quant_layout.h):
+    qs [16 sub-blocks][16 columns][4] (byte i of sub-block t: element 16t + 4s + i at bits
+    2s, 2s + 1) | d [16] | dmin [16] f16 | the scale bytes [16][16] as stored."""
+    groups, _, nb, _ = blocks.shape
+    q = _q2k_values(blocks[..., 16:80]).view(groups, GROUP, nb, 16, 4, 4)  # t, s, i
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    qs = (q << shifts).sum(-2, dtype=torch.uint8)  # [G, 16, nb, 16 (t), 4 (i)]
+    out[..., :1024].view(groups, nb, 16, GROUP, 4).copy_(qs.permute(0, 2, 3, 1, 4))
+    for at, lo in ((1024, 80), (1056, 82)):  # d, dmin: 16 columns x 2 bytes
+        out[..., at:at + 2 * GROUP].view(groups, nb, GROUP, 2).copy_(
+            blocks[..., lo:lo + 2].permute(0, 2, 1, 3))
+    out[..., 1088:].view(groups, nb, 16, GROUP).copy_(blocks[..., :16].permute(0, 2, 3, 1))
+
+
 def packed_qtype(packed: torch.Tensor) -> str:
     """The ggml type of a repacked weight (told apart by its block size)."""
     return _BY_PACKED[packed.shape[2]]
@@ -360,7 +394,12 @@ def dequantize_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     def half(at: int) -> torch.Tensor:  # [T, nb, 1] float32
         return _half(column(at, 1, 2).flatten(-2))
 
-    if qtype == "Q6_K":
+    if qtype == "Q2_K":
+        # sub-block t byte i, bits 2s, 2s + 1: element 16t + 4s + i
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+        q = ((column(0, 16, 4).unsqueeze(-2) >> shifts) & 3).flatten(-3)
+        fields = (q, half(1024), half(1056), column(1088, 16, 1).flatten(-2))
+    elif qtype == "Q6_K":
         sub = blk[..., :3072].unflatten(-1, (8, 384))  # [T, nb, 8 blocks, 384]
         low = _nibbles(column(0, 4, 4, sub).flatten(-2))  # [T, nb, 8, 32]
         # plane (nibble) byte i, bits 2v, 2v + 1: element 16 nibble + 4v + i of the block

@@ -1,5 +1,5 @@
-// Linear layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
-// Q6_K), dequantized in registers: out [M, N] = x [M, K] . dequant(W)^T + bias, as
+// Linear layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q4_K,
+// Q5_K, Q6_K), dequantized in registers: out [M, N] = x [M, K] . dequant(W)^T + bias, as
 // llama.cpp computes it.
 //
 // Activations: each row of x is quantized to int8 in blocks of 32 (d = max|x| / 127,
@@ -9,8 +9,8 @@
 //
 // Weights (kernels/cpu/quant.py: repack) are kept as stored in the GGUF file, regrouped
 // so that 16 output columns sit side by side: [ceil(N / 16), K / 32, block_bytes] (K-types:
-// K / 256 super-blocks, laid out as quant_layout.h describes at kQ4KScales / kQ5KScales /
-// kQ6KScales), where one (group, block) holds
+// K / 256 super-blocks, laid out as quant_layout.h describes at kQ2KScales / kQ4KScales /
+// kQ5KScales / kQ6KScales), where one (group, block) holds
 //   Q4_0: qs [4][16 columns][4 bytes] | d [16] f16                              = 288 bytes
 //   Q4_1: qs [4][16 columns][4 bytes] | d [16] f16 | m [16] f16                 = 320 bytes
 //   Q5_0: qs [4][16 columns][4 bytes] | qh [16 columns][4 bytes] | d [16] f16   = 352 bytes
@@ -35,6 +35,8 @@
 //         block spans two, each with its own int32 dot (lower and upper 16 of the block,
 //         which are exactly the low and the high nibbles of the Q4 byte layout; started
 //         at -32 sum16 q_x) and its own float multiply-add, the lower one first
+//   Q2_K: sum w x = (d sc) d_x dot - (dmin m) (d_x sum16 q_x), per sub-block of 16 (two
+//         per activation block, the lower one first; sum16 from Q6_K's offset term / -32)
 // the integer parts exact, the float parts in one fixed order per (row, column): block
 // after block over K, whatever M and wherever the row sits in the batch (batch
 // invariance, DESIGN.md §10). The portable path (no AVX512-VNNI) does the same float
@@ -91,7 +93,8 @@ template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
 
 // Quantize x [K] (float32 or bfloat16) into the row's buffers; same bits on every path.
-// off16 (Q6_K only, else nullptr: its two reductions cost ~1% of a Q4 prefill GEMM).
+// off16 (Q6_K and Q2_K only, else nullptr: its two reductions cost ~1% of a Q4 prefill
+// GEMM).
 template <typename T>
 void quantize_row(const T* x, int64_t k, int8_t* q, float* d, int32_t* sum, float* dsum,
                   int32_t* off16) {
@@ -168,6 +171,10 @@ inline int32_t weight_at(const uint8_t* blk, const Layout& L, int64_t c, int64_t
       const uint8_t* plane = L.type == QType::kQ5_K ? blk + 2048 + chunk * 128 : nullptr;
       return q4_at(blk + chunk * 512, plane, c, i % 64, 32);
     }
+    case QType::kQ2_K: {  // i: an element of the super-block
+      const int64_t r = i % 16;
+      return (blk[(i / 16) * 64 + c * 4 + r % 4] >> (2 * (r / 4))) & 3;
+    }
     case QType::kQ6_K: {
       const uint8_t* b = blk + (i / 32) * kQ6KBlock;
       const int64_t j = i % 32, l = j % 16;  // j: in the block; l: its byte
@@ -204,6 +211,16 @@ inline float dot_portable(const QuantRows& x, int64_t m, const uint8_t* wg,
           const int8_t sc = static_cast<int8_t>(blk[kQ6KScales + 32 + (2 * sub + h) * 16 + c]);
           const float dw = half_at(blk + kQ6KScales, c) * static_cast<float>(sc);
           acc = std::fma(dw * x.d[i], static_cast<float>(dot[h]), acc);
+        }
+        break;
+      case QType::kQ2_K:
+        for (int64_t h = 0; h < 2; ++h) {
+          const uint8_t sc = blk[kQ2KScales + 64 + (2 * sub + h) * 16 + c];
+          const float dw = half_at(blk + kQ2KScales, c) * static_cast<float>(sc & 0x0F);
+          const float mw = half_at(blk + kQ2KScales + 32, c) * static_cast<float>(sc >> 4);
+          const float ds = x.d[i] * static_cast<float>(x.off16[2 * i + h] / -32);
+          acc = std::fma(dw * x.d[i], static_cast<float>(dot[h]), acc);
+          acc = std::fma(-mw, ds, acc);
         }
         break;
       case QType::kQ4_K: case QType::kQ5_K: {
@@ -265,6 +282,16 @@ inline void store16_out(T* dst, __m512 v, __mmask16 mask, bool accumulate) {
     v = _mm512_add_ps(load16(dst, mask), round_to<T>(v));
   }
   store16(dst, v, mask);
+}
+
+// A micro-kernel's R rows of sums plus the bias into out (the group's cols <= 16 columns).
+template <int R, typename T>
+inline void store_rows(const __m512* acc, const float* bias, T* out, int64_t ldo, int64_t cols,
+                       bool accumulate) {
+  const __mmask16 mask = pagedllm_simd::first_lanes(cols);
+  const __m512 bv = _mm512_maskz_loadu_ps(mask, bias);
+  for (int r = 0; r < R; ++r)
+    store16_out(out + r * ldo, _mm512_add_ps(acc[r], bv), mask, accumulate);
 }
 
 // Bits of `p` moved left by s (right by -s) within each byte, for the bits kept by the
@@ -342,10 +369,7 @@ void micro(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_bytes
       }
     }
   }
-  const __mmask16 mask = pagedllm_simd::first_lanes(cols);
-  const __m512 bv = _mm512_maskz_loadu_ps(mask, bias);
-  for (int r = 0; r < R; ++r)
-    store16_out(out + (m + r) * ldo, _mm512_add_ps(acc[r], bv), mask, accumulate);
+  store_rows<R>(acc, bias, out + m * ldo, ldo, cols, accumulate);
 }
 
 // 16 u8 (one per column of a group) as float32.
@@ -396,10 +420,7 @@ void micro_q4k(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_b
       }
     }
   }
-  const __mmask16 mask = pagedllm_simd::first_lanes(cols);
-  const __m512 bv = _mm512_maskz_loadu_ps(mask, bias);
-  for (int r = 0; r < R; ++r)
-    store16_out(out + (m + r) * ldo, _mm512_add_ps(acc[r], bv), mask, accumulate);
+  store_rows<R>(acc, bias, out + m * ldo, ldo, cols, accumulate);
 }
 
 // Q6_K: rows [0, R) (from `m`) of one column group, over all super-blocks. Each block
@@ -451,10 +472,57 @@ void micro_q6k(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_b
       }
     }
   }
-  const __mmask16 mask = pagedllm_simd::first_lanes(cols);
-  const __m512 bv = _mm512_maskz_loadu_ps(mask, bias);
-  for (int r = 0; r < R; ++r)
-    store16_out(out + (m + r) * ldo, _mm512_add_ps(acc[r], bv), mask, accumulate);
+  store_rows<R>(acc, bias, out + m * ldo, ldo, cols, accumulate);
+}
+
+// Q2_K: rows [0, R) (from `m`) of one column group, over all super-blocks. Per
+// activation block j, its sub-blocks 2j (x[0, 16)) and 2j + 1 (x[16, 32)): one 64-byte
+// vector each, whose 2-bit fields s (a shift and a mask) pair with x[16h + 4s, + 4).
+template <int R, typename T>
+void micro_q2k(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_bytes,
+               const float* bias, T* out, int64_t ldo, int64_t cols, bool accumulate) {
+  const __m512i low2 = _mm512_set1_epi8(0x03);
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < x.nb / 8; ++sb) {
+    const uint8_t* blk = wg + sb * block_bytes;
+    const __m512 d = load_halves(blk + kQ2KScales), dmin = load_halves(blk + kQ2KScales + 32);
+    for (int j = 0; j < 8; ++j) {
+      __m512i dot[2][R];
+      for (int r = 0; r < R; ++r) dot[0][r] = dot[1][r] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512i raw = _mm512_loadu_si512(blk + (2 * j + h) * 64);
+#pragma GCC unroll 4  // shift_bits' counts as constants
+        for (int s = 0; s < 4; ++s) {
+          const __m512i w = _mm512_and_si512(shift_bits(raw, -2 * s), low2);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xq = x.q + (m + r) * x.k + sb * 256 + j * 32 + 16 * h;
+            dot[h][r] = _mm512_dpbusd_epi32(dot[h][r], w, bcast4(xq + 4 * s));
+          }
+        }
+      }
+      __m512 dw[2], mw[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m128i sc = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(blk + kQ2KScales + 64 + 16 * (2 * j + h)));
+        dw[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(sc, low4))));
+        mw[h] = _mm512_mul_ps(
+            dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(sc, 4), low4))));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m + r) * x.nb + sb * 8 + j;
+        const float dx = x.d[i];
+        for (int h = 0; h < 2; ++h) {  // the lower sub-block first
+          const float ds = dx * static_cast<float>(x.off16[2 * i + h] / -32);
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[h], _mm512_set1_ps(dx)),
+                                   _mm512_cvtepi32_ps(dot[h][r]), acc[r]);
+          acc[r] = _mm512_fnmadd_ps(mw[h], _mm512_set1_ps(ds), acc[r]);  // -mw ds + acc
+        }
+      }
+    }
+  }
+  store_rows<R>(acc, bias, out + m * ldo, ldo, cols, accumulate);
 }
 
 template <QType Q, int R, typename T>
@@ -464,6 +532,8 @@ void micro_any(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_b
     micro_q4k<Q, R, T>(x, m, wg, block_bytes, bias, out, ldo, cols, accumulate);
   } else if constexpr (Q == QType::kQ6_K) {
     micro_q6k<R, T>(x, m, wg, block_bytes, bias, out, ldo, cols, accumulate);
+  } else if constexpr (Q == QType::kQ2_K) {
+    micro_q2k<R, T>(x, m, wg, block_bytes, bias, out, ldo, cols, accumulate);
   } else {
     micro<Q, R, T>(x, m, wg, block_bytes, bias, out, ldo, cols, accumulate);
   }
@@ -478,7 +548,8 @@ void run_simd(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
   static constexpr Fn kMicro[kRows + 1] = {
       nullptr, micro_any<Q, 1, T>, micro_any<Q, 2, T>, micro_any<Q, 3, T>, micro_any<Q, 4, T>,
       micro_any<Q, 5, T>, micro_any<Q, 6, T>, micro_any<Q, 7, T>, micro_any<Q, 8, T>};
-  constexpr bool super = Q == QType::kQ4_K || Q == QType::kQ5_K || Q == QType::kQ6_K;
+  constexpr bool super =
+      Q == QType::kQ2_K || Q == QType::kQ4_K || Q == QType::kQ5_K || Q == QType::kQ6_K;
   const int64_t blocks = super ? x.nb / 8 : x.nb;  // weight blocks per group
   const int64_t group_bytes = blocks * block_bytes;
   // The next group's weights are prefetched into L2, a slice before each micro-kernel
@@ -518,6 +589,7 @@ void run(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w, int64_t b
       case QType::kQ4_1: return go(run_simd<QType::kQ4_1, T>);
       case QType::kQ5_0: return go(run_simd<QType::kQ5_0, T>);
       case QType::kQ5_1: return go(run_simd<QType::kQ5_1, T>);
+      case QType::kQ2_K: return go(run_simd<QType::kQ2_K, T>);
       case QType::kQ4_K: return go(run_simd<QType::kQ4_K, T>);
       case QType::kQ5_K: return go(run_simd<QType::kQ5_K, T>);
       case QType::kQ6_K: return go(run_simd<QType::kQ6_K, T>);
@@ -550,7 +622,8 @@ void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
 #pragma omp parallel for if (m * k > (1 << 16))
   for (int64_t r = 0; r < m; ++r)
     quantize_row(xp + r * ldx, k, q + r * k, d + r * nb, sum + r * nb, dsum + r * nb,
-                 L.type == QType::kQ6_K ? off16 + 2 * r * nb : nullptr);
+                 L.type == QType::kQ6_K || L.type == QType::kQ2_K ? off16 + 2 * r * nb
+                                                                 : nullptr);
   const QuantRows xq{q, d, sum, dsum, off16, k, nb};
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   T* op = out.data_ptr<T>();

@@ -102,12 +102,29 @@ void q6k_block(const uint8_t* b, int64_t col, const Layout&, float* w) {
   }
 }
 
+// Q2_K: sub-block t byte i, bits 2s and 2s + 1: element 16t + 4s + i; per sub-block of
+// 16 a scale byte (low nibble sc, high nibble m) after d and dmin.
+void q2k_block(const uint8_t* b, int64_t col, const Layout&, float* w) {
+  const float d = half_at(b + kQ2KScales, col), dmin = half_at(b + kQ2KScales + 32, col);
+  for (int t = 0; t < 16; ++t) {
+    const uint8_t sc = b[kQ2KScales + 64 + t * 16 + col];
+    const float d_sub = d * static_cast<float>(sc & 0x0F);
+    const float dm_sub = dmin * static_cast<float>(sc >> 4);
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t byte = b[t * 64 + col * 4 + i];
+      for (int s = 0; s < 4; ++s)  // gguf-py: (d sc) q - dmin m, two roundings
+        w[16 * t + 4 * s + i] = d_sub * static_cast<float>((byte >> (2 * s)) & 3) - dm_sub;
+    }
+  }
+}
+
 template <typename T>
 void rows_impl(const at::Tensor& out, const at::Tensor& packed, const Layout& L,
                const int64_t* ids, int64_t num) {
   using BlockFn = void (*)(const uint8_t*, int64_t, const Layout&, float*);
   const BlockFn block = L.type == QType::kQ8_0 ? q8_block
                         : L.type == QType::kQ6_K ? q6k_block
+                        : L.type == QType::kQ2_K ? q2k_block
                         : (L.type == QType::kQ4_K || L.type == QType::kQ5_K) ? q4k_block
                                                                              : q4_block;
   const int64_t nb = packed.size(1), block_bytes = packed.size(2);

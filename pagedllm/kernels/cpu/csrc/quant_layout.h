@@ -15,7 +15,7 @@ namespace quant {
 constexpr int64_t kGroup = 16;  // output columns per group
 constexpr int64_t kBlock = 32;  // K per block
 
-enum class QType { kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K };
+enum class QType { kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ2_K, kQ4_K, kQ5_K, kQ6_K };
 
 struct Layout {
   QType type;
@@ -42,6 +42,12 @@ constexpr int64_t kQ5KScales = 2560;
 // per sub-block of 16, q = 0..63.
 constexpr int64_t kQ6KScales = 3072;
 constexpr int64_t kQ6KBlock = 384;
+// Q2_K (group, super-block), 1344 bytes (the file's 84 x 16): qs [16 sub-blocks][16
+// columns][4 bytes], where byte i of sub-block t holds elements 16t + 4s + i at bits 2s,
+// 2s + 1 (so a shift by 2s and a mask give vpdpbusd the 4 weights x[16t + 4s, + 4) pair
+// with) | d [16] f16 | dmin [16] f16 | scales [16][16 columns] u8 as stored (low nibble
+// sc, high nibble m): w = (d sc) q - dmin m per sub-block of 16, q = 0..3.
+constexpr int64_t kQ2KScales = 1024;
 
 inline Layout layout_of(int64_t block_bytes) {
   switch (block_bytes) {
@@ -50,12 +56,13 @@ inline Layout layout_of(int64_t block_bytes) {
     case 352: return {QType::kQ5_0, 320, 16, kBlock};
     case 384: return {QType::kQ5_1, 320, 0, kBlock};
     case 544: return {QType::kQ8_0, 512, 128, kBlock};
+    case 1344: return {QType::kQ2_K, kQ2KScales, 0, 8 * kBlock};
     case 2368: return {QType::kQ4_K, kQ4KScales, 0, 8 * kBlock};
     case 2880: return {QType::kQ5_K, kQ5KScales, 0, 8 * kBlock};
     case 3360: return {QType::kQ6_K, kQ6KScales, 32, 8 * kBlock};
     default: TORCH_CHECK(false, "quantized weight: unknown block size ", block_bytes,
-                         " (Q4_0: 288, Q4_1: 320, Q5_0: 352, Q5_1: 384, Q8_0: 544, Q4_K: 2368,"
-                         " Q5_K: 2880, Q6_K: 3360)");
+                         " (Q4_0: 288, Q4_1: 320, Q5_0: 352, Q5_1: 384, Q8_0: 544, Q2_K: 1344,"
+                         " Q4_K: 2368, Q5_K: 2880, Q6_K: 3360)");
   }
 }
 
