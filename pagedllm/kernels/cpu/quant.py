@@ -194,8 +194,7 @@ def _q6k_values(blocks: torch.Tensor) -> torch.Tensor:
 def _q2k_values(qs: torch.Tensor) -> torch.Tensor:
     """Q2_K's 64 bytes [..., 64] -> the 256 2-bit weights [..., 256]: bits 2s, 2s + 1 of
     byte 32h + l hold element 128h + 32s + l."""
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
-    return ((qs.unflatten(-1, (2, 1, 32)) >> shifts) & 3).flatten(-3)
+    return _bits(qs.unflatten(-1, (2, 32)), 2).flatten(-2)
 
 
 def _plane(top: torch.Tensor, width: int) -> torch.Tensor:
@@ -359,8 +358,7 @@ def _repack_q2k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     2s, 2s + 1) | d [16] | dmin [16] f16 | the scale bytes [16][16] as stored."""
     groups, _, nb, _ = blocks.shape
     q = _q2k_values(blocks[..., 16:80]).view(groups, GROUP, nb, 16, 4, 4)  # t, s, i
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
-    qs = (q << shifts).sum(-2, dtype=torch.uint8)  # [G, 16, nb, 16 (t), 4 (i)]
+    qs = _plane(q, 2)  # [G, 16, nb, 16 (t), 4 (i)]: field s of byte i
     out[..., :1024].view(groups, nb, 16, GROUP, 4).copy_(qs.permute(0, 2, 3, 1, 4))
     for at, lo in ((1024, 80), (1056, 82)):  # d, dmin: 16 columns x 2 bytes
         out[..., at:at + 2 * GROUP].view(groups, nb, GROUP, 2).copy_(
@@ -396,8 +394,7 @@ def dequantize_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
     if qtype == "Q2_K":
         # sub-block t byte i, bits 2s, 2s + 1: element 16t + 4s + i
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
-        q = ((column(0, 16, 4).unsqueeze(-2) >> shifts) & 3).flatten(-3)
+        q = _bits(column(0, 16, 4), 2).flatten(-2)
         fields = (q, half(1024), half(1056), column(1088, 16, 1).flatten(-2))
     elif qtype == "Q6_K":
         sub = blk[..., :3072].unflatten(-1, (8, 384))  # [T, nb, 8 blocks, 384]
