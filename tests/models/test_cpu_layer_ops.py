@@ -220,3 +220,35 @@ def test_native_gemm_decode_calls_same_bits_whatever_the_threads(dtype):
             assert torch.equal(layer(x[37:38]), batched[37:38]), n
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_gemm_decode_calls_on_an_unaligned_weight(dtype):
+    """Calls of up to 4 rows load the weight with non-temporal loads, which need its
+    panels on 64-byte boundaries; a packed weight that starts off one (a view 16 bytes
+    into a buffer) takes plain loads instead: no fault, the same bits."""
+    if dtype == torch.bfloat16 and not cpu_has_avx512_bf16():
+        pytest.skip("needs AVX512-BF16")
+    gen = torch.Generator().manual_seed(7)
+    layer = _random_linear(192, 200, True, gen).to(dtype)
+    pack_linear_weights(torch.nn.Sequential(layer))
+    aligned = layer.native_weight
+    assert aligned.data_ptr() % 64 == 0
+    shift = 16 // aligned.element_size()
+    buffer = torch.empty(aligned.numel() + shift, dtype=dtype)
+    unaligned = buffer[shift:].view(aligned.shape)
+    unaligned.copy_(aligned)
+    assert unaligned.data_ptr() % 64 == 16
+    x = torch.randn(6, 192, generator=gen).to(dtype)
+    bias = layer.native_bias
+    for rows in (1, 3, 6):
+        expected = torch.empty(rows, 200, dtype=dtype)
+        shifted = torch.empty(rows, 200, dtype=dtype)
+        if dtype == torch.bfloat16:
+            torch.ops.pagedllm_cpu.gemm_bf16(expected, x[:rows], aligned, bias)
+            torch.ops.pagedllm_cpu.gemm_bf16(shifted, x[:rows], unaligned, bias)
+        else:
+            torch.ops.pagedllm_cpu.gemm_f32(expected, x[:rows], aligned, bias)
+            torch.ops.pagedllm_cpu.gemm_f32(shifted, x[:rows], unaligned, bias)
+        assert torch.equal(shifted, expected), rows
+        torch.testing.assert_close(expected, layer(x[:rows]), rtol=0, atol=0)

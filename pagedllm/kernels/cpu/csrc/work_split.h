@@ -19,7 +19,7 @@ namespace pagedllm_ops {
 
 // Rows up to which a GEMM call counts as streaming its weight (decode): such calls claim
 // their runs here, and the bfloat16 / float32 GEMM leaves the stream to the hardware
-// prefetcher (cpu_gemm.cpp).
+// prefetcher and reads it with non-temporal loads (cpu_gemm.cpp).
 constexpr int64_t kStreamRows = 4;
 
 // Calls fn(begin, end) for runs of [0, total) claimed from `next` (shared by the threads
