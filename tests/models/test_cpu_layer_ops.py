@@ -240,15 +240,12 @@ def test_native_gemm_decode_calls_on_an_unaligned_weight(dtype):
     unaligned.copy_(aligned)
     assert unaligned.data_ptr() % 64 == 16
     x = torch.randn(6, 192, generator=gen).to(dtype)
-    bias = layer.native_bias
+    gemm = (torch.ops.pagedllm_cpu.gemm_bf16 if dtype == torch.bfloat16
+            else torch.ops.pagedllm_cpu.gemm_f32)
     for rows in (1, 3, 6):
         expected = torch.empty(rows, 200, dtype=dtype)
         shifted = torch.empty(rows, 200, dtype=dtype)
-        if dtype == torch.bfloat16:
-            torch.ops.pagedllm_cpu.gemm_bf16(expected, x[:rows], aligned, bias)
-            torch.ops.pagedllm_cpu.gemm_bf16(shifted, x[:rows], unaligned, bias)
-        else:
-            torch.ops.pagedllm_cpu.gemm_f32(expected, x[:rows], aligned, bias)
-            torch.ops.pagedllm_cpu.gemm_f32(shifted, x[:rows], unaligned, bias)
+        gemm(expected, x[:rows], aligned, layer.native_bias)
+        gemm(shifted, x[:rows], unaligned, layer.native_bias)
         assert torch.equal(shifted, expected), rows
-        torch.testing.assert_close(expected, layer(x[:rows]), rtol=0, atol=0)
+        assert torch.equal(expected, layer(x[:rows])), rows
