@@ -78,6 +78,20 @@ def env_cpu_kernels_mode() -> str:
     return mode
 
 
+CPU_ISAS = ("native", "avx2")
+
+
+def env_cpu_isa() -> str:
+    """PAGEDLLM_CPU_ISA: "native" (default: the native CPU kernels use everything this CPU
+    has) or "avx2" (run as on a CPU without AVX-512: the kernels are built without it and
+    the engine's choices ignore it; for testing and measuring the AVX2 paths on an AVX-512
+    machine)."""
+    isa = os.environ.get("PAGEDLLM_CPU_ISA", "native")
+    if isa not in CPU_ISAS:
+        raise ValueError(f"PAGEDLLM_CPU_ISA must be one of {CPU_ISAS}, got {isa!r}")
+    return isa
+
+
 # Weight quantization methods a ModelConfig accepts (None: plain weights in `dtype`).
 QUANTIZATION_METHODS = (None, "gguf")
 

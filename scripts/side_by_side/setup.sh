@@ -32,6 +32,14 @@ if [ ! -x "$LCPP/build/bin/llama-bench" ]; then
 fi
 
 [ -f "$SBS_DIR/smol_q4_1.gguf" ] || cp "$MODEL" "$SBS_DIR/smol_q4_1.gguf"
+# llama.cpp for a CPU without AVX-512 (run.sh's SBS_ISA=avx2 rounds).
+if [ ! -x "$LCPP/build-avx2/bin/llama-bench" ]; then
+  cmake -S "$LCPP" -B "$LCPP/build-avx2" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+    -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DLLAMA_CURL=OFF >> "$SBS_DIR/lcpp_build.log"
+  cmake --build "$LCPP/build-avx2" -j "$(nproc)" --target llama-bench >> "$SBS_DIR/lcpp_build.log"
+fi
+
 [ -f "$SBS_DIR/smol_f16.gguf" ] || "$LCPP/build/bin/llama-quantize" --allow-requantize \
   "$SBS_DIR/smol_q4_1.gguf" "$SBS_DIR/smol_f16.gguf" F16 > /dev/null 2>&1
 [ -f "$SBS_DIR/smol_bf16/config.json" ] || \

@@ -74,8 +74,8 @@ def test_quantization_resolution(monkeypatch):
         resolve(quantization="gguf", compile=True)
     with pytest.raises(ValueError, match="contradicts"):
         resolve(quantization="gguf", dequantize=True)
-    # Without AVX512-VNNI auto keeps the dequantized path; asking for gguf still gets it
-    # (the kernel's portable path, tests/kernels/test_cpu_quant.py).
-    monkeypatch.setattr(arg_utils, "has_avx512_vnni", lambda: False)
+    # Without AVX512-VNNI or AVX2 auto keeps the dequantized path; asking for gguf still
+    # gets it (the kernel's portable path, tests/kernels/test_cpu_quant.py).
+    monkeypatch.setattr(arg_utils, "has_quant_simd", lambda: False)
     assert resolve().quantization is None
     assert resolve(quantization="gguf").quantization == "gguf"

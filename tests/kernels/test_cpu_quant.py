@@ -19,6 +19,7 @@ import torch
 
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.build import load_cpu_kernels
+from pagedllm.kernels.cpu.features import cpu_flags
 from pagedllm.kernels.cpu.quant import QuantizedWeight, dequantize_rows, repack
 from tests.loader.test_gguf import random_k_blocks
 
@@ -63,12 +64,32 @@ def _quantize_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def run_gemm(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None = None,
-             portable: bool = False) -> torch.Tensor:
+             path: str = "auto") -> torch.Tensor:
     n = weight.shape[0]
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
     b = torch.zeros(n) if bias is None else bias
-    cpu_ops.gemm_quant(out, x, repack(weight), b, portable=portable)
+    cpu_ops.gemm_quant(out, x, repack(weight), b, path=path)
     return out
+
+
+# Byte offsets of the float16 fields (scales, mins) in each ggml block.
+_F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+               "Q2_K": (80, 82), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def extreme_weight(qtype: str, n: int, k: int, fill: int) -> QuantizedWeight:
+    """Every byte of every block `fill` but the float16 scales (0.01): 0xff puts every
+    quant at its largest (Q8_0: -1), 0x7f / 0x80 give Q8_0 its +127 / -128."""
+    block, size = gguf.GGML_QUANT_SIZES[getattr(_QT, qtype)]
+    raw = np.full((n, k // block, size), fill, dtype=np.uint8)
+    for at in _F16_FIELDS[qtype]:
+        raw[:, :, at:at + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return QuantizedWeight(qtype, torch.from_numpy(raw.reshape(n, -1)), k)
+
+
+def _require_path(path: str) -> None:
+    if path == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 (its kernels are not in the build)")
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -134,11 +155,55 @@ def test_rows_bit_identical_whatever_the_batch(qtype: str) -> None:
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_portable_path_same_bits(qtype: str) -> None:
-    """The path of CPUs without AVX512-VNNI gives the same bits as the VNNI one."""
-    weight = make_weight(qtype, 45, 512)
-    x = torch.randn(11, 512)
-    assert torch.equal(run_gemm(weight, x, portable=True), run_gemm(weight, x))
+@pytest.mark.parametrize("path", ["avx2", "portable"])
+def test_every_path_same_bits(qtype: str, path: str) -> None:
+    """The kernels of CPUs without AVX512-VNNI (AVX2: 8 columns at a time, int16 sums;
+    portable C++) give the same bits as the widest ones: 11 rows (AVX2 micro-kernels of 4,
+    4 and 3), 45 columns (a last group of 13: a full half and one of 5), and 7 (one
+    half); float32 and bfloat16 activations; a bias, and accumulation."""
+    _require_path(path)
+    for n, m in ((45, 11), (7, 3)):
+        weight = make_weight(qtype, n, 512, seed=n)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(m, weight.shape[1]) * 3).to(dtype)
+            bias = torch.randn(n)
+            assert torch.equal(run_gemm(weight, x, bias, path=path), run_gemm(weight, x, bias))
+            start = torch.randn(m, n).to(dtype)
+            outs = [start.clone(), start.clone()]
+            for out, kernels in zip(outs, (path, "auto")):
+                cpu_ops.gemm_quant(out, x, repack(weight), bias, accumulate=True, path=kernels)
+            assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_extreme_quants_same_bits_on_every_path(qtype: str) -> None:
+    """The largest products (every quant at its extreme, every activation at +-127,
+    alternating signs too): the AVX2 kernels' int16 sums stay below saturation (a kernel
+    summing 8 instead of 4 five-bit terms fails here), and the results are the same bits
+    as the int32 dots of the AVX-512 ones."""
+    for fill in (0xff, 0x7f, 0x80):
+        weight = extreme_weight(qtype, 24, 512, fill)
+        x = torch.full((4, 512), 3.0)
+        x[1] = -3.0
+        x[2] *= torch.tensor([1.0, -1.0]).repeat(256)
+        x[3] = torch.randn(512)
+        expected = run_gemm(weight, x)
+        w = gguf_dequantize(weight).double()
+        ref, scale = _quantize_rows(x) @ w.T, _quantize_rows(x).abs() @ w.abs().T
+        assert ((expected.double() - ref).abs() <= 1e-5 * scale + 1e-30).all(), fill
+        for path in ("avx2", "portable"):
+            if path == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+                continue
+            assert torch.equal(run_gemm(weight, x, path=path), expected), (fill, path)
+
+
+def test_path_names() -> None:
+    weight = make_weight("Q4_0", 16, 64)
+    x = torch.randn(2, 64)
+    if {"avx512_vnni", "avx512bw"} <= cpu_flags():
+        assert torch.equal(run_gemm(weight, x, path="avx512"), run_gemm(weight, x))
+    with pytest.raises(RuntimeError, match="path must be auto, avx512, avx2 or portable"):
+        run_gemm(weight, x, path="sse")
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

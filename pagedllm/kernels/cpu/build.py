@@ -1,9 +1,9 @@
 """Build (once, cached on disk) and load the native CPU kernels of csrc/.
 
 The library is compiled with the system C++ compiler against this torch's headers, for
-this CPU (-march=native), into `cache_root()/kernels/<key>.so`; the key hashes the sources,
-the torch version, the flags and the CPU's feature flags, so a cached build is reused only
-where it was made for.
+this CPU (-march=native; with PAGEDLLM_CPU_ISA=avx2, less AVX-512), into
+`cache_root()/kernels/<key>.so`; the key hashes the sources, the torch version, the flags
+and the CPU's feature flags, so a cached build is reused only where it was made for.
 
 If there is no compiler or the build fails, PAGEDLLM_CPU_KERNELS decides: "auto" (the
 default) logs a warning saying what is lost and the torch paths run instead; "required"
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.config import cache_root, env_cpu_kernels_mode
+from pagedllm.config import cache_root, env_cpu_isa, env_cpu_kernels_mode
 from pagedllm.kernels.cpu.features import cpu_flags_line
 
 logger = logging.getLogger(__name__)
@@ -34,8 +34,8 @@ SOURCES = [CSRC / name for name in ("cpu_attention.cpp", "cpu_ops.cpp", "cpu_dec
                                      "cpu_gemm.cpp", "cpu_quant.cpp",
                                      "cpu_quant_rows.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "fp8.h", "attention_common.h",
-                                     "attention_avx512.h", "ops.h", "quant_layout.h",
-                                     "work_split.h")]
+                                     "attention_avx512.h", "ops.h", "quant_avx2.h",
+                                     "quant_layout.h", "work_split.h")]
 # -ffp-contract=off: no fused multiply-adds the source does not spell out, so float32
 # element-wise ops round like torch's. -Wall, less GCC 12's (-Wmaybe-)uninitialized: they
 # fire only inside its own AVX-512 intrinsics, whose pass-through operand is
@@ -52,6 +52,11 @@ class KernelBuildError(RuntimeError):
     """The native CPU kernels could not be built or loaded."""
 
 
+def flags() -> list[str]:
+    """FLAGS, less AVX-512 (every extension of it) under PAGEDLLM_CPU_ISA=avx2."""
+    return FLAGS + (["-mno-avx512f"] if env_cpu_isa() == "avx2" else [])
+
+
 def _build_command(compiler: str, sources: list[Path], output: str) -> list[str]:
     from torch.utils import cpp_extension
 
@@ -59,14 +64,14 @@ def _build_command(compiler: str, sources: list[Path], output: str) -> list[str]
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()]
     rpath = [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]
-    return [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
+    return [compiler, *flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
             *map(str, sources), *libs, *rpath, "-lc10", "-ltorch_cpu", "-o", output]
 
 
 def library_path(compiler: str) -> Path:
     key = hashlib.sha256()
     sources = [src.read_bytes() for src in (*SOURCES, *HEADERS)]
-    for part in (*sources, torch.__version__.encode(), " ".join(FLAGS).encode(),
+    for part in (*sources, torch.__version__.encode(), " ".join(flags()).encode(),
                  compiler.encode(), cpu_flags_line().encode()):
         key.update(part)
     return cache_root() / "kernels" / f"pagedllm_cpu-{key.hexdigest()[:16]}.so"

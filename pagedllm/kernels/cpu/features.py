@@ -1,9 +1,12 @@
-"""The CPU's feature flags (/proc/cpuinfo), read in one place."""
+"""The CPU's feature flags (/proc/cpuinfo), read in one place; with PAGEDLLM_CPU_ISA=avx2,
+those of the same CPU without AVX-512 (what the kernels are then built for)."""
 
 from __future__ import annotations
 
 import functools
 from pathlib import Path
+
+from pagedllm.config import env_cpu_isa
 
 
 @functools.lru_cache(maxsize=1)
@@ -19,7 +22,10 @@ def cpu_flags_line() -> str:
 
 
 def cpu_flags() -> frozenset[str]:
-    return frozenset(cpu_flags_line().partition(":")[2].split())
+    flags = frozenset(cpu_flags_line().partition(":")[2].split())
+    if env_cpu_isa() == "avx2":
+        flags = frozenset(f for f in flags if not f.startswith("avx512"))
+    return flags
 
 
 def has_avx512_bf16() -> bool:
@@ -28,9 +34,10 @@ def has_avx512_bf16() -> bool:
     return "avx512_bf16" in cpu_flags()
 
 
-def has_avx512_vnni() -> bool:
-    """True when the CPU has AVX512-VNNI (and BW): the quantized GEMM's int8 dot products
-    (csrc/cpu_quant.cpp). Zen 4, Zen 5 and Intel since Ice Lake have it; elsewhere the
-    kernel takes a portable scalar path (same bits, many times slower)."""
+def has_quant_simd() -> bool:
+    """True when the quantized GEMM (csrc/cpu_quant.cpp) has SIMD kernels for this CPU:
+    AVX512-VNNI (Zen 4, Zen 5, Intel since Ice Lake) or AVX2 with FMA and F16C (Zen 2 and
+    3, Intel since Haswell, csrc/quant_avx2.h); elsewhere it takes a portable scalar path
+    (same bits, many times slower)."""
     flags = cpu_flags()
-    return "avx512_vnni" in flags and "avx512bw" in flags
+    return {"avx512_vnni", "avx512bw"} <= flags or {"avx2", "fma", "f16c"} <= flags

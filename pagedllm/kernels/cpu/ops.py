@@ -80,14 +80,15 @@ def gemm_f32(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 def gemm_quant(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor, accumulate: bool = False, portable: bool = False) -> None:
+               bias: torch.Tensor, accumulate: bool = False, path: str = "auto") -> None:
     """out [M, N] = x [M, K] @ dequant(W)^T + bias, x and out bfloat16 or float32, from
     GGUF blocks repacked by kernels/cpu/quant.py (uint8 [ceil(N/16), K/32, block_bytes];
     Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K or Q6_K) and float32 bias [N] (zeros for
     none). Each row of x is quantized to int8 blocks of 32 first (results depend on the
-    row alone). With `accumulate`,
-    out += that; `portable` runs the path of CPUs without AVX512-VNNI (same bits)."""
-    torch.ops.pagedllm_cpu.gemm_quant.default(out, x, weight, bias, accumulate, portable)
+    row alone). With `accumulate`, out += that. `path` picks the kernels: "auto" (the widest this build has), "avx512"
+    (AVX512-VNNI), "avx2" (AVX2 + FMA + F16C) or "portable" (plain C++); all give the same
+    bits, and one the build lacks raises RuntimeError."""
+    torch.ops.pagedllm_cpu.gemm_quant.default(out, x, weight, bias, accumulate, path)
 
 
 def quant_rows(out: torch.Tensor, packed: torch.Tensor, ids: torch.Tensor,

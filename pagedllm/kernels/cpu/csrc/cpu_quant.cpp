@@ -39,8 +39,9 @@
 //         per activation block, the lower one first; sum16 from Q6_K's offset term / -32)
 // the integer parts exact, the float parts in one fixed order per (row, column): block
 // after block over K, whatever M and wherever the row sits in the batch (batch
-// invariance, DESIGN.md §10). The portable path (no AVX512-VNNI) does the same float
-// operations in the same order (std::fma for _mm512_fmadd_ps), so both give the same bits.
+// invariance, DESIGN.md §10). The AVX2 kernels (quant_avx2.h: CPUs without AVX512-VNNI)
+// and the portable path (no AVX2 either) do the same float operations in the same order
+// (_mm256_fmadd_ps, std::fma), so every path gives the same bits.
 //
 // Threads split the column groups (contiguous runs, so each streams its share of the
 // weight once per call), also at M = 1; calls of a few rows claim the runs in turn
@@ -60,6 +61,7 @@
 #include <optional>
 
 #include "ops.h"
+#include "quant_avx2.h"
 #include "quant_layout.h"
 #include "simd.h"
 #include "work_split.h"
@@ -76,59 +78,100 @@ constexpr int64_t kRowBlock = 64;  // rows whose quantized x stays in L1/L2 whil
 constexpr int64_t kMinRunGroups = 4;
 
 
-// One row of x quantized: q [K] int8, per block d (float), sum of q (int32), d * sum
-// (float, the min term of Q4_1 / Q5_1 / the K-types) and -32 x the sums of q over its
-// two halves of 16 (int32: Q6_K's offset term, the value its sub-block dots start at, so
-// that a broadcast from memory replaces a subtraction per row and sub-block).
-struct QuantRows {
-  const int8_t* q;
-  const float* d;
-  const int32_t* sum;
-  const float* dsum;
-  const int32_t* off16;  // [nb][2] per row
-  int64_t k, nb;
-};
-
 template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
 
-// Quantize x [K] (float32 or bfloat16) into the row's buffers; same bits on every path.
-// off16 (Q6_K and Q2_K only, else nullptr: its two reductions cost ~1% of a Q4 prefill
-// GEMM).
+// Which kernels run: AVX512-VNNI, AVX2 (quant_avx2.h) or the portable C++; each is in the
+// library where the compiler targets a CPU that has it. All give the same bits.
+enum class Path { kAvx512, kAvx2, kPortable };
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHasAvx512 = true;
+#else
+constexpr bool kHasAvx512 = false;
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool kHasAvx2 = true;
+#else
+constexpr bool kHasAvx2 = false;
+#endif
+
+// The path named by gemm_quant's `path` argument ("auto": the widest compiled).
+Path path_of(c10::string_view name) {
+  if (name == "auto") return kHasAvx512 ? Path::kAvx512 : (kHasAvx2 ? Path::kAvx2 : Path::kPortable);
+  if (name == "portable") return Path::kPortable;
+  if (name == "avx512" || name == "avx2") {
+    const bool avx512 = name == "avx512";
+    TORCH_CHECK(avx512 ? kHasAvx512 : kHasAvx2, "gemm_quant: path '", std::string(name),
+                "' is not in this build (compiled for a CPU without it)");
+    return avx512 ? Path::kAvx512 : Path::kAvx2;
+  }
+  TORCH_CHECK(false, "gemm_quant: path must be auto, avx512, avx2 or portable, got '",
+              std::string(name), "'");
+}
+
+// One block of 32 of x quantized, per path: q, and the sums of q over its halves of 16
+// into s (the SIMD paths: all of it into s[0] unless asked for `halves`, two reductions
+// that cost ~1% of a Q4 prefill GEMM, so only Q6_K and Q2_K ask); returns d.
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* q, float* d, int32_t* sum, float* dsum,
-                  int32_t* off16) {
+float quantize_block_portable(const T* xb, int8_t* q, int32_t s[2]) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(to_f(xb[i])));
+  const float db = amax / 127.0f;
+  const float id = db != 0.0f ? 1.0f / db : 0.0f;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    // nearbyint: round half to even (the default mode), as vcvtps2dq.
+    const int32_t qi = static_cast<int32_t>(std::nearbyint(to_f(xb[i]) * id));
+    q[i] = static_cast<int8_t>(qi);
+    s[i / 16] += qi;
+  }
+  return db;
+}
+
+#if defined(__AVX512F__)
+template <typename T>
+float quantize_block_avx512(const T* xb, int8_t* q, int32_t s[2], bool halves) {
+  using namespace pagedllm_simd;
+  const __m512 v0 = load16(xb), v1 = load16(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float db = amax / 127.0f;
+  const float id = db != 0.0f ? 1.0f / db : 0.0f;
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+  s[0] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));  // all in s[0]
+  if (halves) {  // split into the two halves
+    s[1] = _mm512_reduce_add_epi32(q1);
+    s[0] -= s[1];
+  }
+  return db;
+}
+#endif
+
+// Quantize x [K] (float32 or bfloat16) into the row's buffers; the same bits on every
+// path. off16: Q6_K and Q2_K only, else nullptr.
+template <typename T>
+void quantize_row(Path path, const T* x, int64_t k, int8_t* q, float* d, int32_t* sum,
+                  float* dsum, int32_t* off16) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const T* xb = x + b * kBlock;
+    int8_t* qb = q + b * kBlock;
+    int32_t s[2] = {0, 0};  // sums over the two halves of 16
+    float db;
 #if defined(__AVX512F__)
-    using namespace pagedllm_simd;
-    const __m512 v0 = load16(xb), v1 = load16(xb + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-#else
-    float amax = 0.0f;
-    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(to_f(xb[i])));
+    if (path == Path::kAvx512) {
+      db = quantize_block_avx512(xb, qb, s, off16 != nullptr);
+    } else
 #endif
-    const float db = amax / 127.0f;
-    const float id = db != 0.0f ? 1.0f / db : 0.0f;
-#if defined(__AVX512F__)
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
-    int32_t s[2] = {_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)), 0};  // all in s[0]
-    if (off16 != nullptr) {  // split into the two halves
-      s[1] = _mm512_reduce_add_epi32(q1);
-      s[0] -= s[1];
-    }
-#else
-    int32_t s[2] = {0, 0};
-    for (int64_t i = 0; i < kBlock; ++i) {
-      // nearbyint: round half to even (the default mode), as vcvtps2dq.
-      const int32_t qi = static_cast<int32_t>(std::nearbyint(to_f(xb[i]) * id));
-      q[b * kBlock + i] = static_cast<int8_t>(qi);
-      s[i / 16] += qi;
-    }
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (path == Path::kAvx2) {
+      db = avx2::quantize_block(xb, qb, s, off16 != nullptr);
+    } else
 #endif
+    {
+      db = quantize_block_portable(xb, qb, s);
+    }
     d[b] = db;
     sum[b] = s[0] + s[1];
     dsum[b] = db * static_cast<float>(sum[b]);
@@ -137,13 +180,6 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, int32_t* sum, floa
       off16[2 * b + 1] = -32 * s[1];
     }
   }
-}
-
-template <typename T>
-inline void store_out(T* out, int64_t n, float v, bool accumulate) {
-  T r = static_cast<T>(v);
-  if (accumulate) r = static_cast<T>(static_cast<float>(out[n]) + static_cast<float>(r));
-  out[n] = r;
 }
 
 // Q4 byte pairing: element j of 32 (K-types: of 64, `half` 32) in the nibbles of the
@@ -574,34 +610,40 @@ void run_simd(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
 }
 #endif
 
+// Rows [m0, m1) x groups [g0, g1) on `path`.
 template <typename T>
-void run(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w, int64_t block_bytes,
-         const Layout& L, const float* bias, T* out, int64_t ldo, int64_t n, bool accumulate,
-         int64_t g0, int64_t g1, bool portable) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (!portable) {
-    auto go = [&](auto simd) {
-      simd(x, m0, m1, w, block_bytes, bias, out, ldo, n, accumulate, g0, g1);
-    };
-    switch (L.type) {
-      case QType::kQ8_0: return go(run_simd<QType::kQ8_0, T>);
-      case QType::kQ4_0: return go(run_simd<QType::kQ4_0, T>);
-      case QType::kQ4_1: return go(run_simd<QType::kQ4_1, T>);
-      case QType::kQ5_0: return go(run_simd<QType::kQ5_0, T>);
-      case QType::kQ5_1: return go(run_simd<QType::kQ5_1, T>);
-      case QType::kQ2_K: return go(run_simd<QType::kQ2_K, T>);
-      case QType::kQ4_K: return go(run_simd<QType::kQ4_K, T>);
-      case QType::kQ5_K: return go(run_simd<QType::kQ5_K, T>);
-      case QType::kQ6_K: return go(run_simd<QType::kQ6_K, T>);
-    }
+void run(Path path, const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
+         int64_t block_bytes, const Layout& L, const float* bias, T* out, int64_t ldo, int64_t n,
+         bool accumulate, int64_t g0, int64_t g1) {
+  auto go = [&](auto kernel) {
+    kernel(x, m0, m1, w, block_bytes, bias, out, ldo, n, accumulate, g0, g1);
+  };
+  // kernels[type] of one path, in QType's order
+#define PAGEDLLM_BY_TYPE(run_q)                                                          \
+  switch (L.type) {                                                                     \
+    case QType::kQ8_0: return go(run_q<QType::kQ8_0, T>);                                \
+    case QType::kQ4_0: return go(run_q<QType::kQ4_0, T>);                                \
+    case QType::kQ4_1: return go(run_q<QType::kQ4_1, T>);                                \
+    case QType::kQ5_0: return go(run_q<QType::kQ5_0, T>);                                \
+    case QType::kQ5_1: return go(run_q<QType::kQ5_1, T>);                                \
+    case QType::kQ2_K: return go(run_q<QType::kQ2_K, T>);                                \
+    case QType::kQ4_K: return go(run_q<QType::kQ4_K, T>);                                \
+    case QType::kQ5_K: return go(run_q<QType::kQ5_K, T>);                                \
+    case QType::kQ6_K: return go(run_q<QType::kQ6_K, T>);                                \
   }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (path == Path::kAvx512) PAGEDLLM_BY_TYPE(run_simd)
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (path == Path::kAvx2) PAGEDLLM_BY_TYPE(avx2::run)
+#endif
+#undef PAGEDLLM_BY_TYPE
   run_portable(x, m0, m1, w, block_bytes, L, bias, out, ldo, n, accumulate, g0, g1);
 }
 
 template <typename T>
 void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                     const float* bias, bool accumulate, bool portable) {
+                     const float* bias, bool accumulate, Path path) {
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
   const int64_t nb = k / kBlock, groups = weight.size(0), block_bytes = weight.size(2);
   const int64_t weight_blocks = weight.size(1);
@@ -621,7 +663,7 @@ void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   const int64_t ldx = x.stride(0);
 #pragma omp parallel for if (m * k > (1 << 16))
   for (int64_t r = 0; r < m; ++r)
-    quantize_row(xp + r * ldx, k, q + r * k, d + r * nb, sum + r * nb, dsum + r * nb,
+    quantize_row(path, xp + r * ldx, k, q + r * k, d + r * nb, sum + r * nb, dsum + r * nb,
                  L.type == QType::kQ6_K || L.type == QType::kQ2_K ? off16 + 2 * r * nb
                                                                  : nullptr);
   const QuantRows xq{q, d, sum, dsum, off16, k, nb};
@@ -636,13 +678,13 @@ void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     if (m <= kStreamRows) {
       claim_runs(next_group, groups, threads, kMinRunGroups, [&](int64_t g0, int64_t g1) {
-        run(xq, 0, m, wp, block_bytes, L, bias, op, ldo, n, accumulate, g0, g1, portable);
+        run(path, xq, 0, m, wp, block_bytes, L, bias, op, ldo, n, accumulate, g0, g1);
       });
     } else {
       const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
       for (int64_t m0 = 0; m0 < m; m0 += kRowBlock)
-        run(xq, m0, std::min(m, m0 + kRowBlock), wp, block_bytes, L, bias, op, ldo, n,
-            accumulate, g0, g1, portable);
+        run(path, xq, m0, std::min(m, m0 + kRowBlock), wp, block_bytes, L, bias, op, ldo, n,
+            accumulate, g0, g1);
     }
   }
 }
@@ -650,7 +692,7 @@ void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
 }  // namespace
 
 void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                const std::optional<at::Tensor>& bias, bool accumulate, bool portable) {
+                const std::optional<at::Tensor>& bias, bool accumulate, c10::string_view path) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "gemm_quant: x is a bfloat16 or float32 [M, K] with contiguous rows");
@@ -666,12 +708,13 @@ void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
   TORCH_CHECK(bias.has_value() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                   bias->numel() == out.size(1),
               "gemm_quant: bias must be a contiguous float32 [N] (zeros for none)");
+  const Path kernels = path_of(path);
   if (x.size(0) == 0) return;
   const float* bp = bias->data_ptr<float>();  // read with masks past N: never beyond it
   if (x.scalar_type() == at::kBFloat16) {
-    gemm_quant_impl<c10::BFloat16>(out, x, weight, bp, accumulate, portable);
+    gemm_quant_impl<c10::BFloat16>(out, x, weight, bp, accumulate, kernels);
   } else {
-    gemm_quant_impl<float>(out, x, weight, bp, accumulate, portable);
+    gemm_quant_impl<float>(out, x, weight, bp, accumulate, kernels);
   }
 }
 
@@ -680,7 +723,7 @@ void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
       "gemm_quant(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, "
-      "bool accumulate=False, bool portable=False) -> ()");
+      "bool accumulate=False, str path='auto') -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("gemm_quant", &pagedllm_ops::gemm_quant); }

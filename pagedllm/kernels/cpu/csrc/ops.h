@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
 
 #include <optional>
 
@@ -24,10 +25,11 @@ void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
 void gemm_f32(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
               const at::Tensor& bias, bool accumulate = false);
 // GGUF-quantized weight (cpu_quant.cpp): out = round(x . dequant(W)^T + bias); bias is a
-// float32 [N] (zeros for none); accumulate as gemm_bf16; portable: no AVX512-VNNI path.
+// float32 [N] (zeros for none); accumulate as gemm_bf16; path: "auto" (the widest
+// compiled), "avx512", "avx2" or "portable" (the same bits).
 void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias, bool accumulate = false,
-                bool portable = false);
+                c10::string_view path = "auto");
 void paged_attention(const at::Tensor& out, const at::Tensor& query,
                      const std::optional<at::Tensor>& key,
                      const std::optional<at::Tensor>& value, const at::Tensor& kv_cache,

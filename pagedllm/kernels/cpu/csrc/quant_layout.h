@@ -1,6 +1,7 @@
 // The repacked layout of GGUF block-quantized weights (kernels/cpu/quant.py: repack),
 // shared by the quantized GEMM (cpu_quant.cpp, whose header comment describes the layout
-// of Q8_0 / Q4_* / Q5_*) and the row lookup (cpu_quant_rows.cpp).
+// of Q8_0 / Q4_* / Q5_*, and its AVX2 kernels, quant_avx2.h) and the row lookup
+// (cpu_quant_rows.cpp); and the GEMM's quantized activations (QuantRows).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -64,6 +65,28 @@ inline Layout layout_of(int64_t block_bytes) {
                          " (Q4_0: 288, Q4_1: 320, Q5_0: 352, Q5_1: 384, Q8_0: 544, Q2_K: 1344,"
                          " Q4_K: 2368, Q5_K: 2880, Q6_K: 3360)");
   }
+}
+
+// One row of x quantized: q [K] int8, per block d (float), sum of q (int32), d * sum
+// (float, the min term of Q4_1 / Q5_1 / the K-types) and -32 x the sums of q over its
+// two halves of 16 (int32: Q6_K's offset term, the value its sub-block dots start at, so
+// that a broadcast from memory replaces a subtraction per row and sub-block).
+struct QuantRows {
+  const int8_t* q;
+  const float* d;
+  const int32_t* sum;
+  const float* dsum;
+  const int32_t* off16;  // [nb][2] per row
+  int64_t k, nb;
+};
+
+// out[n] = v rounded to T; with `accumulate`, out[n] + that, rounded again (what
+// out.add_(linear(x)) gives).
+template <typename T>
+inline void store_out(T* out, int64_t n, float v, bool accumulate) {
+  T r = static_cast<T>(v);
+  if (accumulate) r = static_cast<T>(static_cast<float>(out[n]) + static_cast<float>(r));
+  out[n] = r;
 }
 
 // The float16 of column c in a [16 columns] f16 segment at p.

@@ -1,0 +1,404 @@
+// The quantized GEMM's kernels for CPUs with AVX2, FMA and F16C but no AVX512-VNNI (Zen 2
+// and 3, Intel's client cores since Haswell, Alder Lake's included): cpu_quant.cpp runs
+// them where the AVX-512 ones are not compiled, or when asked to (path "avx2").
+//
+// Same repacked weights (quant_layout.h, cpu_quant.cpp's header), same integer dots and
+// the same float operations in the same order per (row, column) as the AVX-512 kernels,
+// so the same bits; on 8 columns at a time: a group of 16 is done as two halves, half h
+// reading bytes [32h, 32h + 32) of each 64-byte weight vector and scales [8h, 8h + 8).
+//
+// AVX2 has no vpdpbusd. vpmaddubsw multiplies unsigned weight bytes by signed activation
+// bytes and adds adjacent pairs into int16 (saturating); vpmaddwd by ones adds pairs of
+// those into int32. The int16 sums never saturate: |q_x| <= 127 (quantize_row), so one
+// vpmaddubsw is at most 2 x 127 x the largest weight, and its sums are widened to int32
+// before they could pass 32767: 4-bit weights (<= 3810 each) after 8 of them, 5-bit
+// (7874) after 4, 6-bit (16002) after 2, 2-bit (762) after 8. Q8_0's bytes (q + 128, up to
+// 255: 64770) are split as low 7 bits (32258) plus 128 x bit 7, whose int16 sums (<= 254
+// each) are scaled by 128 in the widening vpmaddwd.
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "quant_layout.h"
+
+namespace pagedllm_ops {
+namespace quant {
+namespace avx2 {
+
+// Rows per micro-kernel call: four rows' int16 and float32 accumulators, the weight
+// vectors and a broadcast fit AVX2's 16 registers.
+constexpr int kRows = 4;
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m256i bytes(int8_t v) { return _mm256_set1_epi8(v); }
+
+// 8 float16 / u8 / i8 scales (one per column of a half group) as float32.
+inline __m256 load_halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load_u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load_i8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Unsigned weight bytes w times the signed bytes x, adjacent pairs summed (int16).
+inline __m256i madd(__m256i w, __m256i x) { return _mm256_maddubs_epi16(w, x); }
+
+// Adjacent int16 pairs summed into int32 (each 4 weights' dot of a column).
+inline __m256i widen(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
+
+// s16 after the step'th int16 term p of a run of `every` (kept below saturation, above);
+// at the run's last term it is widened into dot (assigned on the first run).
+template <int kEvery>
+inline void add_term(__m256i& s16, __m256i& dot, __m256i p, int step) {
+  s16 = step % kEvery == 0 ? p : _mm256_add_epi16(s16, p);
+  if (step % kEvery == kEvery - 1)
+    dot = step == kEvery - 1 ? widen(s16) : _mm256_add_epi32(dot, widen(s16));
+}
+
+// Bits of `p` moved left by s (right by -s) within each byte, for the bits kept by the
+// mask applied next (as cpu_quant.cpp's shift_bits).
+inline __m256i shift_bits(__m256i p, int s) {
+  return s >= 0 ? _mm256_slli_epi16(p, s) : _mm256_srli_epi16(p, -s);
+}
+
+// Q4 bytes `raw` as low and high nibbles; with Q5's plane, the fifth bits of vector v.
+template <bool kFifth>
+inline void unpack_q4(__m256i raw, __m256i plane, int v, __m256i& lo, __m256i& hi) {
+  lo = _mm256_and_si256(raw, bytes(0x0f));
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), bytes(0x0f));
+  if constexpr (kFifth) {
+    lo = _mm256_or_si256(lo, _mm256_and_si256(shift_bits(plane, 4 - v % 4), bytes(0x10)));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(shift_bits(plane, -(v % 4)), bytes(0x10)));
+  }
+}
+
+// R rows of sums plus the bias into out: `cols` (<= 8) columns of a half group.
+template <int R, typename T>
+inline void store_rows(const __m256* acc, const float* bias, T* out, int64_t ldo,
+                       int64_t cols, bool accumulate) {
+  alignas(32) float v[8];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(v, acc[r]);
+    for (int64_t c = 0; c < cols; ++c) store_out(out + r * ldo, c, v[c] + bias[c], accumulate);
+  }
+}
+
+// The arguments every micro-kernel takes: rows [m, m + R) of x, the group's weights wg,
+// its half h, and bias / out at that half's first column.
+#define PAGEDLLM_MICRO_ARGS                                                              \
+  const QuantRows &x, int64_t m, const uint8_t *wg, int64_t block_bytes, int h,         \
+      const float *bias, T *out, int64_t ldo, int64_t cols, bool accumulate
+
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1.
+template <QType Q, int R, typename T>
+void micro(PAGEDLLM_MICRO_ARGS) {
+  constexpr bool q5 = Q == QType::kQ5_0 || Q == QType::kQ5_1;
+  constexpr int64_t qs_bytes = Q == QType::kQ8_0 ? 512 : (q5 ? 320 : 256);
+  constexpr int32_t offset = Q == QType::kQ8_0 ? 128 :
+                             (Q == QType::kQ4_0 ? 8 : (Q == QType::kQ5_0 ? 16 : 0));
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.nb; ++b) {
+    const uint8_t* blk = wg + b * block_bytes;
+    const uint8_t* half = blk + 32 * h;
+    __m256i dot[R], s16[R];
+    if constexpr (Q == QType::kQ8_0) {
+      __m256i top[R];  // int16 sums of bit 7 x q_x
+      for (int v = 0; v < 8; ++v) {
+        const __m256i w = load32(half + 64 * v);
+        const __m256i low7 = _mm256_and_si256(w, bytes(0x7f));
+        const __m256i bit7 = _mm256_and_si256(_mm256_srli_epi16(w, 7), bytes(0x01));
+        for (int r = 0; r < R; ++r) {
+          const __m256i xb = bcast4(x.q + (m + r) * x.k + b * kBlock + 4 * v);
+          add_term<1>(s16[r], dot[r], madd(low7, xb), v);
+          top[r] = v == 0 ? madd(bit7, xb) : _mm256_add_epi16(top[r], madd(bit7, xb));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(top[r], _mm256_set1_epi16(128)));
+    } else {
+      constexpr int kEvery = q5 ? 2 : 4;  // vectors (2 terms each) between widenings
+      const __m256i plane = q5 ? load32(half + 256) : _mm256_setzero_si256();
+#pragma GCC unroll 4  // shift_bits' counts as constants
+      for (int v = 0; v < 4; ++v) {
+        __m256i lo, hi;
+        unpack_q4<q5>(load32(half + 64 * v), plane, v, lo, hi);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = x.q + (m + r) * x.k + b * kBlock;
+          const __m256i p = _mm256_add_epi16(madd(lo, bcast4(xq + 4 * v)),
+                                             madd(hi, bcast4(xq + 16 + 4 * v)));
+          add_term<kEvery>(s16[r], dot[r], p, v);
+        }
+      }
+    }
+    const __m256 dw = load_halves8(blk + qs_bytes + 16 * h);
+    if constexpr (Q == QType::kQ4_1 || Q == QType::kQ5_1) {
+      const __m256 mw = load_halves8(blk + qs_bytes + 32 + 16 * h);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m + r) * x.nb + b;
+        const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i]));
+        acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(dot[r]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[i]), acc[r]);
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m + r) * x.nb + b;
+        const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i]));
+        const __m256i adj = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(offset * x.sum[i]));
+        acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(adj), acc[r]);
+      }
+    }
+  }
+  store_rows<R>(acc, bias, out + m * ldo, ldo, cols, accumulate);
+}
+
+// Q4_K, Q5_K, over super-blocks of 8 sub-blocks of 32.
+template <QType Q, int R, typename T>
+void micro_q4k(PAGEDLLM_MICRO_ARGS) {
+  constexpr bool q5 = Q == QType::kQ5_K;
+  constexpr int64_t scales = q5 ? kQ5KScales : kQ4KScales;
+  constexpr int kEvery = q5 ? 4 : 8;  // terms between widenings
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < x.nb / 8; ++sb) {
+    const uint8_t* blk = wg + sb * block_bytes;
+    const uint8_t* half = blk + 32 * h;
+    const __m256 d = load_halves8(blk + scales + 16 * h);
+    const __m256 dmin = load_halves8(blk + scales + 32 + 16 * h);
+    for (int chunk = 0; chunk < 4; ++chunk) {
+      __m256i dot[2][R], s16[2][R];  // sub-blocks 2 chunk (low nibbles) and 2 chunk + 1
+      __m256i planes[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      if constexpr (q5) {
+        for (int p = 0; p < 2; ++p) planes[p] = load32(half + 2048 + chunk * 128 + 64 * p);
+      }
+#pragma GCC unroll 8  // shift_bits' counts as constants
+      for (int v = 0; v < 8; ++v) {
+        __m256i lo, hi;
+        unpack_q4<q5>(load32(half + chunk * 512 + 64 * v), planes[v / 4], v, lo, hi);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = x.q + (m + r) * x.k + sb * 256 + chunk * 64;
+          add_term<kEvery>(s16[0][r], dot[0][r], madd(lo, bcast4(xq + 4 * v)), v);
+          add_term<kEvery>(s16[1][r], dot[1][r], madd(hi, bcast4(xq + 32 + 4 * v)), v);
+        }
+      }
+      for (int s = 0; s < 2; ++s) {
+        const int64_t sub = 2 * chunk + s;
+        const __m256 dw = _mm256_mul_ps(d, load_u8x8(blk + scales + 64 + 16 * sub + 8 * h));
+        const __m256 mw = _mm256_mul_ps(dmin, load_u8x8(blk + scales + 192 + 16 * sub + 8 * h));
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = (m + r) * x.nb + sb * 8 + sub;
+          const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i]));
+          acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(dot[s][r]), acc[r]);
+          acc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(x.dsum[i]), acc[r]);
+        }
+      }
+    }
+  }
+  store_rows<R>(acc, bias, out + m * ldo, ldo, cols, accumulate);
+}
+
+// Q6_K: blocks of 32 = Q4_0-like low 4 bits plus two planes with the top 2 bits.
+template <int R, typename T>
+void micro_q6k(PAGEDLLM_MICRO_ARGS) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < x.nb / 8; ++sb) {
+    const uint8_t* sblk = wg + sb * block_bytes;
+    const __m256 d = load_halves8(sblk + kQ6KScales + 16 * h);
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* half = sblk + j * kQ6KBlock + 32 * h;
+      const __m256i top_lo = load32(half + 256), top_hi = load32(half + 320);
+      // sub-blocks 2j (x[0, 16)) and 2j + 1 (x[16, 32)), from -32 sum16 q_x
+      __m256i dot[2][R], s16[2][R];
+#pragma GCC unroll 4  // shift_bits' counts as constants
+      for (int v = 0; v < 4; ++v) {
+        const __m256i raw = load32(half + 64 * v);
+        const __m256i lo = _mm256_or_si256(
+            _mm256_and_si256(raw, bytes(0x0f)),
+            _mm256_and_si256(shift_bits(top_lo, 4 - 2 * v), bytes(0x30)));
+        const __m256i hi = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(raw, 4), bytes(0x0f)),
+            _mm256_and_si256(shift_bits(top_hi, 4 - 2 * v), bytes(0x30)));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = x.q + (m + r) * x.k + sb * 256 + j * 32;
+          add_term<2>(s16[0][r], dot[0][r], madd(lo, bcast4(xq + 4 * v)), v);
+          add_term<2>(s16[1][r], dot[1][r], madd(hi, bcast4(xq + 16 + 4 * v)), v);
+        }
+      }
+      __m256 dw[2];
+      for (int s = 0; s < 2; ++s)
+        dw[s] = _mm256_mul_ps(d, load_i8x8(sblk + kQ6KScales + 32 + 16 * (2 * j + s) + 8 * h));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m + r) * x.nb + sb * 8 + j;
+        const __m256 dx = _mm256_set1_ps(x.d[i]);
+        for (int s = 0; s < 2; ++s) {  // the lower sub-block first
+          const __m256i dots = _mm256_add_epi32(dot[s][r], _mm256_set1_epi32(x.off16[2 * i + s]));
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw[s], dx), _mm256_cvtepi32_ps(dots), acc[r]);
+        }
+      }
+    }
+  }
+  store_rows<R>(acc, bias, out + m * ldo, ldo, cols, accumulate);
+}
+
+// Q2_K: per activation block j, its sub-blocks 2j and 2j + 1, one 64-byte vector each
+// whose 2-bit fields s pair with x[16 s' + 4s, + 4).
+template <int R, typename T>
+void micro_q2k(PAGEDLLM_MICRO_ARGS) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < x.nb / 8; ++sb) {
+    const uint8_t* blk = wg + sb * block_bytes;
+    const __m256 d = load_halves8(blk + kQ2KScales + 16 * h);
+    const __m256 dmin = load_halves8(blk + kQ2KScales + 32 + 16 * h);
+    for (int j = 0; j < 8; ++j) {
+      __m256i dot[2][R], s16[2][R];
+      for (int s = 0; s < 2; ++s) {
+        const __m256i raw = load32(blk + (2 * j + s) * 64 + 32 * h);
+#pragma GCC unroll 4  // shift_bits' counts as constants
+        for (int f = 0; f < 4; ++f) {
+          const __m256i w = _mm256_and_si256(shift_bits(raw, -2 * f), bytes(0x03));
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xq = x.q + (m + r) * x.k + sb * 256 + j * 32 + 16 * s;
+            add_term<4>(s16[s][r], dot[s][r], madd(w, bcast4(xq + 4 * f)), f);
+          }
+        }
+      }
+      __m256 dw[2], mw[2];
+      for (int s = 0; s < 2; ++s) {
+        const __m128i sc = _mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(blk + kQ2KScales + 64 + 16 * (2 * j + s) + 8 * h));
+        const __m128i low4 = _mm_set1_epi8(0x0f);
+        dw[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(sc, low4))));
+        mw[s] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                        _mm_and_si128(_mm_srli_epi16(sc, 4), low4))));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m + r) * x.nb + sb * 8 + j;
+        const float dx = x.d[i];
+        for (int s = 0; s < 2; ++s) {  // the lower sub-block first
+          const float ds = dx * static_cast<float>(x.off16[2 * i + s] / -32);
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw[s], _mm256_set1_ps(dx)),
+                                   _mm256_cvtepi32_ps(dot[s][r]), acc[r]);
+          acc[r] = _mm256_fnmadd_ps(mw[s], _mm256_set1_ps(ds), acc[r]);
+        }
+      }
+    }
+  }
+  store_rows<R>(acc, bias, out + m * ldo, ldo, cols, accumulate);
+}
+
+template <QType Q, int R, typename T>
+void micro_any(PAGEDLLM_MICRO_ARGS) {
+  if constexpr (Q == QType::kQ4_K || Q == QType::kQ5_K) {
+    micro_q4k<Q, R, T>(x, m, wg, block_bytes, h, bias, out, ldo, cols, accumulate);
+  } else if constexpr (Q == QType::kQ6_K) {
+    micro_q6k<R, T>(x, m, wg, block_bytes, h, bias, out, ldo, cols, accumulate);
+  } else if constexpr (Q == QType::kQ2_K) {
+    micro_q2k<R, T>(x, m, wg, block_bytes, h, bias, out, ldo, cols, accumulate);
+  } else {
+    micro<Q, R, T>(x, m, wg, block_bytes, h, bias, out, ldo, cols, accumulate);
+  }
+}
+
+#undef PAGEDLLM_MICRO_ARGS
+
+// Rows [m0, m1) x groups [g0, g1), each group's two halves in turn (the second reads
+// the lines the first brought into L1).
+template <QType Q, typename T>
+void run(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w, int64_t block_bytes,
+         const float* bias, T* out, int64_t ldo, int64_t n, bool accumulate, int64_t g0,
+         int64_t g1) {
+  using Fn = void (*)(const QuantRows&, int64_t, const uint8_t*, int64_t, int, const float*,
+                      T*, int64_t, int64_t, bool);
+  static constexpr Fn kMicro[kRows + 1] = {nullptr, micro_any<Q, 1, T>, micro_any<Q, 2, T>,
+                                           micro_any<Q, 3, T>, micro_any<Q, 4, T>};
+  constexpr bool super =
+      Q == QType::kQ2_K || Q == QType::kQ4_K || Q == QType::kQ5_K || Q == QType::kQ6_K;
+  const int64_t group_bytes = (super ? x.nb / 8 : x.nb) * block_bytes;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * group_bytes;
+    const int64_t cols = std::min(kGroup, n - g * kGroup);
+    for (int h = 0; h < 2 && 8 * h < cols; ++h) {
+      const int64_t col = g * kGroup + 8 * h;
+      for (int64_t m = m0; m < m1; m += kRows)
+        kMicro[std::min<int64_t>(kRows, m1 - m)](x, m, wg, block_bytes, h, bias + col,
+                                                 out + col, ldo, std::min<int64_t>(8, cols - 8 * h),
+                                                 accumulate);
+    }
+  }
+}
+
+// 8 float32 from float32 or bfloat16.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float reduce_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline int32_t reduce_add(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// One block of 32 quantized as cpu_quant.cpp's quantize_block_avx512: q = the low byte of
+// round-half-even(x / d) (vcvtps2dq, then truncation as vpmovdb), the sum of the int32
+// values into s[0] or, with `halves`, those of each half of 16 into s. Returns d.
+template <typename T>
+inline float quantize_block(const T* xb, int8_t* q, int32_t s[2], bool halves) {
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = load8(xb + 8 * i);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_andnot_ps(sign, v[0]);
+  for (int i = 1; i < 4; ++i) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  const float db = reduce_max(amax) / 127.0f;
+  const float id = db != 0.0f ? 1.0f / db : 0.0f;
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+  const __m256i lower = _mm256_add_epi32(qi[0], qi[1]), upper = _mm256_add_epi32(qi[2], qi[3]);
+  if (halves) {
+    s[0] = reduce_add(lower);
+    s[1] = reduce_add(upper);
+  } else {
+    s[0] = reduce_add(_mm256_add_epi32(lower, upper));
+  }
+  // low bytes: masked to 0..255, packs cannot saturate; they interleave 128-bit lanes,
+  // which the permutation undoes
+  const __m256i low = _mm256_set1_epi32(0xff);
+  const __m256i p01 = _mm256_packus_epi32(_mm256_and_si256(qi[0], low), _mm256_and_si256(qi[1], low));
+  const __m256i p23 = _mm256_packus_epi32(_mm256_and_si256(qi[2], low), _mm256_and_si256(qi[3], low));
+  const __m256i packed = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(p01, p23),
+                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), packed);
+  return db;
+}
+
+}  // namespace avx2
+}  // namespace quant
+}  // namespace pagedllm_ops
+#endif  // __AVX2__ && __FMA__ && __F16C__
