@@ -87,8 +87,13 @@ def extreme_weight(qtype: str, n: int, k: int, fill: int) -> QuantizedWeight:
     return QuantizedWeight(qtype, torch.from_numpy(raw.reshape(n, -1)), k)
 
 
+def _built(path: str) -> bool:
+    """Whether the build (-march=native) has this path's kernels."""
+    return path != "avx2" or {"avx2", "fma", "f16c"} <= cpu_flags()
+
+
 def _require_path(path: str) -> None:
-    if path == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+    if not _built(path):
         pytest.skip("this CPU has no AVX2 (its kernels are not in the build)")
 
 
@@ -191,9 +196,7 @@ def test_extreme_quants_same_bits_on_every_path(qtype: str) -> None:
         w = gguf_dequantize(weight).double()
         ref, scale = _quantize_rows(x) @ w.T, _quantize_rows(x).abs() @ w.abs().T
         assert ((expected.double() - ref).abs() <= 1e-5 * scale + 1e-30).all(), fill
-        for path in ("avx2", "portable"):
-            if path == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
-                continue
+        for path in filter(_built, ("avx2", "portable")):
             assert torch.equal(run_gemm(weight, x, path=path), expected), (fill, path)
 
 

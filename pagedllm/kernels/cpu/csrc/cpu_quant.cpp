@@ -90,7 +90,7 @@ constexpr bool kHasAvx512 = true;
 #else
 constexpr bool kHasAvx512 = false;
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(PAGEDLLM_QUANT_AVX2)
 constexpr bool kHasAvx2 = true;
 #else
 constexpr bool kHasAvx2 = false;
@@ -164,7 +164,7 @@ void quantize_row(Path path, const T* x, int64_t k, int8_t* q, float* d, int32_t
       db = quantize_block_avx512(xb, qb, s, off16 != nullptr);
     } else
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(PAGEDLLM_QUANT_AVX2)
     if (path == Path::kAvx2) {
       db = avx2::quantize_block(xb, qb, s, off16 != nullptr);
     } else
@@ -634,7 +634,7 @@ void run(Path path, const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (path == Path::kAvx512) PAGEDLLM_BY_TYPE(run_simd)
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(PAGEDLLM_QUANT_AVX2)
   if (path == Path::kAvx2) PAGEDLLM_BY_TYPE(avx2::run)
 #endif
 #undef PAGEDLLM_BY_TYPE

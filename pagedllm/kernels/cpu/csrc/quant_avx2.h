@@ -18,6 +18,8 @@
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The one test of "these kernels are in the build" (cpu_quant.cpp asks it).
+#define PAGEDLLM_QUANT_AVX2 1
 #include <immintrin.h>
 
 #include <cstdint>
