@@ -96,10 +96,11 @@ def test_cpu_matches_reference_on_mixed_batch(dtype, heads, sliding_window, use_
     torch.testing.assert_close(actual, expected, **TOL[dtype])
 
 
-# head_size 24 takes the kernel's generic path, 64 its vectorized one (where built).
+# head_size 20, 24 and 40 take the kernel's generic path (24 and 40 eight lanes wide where
+# AVX2 is built: one vector of dims, then 32 + 8), 64 its AVX-512 one (where built).
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [1, 5, 16, 32])
-@pytest.mark.parametrize("head_size", [24, 64])
+@pytest.mark.parametrize("head_size", [20, 24, 40, 64])
 def test_cpu_odd_block_and_head_sizes(dtype, block_size, head_size):
     spec = AttentionSpec(num_heads=9, num_kv_heads=3, head_size=head_size, scale=0.3,
                          sliding_window=20)

@@ -3,7 +3,8 @@ output is bit-identical whether its token is decoded alone, decoded in a batch (
 shared-prefix cascade or without), or sits anywhere in a prefill chunk of any length over
 any cached context, with and without a sliding window; in bfloat16 with a bfloat16 or an
 fp8 KV cache (converted on the fly into the same tile pass), with blocks of 16 (the tile
-pass) or 8 tokens (the chunk pass); in float32 and float16."""
+pass) or 8 tokens (the chunk pass); in float32 and float16; with head size 40 (the generic
+item, 8 lanes wide where AVX2 is built)."""
 
 from __future__ import annotations
 
@@ -41,12 +42,14 @@ SUBJECT_BLOCKS = list(range(1, -(-LEN // BLOCK) + 1))
 
 def _attend(reqs: list[tuple[list[int], int, int]], sliding_window: int | None,
             subject_query: int = 0, dtype: torch.dtype = torch.bfloat16,
-            cache_dtype: torch.dtype = torch.bfloat16, block: int = BLOCK) -> torch.Tensor:
+            cache_dtype: torch.dtype = torch.bfloat16, block: int = BLOCK,
+            head_size: int = HEAD_SIZE) -> torch.Tensor:
     """Attention of a batch of (block ids, num_computed, query_len) requests, request
     `subject_query` being the subject; returns the subject's output rows. Every request's
     keys are its blocks' cached K/V (the step writes back the same values: an fp8 value
     is exact in bfloat16 and converts back to itself). Block ids count blocks of 16; with
-    `block` = 8 each is split in two (the same slots, so the same cache bytes)."""
+    `block` = 8 each is split in two (the same slots, so the same cache bytes). A
+    `head_size` below HEAD_SIZE takes the first dims of the tables."""
     seq_lens = np.array([c + q for _, c, q in reqs])
     max_blocks = max(len(b) for b, _, _ in reqs)
     table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
@@ -58,8 +61,9 @@ def _attend(reqs: list[tuple[list[int], int, int]], sliding_window: int | None,
         pos = np.arange(computed, computed + qlen)
         slots.append(table[i, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK)
         # Other requests' queries: any values (they must not matter).
-        q_rows.append(QUERIES[pos % LEN] if i == subject_query else
-                      QUERIES[(pos * 7 + 3) % LEN].flip(-1))
+        queries = QUERIES[..., :head_size]
+        q_rows.append(queries[pos % LEN] if i == subject_query else
+                      queries[(pos * 7 + 3) % LEN].flip(-1))
     if block != BLOCK:
         split = BLOCK // block
         table = (table[:, :, None] * split + np.arange(split, dtype=np.int32)).reshape(
@@ -72,17 +76,17 @@ def _attend(reqs: list[tuple[list[int], int, int]], sliding_window: int | None,
         block_table=torch.from_numpy(table), slot_mapping=slot_mapping,
         max_query_len=max(q for _, _, q in reqs), max_seq_len=int(seq_lens.max()),
         query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-    cache = CACHE.to(dtype)
+    cache = CACHE[..., :head_size].to(dtype)
     if cache_dtype != dtype:
         cache = quantize_kv(cache, 1.0, cache_dtype)
-    flat = cache.view(2, NUM_BLOCKS * BLOCK, KV_HEADS, HEAD_SIZE)
+    flat = cache.reshape(2, NUM_BLOCKS * BLOCK, KV_HEADS, head_size)
     k = flat[0, slot_mapping].to(dtype)
     v = flat[1, slot_mapping].to(dtype)
-    cache = cache.view(2, -1, block, KV_HEADS, HEAD_SIZE)
-    spec = AttentionSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-                         scale=HEAD_SIZE ** -0.5, sliding_window=sliding_window)
+    cache = cache.contiguous().view(2, -1, block, KV_HEADS, head_size)
+    spec = AttentionSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=head_size,
+                         scale=head_size ** -0.5, sliding_window=sliding_window)
     out = CpuAttention(spec, True).forward(torch.cat(q_rows).to(dtype), k, v, cache, md)
-    out = out.view(-1, HEADS, HEAD_SIZE)
+    out = out.view(-1, HEADS, head_size)
     return out[qsl[subject_query]:qsl[subject_query + 1]]
 
 
@@ -97,18 +101,22 @@ BF16 = torch.bfloat16
 CASES = {"bf16": (BF16, BF16, 16), "e4m3": (BF16, torch.float8_e4m3fn, 16),
          "e5m2": (BF16, torch.float8_e5m2, 16), "bf16-block8": (BF16, BF16, 8),
          "f32": (torch.float32, torch.float32, 16), "f32-block8": (torch.float32,) * 2 + (8,),
-         "f16": (torch.float16, torch.float16, 16)}
+         "f16": (torch.float16, torch.float16, 16),
+         "f32-head40": (torch.float32, torch.float32, 16, 40),
+         "f32-head40-block8": (torch.float32, torch.float32, 8, 40),
+         "bf16-head40": (BF16, BF16, 16, 40)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("sliding_window", [None, 37])
 def test_a_row_is_bit_identical_in_every_batch_shape(sliding_window, case):
-    dtype, cache_dtype, block = CASES[case]
+    dtype, cache_dtype, block, head_size = (*CASES[case], HEAD_SIZE)[:4]
     if dtype == BF16 and not has_avx512_bf16():
         pytest.skip("bfloat16 attention is native only with AVX512-BF16")
 
     def attend(reqs, subject_query=0):
-        return _attend(reqs, sliding_window, subject_query, dtype, cache_dtype, block)
+        return _attend(reqs, sliding_window, subject_query, dtype, cache_dtype, block,
+                       head_size)
 
     # Reference: every position decoded alone.
     alone = {p: attend([(SUBJECT_BLOCKS, p, 1)])[0]

@@ -3,13 +3,16 @@ compiled with -mno-avx512f, the engine ignoring AVX-512), in a subprocess of its
 
 - The quantized GEMM there (its AVX2 kernels, compiled for AVX2 alone) gives the same bits
   as this build's widest kernels, for every block type; its AVX-512 path is not built.
+- Its fused SiLU-and-multiply (8 lanes, exp16's arithmetic) gives this build's bits in
+  float32, bfloat16 and float16, a row tail included.
 - The engine there picks float32 and the native quantized weights for the bundled GGUF.
-  Dequantized (float32 weights: the portable attention, norms and float32 GEMM) it agrees
-  with this build to float32 rounding: measured logprobs within 2e-5, the same tokens.
-  Quantized, its greedy tokens stay close to its own dequantized run (measured on the six
-  prompts, 32 tokens: 5, 32, 32, 16, 32, 32 tokens agreed; this build, float32: 5, 32, 25,
-  5, 32, 1: the int8 activations turn any last-bit difference into a different rounding,
-  so the two builds' quantized runs differ as much as either differs from dequantized).
+  Dequantized (float32 weights: the generic attention item 8 lanes wide, the portable
+  norms and float32 GEMM) it agrees with this build to float32 rounding: measured logprobs
+  within 2.6e-5, the same tokens. Quantized, its greedy tokens stay close to its own
+  dequantized run (measured on the six prompts, 32 tokens: 5, 32, 32, 32, 32, 32 tokens
+  agreed; this build, float32: 5, 32, 25, 5, 32, 1: the int8 activations turn any
+  last-bit difference into a different rounding, so the two builds' quantized runs differ
+  as much as either differs from dequantized).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.kernels.cpu import ops
 from pagedllm.kernels.cpu.build import load_cpu_kernels
 from tests.engine.test_gguf_quantized import PROMPTS
 from tests.kernels.test_cpu_quant import QTYPES, make_weight, run_gemm
@@ -35,6 +39,19 @@ def _gemm_cases() -> list[tuple[str, torch.dtype, torch.Tensor]]:
     torch.manual_seed(0)
     return [(qtype, dtype, (torch.randn(11, 512) * 3).to(dtype))
             for qtype in QTYPES for dtype in (torch.float32, torch.bfloat16)]
+
+
+def _silu_cases() -> list[torch.Tensor]:
+    """Gates and ups [5, 2 * 1541] (1541: 192 vectors of 8 and a tail of 5), three dtypes."""
+    torch.manual_seed(1)
+    return [(torch.randn(5, 2 * 1541) * 4).to(dtype)
+            for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+    ops.silu_and_mul(out, x)
+    return out
 
 
 def _greedy(dequantize: bool) -> tuple[list[list[int]], list[list[float]], str, str | None]:
@@ -60,7 +77,9 @@ def _child(out_path: str) -> None:
         avx512_error = ""
     except RuntimeError as e:
         avx512_error = str(e)
-    torch.save({"gemm": gemm, "avx512_error": avx512_error, "quantized": _greedy(False),
+    silu = [_silu(x) for x in _silu_cases()]
+    torch.save({"gemm": gemm, "silu": silu, "avx512_error": avx512_error,
+                "quantized": _greedy(False),
                 "dequantized": _greedy(True)}, out_path)
 
 
@@ -77,6 +96,8 @@ def test_avx2_build_same_bits_and_engine(tmp_path):
     assert "not in this build" in got["avx512_error"]
     for (qtype, dtype, x), theirs in zip(_gemm_cases(), got["gemm"], strict=True):
         assert torch.equal(theirs, run_gemm(make_weight(qtype, 45, 512, seed=1), x)), (qtype, dtype)
+    for x, theirs in zip(_silu_cases(), got["silu"], strict=True):
+        assert torch.equal(theirs, _silu(x)), x.dtype
 
     tokens, logprobs, dtype, quantization = got["dequantized"]
     assert (dtype, quantization) == ("float32", None)

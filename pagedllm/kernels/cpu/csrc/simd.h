@@ -147,3 +147,110 @@ inline __mmask16 first_lanes(int64_t n) {
 
 }  // namespace pagedllm_simd
 #endif  // __AVX512F__
+
+// AVX2 + FMA + F16C helpers (8 lanes) for CPUs without AVX-512 (and the generic paths of
+// AVX-512 builds): the same operations, in the same order, as the 16-lane ones above, so a
+// lane of exp8 / exp2_8 has the bits of exp16 / exp2_16.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PAGEDLLM_SIMD_AVX2 1
+
+namespace pagedllm_simd {
+
+inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
+
+inline __m256 load8(const c10::BFloat16* src) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline __m256 load8(const c10::Half* src) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+}
+
+// float32 -> bfloat16 bits (round to nearest even, as bf16_bits) in the low halves.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_srli_epi32(rounded, 16);
+}
+
+inline void store8(float* dst, __m256 v) { _mm256_storeu_ps(dst, v); }
+
+inline void store8(c10::BFloat16* dst, __m256 v) {
+  // packus works within 128-bit lanes: words 0-3 and 8-11 hold the 8 results.
+  const __m256i packed = _mm256_packus_epi32(bf16_bits8(v), bf16_bits8(v));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+}
+
+inline void store8(c10::Half* dst, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+template <typename T>
+inline __m256 round_to8(__m256 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    return v;
+  }
+}
+
+// p * 2^k for integral k in [-150, 129] (or NaN), rounded once as vscalefps rounds: two
+// exact power-of-two factors of at most 2^75 each, so only the second product rounds.
+inline __m256 scale_pow2(__m256 p, __m256 k) {
+  const __m256i ki = _mm256_cvtps_epi32(k);
+  const __m256i k1 = _mm256_srai_epi32(ki, 1), k2 = _mm256_sub_epi32(ki, k1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
+  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+
+// exp16's lanes, 8 at a time (x clamped to [-87, 88]).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  return scale_pow2(p, k);
+}
+
+// exp2_16's lanes, 8 at a time: y beyond +-128 gives inf / 0, NaN stays NaN (max/min
+// with y second return y when it is NaN).
+inline __m256 exp2_8(__m256 y) {
+  y = _mm256_min_ps(_mm256_set1_ps(129.0f), _mm256_max_ps(_mm256_set1_ps(-150.0f), y));
+  const __m256 k = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(y, k);
+  __m256 p = _mm256_set1_ps(1.3333558146e-3f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108665e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650696e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718056e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  return scale_pow2(p, k);
+}
+
+// Lane i of the result = the sum of the 8 lanes of a[i], by the same tree for every i
+// ((0+1) + (2+3)) + ((4+5) + (6+7)).
+inline __m256 hsum8x8(const __m256 a[8]) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+}  // namespace pagedllm_simd
+#endif  // __AVX2__ && __FMA__ && __F16C__
