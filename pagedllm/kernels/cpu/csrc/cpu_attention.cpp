@@ -49,39 +49,51 @@ using namespace pagedllm_attention;
 // ---------------------------------------------------------------------------------------
 // Generic item: one KV head, one block of keys at a time, rows one by one.
 //
-// With AVX2 (and head_size % 8 == 0) its three loops run 8 lanes wide. A key's score is
-// the same whatever its neighbours (its own accumulator, reduced by one fixed tree) and
-// P . V adds the keys in order, so a row's result depends on its visible keys only: batch
-// invariant like the scalar loops. Measured (PAGEDLLM_CPU_ISA=avx2 build, Zen 4, SmolLM2
-// Q4_1, first token after 128): attention 14% of 136-150 ms with the scalar loops (a
-// scalar exp per key, one dependent FMA chain per score), ~8% of 108-110 ms now (with the
-// 8-lane SiLU, cpu_ops.cpp).
+// With AVX2 its three loops run 8 lanes wide (the score and P . V loops for head sizes
+// that are multiples of 8). A key's score is the same whatever its neighbours (its own
+// accumulator, reduced by one fixed tree) and P . V adds the keys in order, so a row's
+// result depends on its visible keys only: batch invariant like the scalar loops.
+// Measured (PAGEDLLM_CPU_ISA=avx2 build, Zen 4, SmolLM2 Q4_1, first token after 128):
+// attention 14% of 136-150 ms with the scalar loops (a scalar exp per key, one dependent
+// FMA chain per score), ~8% of 108-110 ms now (with the 8-lane SiLU, cpu_ops.cpp).
+
+// s[t] = q . k_t for keys [t_lo, t_hi) of the block's float32 rows k (d apart).
+inline void key_scores(const float* q, const float* k, int64_t d, int64_t t_lo, int64_t t_hi,
+                       float* s) {
 #if defined(PAGEDLLM_SIMD_AVX2)
-// s[t] = q . k_t for keys [t_lo, t_hi) of the block's float32 rows k (d apart), 8 keys at
-// a time.
-inline void key_scores8(const float* q, const float* k, int64_t d, int64_t t_lo, int64_t t_hi,
-                        float* s) {
-  using namespace pagedllm_simd;
-  for (int64_t t0 = t_lo; t0 < t_hi; t0 += 8) {
-    const int64_t n = std::min<int64_t>(8, t_hi - t0);
-    __m256 a[8];
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < d; j += 8) {
-      const __m256 qj = _mm256_loadu_ps(q + j);
-      for (int i = 0; i < 8; ++i)  // keys past n: a copy of key t0 (their lanes are dropped)
-        a[i] = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k + (t0 + (i < n ? i : 0)) * d + j), a[i]);
+  if (d % 8 == 0) {  // 8 keys at a time
+    for (int64_t t0 = t_lo; t0 < t_hi; t0 += 8) {
+      const int64_t n = std::min<int64_t>(8, t_hi - t0);
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < d; j += 8) {
+        const __m256 qj = _mm256_loadu_ps(q + j);
+        for (int i = 0; i < 8; ++i)  // keys past n: a copy of key t0 (their lanes are dropped)
+          a[i] = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k + (t0 + (i < n ? i : 0)) * d + j), a[i]);
+      }
+      alignas(32) float out[8];
+      _mm256_store_ps(out, pagedllm_simd::hsum8x8(a));
+      std::copy(out, out + n, s + t0);
     }
-    alignas(32) float out[8];
-    _mm256_store_ps(out, hsum8x8(a));
-    std::copy(out, out + n, s + t0);
+    return;
+  }
+#endif
+  for (int64_t t = t_lo; t < t_hi; ++t) {
+    const float* kr = k + t * d;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t j = 0; j < d; ++j) dot += q[j] * kr[j];
+    s[t] = dot;
   }
 }
 
-// s[t] = exp(s[t] - m) for t in [t_lo, t_hi) (exp16's arithmetic).
-inline void exp_shifted8(float* s, int64_t t_lo, int64_t t_hi, float m) {
-  using namespace pagedllm_simd;
-  const __m256 mv = _mm256_set1_ps(m);
+// s[t] = exp(s[t] - m) for t in [t_lo, t_hi) (with AVX2, exp16's arithmetic); returns
+// their sum, added in key order.
+inline float exp_shifted(float* s, int64_t t_lo, int64_t t_hi, float m) {
   int64_t t = t_lo;
+#if defined(PAGEDLLM_SIMD_AVX2)
+  using pagedllm_simd::exp8;
+  const __m256 mv = _mm256_set1_ps(m);
   for (; t + 8 <= t_hi; t += 8)
     _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv)));
   if (t < t_hi) {
@@ -89,51 +101,56 @@ inline void exp_shifted8(float* s, int64_t t_lo, int64_t t_hi, float m) {
     std::copy(s + t, s + t_hi, buf);
     _mm256_store_ps(buf, exp8(_mm256_sub_ps(_mm256_load_ps(buf), mv)));
     std::copy(buf, buf + (t_hi - t), s + t);
+    t = t_hi;
   }
+#endif
+  for (; t < t_hi; ++t) s[t] = exp_poly(s[t] - m);
+  float sum = 0.0f;
+  for (t = t_lo; t < t_hi; ++t) sum += s[t];
+  return sum;
 }
 
-// acc[0, d) += sum over t in [t_lo, t_hi), in order, of p[t] * v_t (one FMA per term).
-inline void add_pv8(float* acc, const float* p, const float* v, int64_t d, int64_t t_lo,
-                    int64_t t_hi) {
+// acc[0, d) += sum over t in [t_lo, t_hi), in order, of p[t] * v_t.
+inline void add_pv(float* acc, const float* p, const float* v, int64_t d, int64_t t_lo,
+                   int64_t t_hi) {
   int64_t j = 0;
-  for (; j + 32 <= d; j += 32) {  // 4 independent chains per key
-    __m256 a0 = _mm256_loadu_ps(acc + j), a1 = _mm256_loadu_ps(acc + j + 8);
-    __m256 a2 = _mm256_loadu_ps(acc + j + 16), a3 = _mm256_loadu_ps(acc + j + 24);
-    for (int64_t t = t_lo; t < t_hi; ++t) {
-      const __m256 pt = _mm256_set1_ps(p[t]);
-      const float* vr = v + t * d + j;
-      a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr), a0);
-      a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8), a1);
-      a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 16), a2);
-      a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 24), a3);
+#if defined(PAGEDLLM_SIMD_AVX2)
+  if (d % 8 == 0) {  // one FMA per term
+    for (; j + 32 <= d; j += 32) {  // 4 independent chains per key
+      __m256 a0 = _mm256_loadu_ps(acc + j), a1 = _mm256_loadu_ps(acc + j + 8);
+      __m256 a2 = _mm256_loadu_ps(acc + j + 16), a3 = _mm256_loadu_ps(acc + j + 24);
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+        const __m256 pt = _mm256_set1_ps(p[t]);
+        const float* vr = v + t * d + j;
+        a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr), a0);
+        a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8), a1);
+        a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 16), a2);
+        a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 24), a3);
+      }
+      _mm256_storeu_ps(acc + j, a0);
+      _mm256_storeu_ps(acc + j + 8, a1);
+      _mm256_storeu_ps(acc + j + 16, a2);
+      _mm256_storeu_ps(acc + j + 24, a3);
     }
-    _mm256_storeu_ps(acc + j, a0);
-    _mm256_storeu_ps(acc + j + 8, a1);
-    _mm256_storeu_ps(acc + j + 16, a2);
-    _mm256_storeu_ps(acc + j + 24, a3);
+    for (; j < d; j += 8) {
+      __m256 a = _mm256_loadu_ps(acc + j);
+      for (int64_t t = t_lo; t < t_hi; ++t)
+        a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(v + t * d + j), a);
+      _mm256_storeu_ps(acc + j, a);
+    }
+    return;
   }
-  for (; j < d; j += 8) {
-    __m256 a = _mm256_loadu_ps(acc + j);
-    for (int64_t t = t_lo; t < t_hi; ++t)
-      a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(v + t * d + j), a);
-    _mm256_storeu_ps(acc + j, a);
+#endif
+  for (int64_t t = t_lo; t < t_hi; ++t) {
+    const float* vr = v + t * d;
+    for (j = 0; j < d; ++j) acc[j] += p[t] * vr[j];
   }
 }
-#else  // never called (vec8 is false)
-inline void key_scores8(const float*, const float*, int64_t, int64_t, int64_t, float*) {}
-inline void exp_shifted8(float*, int64_t, int64_t, float) {}
-inline void add_pv8(float*, const float*, const float*, int64_t, int64_t, int64_t) {}
-#endif
 
 template <typename T, typename C>
 void attend_head_generic(const Params<T, C>& p, const Item& item, int64_t h, Scratch& sc) {
   const Span sp = span_of(p, item);
   const int64_t d = p.head_size, rows = sp.num_toks * p.group, bs = p.block_size;
-#if defined(PAGEDLLM_SIMD_AVX2)
-  const bool vec8 = d % 8 == 0;
-#else
-  constexpr bool vec8 = false;
-#endif
   load_queries(p, item, h, sc.q.data(), p.scale);
   std::fill(sc.acc.begin(), sc.acc.begin() + rows * d, 0.0f);
   std::fill(sc.m.begin(), sc.m.begin() + rows, -INFINITY);
@@ -153,21 +170,9 @@ void attend_head_generic(const Params<T, C>& p, const Item& item, int64_t h, Scr
       const int64_t t_lo =
           p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1 - base) : 0;
       if (t_hi <= t_lo) continue;
-      const float* qr = sc.q.data() + row * d;
+      key_scores(sc.q.data() + row * d, sc.k.data(), d, t_lo, t_hi, s);
       float blk_max = -INFINITY;
-      if (vec8) {
-        key_scores8(qr, sc.k.data(), d, t_lo, t_hi, s);
-        for (int64_t t = t_lo; t < t_hi; ++t) blk_max = std::max(blk_max, s[t]);
-      } else {
-        for (int64_t t = t_lo; t < t_hi; ++t) {
-          const float* kr = sc.k.data() + t * d;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t j = 0; j < d; ++j) dot += qr[j] * kr[j];
-          s[t] = dot;
-          blk_max = std::max(blk_max, dot);
-        }
-      }
+      for (int64_t t = t_lo; t < t_hi; ++t) blk_max = std::max(blk_max, s[t]);
       float* ar = sc.acc.data() + row * d;
       const float m_new = std::max(sc.m[row], blk_max);
       if (m_new > sc.m[row]) {
@@ -177,23 +182,8 @@ void attend_head_generic(const Params<T, C>& p, const Item& item, int64_t h, Scr
         for (int64_t j = 0; j < d; ++j) ar[j] *= alpha;
         sc.m[row] = m_new;
       }
-      float sum = 0.0f;
-      if (vec8) {
-        exp_shifted8(s, t_lo, t_hi, m_new);
-        for (int64_t t = t_lo; t < t_hi; ++t) sum += s[t];
-        sc.l[row] += sum;
-        add_pv8(ar, s, sc.v.data(), d, t_lo, t_hi);
-        continue;
-      }
-      for (int64_t t = t_lo; t < t_hi; ++t) {
-        s[t] = exp_poly(s[t] - m_new);
-        sum += s[t];
-      }
-      sc.l[row] += sum;
-      for (int64_t t = t_lo; t < t_hi; ++t) {
-        const float* vr = sc.v.data() + t * d;
-        for (int64_t j = 0; j < d; ++j) ar[j] += s[t] * vr[j];
-      }
+      sc.l[row] += exp_shifted(s, t_lo, t_hi, m_new);
+      add_pv(ar, s, sc.v.data(), d, t_lo, t_hi);
     }
   }
   store_outputs(p, item, h, sc.acc.data(), sc.l.data());
