@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.kernels.cpu.features import has_native_bf16_gemm
 
 
 def batch_invariance_caveat(config: EngineConfig, native_kernels: bool) -> str | None:
@@ -32,6 +33,9 @@ def batch_invariance_caveat(config: EngineConfig, native_kernels: bool) -> str |
     if getattr(config.model.hf_config, "num_local_experts", 0):
         return ("the mixture-of-experts layers run torch's GEMM over the tokens routed to "
                 "each expert, whose rounding depends on how many there are")
+    if config.model.dtype == "bfloat16" and not has_native_bf16_gemm():
+        return ("bfloat16 linear layers run torch's GEMM on a CPU without AVX512-BF16 or "
+                "AVX2, whose rounding depends on the batch shape")
     if config.model.dtype == "float16":
         return ("float16 linear layers run torch's GEMM, whose rounding depends on the batch "
                 "shape (bfloat16 and float32 have batch-invariant native GEMMs)")

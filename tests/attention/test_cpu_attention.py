@@ -73,7 +73,11 @@ def run_both(spec: AttentionSpec, md: AttentionMetadata, dtype: torch.dtype,
     return actual, expected
 
 
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+# float32: the kernels reduce in another order than the oracle (AVX-512 tiles, AVX2 8-lane
+# items), so outputs carry float32 rounding of the scores: ~1e-6 relative of scores that
+# reach ~40 with growing keys, up to 1.55e-5 absolute measured against a float64 oracle
+# on an AVX2 CPU (Zen 3; the AVX-512 order happened to stay within 1e-5).
+TOL = {torch.float32: dict(rtol=1e-5, atol=3e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
        torch.float16: dict(rtol=2e-3, atol=2e-3)}
 
 # (num_computed, query_len) per request: decodes at block boundaries (15, 16, 17 tokens

@@ -16,7 +16,6 @@ from pagedllm.attention.backend import AttentionSpec
 from pagedllm.attention.cpu import CpuAttention
 from pagedllm.attention.kv_quant import quantize_kv
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.kernels.cpu.features import has_avx512_bf16
 from pagedllm.kernels.cpu.ops import load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="native CPU ops not built")
@@ -112,8 +111,7 @@ CASES = {"bf16": (BF16, BF16, 16, 64), "e4m3": (BF16, torch.float8_e4m3fn, 16, 6
 @pytest.mark.parametrize("sliding_window", [None, 37])
 def test_a_row_is_bit_identical_in_every_batch_shape(sliding_window, case):
     dtype, cache_dtype, block, head_size = CASES[case]
-    if dtype == BF16 and not has_avx512_bf16():
-        pytest.skip("bfloat16 attention is native only with AVX512-BF16")
+
 
     def attend(reqs, subject_query=0):
         return _attend(reqs, sliding_window, subject_query, dtype, cache_dtype, block,

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.kernels.cpu.features import has_avx512_bf16
+from pagedllm.kernels.cpu.features import has_native_bf16_gemm
 
 # (dtype, quantization): the default path, and float32 on dequantized weights.
 CONFIGS = {"bf16": dict(dtype="bfloat16"),
@@ -40,8 +40,8 @@ def _run(llm: LLM, prompts, params):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_outputs_do_not_depend_on_the_batch(config):
     kwargs = CONFIGS[config]
-    if kwargs["dtype"] == "bfloat16" and not has_avx512_bf16():
-        pytest.skip("bfloat16 runs natively only with AVX512-BF16")
+    if kwargs["dtype"] == "bfloat16" and not has_native_bf16_gemm():
+        pytest.skip("bfloat16 runs natively only with AVX512-BF16 or AVX2")
     prompts = _prompts()
     llm = LLM(enable_prefix_caching=False, **kwargs)
     try:

@@ -1,7 +1,8 @@
-"""fp8 KV cache end to end with the bundled SmolLM2 (bfloat16 compute): greedy outputs and
-logprobs stay close to the bfloat16 ("auto") KV cache, the same kv_cache_space holds
-twice the blocks, outputs stay independent of the batch, swap preemption moves fp8
-blocks intact, and the option parses and validates."""
+"""fp8 KV cache end to end with the bundled SmolLM2 (the CPU's default compute dtype:
+bfloat16 with AVX512-BF16, float32 elsewhere): greedy outputs and logprobs stay close to
+the model-dtype ("auto") KV cache, the same kv_cache_space holds two (four) times the
+blocks, outputs stay independent of the batch, swap preemption moves fp8 blocks intact,
+and the option parses and validates."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ PROMPTS = ["The capital of France is", "Here is a recipe for pancakes:\n1.",
            "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "Water boils at a temperature of"]
 MAX_TOKENS = 32
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes "
         "Gutenberg combined movable metal type, oil-based inks and a wooden press adapted "
         "from wine making. Within decades printing spread across Europe, lowering the cost "
@@ -24,12 +25,17 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "doubt that it changed how people read.")
 # 0.25 GiB: 728 bfloat16 blocks of SmolLM2 (30 layers x K,V x 16 tokens x 3 heads x 64).
 SPACE = 0.25
+# What `dtype="auto"` picks on this CPU. The closeness bounds below were measured in
+# bfloat16 on Zen 4; on an AVX2 CPU (Zen 3), where float32 is the default, fp8 against a
+# float32 cache measured mean 0.110 / max 0.503 teacher-forced (against a bfloat16 cache,
+# not the default there: 0.152 / 0.844).
+DTYPE = "bfloat16" if has_avx512_bf16() else "float32"
 
 
 @pytest.fixture(scope="module")
 def engines():
-    """{kv_cache_dtype: LLM} for "auto" (bfloat16) and "fp8_e4m3"."""
-    llms = {kv: LLM(dtype="bfloat16", kv_cache_dtype=kv, kv_cache_space=SPACE)
+    """{kv_cache_dtype: LLM} for "auto" (the model dtype) and "fp8_e4m3"."""
+    llms = {kv: LLM(dtype=DTYPE, kv_cache_dtype=kv, kv_cache_space=SPACE)
             for kv in ("auto", "fp8_e4m3")}
     yield llms
     for llm in llms.values():
@@ -38,28 +44,39 @@ def engines():
 
 def _greedy(llm: LLM, prompts) -> list[tuple[list[int], list[float]]]:
     """Each prompt's greedy tokens and their logprobs."""
+    return [(tokens, [d[t] for d, t in zip(dists, tokens)])
+            for tokens, dists in _greedy_dists(llm, prompts)]
+
+
+def _greedy_dists(llm: LLM, prompts) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Each prompt's greedy tokens and, per position, {token: logprob} of the top 5."""
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     return [(o.outputs[0].token_ids,
-             [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+             [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
             for o in outs]
 
 
-def test_fp8_greedy_stays_close_to_bf16_kv(engines):
-    """Measured on the 6 prompts (AVX512-BF16 CPU): the greedy sequences agree on their
-    first 18, 12, 32, 5, 3 and 25 tokens (95 of 192; for comparison, bfloat16 against
-    float32 compute agree on 126), and while they agree the sampled tokens' logprobs
-    differ by at most 0.305 (bfloat16 against float32: 0.126). Greedy runs of this
-    Q4_1 model meet near-ties early, so the bounds leave about 1.5-2x headroom."""
-    base, fp8 = _greedy(engines["auto"], PROMPTS), _greedy(engines["fp8_e4m3"], PROMPTS)
-    agreed, max_diff = [], 0.0
-    for (tokens, logprobs), (fp8_tokens, fp8_logprobs) in zip(base, fp8):
+def test_fp8_greedy_stays_close_to_model_dtype_kv(engines):
+    """Greedy runs of this Q4_1 model meet near-ties early, so where the two part is a
+    matter of the machine (measured on the 6 prompts, first differences at tokens 18, 12,
+    32, 5, 3 and 25 in bfloat16 on Zen 4; 14, 12, 13, 5, 3 and 9 in float32 on Zen 3).
+    What must hold: while they agree, the sampled tokens' logprobs differ by at most 0.6
+    (measured 0.305 on Zen 4), and every parting is a near-tie of the model-dtype run: the
+    fp8 run's token was among its top 5, within 1.0 logprob of its choice (the largest
+    teacher-forced difference the next test allows)."""
+    base = _greedy_dists(engines["auto"], PROMPTS)
+    fp8 = _greedy_dists(engines["fp8_e4m3"], PROMPTS)
+    max_diff, gaps = 0.0, []
+    for (tokens, dists), (fp8_tokens, fp8_dists) in zip(base, fp8):
         n = next((i for i, (a, b) in enumerate(zip(tokens, fp8_tokens)) if a != b),
                  MAX_TOKENS)
-        agreed.append(n)
-        max_diff = max([max_diff] + [abs(a - b) for a, b in zip(logprobs[:n], fp8_logprobs)])
-    assert min(agreed) >= 2, agreed
-    assert sum(agreed) >= 64, agreed
-    assert max_diff <= 0.6
+        max_diff = max([max_diff] + [abs(d[t] - f[t]) for d, f, t in
+                                     zip(dists[:n], fp8_dists, tokens)])
+        if n < MAX_TOKENS:
+            chosen = dists[n][tokens[n]]
+            gaps.append(chosen - dists[n].get(fp8_tokens[n], float("-inf")))
+    assert max_diff <= 0.6, max_diff
+    assert all(gap <= 1.0 for gap in gaps), gaps
 
 
 def test_fp8_prompt_logprobs_stay_close_to_bf16_kv(engines):
@@ -80,16 +97,14 @@ def test_fp8_prompt_logprobs_stay_close_to_bf16_kv(engines):
 def test_fp8_doubles_the_blocks_of_the_same_space(engines):
     auto = engines["auto"].llm_engine.engine_core
     fp8 = engines["fp8_e4m3"].llm_engine.engine_core
-    # 2**28 // 368640 bytes per bfloat16 block = 728, // 184320 = 1456.
-    assert auto.num_blocks == 728
-    assert fp8.num_blocks == 2 * auto.num_blocks
+    # 2**28 // 368640 bytes per bfloat16 block = 728 (float32: 364), // 184320 = 1456.
+    assert auto.num_blocks == {"bfloat16": 728, "float32": 364}[DTYPE]
+    assert fp8.num_blocks == 1456
     runner = fp8.executor.runner
     assert {c.dtype for c in runner.kv_caches} == {runner.kv_cache_dtype}
     assert str(runner.kv_cache_dtype) == "torch.float8_e4m3fn"
 
 
-@pytest.mark.skipif(not has_avx512_bf16(), reason="bfloat16 runs natively only with "
-                                                  "AVX512-BF16")
 def test_fp8_outputs_do_not_depend_on_the_batch(engines):
     """Each prompt alone, and in a batch in either order: bit-identical tokens and
     logprobs (the native kernels read fp8 through the same invariant tile pass)."""
@@ -108,7 +123,7 @@ def test_fp8_swap_preemption_matches_unconstrained():
     params = SamplingParams(temperature=0, max_tokens=34, ignore_eos=True)
     results = []
     for kw in (dict(), dict(preemption_mode="swap", num_kv_blocks=7)):
-        llm = LLM(dtype="bfloat16", kv_cache_dtype="fp8_e4m3", kv_cache_space=SPACE, **kw)
+        llm = LLM(dtype=DTYPE, kv_cache_dtype="fp8_e4m3", kv_cache_space=SPACE, **kw)
         try:
             results.append([o.outputs[0].token_ids
                             for o in llm.generate(prompts, params, use_tqdm=False)])

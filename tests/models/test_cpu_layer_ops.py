@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.kernels.cpu.ops import load_cpu_kernels
-from pagedllm.kernels.cpu.features import has_avx512_bf16 as cpu_has_avx512_bf16
+from pagedllm.kernels.cpu.features import has_native_bf16_gemm
 from pagedllm.models.layers import activation, norm, rotary
 from pagedllm.models.layers.activation import SiluAndMul
 from pagedllm.models.layers.linear import ColumnParallelLinear, pack_linear_weights
@@ -86,7 +86,7 @@ def _random_linear(in_features: int, out_features: int, bias: bool,
     return layer
 
 
-@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="needs AVX512-BF16")
+@pytest.mark.skipif(not has_native_bf16_gemm(), reason="needs AVX512-BF16 or AVX2")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features", [8, 100, 576])
 @pytest.mark.parametrize("rows", [1, 2, 3, 13, 64, 300])
@@ -117,7 +117,7 @@ def test_native_gemm_matches_float32(bias, out_features, rows):
     torch.testing.assert_close(layer(wide[:, :, :96])[:, 1], batched, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="needs AVX512-BF16")
+@pytest.mark.skipif(not has_native_bf16_gemm(), reason="needs AVX512-BF16 or AVX2")
 def test_native_gemm_rejects_bad_shapes():
     weight = torch.zeros(1, 8, 48, 2, dtype=torch.bfloat16)  # N <= 48, K = 16
     out = torch.empty(2, 40, dtype=torch.bfloat16)
@@ -129,7 +129,7 @@ def test_native_gemm_rejects_bad_shapes():
                                          torch.zeros(2, 16, dtype=torch.bfloat16), weight, None)
 
 
-@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="needs AVX512-BF16")
+@pytest.mark.skipif(not has_native_bf16_gemm(), reason="needs AVX512-BF16 or AVX2")
 @pytest.mark.parametrize("out_features", [100, 576])
 @pytest.mark.parametrize("rows", [1, 13, 64, 300])
 def test_native_gemm_accumulates_into_out(out_features, rows):
@@ -203,8 +203,8 @@ def test_native_gemm_decode_calls_same_bits_whatever_the_threads(dtype):
     (csrc/work_split.h) where larger ones split them evenly, with the next panel
     prefetched: a row's bits are the same either way, with 1, 2 or 3 threads (a weight
     large enough for the threads to start: 3072 x 576, 64 panels)."""
-    if dtype == torch.bfloat16 and not cpu_has_avx512_bf16():
-        pytest.skip("needs AVX512-BF16")
+    if dtype == torch.bfloat16 and not has_native_bf16_gemm():
+        pytest.skip("needs AVX512-BF16 or AVX2")
     gen = torch.Generator().manual_seed(6)
     layer = _random_linear(576, 3072, True, gen).to(dtype)
     pack_linear_weights(torch.nn.Sequential(layer))
@@ -227,8 +227,8 @@ def test_native_gemm_decode_calls_on_an_unaligned_weight(dtype):
     """Calls of up to 4 rows load the weight with non-temporal loads, which need its
     panels on 64-byte boundaries; a packed weight that starts off one (a view 16 bytes
     into a buffer) takes plain loads instead: no fault, the same bits."""
-    if dtype == torch.bfloat16 and not cpu_has_avx512_bf16():
-        pytest.skip("needs AVX512-BF16")
+    if dtype == torch.bfloat16 and not has_native_bf16_gemm():
+        pytest.skip("needs AVX512-BF16 or AVX2")
     gen = torch.Generator().manual_seed(7)
     layer = _random_linear(192, 200, True, gen).to(dtype)
     pack_linear_weights(torch.nn.Sequential(layer))

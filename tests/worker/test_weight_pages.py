@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from pagedllm.kernels.cpu.features import has_avx512_bf16
+from pagedllm.kernels.cpu.features import has_native_bf16_gemm
 from pagedllm.worker import weight_pages
 from pagedllm.worker.memory import HUGE_PAGE
 from pagedllm.worker.weight_pages import move_to_huge_pages, native_weights
@@ -97,8 +97,9 @@ def test_engine_runs_the_bundled_model_from_the_arena(quantization):
     the arena once the engine is up, and greedy decoding still gives its known text."""
     if not weight_pages.huge_pages_available():
         pytest.skip("the kernel gives no transparent huge pages here")
-    if quantization == "none" and not has_avx512_bf16():
-        pytest.skip("bfloat16 weights go to oneDNN (no native panels) without AVX512-BF16")
+    if quantization == "none" and not has_native_bf16_gemm():
+        pytest.skip("bfloat16 weights go to torch's GEMM (no native panels) without "
+                    "AVX512-BF16 or AVX2")
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(quantization=quantization, dtype="bfloat16")

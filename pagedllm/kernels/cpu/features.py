@@ -34,6 +34,14 @@ def has_avx512_bf16() -> bool:
     return "avx512_bf16" in cpu_flags()
 
 
+def has_native_bf16_gemm() -> bool:
+    """True when the native GEMM (csrc/cpu_gemm.cpp) multiplies bfloat16 weights: with
+    AVX512-BF16 (vdpbf16ps), or with AVX2 and FMA (weights widened to float32 in
+    registers: Zen 2/3, Intel since Haswell); elsewhere bfloat16 linears run torch's
+    GEMM."""
+    return has_avx512_bf16() or {"avx2", "fma"} <= cpu_flags()
+
+
 def has_quant_simd() -> bool:
     """True when the quantized GEMM (csrc/cpu_quant.cpp) has SIMD kernels for this CPU:
     AVX512-VNNI (Zen 4, Zen 5, Intel since Ice Lake) or AVX2 with FMA and F16C (Zen 2 and

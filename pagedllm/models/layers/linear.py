@@ -16,7 +16,7 @@ from torch import nn
 from pagedllm.distributed.comm import all_reduce
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.kernels.cpu import ops as cpu_ops
-from pagedllm.kernels.cpu.features import has_avx512_bf16
+from pagedllm.kernels.cpu.features import has_native_bf16_gemm
 from pagedllm.kernels.cpu.ops import cpu_ops_available
 from pagedllm.kernels.cpu.quant import QuantizedWeight, repack
 from pagedllm.nn import Module
@@ -138,18 +138,24 @@ class LinearBase(Module):
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN packing pays off on CPU for float32 (~2x MKL's sgemm) and bfloat16."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    """oneDNN packing pays off on CPU for float32 (~2x MKL's sgemm) and bfloat16, where
+    oneDNN runs bfloat16 at all: its bf16 reorder needs AVX-512 (BW/VL/DQ) or
+    AVX-NE-CONVERT and raises elsewhere (Zen 2/3, Haswell-era Intel), where F.linear's
+    plain path still computes bfloat16."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
 
 
 def can_native(weight: torch.Tensor) -> bool:
-    """A native GEMM applies to this weight: bfloat16 on AVX512-BF16, or float32 (every
-    CPU: batch invariant, where oneDNN's float32 GEMM rounds by batch shape)."""
+    """A native GEMM applies to this weight: bfloat16 on AVX512-BF16 or AVX2, or float32
+    (every CPU: batch invariant, where oneDNN's float32 GEMM rounds by batch shape)."""
     if weight.dim() != 2 or not cpu_ops_available(weight):
         return False
     if weight.dtype == torch.bfloat16:
-        return weight.shape[1] % 2 == 0 and has_avx512_bf16()
+        return weight.shape[1] % 2 == 0 and has_native_bf16_gemm()
     return weight.dtype == torch.float32
 
 
@@ -175,8 +181,8 @@ def native_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
 def pack_for_cpu(weight: torch.Tensor, bias: torch.Tensor | None,
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(packed_weight, native_weight, native_bias) for `weight`: the native GEMM's layout
-    (float32, or bfloat16 where the CPU has AVX512-BF16), oneDNN's otherwise, none if
-    neither fits."""
+    (float32, or bfloat16 where the CPU has AVX512-BF16 or AVX2), oneDNN's otherwise,
+    none if neither fits."""
     if can_native(weight):
         return None, pack_native(weight), native_bias(bias, weight.shape[0])
     if can_pack(weight):

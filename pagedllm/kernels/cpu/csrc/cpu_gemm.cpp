@@ -1,16 +1,17 @@
 // Native linear layers: out [M, N] = x [M, K] . W^T + bias with float32 sums.
-// - gemm_bf16 (AVX512-BF16): bfloat16 x and W, one rounding to bfloat16 at the end (with
-//   `accumulate`, the rounded result is then added to out and rounded again, as
-//   out.add_(linear(x)) would). W packed once (pack_native in models/layers/linear.py)
-//   into panels of 48 output columns: [ceil(N / 48), K / 2, 48, 2], so one vdpbf16ps
-//   multiplies a broadcast pair of x's columns by 16 columns of W.
-// - gemm_f32 (AVX-512F; a scalar path with the same bits elsewhere): float32 x and W,
-//   panels [ceil(N / 48), K, 48], one FMA per (row, column, k). It exists for batch
-//   invariance (DESIGN.md §10): oneDNN's float32 GEMM picks its blocking of K by the
-//   number of rows, so a row's sums depended on the batch it came in.
-// A micro-kernel keeps 8 rows x 48 columns of sums in 24 registers and walks K once, one
-// chain per output in K order whatever the row count; threads split the panels (claimed
-// in runs at a few rows: work_split.h) or, on long prefills, the rows.
+// - gemm_bf16 (AVX512-BF16, or AVX2 + FMA below): bfloat16 x and W, one rounding to
+//   bfloat16 at the end (with `accumulate`, the rounded result is then added to out and
+//   rounded again, as out.add_(linear(x)) would). W packed once (pack_native in
+//   models/layers/linear.py) into panels of 48 output columns: [ceil(N / 48), K / 2, 48,
+//   2], so one vdpbf16ps multiplies a broadcast pair of x's columns by 16 columns of W.
+// - gemm_f32 (AVX-512F or AVX2 + FMA; a scalar path with the same bits elsewhere):
+//   float32 x and W, panels [ceil(N / 48), K, 48], one FMA per (row, column, k). It
+//   exists for batch invariance (DESIGN.md §10): oneDNN's float32 GEMM picks its
+//   blocking of K by the number of rows, so a row's sums depended on the batch it came in.
+// An AVX-512 micro-kernel keeps 8 rows x 48 columns of sums in 24 registers and walks K
+// once, one chain per output in K order whatever the row count (the AVX2 ones, below,
+// do the same in smaller blocks); threads split the panels (claimed in runs at a few
+// rows: work_split.h) or, on long prefills, the rows.
 // Measured (bf16) on this repo's 2-core Zen 5 VM, SmolLM2-135M shapes, weights cold: at 64 rows ~920 GFLOP/s against
 // oneDNN's packed GEMM's ~620; at 2048 rows about equal (~880); at one row it streams
 // the weights at ~49 GB/s (with the next panel prefetched, since left to the hardware
@@ -27,12 +28,14 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #include "ops.h"
+#include "simd.h"
 #include "work_split.h"
 
 namespace pagedllm_ops {
@@ -115,6 +118,151 @@ inline void each_output(const __m512 (&acc)[R][3], const float* bias, int64_t co
 }
 #endif
 
+// AVX2 kernels (Zen 2/3, Intel client cores; also AVX-512 CPUs without AVX512-BF16 for
+// bfloat16): x as float32 rows (gemm_bf16 widens its bfloat16 x first, exactly), the
+// weight widened to float32 in registers (a bfloat16 pair step [48, 2] splits into its
+// even and odd k), one FMA chain per output over K in order. float32: the same bits as
+// the AVX-512 kernel and the scalar one. bfloat16: float32 sums rounded once to bfloat16,
+// so a row's result does not depend on the batch (vdpbf16ps's pairwise sums round
+// differently: the bits differ from an AVX512-BF16 CPU's, as any kernel of another ISA).
+// AVX2 has 16 registers, not 32, so a call runs in blocks of R rows x V vectors of 8
+// columns whose sums stay in registers (Blocks, below).
+#if defined(__AVX2__) && defined(__FMA__)
+#define PAGEDLLM_GEMM_AVX2 1
+
+template <typename W>
+constexpr int kSubSteps = std::is_same_v<W, float> ? 1 : 2;  // k per step
+
+template <int R, int V, typename W, typename O>
+inline void block_avx2(const float* x, int64_t ldx, const W* panel, int64_t steps,
+                       const float* bias, O* out, int64_t ldo, int64_t cols, bool accumulate,
+                       Prefetcher* pf) {
+  constexpr int S = kSubSteps<W>;
+  __m256 acc[R][V];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) acc[r][j] = _mm256_setzero_ps();
+  // A local copy: stores through `pf` inside the loop made GCC keep `acc` in memory.
+  Prefetcher prefetch = pf != nullptr ? *pf : Prefetcher{nullptr, 0, steps};
+  for (int64_t kk = 0; kk < steps; ++kk) {
+    const W* w = panel + kk * kPanel * S;
+    prefetch.step();
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) {
+      __m256 wv[S];
+      if constexpr (S == 1) {
+        wv[0] = _mm256_loadu_ps(w + 8 * j);
+      } else {  // 8 columns x (k, k + 1) as bfloat16 pairs: k in the low halves
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j));
+        wv[0] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        wv[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(raw, 16), 16));
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+        for (int s = 0; s < S; ++s)
+          acc[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * ldx + kk * S + s), wv[s],
+                                      acc[r][j]);
+    }
+  }
+  if (pf != nullptr) *pf = prefetch;
+  alignas(32) float sums[R][V][8];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) _mm256_store_ps(sums[r][j], acc[r][j]);
+  // out = sum + bias, or out + (sum + bias) (bfloat16: each sum rounded, as
+  // out.add_(linear(x))); a partial last vector goes through a buffer (the panel's
+  // columns past `cols` belong to no output).
+  for (int j = 0; j < V; ++j) {
+    const int64_t c0 = 8 * j;
+    if (c0 >= cols) break;
+    const int64_t n = std::min<int64_t>(8, cols - c0);
+    alignas(32) float b8[8] = {};
+    if (bias != nullptr) std::copy(bias + c0, bias + c0 + n, b8);
+    const __m256 b = _mm256_load_ps(b8);
+    for (int r = 0; r < R; ++r) {
+      O* o = out + r * ldo + c0;
+      O o8[8] = {};
+      O* dst = n == 8 ? o : o8;
+      if (accumulate && n < 8) std::copy(o, o + n, o8);
+      __m256 sum = _mm256_add_ps(_mm256_load_ps(sums[r][j]), b);
+      if constexpr (std::is_same_v<O, float>) {
+        if (accumulate) sum = _mm256_add_ps(_mm256_loadu_ps(dst), sum);
+        _mm256_storeu_ps(dst, sum);
+      } else {
+        auto* bf = reinterpret_cast<c10::BFloat16*>(dst);
+        if (accumulate)
+          sum = _mm256_add_ps(pagedllm_simd::load8(bf), pagedllm_simd::round_to8<c10::BFloat16>(sum));
+        pagedllm_simd::store8(bf, sum);
+      }
+      if (n < 8) std::copy(o8, o8 + n, o);
+    }
+  }
+}
+
+// Block shapes (rows x vectors of 8 columns) whose sums, weight and broadcasts fit the 16
+// registers (checked in the generated code: no spills but 3 in bfloat16's 2 x 6). Calls
+// of up to kStreamRows rows stream the weight from memory: rows go kStreamBlock at a time
+// over the whole panel (each pass reads it front to back, the next from L2). Larger ones
+// are compute-bound: rows go kRowBlock at a time over column groups of kGroup vectors;
+// 8 rows split evenly (with 3-row blocks the 2-row tail took ~19% of a batch64 run's
+// samples). float32's FMAs take the weight as memory operands (4 x 3 sums + 4
+// broadcasts); bfloat16 widens its weight halves in registers (2 x 3 sums + 4 broadcasts
+// + 2 halves). Measured on Zen 3 (2 threads, 30 SmolLM2 layers' shapes, rows 64 / 128):
+// float32 4 x 3 115-119 GFLOP/s (4 x 2: 98-101, 3 x 3: 99-107; oneDNN's packed float32
+// GEMM 123-144 on the same shapes), bfloat16 2 x 3 125-127 (3 x 2: 99-118).
+template <typename W>
+struct Blocks {
+  static constexpr int kStreamBlock = 2, kRowBlock = 4, kGroup = 3;
+};
+template <>
+struct Blocks<uint16_t> {
+  static constexpr int kStreamBlock = 2, kRowBlock = 2, kGroup = 3;
+};
+
+// Rows [r0, r0 + RB) of a block run, then the rest, RB at a time; over column groups of V
+// vectors. The prefetch of the next panel rides on the first block's walk over K.
+template <int R, int RB, int V, typename W, typename O>
+inline void run_blocks(const float* x, int64_t ldx, const W* panel, int64_t steps,
+                       const float* bias, O* out, int64_t ldo, int64_t cols, bool accumulate,
+                       Prefetcher*& pf) {
+  for (int64_t c = 0; c < kPanel && c < cols; c += 8 * V) {
+    block_avx2<std::min(R, RB), V>(x, ldx, panel + c * kSubSteps<W>, steps,
+                                   bias != nullptr ? bias + c : nullptr, out + c, ldo, cols - c,
+                                   accumulate, pf);
+    pf = nullptr;
+  }
+  if constexpr (R > RB)
+    run_blocks<R - RB, RB, V>(x + RB * ldx, ldx, panel, steps, bias, out + RB * ldo, ldo, cols,
+                              accumulate, pf);
+}
+
+// R rows (1..8) of x times one panel.
+template <int R, typename W, typename O>
+void micro_avx2(const float* x, int64_t ldx, const W* panel, int64_t steps, const float* bias,
+                O* out, int64_t ldo, int64_t cols, bool accumulate, const char* ahead,
+                int64_t ahead_lines) {
+  Prefetcher pf{ahead, ahead_lines, steps};
+  Prefetcher* first = &pf;
+  if constexpr (R <= kStreamRows)
+    run_blocks<R, Blocks<W>::kStreamBlock, 6>(x, ldx, panel, steps, bias, out, ldo, cols,
+                                              accumulate, first);
+  else
+    run_blocks<R, Blocks<W>::kRowBlock, Blocks<W>::kGroup>(x, ldx, panel, steps, bias, out,
+                                                            ldo, cols, accumulate, first);
+  pf.finish();
+}
+
+// bfloat16 weights and outputs, float32 x (no non-temporal loads here).
+constexpr MicroFn<float, uint16_t, uint16_t> kMicroBf16Avx2[kRows + 1] = {
+    nullptr, micro_avx2<1, uint16_t, uint16_t>, micro_avx2<2, uint16_t, uint16_t>,
+    micro_avx2<3, uint16_t, uint16_t>, micro_avx2<4, uint16_t, uint16_t>,
+    micro_avx2<5, uint16_t, uint16_t>, micro_avx2<6, uint16_t, uint16_t>,
+    micro_avx2<7, uint16_t, uint16_t>, micro_avx2<8, uint16_t, uint16_t>};
+#endif
+
 #if defined(__AVX512BF16__)
 // bfloat16: a step is a pair of K (x read as int32 pairs, the panel as [pairs, 48, 2]).
 // (Split sums for R = 1, 2 kept the units busier, but one row streams the weights from
@@ -191,6 +339,9 @@ void micro_f32(const float* x, int64_t ldx, const float* panel, int64_t k, const
     _mm512_mask_storeu_ps(out + r * ldo + c0, mask, sum);
   });
 }
+#elif defined(PAGEDLLM_GEMM_AVX2)
+template <int R, bool kStream>
+constexpr auto micro_f32 = micro_avx2<R, float, float>;
 #else
 // The same operations one lane at a time (std::fma rounds once, as vfmadd does): the same
 // bits as the AVX-512 kernel (kStream, its load hint, means nothing here).
@@ -302,6 +453,28 @@ bool streams(const at::Tensor& x, const at::Tensor& weight) {
   return x.size(0) <= kStreamRows && reinterpret_cast<uintptr_t>(weight.data_ptr()) % 64 == 0;
 }
 
+// gemm_bf16's call: x (bfloat16 pairs, or rows widened to float32) times the packed
+// bfloat16 weight, through `micros`.
+template <typename X>
+void run_gemm_bf16(const MicroFn<X, uint16_t, uint16_t>* micros, const X* x, int64_t ldx,
+                   const at::Tensor& out, const at::Tensor& weight,
+                   const std::optional<at::Tensor>& bias, bool accumulate) {
+  const Gemm<X, uint16_t, uint16_t> g{micros,
+                                      x,
+                                      ldx,
+                                      reinterpret_cast<const uint16_t*>(weight.data_ptr()),
+                                      weight.size(1),
+                                      2 * kPanel,
+                                      bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                                      reinterpret_cast<uint16_t*>(out.data_ptr()),
+                                      out.stride(0),
+                                      out.size(0),
+                                      out.size(1),
+                                      weight.size(0),
+                                      accumulate};
+  g.run();
+}
+
 // The checks both GEMMs share: out [M, N] with contiguous rows, N within the panels;
 // bias a contiguous float32 [N].
 void check_out_bias(const char* op, const at::Tensor& out, const at::Tensor& x,
@@ -329,23 +502,15 @@ void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   check_out_bias("gemm_bf16", out, x, weight.size(0), at::kBFloat16, "bfloat16", bias);
   TORCH_CHECK(x.stride(0) % 2 == 0, "gemm_bf16: x rows must start on bfloat16 pairs");
 #if defined(__AVX512BF16__)
-  const Gemm<int32_t, uint16_t, uint16_t> g{
-      streams(x, weight) ? kMicroBf16<true> : kMicroBf16<false>,
-      reinterpret_cast<const int32_t*>(x.data_ptr()),
-      x.stride(0) / 2,
-      reinterpret_cast<const uint16_t*>(weight.data_ptr()),
-      weight.size(1),
-      2 * kPanel,
-      bias.has_value() ? bias->data_ptr<float>() : nullptr,
-      reinterpret_cast<uint16_t*>(out.data_ptr()),
-      out.stride(0),
-      x.size(0),
-      out.size(1),
-      weight.size(0),
-      accumulate};
-  g.run();
+  run_gemm_bf16(streams(x, weight) ? kMicroBf16<true> : kMicroBf16<false>,
+                reinterpret_cast<const int32_t*>(x.data_ptr()), x.stride(0) / 2, out, weight,
+                bias, accumulate);
+#elif defined(PAGEDLLM_GEMM_AVX2)
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // exact: bfloat16 widens
+  run_gemm_bf16(kMicroBf16Avx2, xf.data_ptr<float>(), xf.stride(0), out, weight, bias,
+                accumulate);
 #else
-  TORCH_CHECK(false, "gemm_bf16 needs AVX512-BF16");
+  TORCH_CHECK(false, "gemm_bf16 needs AVX512-BF16 or AVX2 with FMA");
 #endif
 }
 
