@@ -117,6 +117,24 @@ def test_native_gemm_matches_float32(bias, out_features, rows):
     torch.testing.assert_close(layer(wide[:, :, :96])[:, 1], batched, rtol=0, atol=0)
 
 
+def test_bfloat16_linear_without_native_kernels(monkeypatch):
+    """Without the native GEMM a bfloat16 weight goes to oneDNN only where oneDNN runs
+    bfloat16 (its reorder raises on CPUs without AVX-512, such as Zen 3), else stays
+    plain for F.linear; either way the layer computes its product."""
+    from pagedllm.models.layers import linear
+
+    monkeypatch.setattr(linear, "cpu_ops_available", lambda x: False)
+    gen = torch.Generator().manual_seed(8)
+    layer = _random_linear(96, 100, True, gen).to(torch.bfloat16)
+    expected_weight, expected_bias = layer.weight.float(), layer.bias.float()
+    pack_linear_weights(torch.nn.Sequential(layer))
+    assert layer.native_weight is None
+    assert (layer.packed_weight is not None) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    x = torch.randn(5, 96, generator=gen).to(torch.bfloat16)
+    expected = torch.nn.functional.linear(x.float(), expected_weight, expected_bias)
+    torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=0.13)
+
+
 @pytest.mark.skipif(not has_native_bf16_gemm(), reason="needs AVX512-BF16 or AVX2")
 def test_native_gemm_rejects_bad_shapes():
     weight = torch.zeros(1, 8, 48, 2, dtype=torch.bfloat16)  # N <= 48, K = 16

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.worker import invariance
 from pagedllm.worker.invariance import batch_invariance_caveat
 from tests.utils import save_tiny_model, tiny_llama_config
 
@@ -47,6 +48,13 @@ def _with_model_cache(config, dtype, block_size=16):
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_bf16_and_f32_are_invariant_at_any_block_size(config, dtype, block_size):
     assert batch_invariance_caveat(_with_model_cache(config, dtype, block_size), True) is None
+
+
+def test_bfloat16_without_a_native_gemm_is_named(config, monkeypatch):
+    """A CPU with neither AVX512-BF16 nor AVX2 multiplies bfloat16 with torch's GEMM."""
+    monkeypatch.setattr(invariance, "has_native_bf16_gemm", lambda: False)
+    assert "bfloat16 linear layers" in batch_invariance_caveat(config, True)
+    assert batch_invariance_caveat(_with_model_cache(config, "float32"), True) is None
 
 
 def test_float16_is_named(config):

@@ -420,7 +420,8 @@ struct Gemm {
     // stream the whole weight (a row's work counts ~1/16 of a panel's reading).
     const int64_t k = steps * step_elems / kPanel;
     const bool parallel = n * k * (m + 16) > (1 << 21);
-    const int64_t row_bytes = steps * static_cast<int64_t>(sizeof(X));
+    // x holds k per row as float32 (4 bytes each) or as bfloat16 pairs in int32 (2).
+    const int64_t row_bytes = k * (std::is_same_v<X, float> ? 4 : 2);
     const int64_t row_block = std::max<int64_t>(kRows, kRowBlockBytes / row_bytes / kRows * kRows);
     for (int64_t m0 = 0; m0 < m; m0 += row_block) {
       const int64_t m1 = std::min(m, m0 + row_block);
