@@ -11,12 +11,12 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.cpu.features import has_avx512_bf16
+from tests.engine.partings import assert_near_tie_partings, greedy_dists
 
 PROMPTS = ["The capital of France is", "Here is a recipe for pancakes:\n1.",
            "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "Water boils at a temperature of"]
 MAX_TOKENS = 32
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes "
         "Gutenberg combined movable metal type, oil-based inks and a wooden press adapted "
         "from wine making. Within decades printing spread across Europe, lowering the cost "
@@ -45,15 +45,7 @@ def engines():
 def _greedy(llm: LLM, prompts) -> list[tuple[list[int], list[float]]]:
     """Each prompt's greedy tokens and their logprobs."""
     return [(tokens, [d[t] for d, t in zip(dists, tokens)])
-            for tokens, dists in _greedy_dists(llm, prompts)]
-
-
-def _greedy_dists(llm: LLM, prompts) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """Each prompt's greedy tokens and, per position, {token: logprob} of the top 5."""
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    return [(o.outputs[0].token_ids,
-             [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-            for o in outs]
+            for tokens, dists in greedy_dists(llm, prompts, MAX_TOKENS)]
 
 
 def test_fp8_greedy_stays_close_to_model_dtype_kv(engines):
@@ -64,19 +56,9 @@ def test_fp8_greedy_stays_close_to_model_dtype_kv(engines):
     (measured 0.305 on Zen 4), and every parting is a near-tie of the model-dtype run: the
     fp8 run's token was among its top 5, within 1.0 logprob of its choice (the largest
     teacher-forced difference the next test allows)."""
-    base = _greedy_dists(engines["auto"], PROMPTS)
-    fp8 = _greedy_dists(engines["fp8_e4m3"], PROMPTS)
-    max_diff, gaps = 0.0, []
-    for (tokens, dists), (fp8_tokens, fp8_dists) in zip(base, fp8):
-        n = next((i for i, (a, b) in enumerate(zip(tokens, fp8_tokens)) if a != b),
-                 MAX_TOKENS)
-        max_diff = max([max_diff] + [abs(d[t] - f[t]) for d, f, t in
-                                     zip(dists[:n], fp8_dists, tokens)])
-        if n < MAX_TOKENS:
-            chosen = dists[n][tokens[n]]
-            gaps.append(chosen - dists[n].get(fp8_tokens[n], float("-inf")))
-    assert max_diff <= 0.6, max_diff
-    assert all(gap <= 1.0 for gap in gaps), gaps
+    assert_near_tie_partings(greedy_dists(engines["auto"], PROMPTS, MAX_TOKENS),
+                             greedy_dists(engines["fp8_e4m3"], PROMPTS, MAX_TOKENS),
+                             max_diff=0.6, max_gap=1.0)
 
 
 def test_fp8_prompt_logprobs_stay_close_to_bf16_kv(engines):

@@ -3,12 +3,14 @@ the same file dequantized to bfloat16 (`dequantize=True`), and how the path is c
 
 Measured (Zen 4, bfloat16 activations, 6 prompts x 32 greedy tokens): the runs agree on
 their first 5, 28, 32, 26, 32 and 32 tokens (3 of 6 identical throughout; 155 of 192
-tokens before the first difference). For scale, the same file's dequantized bfloat16 and
-float32 runs agree on 126 of 192 tokens of tests/engine/test_fp8_kv_cache.py's prompts:
-both are precision changes meeting the near-ties of greedy runs of a Q4_1 model. The
-bounds below leave about 1.5-2x headroom. The runs use the CPU's default dtype (float32
-on an AVX2 CPU, where bfloat16 is not the default and measured a near-tie flipped on the
-first token of one prompt; the pair is then float32 quantized against dequantized).
+tokens before the first difference); on Zen 3 in float32: 5, 12, 32, 16, 32 and 1 (98),
+every parting a near-tie of the dequantized run (its top two 0.22, 0.04, 0.005 and 0.06
+logprob apart), the agreed tokens' logprobs within 0.23. For scale, the same file's
+dequantized bfloat16 and float32 runs agree on 126 of 192 tokens of
+tests/engine/test_fp8_kv_cache.py's prompts: both are precision changes meeting the
+near-ties of greedy runs of a Q4_1 model, so where runs part is a matter of the machine
+and the test checks how they part (tests/engine/partings.py). The runs use the CPU's
+default dtype (float32 on an AVX2 CPU, where bfloat16 is not the default).
 """
 
 from __future__ import annotations
@@ -18,21 +20,17 @@ import os
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.config import default_model_path
 from pagedllm.engine import arg_utils
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.kernels.cpu.features import has_avx512_bf16
+from tests.engine.partings import assert_near_tie_partings, greedy_dists
 
 PROMPTS = ["The capital of France is", "Here is a recipe for pancakes:\n1.",
            "def fibonacci(n):", "Once upon a time, in a small village,",
            "Explain quantum computing in simple terms.", "List three prime numbers:"]
 MAX_TOKENS = 32
-
-
-def _greedy(llm: LLM) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
@@ -60,14 +58,14 @@ def test_native_is_default_and_close_to_dequantized():
     # Weights held in memory: at most 1.2x the file (measured: 0.98x; dequantized to
     # bfloat16: 3.3x, the tied table held twice, plain and packed for the LM head).
     assert _weight_bytes(model) <= 1.2 * os.path.getsize(default_model_path())
-    got = _greedy(native)
+    got = greedy_dists(native, PROMPTS, MAX_TOKENS)
     native.shutdown()
     plain = LLM(dtype=DTYPE, kv_cache_space=0.05, dequantize=True)
     assert plain.llm_engine.config.model.quantization is None
-    expected = _greedy(plain)
-    agreed = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), MAX_TOKENS)
-              for x, y in zip(got, expected)]
-    assert min(agreed) >= 2 and sum(agreed) >= 96, agreed
+    expected = greedy_dists(plain, PROMPTS, MAX_TOKENS)
+    # The bounds of tests/engine/test_fp8_kv_cache.py's greedy test; a third of the tokens.
+    agreed = assert_near_tie_partings(expected, got, max_diff=0.6, max_gap=1.0)
+    assert sum(agreed) >= 64, agreed
 
 
 def test_quantization_resolution(monkeypatch):

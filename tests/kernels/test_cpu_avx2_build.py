@@ -8,11 +8,13 @@ compiled with -mno-avx512f, the engine ignoring AVX-512), in a subprocess of its
 - The engine there picks float32 and the native quantized weights for the bundled GGUF.
   Dequantized (float32 weights: the generic attention item 8 lanes wide, the portable
   norms and float32 GEMM) it agrees with this build to float32 rounding: measured logprobs
-  within 2.6e-5, the same tokens. Quantized, its greedy tokens stay close to its own
-  dequantized run (measured on the six prompts, 32 tokens: 5, 32, 32, 32, 32, 32 tokens
-  agreed; this build, float32: 5, 32, 25, 5, 32, 1: the int8 activations turn any
-  last-bit difference into a different rounding, so the two builds' quantized runs differ
-  as much as either differs from dequantized).
+  within 2.6e-5, the same tokens. Quantized, its greedy run stays close to its own
+  dequantized run as tests/engine/test_gguf_quantized.py requires: partings only at
+  near-ties (measured on the six prompts, 32 tokens, tokens agreed: 5, 32, 32, 32, 32, 32
+  on Zen 4; this build, float32: 5, 32, 25, 5, 32, 1; on Zen 3, where both builds are
+  AVX2: 5, 12, 32, 16, 32, 1: the int8 activations turn any last-bit difference into a
+  different rounding, so the two builds' quantized runs differ as much as either differs
+  from dequantized).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.kernels.cpu import ops
 from pagedllm.kernels.cpu.build import load_cpu_kernels
+from tests.engine.partings import assert_near_tie_partings, greedy_dists
 from tests.engine.test_gguf_quantized import PROMPTS
 from tests.kernels.test_cpu_quant import QTYPES, make_weight, run_gemm
 
@@ -54,16 +57,15 @@ def _silu(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _greedy(dequantize: bool) -> tuple[list[list[int]], list[list[float]], str, str | None]:
+def _greedy(dequantize: bool) -> tuple[list, str, str | None]:
+    """Greedy tokens and top-5 logprobs per prompt (greedy_dists), the dtype, the
+    quantization."""
     llm = LLM(kv_cache_space=0.05, dequantize=dequantize,
               **({"dtype": "float32"} if dequantize else {}))
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=0)
-    outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    dists = greedy_dists(llm, PROMPTS, TOKENS)
     model = llm.llm_engine.config.model
     llm.shutdown()
-    return ([o.token_ids for o in outs],
-            [[next(iter(d.values())).logprob for d in o.logprobs] for o in outs],
-            str(model.dtype), model.quantization)
+    return dists, str(model.dtype), model.quantization
 
 
 def _child(out_path: str) -> None:
@@ -99,14 +101,15 @@ def test_avx2_build_same_bits_and_engine(tmp_path):
     for x, theirs in zip(_silu_cases(), got["silu"], strict=True):
         assert torch.equal(theirs, _silu(x)), x.dtype
 
-    tokens, logprobs, dtype, quantization = got["dequantized"]
+    dequantized, dtype, quantization = got["dequantized"]
     assert (dtype, quantization) == ("float32", None)
-    ours_tokens, ours_logprobs, _, _ = _greedy(True)
-    assert tokens == ours_tokens
+    ours, _, _ = _greedy(True)
+    assert [t for t, _ in dequantized] == [t for t, _ in ours]
+    logprobs = [d[t] for tokens, dists in dequantized for d, t in zip(dists, tokens)]
+    ours_logprobs = [d[t] for tokens, dists in ours for d, t in zip(dists, tokens)]
     assert torch.allclose(torch.tensor(logprobs), torch.tensor(ours_logprobs), atol=2e-4)
 
-    quant_tokens, _, dtype, quantization = got["quantized"]
+    quantized, dtype, quantization = got["quantized"]
     assert (dtype, quantization) == ("float32", "gguf")
-    agreed = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), TOKENS)
-              for x, y in zip(quant_tokens, tokens)]
-    assert min(agreed) >= 2 and sum(agreed) >= 96, agreed
+    agreed = assert_near_tie_partings(dequantized, quantized, max_diff=0.6, max_gap=1.0)
+    assert sum(agreed) >= 64, agreed

@@ -115,14 +115,15 @@ using pagedllm_simd::exp_poly;
 struct Scratch {
   std::vector<float> q, acc, m, l, l_lanes, k, v, s, probs, alpha;
   std::vector<uint16_t> probs_b;
+  std::vector<const float*> kp, vp;  // the generic item's K / V rows of its current step
   // The item this thread runs after the current one, when it is already claimed: the
   // current item's last steps prefetch its first keys (nullptr: none known).
   const Item* next = nullptr;
   Scratch(int64_t max_rows, int64_t head_size, int64_t keys)
       : q(max_rows * head_size), acc(max_rows * head_size), m(max_rows), l(max_rows),
         l_lanes(max_rows * 16),
-        k(keys * head_size), v(keys * head_size), s(keys), probs(max_rows * 16),
-        alpha(max_rows), probs_b(max_rows * 16 + 2) {}
+        k(keys * head_size), v(keys * head_size), s(2 * (keys + 8)), probs(max_rows * 16),
+        alpha(max_rows), probs_b(max_rows * 16 + 2), kp(keys), vp(keys) {}
 };
 
 // Load the queries of KV head h as float32 times `scale`, rows i * G + g.

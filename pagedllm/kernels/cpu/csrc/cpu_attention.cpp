@@ -10,8 +10,8 @@
 // Two implementations of an item:
 // - avx512 (attention_avx512.h): keys in chunks of 16 read in place, vdpbf16ps on
 //   bfloat16; head_size a multiple of 16, fixed at compile time.
-// - generic (below): one block of keys at a time, 8 lanes wide with AVX2 (head sizes that
-//   are multiples of 8), scalar loops otherwise; other head sizes and CPUs without
+// - generic (below): steps of ~128 keys, rows in pairs, 8 lanes wide with AVX2 (head sizes
+//   that are multiples of 8), scalar loops otherwise; other head sizes and CPUs without
 //   AVX-512.
 // When there are enough tiles, an item takes all KV heads of its tile, so the cache is
 // read in address order (the heads of a token are adjacent).
@@ -47,39 +47,66 @@ namespace pagedllm_ops {
 using namespace pagedllm_attention;
 
 // ---------------------------------------------------------------------------------------
-// Generic item: one KV head, one block of keys at a time, rows one by one.
+// Generic item: one KV head, one step of keys at a time, rows one by one (two by two with
+// AVX2, where both see keys of the step: each K and V load then serves two rows).
 //
-// With AVX2 its three loops run 8 lanes wide (the score and P . V loops for head sizes
-// that are multiples of 8). A key's score is the same whatever its neighbours (its own
-// accumulator, reduced by one fixed tree) and P . V adds the keys in order, so a row's
-// result depends on its visible keys only: batch invariant like the scalar loops.
-// Measured (PAGEDLLM_CPU_ISA=avx2 build, Zen 4, SmolLM2 Q4_1, first token after 128):
-// attention 14% of 136-150 ms with the scalar loops (a scalar exp per key, one dependent
-// FMA chain per score), ~8% of 108-110 ms now (with the 8-lane SiLU, cpu_ops.cpp).
+// A step is whole cache blocks, about kGenericStep keys, starting at a multiple of its
+// length (absolute positions). A float32 cache is read in place (each key row by its own
+// pointer: the step spans several blocks); other dtypes are converted to float32 rows in
+// the scratch first. Per row and step: the scores of its visible keys, the step's max,
+// the rescale, exp, and P . V. With AVX2 the loops run 8 lanes wide (scores and P . V for
+// head sizes that are multiples of 8). A key's score is the same whatever its neighbours
+// (its own accumulator, reduced by one fixed tree), the step's exp sum adds each lane's
+// keys in order (zeros for keys the row cannot see, which leave the non-negative partial
+// sums unchanged) and P . V adds the keys in order, so a row's result depends on its
+// visible keys only, whether it ran alone or in a pair: batch invariant like the scalar
+// loops.
+// Measured on Zen 3 (2 threads, float32, 64 requests x 9 heads of 64 sharing 496 keys,
+// per layer): against 16-key steps that copied every block to the scratch and summed the
+// exps one by one, decodes over 560 keys 2.3 -> ~1.7 ms and 40-token prefill chunks
+// 63 -> ~45 ms (rows in pairs: 52 -> 44 ms, same process; 128-key steps ~3% faster than
+// 64, 16-key steps ~25% slower); shared_prefix.json with the bundled Q4_1 model 155-186
+// -> 222-248 output tok/s.
+constexpr int64_t kGenericStep = 128;
 
-// s[t] = q . k_t for keys [t_lo, t_hi) of the block's float32 rows k (d apart).
-inline void key_scores(const float* q, const float* k, int64_t d, int64_t t_lo, int64_t t_hi,
-                       float* s) {
+inline int64_t generic_step(int64_t block_size) {
+  return block_size * std::max<int64_t>(1, kGenericStep / block_size);
+}
+
 #if defined(PAGEDLLM_SIMD_AVX2)
-  if (d % 8 == 0) {  // 8 keys at a time
-    for (int64_t t0 = t_lo; t0 < t_hi; t0 += 8) {
-      const int64_t n = std::min<int64_t>(8, t_hi - t0);
+// All-ones lanes for the keys t0 + i inside [lo, hi).
+inline __m256 keys_in(int64_t t0, int64_t lo, int64_t hi) {
+  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(t0)),
+                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i ge = _mm256_cmpgt_epi32(idx, _mm256_set1_epi32(static_cast<int32_t>(lo - 1)));
+  const __m256i lt = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(hi)), idx);
+  return _mm256_castsi256_ps(_mm256_and_si256(ge, lt));
+}
+#endif
+
+// s[t] = q . k_t for keys [t_lo, t_hi) (rows k[t]). With AVX2, groups of 8 keys from
+// t_lo rounded down to a multiple of 8 also write s[t] outside the range (scores of
+// visible keys: finite); s has 8 entries past the step.
+inline void key_scores(const float* q, const float* const* k, int64_t d, int64_t t_lo,
+                       int64_t t_hi, float* s) {
+#if defined(PAGEDLLM_SIMD_AVX2)
+  if (d % 8 == 0) {
+    for (int64_t t0 = t_lo / 8 * 8; t0 < t_hi; t0 += 8) {
+      const float* kr[8];  // lanes outside the range read a visible key (then dropped)
+      for (int i = 0; i < 8; ++i) kr[i] = k[std::clamp<int64_t>(t0 + i, t_lo, t_hi - 1)];
       __m256 a[8];
       for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
       for (int64_t j = 0; j < d; j += 8) {
         const __m256 qj = _mm256_loadu_ps(q + j);
-        for (int i = 0; i < 8; ++i)  // keys past n: a copy of key t0 (their lanes are dropped)
-          a[i] = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k + (t0 + (i < n ? i : 0)) * d + j), a[i]);
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qj, _mm256_loadu_ps(kr[i] + j), a[i]);
       }
-      alignas(32) float out[8];
-      _mm256_store_ps(out, pagedllm_simd::hsum8x8(a));
-      std::copy(out, out + n, s + t0);
+      _mm256_storeu_ps(s + t0, pagedllm_simd::hsum8x8(a));
     }
     return;
   }
 #endif
   for (int64_t t = t_lo; t < t_hi; ++t) {
-    const float* kr = k + t * d;
+    const float* kr = k[t];
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t j = 0; j < d; ++j) dot += q[j] * kr[j];
@@ -87,103 +114,239 @@ inline void key_scores(const float* q, const float* k, int64_t d, int64_t t_lo, 
   }
 }
 
-// s[t] = exp(s[t] - m) for t in [t_lo, t_hi) (with AVX2, exp16's arithmetic); returns
-// their sum, added in key order.
-inline float exp_shifted(float* s, int64_t t_lo, int64_t t_hi, float m) {
-  int64_t t = t_lo;
 #if defined(PAGEDLLM_SIMD_AVX2)
-  using pagedllm_simd::exp8;
-  const __m256 mv = _mm256_set1_ps(m);
-  for (; t + 8 <= t_hi; t += 8)
-    _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv)));
-  if (t < t_hi) {
-    alignas(32) float buf[8] = {};
-    std::copy(s + t, s + t_hi, buf);
-    _mm256_store_ps(buf, exp8(_mm256_sub_ps(_mm256_load_ps(buf), mv)));
-    std::copy(buf, buf + (t_hi - t), s + t);
-    t = t_hi;
+// key_scores for two rows at once (d % 8 == 0), over the union of their ranges [t_lo,
+// t_hi), 4 keys at a time: each K load serves both rows, 6 loads per 8 FMAs instead of 9.
+// A score's arithmetic is key_scores' (its lanes, then hsum8x8's tree).
+inline void key_scores2(const float* q0, const float* q1, const float* const* k, int64_t d,
+                        int64_t t_lo, int64_t t_hi, float* s0, float* s1) {
+  for (int64_t t0 = t_lo / 4 * 4; t0 < t_hi; t0 += 4) {
+    const float* kr[4];
+    for (int i = 0; i < 4; ++i) kr[i] = k[std::clamp<int64_t>(t0 + i, t_lo, t_hi - 1)];
+    __m256 a[8];  // a[i]: row 0, key t0 + i; a[4 + i]: row 1
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < d; j += 8) {
+      const __m256 x0 = _mm256_loadu_ps(q0 + j), x1 = _mm256_loadu_ps(q1 + j);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        __m256 kv = _mm256_loadu_ps(kr[i] + j);
+        asm("" : "+x"(kv));  // one load for both rows (GCC would fold it into each FMA)
+        a[i] = _mm256_fmadd_ps(x0, kv, a[i]);
+        a[4 + i] = _mm256_fmadd_ps(x1, kv, a[4 + i]);
+      }
+    }
+    const __m256 sums = pagedllm_simd::hsum8x8(a);
+    _mm_storeu_ps(s0 + t0, _mm256_castps256_ps128(sums));
+    _mm_storeu_ps(s1 + t0, _mm256_extractf128_ps(sums, 1));
   }
+}
 #endif
-  for (; t < t_hi; ++t) s[t] = exp_poly(s[t] - m);
+
+// One row's online softmax over the step's keys [t_lo, t_hi): the running max m (the
+// accumulator acc[0, d) and the sum l rescaled when it grows), then s[t] = exp(s[t] - m)
+// and l += their sum.
+inline void softmax_step(float* s, int64_t t_lo, int64_t t_hi, float& m, float& l,
+                         float* acc, int64_t d) {
+#if defined(PAGEDLLM_SIMD_AVX2)
+  const int64_t g_lo = t_lo / 8 * 8;
+  const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+  __m256 mx = neg_inf;
+  for (int64_t t0 = g_lo; t0 < t_hi; t0 += 8)
+    mx = _mm256_max_ps(mx, _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(s + t0),
+                                            keys_in(t0, t_lo, t_hi)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  float step_max = lanes[0];  // max is exact: any order gives the same value
+  for (int i = 1; i < 8; ++i) step_max = std::max(step_max, lanes[i]);
+#else
+  float step_max = -INFINITY;
+  for (int64_t t = t_lo; t < t_hi; ++t) step_max = std::max(step_max, s[t]);
+#endif
+  const float m_new = std::max(m, step_max);
+  if (m_new > m) {
+    // Rescale what was accumulated under the old max (nothing on the first step).
+    const float alpha = exp_poly(m - m_new);
+    l *= alpha;
+    for (int64_t j = 0; j < d; ++j) acc[j] *= alpha;
+    m = m_new;
+  }
+#if defined(PAGEDLLM_SIMD_AVX2)
+  const __m256 mv = _mm256_set1_ps(m_new);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t0 = g_lo; t0 < t_hi; t0 += 8) {
+    const __m256 e = _mm256_and_ps(pagedllm_simd::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t0), mv)),
+                                   keys_in(t0, t_lo, t_hi));
+    _mm256_storeu_ps(s + t0, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  const __m256 sums[8] = {sum, sum, sum, sum, sum, sum, sum, sum};
+  _mm256_store_ps(lanes, pagedllm_simd::hsum8x8(sums));
+  l += lanes[0];
+#else
   float sum = 0.0f;
-  for (t = t_lo; t < t_hi; ++t) sum += s[t];
-  return sum;
+  for (int64_t t = t_lo; t < t_hi; ++t) {
+    s[t] = exp_poly(s[t] - m_new);
+    sum += s[t];
+  }
+  l += sum;
+#endif
 }
 
-// acc[0, d) += sum over t in [t_lo, t_hi), in order, of p[t] * v_t.
-inline void add_pv(float* acc, const float* p, const float* v, int64_t d, int64_t t_lo,
-                   int64_t t_hi) {
-  int64_t j = 0;
 #if defined(PAGEDLLM_SIMD_AVX2)
-  if (d % 8 == 0) {  // one FMA per term
-    for (; j + 32 <= d; j += 32) {  // 4 independent chains per key
-      __m256 a0 = _mm256_loadu_ps(acc + j), a1 = _mm256_loadu_ps(acc + j + 8);
-      __m256 a2 = _mm256_loadu_ps(acc + j + 16), a3 = _mm256_loadu_ps(acc + j + 24);
-      for (int64_t t = t_lo; t < t_hi; ++t) {
-        const __m256 pt = _mm256_set1_ps(p[t]);
-        const float* vr = v + t * d + j;
-        a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr), a0);
-        a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8), a1);
-        a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 16), a2);
-        a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 24), a3);
-      }
-      _mm256_storeu_ps(acc + j, a0);
-      _mm256_storeu_ps(acc + j + 8, a1);
-      _mm256_storeu_ps(acc + j + 16, a2);
-      _mm256_storeu_ps(acc + j + 24, a3);
-    }
-    for (; j < d; j += 8) {
-      __m256 a = _mm256_loadu_ps(acc + j);
-      for (int64_t t = t_lo; t < t_hi; ++t)
-        a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(v + t * d + j), a);
-      _mm256_storeu_ps(acc + j, a);
-    }
+// acc[j0, j0 + 8 N) += p[t] * v_t over t in [t_lo, t_hi), in order: N independent chains.
+template <int N>
+inline void add_pv8(float* acc, const float* p, const float* const* v, int64_t j0,
+                    int64_t t_lo, int64_t t_hi) {
+  __m256 a[N];
+  for (int i = 0; i < N; ++i) a[i] = _mm256_loadu_ps(acc + j0 + 8 * i);
+  for (int64_t t = t_lo; t < t_hi; ++t) {
+    const __m256 pt = _mm256_set1_ps(p[t]);
+    const float* vr = v[t] + j0;
+#pragma GCC unroll 8
+    for (int i = 0; i < N; ++i) a[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8 * i), a[i]);
+  }
+  for (int i = 0; i < N; ++i) _mm256_storeu_ps(acc + j0 + 8 * i, a[i]);
+}
+#endif
+
+// acc[0, d) += sum over t in [t_lo, t_hi), in order, of p[t] * v_t.
+inline void add_pv(float* acc, const float* p, const float* const* v, int64_t d, int64_t t_lo,
+                   int64_t t_hi) {
+#if defined(PAGEDLLM_SIMD_AVX2)
+  if (d % 8 == 0) {  // one FMA per term, 8 chains (FMA latency x throughput) where d allows
+    int64_t j = 0;
+    for (; j + 64 <= d; j += 64) add_pv8<8>(acc, p, v, j, t_lo, t_hi);
+    for (; j + 32 <= d; j += 32) add_pv8<4>(acc, p, v, j, t_lo, t_hi);
+    for (; j < d; j += 8) add_pv8<1>(acc, p, v, j, t_lo, t_hi);
     return;
   }
 #endif
   for (int64_t t = t_lo; t < t_hi; ++t) {
-    const float* vr = v + t * d;
-    for (j = 0; j < d; ++j) acc[j] += p[t] * vr[j];
+    const float* vr = v[t];
+    for (int64_t j = 0; j < d; ++j) acc[j] += p[t] * vr[j];
+  }
+}
+
+#if defined(PAGEDLLM_SIMD_AVX2)
+// Columns [j0, j0 + 8 N) of add_pv2's joint keys [t_lo, t_hi): N chains per row.
+template <int N>
+inline void add_pv2_cols(float* acc0, float* acc1, const float* p0, const float* p1,
+                         const float* const* v, int64_t j0, int64_t t_lo, int64_t t_hi) {
+  __m256 a[N], b[N];
+  for (int i = 0; i < N; ++i) {
+    a[i] = _mm256_loadu_ps(acc0 + j0 + 8 * i);
+    b[i] = _mm256_loadu_ps(acc1 + j0 + 8 * i);
+  }
+  for (int64_t t = t_lo; t < t_hi; ++t) {
+    const __m256 x0 = _mm256_set1_ps(p0[t]), x1 = _mm256_set1_ps(p1[t]);
+    const float* vr = v[t] + j0;
+#pragma GCC unroll 4
+    for (int i = 0; i < N; ++i) {
+      __m256 vv = _mm256_loadu_ps(vr + 8 * i);
+      asm("" : "+x"(vv));  // one load for both rows (GCC would fold it into each FMA)
+      a[i] = _mm256_fmadd_ps(x0, vv, a[i]);
+      b[i] = _mm256_fmadd_ps(x1, vv, b[i]);
+    }
+  }
+  for (int i = 0; i < N; ++i) {
+    _mm256_storeu_ps(acc0 + j0 + 8 * i, a[i]);
+    _mm256_storeu_ps(acc1 + j0 + 8 * i, b[i]);
+  }
+}
+
+// add_pv for two rows at once (d % 8 == 0): the keys both rows see together (each V load
+// serves both), the others row by row before and after, so each row still adds its keys
+// in order with add_pv's arithmetic.
+inline void add_pv2(float* acc0, float* acc1, const float* p0, const float* p1,
+                    const float* const* v, int64_t d, int64_t lo0, int64_t hi0, int64_t lo1,
+                    int64_t hi1) {
+  const int64_t lo = std::max(lo0, lo1), hi = std::min(hi0, hi1);
+  if (lo >= hi) {
+    add_pv(acc0, p0, v, d, lo0, hi0);
+    add_pv(acc1, p1, v, d, lo1, hi1);
+    return;
+  }
+  add_pv(acc0, p0, v, d, lo0, lo);
+  add_pv(acc1, p1, v, d, lo1, lo);
+  int64_t j = 0;
+  for (; j + 32 <= d; j += 32) add_pv2_cols<4>(acc0, acc1, p0, p1, v, j, lo, hi);
+  for (; j < d; j += 8) add_pv2_cols<1>(acc0, acc1, p0, p1, v, j, lo, hi);
+  add_pv(acc0, p0, v, d, hi, hi0);
+  add_pv(acc1, p1, v, d, hi, hi1);
+}
+#endif
+
+// Pointers to the float32 K and V rows of keys [base, base + n) of request r, KV head h:
+// into the cache itself (float32) or into the scratch after conversion.
+template <typename T, typename C>
+void step_rows(const Params<T, C>& p, int64_t r, int64_t h, int64_t base, int64_t n,
+               Scratch& sc) {
+  const int64_t d = p.head_size, bs = p.block_size;
+  for (int64_t b = 0; b < n; b += bs) {  // base is a multiple of bs
+    const C* kb = p.kc + slot_of(p, r, base + b) * p.tok_stride + h * d;
+    for (int64_t t = b; t < std::min(n, b + bs); ++t) {
+      const C* kr = kb + (t - b) * p.tok_stride;
+      if constexpr (std::is_same_v<C, float>) {
+        sc.kp[t] = kr;
+        sc.vp[t] = kr + p.cache_half;
+      } else {
+        to_float(kr, sc.k.data() + t * d, d);
+        to_float(kr + p.cache_half, sc.v.data() + t * d, d);
+        sc.kp[t] = sc.k.data() + t * d;
+        sc.vp[t] = sc.v.data() + t * d;
+      }
+    }
   }
 }
 
 template <typename T, typename C>
 void attend_head_generic(const Params<T, C>& p, const Item& item, int64_t h, Scratch& sc) {
   const Span sp = span_of(p, item);
-  const int64_t d = p.head_size, rows = sp.num_toks * p.group, bs = p.block_size;
+  const int64_t d = p.head_size, rows = sp.num_toks * p.group;
+  const int64_t step = generic_step(p.block_size);
   load_queries(p, item, h, sc.q.data(), p.scale);
   std::fill(sc.acc.begin(), sc.acc.begin() + rows * d, 0.0f);
   std::fill(sc.m.begin(), sc.m.begin() + rows, -INFINITY);
   std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
   float* s = sc.s.data();
-  for (int64_t base = sp.key_lo / bs * bs; base < sp.key_hi; base += bs) {
-    const int64_t n = std::min(bs, sp.key_hi - base);
-    const C* kb = p.kc + slot_of(p, item.req, base) * p.tok_stride + h * d;
-    for (int64_t t = 0; t < n; ++t) {
-      to_float(kb + t * p.tok_stride, sc.k.data() + t * d, d);
-      to_float(kb + p.cache_half + t * p.tok_stride, sc.v.data() + t * d, d);
-    }
-    for (int64_t row = 0; row < rows; ++row) {
+  for (int64_t base = sp.key_lo / step * step; base < sp.key_hi; base += step) {
+    const int64_t n = std::min(step, sp.key_hi - base);
+    step_rows(p, item.req, h, base, n, sc);
+    // Visible keys of a row within the step: [t_lo, t_hi).
+    auto visible = [&](int64_t row) {
       const int64_t pos = sp.pos0 + row / p.group;
-      // Visible keys of this row within the block: [t_lo, t_hi).
-      const int64_t t_hi = std::min(n, pos - base + 1);
       const int64_t t_lo =
           p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1 - base) : 0;
-      if (t_hi <= t_lo) continue;
-      key_scores(sc.q.data() + row * d, sc.k.data(), d, t_lo, t_hi, s);
-      float blk_max = -INFINITY;
-      for (int64_t t = t_lo; t < t_hi; ++t) blk_max = std::max(blk_max, s[t]);
-      float* ar = sc.acc.data() + row * d;
-      const float m_new = std::max(sc.m[row], blk_max);
-      if (m_new > sc.m[row]) {
-        // Rescale what was accumulated under the old max (nothing on the first block).
-        const float alpha = exp_poly(sc.m[row] - m_new);
-        sc.l[row] *= alpha;
-        for (int64_t j = 0; j < d; ++j) ar[j] *= alpha;
-        sc.m[row] = m_new;
+      return std::pair<int64_t, int64_t>(t_lo, std::min(n, pos - base + 1));
+    };
+    for (int64_t row = 0; row < rows;) {
+      const auto [lo0, hi0] = visible(row);
+      float* a0 = sc.acc.data() + row * d;
+      if (hi0 <= lo0) {
+        ++row;
+        continue;
       }
-      sc.l[row] += exp_shifted(s, t_lo, t_hi, m_new);
-      add_pv(ar, s, sc.v.data(), d, t_lo, t_hi);
+#if defined(PAGEDLLM_SIMD_AVX2)
+      // Rows in pairs where both see keys of this step (the same results as one by one).
+      if (d % 8 == 0 && row + 1 < rows) {
+        const auto [lo1, hi1] = visible(row + 1);
+        if (hi1 > lo1) {
+          float* s1 = s + step + 8;
+          float* a1 = a0 + d;
+          key_scores2(sc.q.data() + row * d, sc.q.data() + (row + 1) * d, sc.kp.data(), d,
+                      std::min(lo0, lo1), std::max(hi0, hi1), s, s1);
+          softmax_step(s, lo0, hi0, sc.m[row], sc.l[row], a0, d);
+          softmax_step(s1, lo1, hi1, sc.m[row + 1], sc.l[row + 1], a1, d);
+          add_pv2(a0, a1, s, s1, sc.vp.data(), d, lo0, hi0, lo1, hi1);
+          row += 2;
+          continue;
+        }
+      }
+#endif
+      key_scores(sc.q.data() + row * d, sc.kp.data(), d, lo0, hi0, s);
+      softmax_step(s, lo0, hi0, sc.m[row], sc.l[row], a0, d);
+      add_pv(a0, s, sc.vp.data(), d, lo0, hi0);
+      ++row;
     }
   }
   store_outputs(p, item, h, sc.acc.data(), sc.l.data());
@@ -404,7 +567,8 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
     }
   }
   const int64_t num_shared_items = static_cast<int64_t>(shared_items.size());
-  const int64_t keys = std::max<int64_t>(16, p.block_size);
+  // Key rows per item step: the generic item's steps, the AVX-512 item's blocks.
+  const int64_t keys = std::max(generic_step(p.block_size), std::max<int64_t>(16, p.block_size));
   // (query token, key, KV head) triples: below ~512 the call takes a few microseconds,
   // less than waking the other threads. Above, the keys come from memory (each layer has
   // its own cache), so even one decode gains: 200 keys x 3 KV heads 15 -> 13 us per
