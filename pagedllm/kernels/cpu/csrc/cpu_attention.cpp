@@ -47,8 +47,8 @@ namespace pagedllm_ops {
 using namespace pagedllm_attention;
 
 // ---------------------------------------------------------------------------------------
-// Generic item: one KV head, one step of keys at a time, rows one by one (two by two with
-// AVX2, where both see keys of the step: each K and V load then serves two rows).
+// Generic item: one step of keys at a time, its KV heads in turn, rows one by one (two by
+// two with AVX2, where both see keys of the step: each K and V load then serves two rows).
 //
 // A step is whole cache blocks, about kGenericStep keys, starting at a multiple of its
 // length (absolute positions). A float32 cache is read in place (each key row by its own
@@ -299,62 +299,80 @@ void step_rows(const Params<T, C>& p, int64_t r, int64_t h, int64_t base, int64_
   }
 }
 
+// The rows of one KV head over one step of keys [base, base + n) (step_rows done): q, acc,
+// m and l are that head's.
 template <typename T, typename C>
-void attend_head_generic(const Params<T, C>& p, const Item& item, int64_t h, Scratch& sc) {
-  const Span sp = span_of(p, item);
-  const int64_t d = p.head_size, rows = sp.num_toks * p.group;
-  const int64_t step = generic_step(p.block_size);
-  load_queries(p, item, h, sc.q.data(), p.scale);
-  std::fill(sc.acc.begin(), sc.acc.begin() + rows * d, 0.0f);
-  std::fill(sc.m.begin(), sc.m.begin() + rows, -INFINITY);
-  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
+void step_head_rows(const Params<T, C>& p, const Span& sp, int64_t base, int64_t n,
+                    int64_t rows, const float* q, float* acc, float* m, float* l,
+                    Scratch& sc) {
+  const int64_t d = p.head_size;
   float* s = sc.s.data();
-  for (int64_t base = sp.key_lo / step * step; base < sp.key_hi; base += step) {
-    const int64_t n = std::min(step, sp.key_hi - base);
-    step_rows(p, item.req, h, base, n, sc);
-    // Visible keys of a row within the step: [t_lo, t_hi).
-    auto visible = [&](int64_t row) {
-      const int64_t pos = sp.pos0 + row / p.group;
-      const int64_t t_lo =
-          p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1 - base) : 0;
-      return std::pair<int64_t, int64_t>(t_lo, std::min(n, pos - base + 1));
-    };
-    for (int64_t row = 0; row < rows;) {
-      const auto [lo0, hi0] = visible(row);
-      float* a0 = sc.acc.data() + row * d;
-      if (hi0 <= lo0) {
-        ++row;
+  // Visible keys of a row within the step: [t_lo, t_hi).
+  auto visible = [&](int64_t row) {
+    const int64_t pos = sp.pos0 + row / p.group;
+    const int64_t t_lo =
+        p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1 - base) : 0;
+    return std::pair<int64_t, int64_t>(t_lo, std::min(n, pos - base + 1));
+  };
+  for (int64_t row = 0; row < rows;) {
+    const auto [lo0, hi0] = visible(row);
+    float* a0 = acc + row * d;
+    if (hi0 <= lo0) {
+      ++row;
+      continue;
+    }
+#if defined(PAGEDLLM_SIMD_AVX2)
+    // Rows in pairs where both see keys of this step (the same results as one by one).
+    if (d % 8 == 0 && row + 1 < rows) {
+      const auto [lo1, hi1] = visible(row + 1);
+      if (hi1 > lo1) {
+        float* s1 = s + generic_step(p.block_size) + 8;
+        float* a1 = a0 + d;
+        key_scores2(q + row * d, q + (row + 1) * d, sc.kp.data(), d, std::min(lo0, lo1),
+                    std::max(hi0, hi1), s, s1);
+        softmax_step(s, lo0, hi0, m[row], l[row], a0, d);
+        softmax_step(s1, lo1, hi1, m[row + 1], l[row + 1], a1, d);
+        add_pv2(a0, a1, s, s1, sc.vp.data(), d, lo0, hi0, lo1, hi1);
+        row += 2;
         continue;
       }
-#if defined(PAGEDLLM_SIMD_AVX2)
-      // Rows in pairs where both see keys of this step (the same results as one by one).
-      if (d % 8 == 0 && row + 1 < rows) {
-        const auto [lo1, hi1] = visible(row + 1);
-        if (hi1 > lo1) {
-          float* s1 = s + step + 8;
-          float* a1 = a0 + d;
-          key_scores2(sc.q.data() + row * d, sc.q.data() + (row + 1) * d, sc.kp.data(), d,
-                      std::min(lo0, lo1), std::max(hi0, hi1), s, s1);
-          softmax_step(s, lo0, hi0, sc.m[row], sc.l[row], a0, d);
-          softmax_step(s1, lo1, hi1, sc.m[row + 1], sc.l[row + 1], a1, d);
-          add_pv2(a0, a1, s, s1, sc.vp.data(), d, lo0, hi0, lo1, hi1);
-          row += 2;
-          continue;
-        }
-      }
-#endif
-      key_scores(sc.q.data() + row * d, sc.kp.data(), d, lo0, hi0, s);
-      softmax_step(s, lo0, hi0, sc.m[row], sc.l[row], a0, d);
-      add_pv(a0, s, sc.vp.data(), d, lo0, hi0);
-      ++row;
     }
+#endif
+    key_scores(q + row * d, sc.kp.data(), d, lo0, hi0, s);
+    softmax_step(s, lo0, hi0, m[row], l[row], a0, d);
+    add_pv(a0, s, sc.vp.data(), d, lo0, hi0);
+    ++row;
   }
-  store_outputs(p, item, h, sc.acc.data(), sc.l.data());
 }
 
+// Every KV head of the item, step by step: the heads of a token are adjacent in the
+// cache, so a step's reads stay within one stretch of it (measured on Zen 3, per layer,
+// against each head walking the whole context in turn: 64 decodes over 560 keys of their
+// own 5.9 -> 5.8 ms, sharing 496 of them 2.2 -> 2.0 ms, 40-token prefill chunks about
+// the same).
 template <typename T, typename C>
 void attend_item_generic(const Params<T, C>& p, const Item& item, Scratch& sc) {
-  for (int64_t h = item.head_begin; h < item.head_end; ++h) attend_head_generic(p, item, h, sc);
+  const Span sp = span_of(p, item);
+  const int64_t d = p.head_size, rows = sp.num_toks * p.group;
+  const int64_t heads = item.head_end - item.head_begin;
+  const int64_t step = generic_step(p.block_size);
+  for (int64_t i = 0; i < heads; ++i)
+    load_queries(p, item, item.head_begin + i, sc.q.data() + i * rows * d, p.scale);
+  std::fill(sc.acc.begin(), sc.acc.begin() + heads * rows * d, 0.0f);
+  std::fill(sc.m.begin(), sc.m.begin() + heads * rows, -INFINITY);
+  std::fill(sc.l.begin(), sc.l.begin() + heads * rows, 0.0f);
+  for (int64_t base = sp.key_lo / step * step; base < sp.key_hi; base += step) {
+    const int64_t n = std::min(step, sp.key_hi - base);
+    for (int64_t i = 0; i < heads; ++i) {
+      step_rows(p, item.req, item.head_begin + i, base, n, sc);
+      step_head_rows(p, sp, base, n, rows, sc.q.data() + i * rows * d,
+                     sc.acc.data() + i * rows * d, sc.m.data() + i * rows,
+                     sc.l.data() + i * rows, sc);
+    }
+  }
+  for (int64_t i = 0; i < heads; ++i)
+    store_outputs(p, item, item.head_begin + i, sc.acc.data() + i * rows * d,
+                  sc.l.data() + i * rows);
 }
 
 template <typename T, typename C>
