@@ -154,10 +154,7 @@ inline void softmax_step(float* s, int64_t t_lo, int64_t t_hi, float& m, float& 
   for (int64_t t0 = g_lo; t0 < t_hi; t0 += 8)
     mx = _mm256_max_ps(mx, _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(s + t0),
                                             keys_in(t0, t_lo, t_hi)));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, mx);
-  float step_max = lanes[0];  // max is exact: any order gives the same value
-  for (int i = 1; i < 8; ++i) step_max = std::max(step_max, lanes[i]);
+  const float step_max = pagedllm_simd::hmax8(mx);
 #else
   float step_max = -INFINITY;
   for (int64_t t = t_lo; t < t_hi; ++t) step_max = std::max(step_max, s[t]);
@@ -179,9 +176,7 @@ inline void softmax_step(float* s, int64_t t_lo, int64_t t_hi, float& m, float& 
     _mm256_storeu_ps(s + t0, e);
     sum = _mm256_add_ps(sum, e);
   }
-  const __m256 sums[8] = {sum, sum, sum, sum, sum, sum, sum, sum};
-  _mm256_store_ps(lanes, pagedllm_simd::hsum8x8(sums));
-  l += lanes[0];
+  l += pagedllm_simd::hsum8(sum);
 #else
   float sum = 0.0f;
   for (int64_t t = t_lo; t < t_hi; ++t) {
@@ -585,8 +580,9 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
     }
   }
   const int64_t num_shared_items = static_cast<int64_t>(shared_items.size());
-  // Key rows per item step: the generic item's steps, the AVX-512 item's blocks.
-  const int64_t keys = std::max(generic_step(p.block_size), std::max<int64_t>(16, p.block_size));
+  // Key rows per item step: the generic item's steps, which also hold the AVX-512 item's
+  // blocks (whole blocks, at least 16 keys).
+  const int64_t keys = generic_step(p.block_size);
   // (query token, key, KV head) triples: below ~512 the call takes a few microseconds,
   // less than waking the other threads. Above, the keys come from memory (each layer has
   // its own cache), so even one decode gains: 200 keys x 3 KV heads 15 -> 13 us per

@@ -26,6 +26,7 @@
 #include <cstring>
 
 #include "quant_layout.h"
+#include "simd.h"
 
 namespace pagedllm_ops {
 namespace quant {
@@ -347,20 +348,6 @@ void run(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w, int64_t b
   }
 }
 
-// 8 float32 from float32 or bfloat16.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float reduce_max(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
 inline int32_t reduce_add(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -374,11 +361,11 @@ inline int32_t reduce_add(__m256i v) {
 template <typename T>
 inline float quantize_block(const T* xb, int8_t* q, int32_t s[2], bool halves) {
   __m256 v[4];
-  for (int i = 0; i < 4; ++i) v[i] = load8(xb + 8 * i);
+  for (int i = 0; i < 4; ++i) v[i] = pagedllm_simd::load8(xb + 8 * i);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 amax = _mm256_andnot_ps(sign, v[0]);
   for (int i = 1; i < 4; ++i) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-  const float db = reduce_max(amax) / 127.0f;
+  const float db = pagedllm_simd::hmax8(amax) / 127.0f;
   const float id = db != 0.0f ? 1.0f / db : 0.0f;
   __m256i qi[4];
   for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));

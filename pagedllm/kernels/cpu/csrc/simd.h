@@ -243,6 +243,21 @@ inline __m256 exp2_8(__m256 y) {
   return scale_pow2(p, k);
 }
 
+// The largest of v's lanes (max is exact: the order does not matter).
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// The sum of v's lanes by hsum8x8's tree: ((0+1) + (2+3)) + ((4+5) + (6+7)).
+inline float hsum8(__m256 v) {
+  const __m256 h = _mm256_hadd_ps(v, v);   // per 128-bit half: (0+1), (2+3), ...
+  const __m256 q = _mm256_hadd_ps(h, h);   // ((0+1) + (2+3)) | ((4+5) + (6+7))
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
+}
+
 // Lane i of the result = the sum of the 8 lanes of a[i], by the same tree for every i
 // ((0+1) + (2+3)) + ((4+5) + (6+7)).
 inline __m256 hsum8x8(const __m256 a[8]) {
