@@ -130,7 +130,7 @@ inline void key_scores2(const float* q0, const float* q1, const float* const* k,
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         __m256 kv = _mm256_loadu_ps(kr[i] + j);
-        asm("" : "+x"(kv));  // one load for both rows (GCC would fold it into each FMA)
+        pagedllm_simd::in_register(kv);  // one load for both rows
         a[i] = _mm256_fmadd_ps(x0, kv, a[i]);
         a[4 + i] = _mm256_fmadd_ps(x1, kv, a[4 + i]);
       }
@@ -238,7 +238,7 @@ inline void add_pv2_cols(float* acc0, float* acc1, const float* p0, const float*
 #pragma GCC unroll 4
     for (int i = 0; i < N; ++i) {
       __m256 vv = _mm256_loadu_ps(vr + 8 * i);
-      asm("" : "+x"(vv));  // one load for both rows (GCC would fold it into each FMA)
+      pagedllm_simd::in_register(vv);  // one load for both rows
       a[i] = _mm256_fmadd_ps(x0, vv, a[i]);
       b[i] = _mm256_fmadd_ps(x1, vv, b[i]);
     }

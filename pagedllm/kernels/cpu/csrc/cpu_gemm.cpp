@@ -159,7 +159,7 @@ inline void block_avx2(const float* x, int64_t ldx, const W* panel, int64_t step
 #pragma GCC unroll 8
       for (int j = 0; j < V; ++j) {
         wv[j] = _mm256_loadu_ps(w + 8 * j);
-        asm("" : "+x"(wv[j]));  // a register, not a memory operand of each FMA
+        pagedllm_simd::in_register(wv[j]);  // not a memory operand of each FMA
       }
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
@@ -233,11 +233,12 @@ inline void block_avx2(const float* x, int64_t ldx, const W* panel, int64_t step
 // over the whole panel (each pass reads it front to back, the next from L2). Larger ones
 // are compute-bound: rows go kRowBlock at a time over column groups of kGroup vectors;
 // 8 rows split evenly (with 3-row blocks the 2-row tail took ~19% of a batch64 run's
-// samples). float32's FMAs take the weight as memory operands (4 x 3 sums + 4
-// broadcasts); bfloat16 widens its weight halves in registers (2 x 3 sums + 4 broadcasts
-// + 2 halves). Measured on Zen 3 (2 threads, 30 SmolLM2 layers' shapes, rows 64 / 128):
-// float32 4 x 3 115-119 GFLOP/s (4 x 2: 98-101, 3 x 3: 99-107; oneDNN's packed float32
-// GEMM 123-144 on the same shapes), bfloat16 2 x 3 125-127 (3 x 2: 99-118).
+// samples). float32 holds a step's 3 weight vectors in registers (4 x 3 sums + 3 + one
+// broadcast at a time; block_avx2); bfloat16 widens its weight halves in registers (2 x 3
+// sums + 4 broadcasts + 2 halves). Measured on Zen 3 (2 threads, 30 SmolLM2 layers'
+// shapes, rows 64 / 128), with float32's weight then read as memory operands of the
+// FMAs: float32 4 x 3 115-119 GFLOP/s (4 x 2: 98-101, 3 x 3: 99-107; oneDNN's packed
+// float32 GEMM 123-144 on the same shapes), bfloat16 2 x 3 125-127 (3 x 2: 99-118).
 template <typename W>
 struct Blocks {
   static constexpr int kStreamBlock = 2, kRowBlock = 4, kGroup = 3;

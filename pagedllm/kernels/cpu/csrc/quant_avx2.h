@@ -65,13 +65,13 @@ inline __m256i madd(__m256i w, __m256i x) { return _mm256_maddubs_epi16(w, x); }
 // Adjacent int16 pairs summed into int32 (each 4 weights' dot of a column).
 inline __m256i widen(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
 
-// Keeps v in its register here: without it GCC computes the rows' products of a whole
-// block ahead and spills them (Q4_1 at 4 rows: ~50 vector spills and reloads a block,
-// ~9 with it). Measured on Zen 3, 2 threads, SmolLM2's shapes, in-process A/B (same
-// bits), medians at 16 / 64 rows: Q4_1 172 -> 206 / 176 -> 203 GOP/s, Q4_K 105 -> 130 /
-// 118 -> 150, Q5_K 109 -> 123 / 120 -> 125, Q5_1 even; Q8_0 (99 -> 88) and Q2_K (111 ->
-// 90) lost with it and Q6_K was even, so they go without.
-inline void keep(__m256i& v) { asm("" : "+x"(v)); }
+// A row's int16 sums are held in registers after each term (in_register): without it
+// GCC computes the rows' products of a whole block ahead and spills them (Q4_1 at 4
+// rows: ~50 vector spills and reloads a block, ~9 with it). Measured on Zen 3, 2 threads, SmolLM2's
+// shapes, in-process A/B (same bits), medians at 16 / 64 rows: Q4_1 172 -> 206 / 176 ->
+// 203 GOP/s, Q4_K 105 -> 130 / 118 -> 150, Q5_K 109 -> 123 / 120 -> 125, Q5_1 even; Q8_0
+// (99 -> 88) and Q2_K (111 -> 90) lost with it and Q6_K was even, so they go without.
+using pagedllm_simd::in_register;
 
 // s16 after the step'th int16 term p of a run of `every` (kept below saturation, above);
 // at the run's last term it is widened into dot (assigned on the first run).
@@ -155,7 +155,7 @@ void micro(PAGEDLLM_MICRO_ARGS) {
           const __m256i p = _mm256_add_epi16(madd(lo, bcast4(xq + 4 * v)),
                                              madd(hi, bcast4(xq + 16 + 4 * v)));
           add_term<kEvery>(s16[r], dot[r], p, v);
-          keep(s16[r]);
+          in_register(s16[r]);
         }
       }
     }
@@ -207,8 +207,8 @@ void micro_q4k(PAGEDLLM_MICRO_ARGS) {
           const int8_t* xq = x.q + (m + r) * x.k + sb * 256 + chunk * 64;
           add_term<kEvery>(s16[0][r], dot[0][r], madd(lo, bcast4(xq + 4 * v)), v);
           add_term<kEvery>(s16[1][r], dot[1][r], madd(hi, bcast4(xq + 32 + 4 * v)), v);
-          keep(s16[0][r]);
-          keep(s16[1][r]);
+          in_register(s16[0][r]);
+          in_register(s16[1][r]);
         }
       }
       for (int s = 0; s < 2; ++s) {

@@ -157,6 +157,15 @@ inline __mmask16 first_lanes(int64_t n) {
 
 namespace pagedllm_simd {
 
+// Holds v in a register at this point (an empty asm that "changes" it). GCC otherwise
+// folds a vector's load into every instruction that uses it (an FMA per row: the loads
+// then bound the loop) or computes values far ahead and spills them; the call sites say
+// what each one measured.
+template <typename V>
+inline void in_register(V& v) {
+  asm("" : "+x"(v));
+}
+
 inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
 
 inline __m256 load8(const c10::BFloat16* src) {
