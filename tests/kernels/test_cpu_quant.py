@@ -164,10 +164,11 @@ def test_rows_bit_identical_whatever_the_batch(qtype: str) -> None:
 def test_every_path_same_bits(qtype: str, path: str) -> None:
     """The kernels of CPUs without AVX512-VNNI (AVX2: 8 columns at a time, int16 sums;
     portable C++) give the same bits as the widest ones: 11 rows (AVX2 micro-kernels of 4,
-    4 and 3), 45 columns (a last group of 13: a full half and one of 5), and 7 (one
-    half); float32 and bfloat16 activations; a bias, and accumulation."""
+    4 and 3), 3 and 1 (a decode: the weight streamed, one row's both halves in one pass),
+    45 columns (a last group of 13: a full half and one of 5), and 7 (one half); float32
+    and bfloat16 activations; a bias, and accumulation."""
     _require_path(path)
-    for n, m in ((45, 11), (7, 3)):
+    for n, m in ((45, 11), (7, 3), (45, 1), (7, 1)):
         weight = make_weight(qtype, n, 512, seed=n)
         for dtype in (torch.float32, torch.bfloat16):
             x = (torch.randn(m, weight.shape[1]) * 3).to(dtype)
@@ -198,6 +199,8 @@ def test_extreme_quants_same_bits_on_every_path(qtype: str) -> None:
         assert ((expected.double() - ref).abs() <= 1e-5 * scale + 1e-30).all(), fill
         for path in filter(_built, ("avx2", "portable")):
             assert torch.equal(run_gemm(weight, x, path=path), expected), (fill, path)
+            for r in range(4):  # one row: a decode's kernels
+                assert torch.equal(run_gemm(weight, x[r:r + 1], path=path), expected[r:r + 1])
 
 
 def test_path_names() -> None:

@@ -592,7 +592,9 @@ void run_simd(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
   // call of this group, so they stream in while it computes. Measured on SmolLM2's
   // shapes (Q4_1, every layer's weights in turn, 2 threads, Zen 4): M = 16 -8%, M = 64
   // -8%, M = 128 -3%. With one call per group (M <= kRows) the hardware prefetcher is
-  // left alone: the slice would be the whole group at once (M = 1: +5%).
+  // left alone: the slice would be the whole group at once (M = 1: +5%). (The AVX2
+  // kernels prefetch a streamed weight a fixed distance ahead of each block instead,
+  // quant_avx2.h's kStreamPrefetch: measured on Zen 3 only, not tried here.)
   const int64_t calls = (m1 - m0 + kRows - 1) / kRows;
   const int64_t lines_per_call = calls > 1 ? (group_bytes / 64 + calls - 1) / calls : 0;
   for (int64_t g = g0; g < g1; ++g) {
