@@ -79,7 +79,7 @@ using pagedllm_simd::in_register;
 // this it computed and waited in turn: 30 layers of SmolLM2's shapes at one row took
 // about the sum of the compute time (weights in cache) and the memory time. Measured on
 // Zen 3, 2 threads, in-process A/B (same bits; runs of ~1-2 GB/s noise, medians of 7-9):
-// one row, Q4_1 176 -> 147-153 us a layer (with micro1_both), the Q8_0 LM head (49152 x
+// one row, Q4_1 176 -> 147-153 us a layer (with micro's H = 2), the Q8_0 LM head (49152 x
 // 576) 2.27 -> 1.82 ms, Q4_K 254 -> 201 us, Q6_K 269 -> 201-212 us; Q4_1 at 2 rows
 // 201 -> 175-182 us, at 4 rows 216 -> 201 us. 1024 and 4096 bytes measured the same
 // within the noise; 256 no gain.
@@ -136,136 +136,83 @@ inline void store_rows(const __m256* acc, const float* bias, T* out, int64_t ldo
 
 // Q8_0, Q4_0, Q4_1, Q5_0, Q5_1. kStream: prefetch the weight ahead (kStreamPrefetch),
 // twice as far on the second half's pass, which re-reads lines the first brought in.
-template <QType Q, int R, typename T, bool kStream>
+// H = 2 (one row, h = 0): both halves of the group in one pass over its blocks, so the
+// stream is read once, in order, each line whole when it arrives; a column's arithmetic
+// is the same (its bits). One row, Q4_1, SmolLM2's layers (Zen 3, 2 threads, in-process
+// A/B): 176 -> 163 us a layer without the prefetch, 147 with it.
+template <QType Q, int R, typename T, bool kStream, int H = 1>
 void micro(PAGEDLLM_MICRO_ARGS) {
+  static_assert(H == 1 || R == 1, "both halves at once: one row");
   constexpr bool q5 = Q == QType::kQ5_0 || Q == QType::kQ5_1;
   constexpr int64_t qs_bytes = Q == QType::kQ8_0 ? 512 : (q5 ? 320 : 256);
   constexpr int32_t offset = Q == QType::kQ8_0 ? 128 :
                              (Q == QType::kQ4_0 ? 8 : (Q == QType::kQ5_0 ? 16 : 0));
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[H * R];
+  for (int r = 0; r < H * R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.nb; ++b) {
     const uint8_t* blk = wg + b * block_bytes;
-    const uint8_t* half = blk + 32 * h;
-    if constexpr (kStream) prefetch_lines(blk + kStreamPrefetch * (1 + h), block_bytes);
-    __m256i dot[R], s16[R];
-    if constexpr (Q == QType::kQ8_0) {
-      __m256i top[R];  // int16 sums of bit 7 x q_x
-      for (int v = 0; v < 8; ++v) {
-        const __m256i w = load32(half + 64 * v);
-        const __m256i low7 = _mm256_and_si256(w, bytes(0x7f));
-        const __m256i bit7 = _mm256_and_si256(_mm256_srli_epi16(w, 7), bytes(0x01));
-        for (int r = 0; r < R; ++r) {
-          const __m256i xb = bcast4(x.q + (m + r) * x.k + b * kBlock + 4 * v);
-          add_term<1>(s16[r], dot[r], madd(low7, xb), v);
-          top[r] = v == 0 ? madd(bit7, xb) : _mm256_add_epi16(top[r], madd(bit7, xb));
-        }
-      }
-      for (int r = 0; r < R; ++r)
-        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(top[r], _mm256_set1_epi16(128)));
-    } else {
-      constexpr int kEvery = q5 ? 2 : 4;  // vectors (2 terms each) between widenings
-      const __m256i plane = q5 ? load32(half + 256) : _mm256_setzero_si256();
-#pragma GCC unroll 4  // shift_bits' counts as constants
-      for (int v = 0; v < 4; ++v) {
-        __m256i lo, hi;
-        unpack_q4<q5>(load32(half + 64 * v), plane, v, lo, hi);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xq = x.q + (m + r) * x.k + b * kBlock;
-          const __m256i p = _mm256_add_epi16(madd(lo, bcast4(xq + 4 * v)),
-                                             madd(hi, bcast4(xq + 16 + 4 * v)));
-          add_term<kEvery>(s16[r], dot[r], p, v);
-          in_register(s16[r]);
-        }
-      }
-    }
-    const __m256 dw = load_halves8(blk + qs_bytes + 16 * h);
-    if constexpr (Q == QType::kQ4_1 || Q == QType::kQ5_1) {
-      const __m256 mw = load_halves8(blk + qs_bytes + 32 + 16 * h);
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (m + r) * x.nb + b;
-        const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i]));
-        acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(dot[r]), acc[r]);
-        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[i]), acc[r]);
-      }
-    } else {
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (m + r) * x.nb + b;
-        const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i]));
-        const __m256i adj = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(offset * x.sum[i]));
-        acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(adj), acc[r]);
-      }
-    }
-  }
-  store_rows<R>(acc, bias, out + m * ldo, ldo, cols, accumulate);
-}
-
-// One row of micro<Q, 1, T, true> on both halves of a group in one pass over its blocks
-// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): the stream is read once, in order, each line whole
-// when it arrives, and the halves' two accumulator chains interleave. A column's
-// arithmetic is micro's (its bits). One row, Q4_1, SmolLM2's layers (Zen 3, 2 threads,
-// in-process A/B): 176 -> 163 us a layer without the prefetch, 147 with it.
-template <QType Q, typename T>
-void micro1_both(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_bytes,
-                 const float* bias, T* out, int64_t cols, bool accumulate) {
-  constexpr bool q5 = Q == QType::kQ5_0 || Q == QType::kQ5_1;
-  constexpr int64_t qs_bytes = Q == QType::kQ8_0 ? 512 : (q5 ? 320 : 256);
-  constexpr int32_t offset = Q == QType::kQ8_0 ? 128 :
-                             (Q == QType::kQ4_0 ? 8 : (Q == QType::kQ5_0 ? 16 : 0));
-  constexpr int kEvery = q5 ? 2 : 4;  // as micro
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  const int8_t* xrow = x.q + m * x.k;
-  for (int64_t b = 0; b < x.nb; ++b) {
-    const uint8_t* blk = wg + b * block_bytes;
-    prefetch_lines(blk + kStreamPrefetch, block_bytes);
-    const int8_t* xq = xrow + b * kBlock;
-    __m256i dot[2], s16[2];  // [half]
-    if constexpr (Q == QType::kQ8_0) {
-      __m256i top[2];
-      for (int v = 0; v < 8; ++v) {
-        const __m256i xb = bcast4(xq + 4 * v);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i w = load32(blk + 32 * h + 64 * v);
+    if constexpr (kStream)
+      prefetch_lines(blk + kStreamPrefetch * (H == 2 ? 1 : 1 + h), block_bytes);
+    for (int hh = 0; hh < H; ++hh) {
+      const int hx = H == 2 ? hh : h;
+      const uint8_t* half = blk + 32 * hx;
+      __m256i dot[R], s16[R];
+      if constexpr (Q == QType::kQ8_0) {
+        __m256i top[R];  // int16 sums of bit 7 x q_x
+        for (int v = 0; v < 8; ++v) {
+          const __m256i w = load32(half + 64 * v);
           const __m256i low7 = _mm256_and_si256(w, bytes(0x7f));
           const __m256i bit7 = _mm256_and_si256(_mm256_srli_epi16(w, 7), bytes(0x01));
-          add_term<1>(s16[h], dot[h], madd(low7, xb), v);
-          top[h] = v == 0 ? madd(bit7, xb) : _mm256_add_epi16(top[h], madd(bit7, xb));
+          for (int r = 0; r < R; ++r) {
+            const __m256i xb = bcast4(x.q + (m + r) * x.k + b * kBlock + 4 * v);
+            add_term<1>(s16[r], dot[r], madd(low7, xb), v);
+            top[r] = v == 0 ? madd(bit7, xb) : _mm256_add_epi16(top[r], madd(bit7, xb));
+          }
         }
-      }
-      for (int h = 0; h < 2; ++h)
-        dot[h] = _mm256_add_epi32(dot[h], _mm256_madd_epi16(top[h], _mm256_set1_epi16(128)));
-    } else {
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t* half = blk + 32 * h;
+        for (int r = 0; r < R; ++r)
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(top[r], _mm256_set1_epi16(128)));
+      } else {
+        constexpr int kEvery = q5 ? 2 : 4;  // vectors (2 terms each) between widenings
         const __m256i plane = q5 ? load32(half + 256) : _mm256_setzero_si256();
 #pragma GCC unroll 4  // shift_bits' counts as constants
         for (int v = 0; v < 4; ++v) {
           __m256i lo, hi;
           unpack_q4<q5>(load32(half + 64 * v), plane, v, lo, hi);
-          const __m256i p = _mm256_add_epi16(madd(lo, bcast4(xq + 4 * v)),
-                                             madd(hi, bcast4(xq + 16 + 4 * v)));
-          add_term<kEvery>(s16[h], dot[h], p, v);
-          in_register(s16[h]);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xq = x.q + (m + r) * x.k + b * kBlock;
+            const __m256i p = _mm256_add_epi16(madd(lo, bcast4(xq + 4 * v)),
+                                               madd(hi, bcast4(xq + 16 + 4 * v)));
+            add_term<kEvery>(s16[r], dot[r], p, v);
+            in_register(s16[r]);
+          }
+        }
+      }
+      const __m256 dw = load_halves8(blk + qs_bytes + 16 * hx);
+      if constexpr (Q == QType::kQ4_1 || Q == QType::kQ5_1) {
+        const __m256 mw = load_halves8(blk + qs_bytes + 32 + 16 * hx);
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = (m + r) * x.nb + b;
+          const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i]));
+          acc[hh * R + r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(dot[r]), acc[hh * R + r]);
+          acc[hh * R + r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[i]), acc[hh * R + r]);
+        }
+      } else {
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = (m + r) * x.nb + b;
+          const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[i]));
+          const __m256i adj = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(offset * x.sum[i]));
+          acc[hh * R + r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(adj), acc[hh * R + r]);
         }
       }
     }
-    const int64_t i = m * x.nb + b;
-    const __m256 xd = _mm256_set1_ps(x.d[i]);
-    for (int h = 0; h < 2; ++h) {
-      const __m256 dd = _mm256_mul_ps(load_halves8(blk + qs_bytes + 16 * h), xd);
-      if constexpr (Q == QType::kQ4_1 || Q == QType::kQ5_1) {
-        acc[h] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(dot[h]), acc[h]);
-        acc[h] = _mm256_fmadd_ps(load_halves8(blk + qs_bytes + 32 + 16 * h),
-                                 _mm256_set1_ps(x.dsum[i]), acc[h]);
-      } else {
-        const __m256i adj = _mm256_sub_epi32(dot[h], _mm256_set1_epi32(offset * x.sum[i]));
-        acc[h] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(adj), acc[h]);
-      }
-    }
   }
-  for (int h = 0; h < 2 && 8 * h < cols; ++h)
-    store_rows<1>(&acc[h], bias + 8 * h, out + 8 * h, 0, std::min<int64_t>(8, cols - 8 * h),
-                  accumulate);
+  if constexpr (H == 1) {  // bias / out at the half's first column, cols <= 8
+    store_rows<R>(acc, bias, out + m * ldo, ldo, cols, accumulate);
+  } else {  // at the group's, cols <= 16
+    for (int hh = 0; hh < H && 8 * hh < cols; ++hh)
+      store_rows<R>(acc + hh * R, bias + 8 * hh, out + m * ldo + 8 * hh, ldo,
+                    std::min<int64_t>(8, cols - 8 * hh), accumulate);
+  }
 }
 
 // Q4_K, Q5_K, over super-blocks of 8 sub-blocks of 32.
@@ -431,7 +378,7 @@ void micro_any(PAGEDLLM_MICRO_ARGS) {
 // Rows [m0, m1) x groups [g0, g1), each group's two halves in turn (the second reads
 // the lines the first brought into L1). With at most kRows rows each half is one call
 // that streams the weight (prefetched: kStreamPrefetch); one row of the 32-element block
-// types reads both halves in one pass (micro1_both).
+// types reads both halves in one pass (micro's H = 2).
 template <QType Q, typename T>
 void run(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w, int64_t block_bytes,
          const float* bias, T* out, int64_t ldo, int64_t n, bool accumulate, int64_t g0,
@@ -450,9 +397,9 @@ void run(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w, int64_t b
   if constexpr (!super) {
     if (m1 - m0 == 1) {
       for (int64_t g = g0; g < g1; ++g)
-        micro1_both<Q, T>(x, m0, w + g * group_bytes, block_bytes, bias + g * kGroup,
-                          out + m0 * ldo + g * kGroup, std::min(kGroup, n - g * kGroup),
-                          accumulate);
+        micro<Q, 1, T, true, 2>(x, m0, w + g * group_bytes, block_bytes, 0, bias + g * kGroup,
+                                out + g * kGroup, ldo, std::min(kGroup, n - g * kGroup),
+                                accumulate);
       return;
     }
   }
