@@ -133,7 +133,17 @@ inline void each_output(const __m512 (&acc)[R][3], const float* bias, int64_t co
 template <typename W>
 constexpr int kSubSteps = std::is_same_v<W, float> ? 1 : 2;  // k per step
 
-template <int R, int V, typename W, typename O>
+// How far ahead of its reads a bfloat16 block that streams its weight from memory
+// prefetches it (kAhead, below). A core here keeps too few misses in flight for the
+// hardware prefetcher alone to overlap the stream with the arithmetic (the widening
+// doubles a step's work against float32's). Measured on Zen 3 (2 threads, 30 SmolLM2
+// layers, one row, weights cold, in-process A/B, same bits): 452 -> 394 us a layer in one
+// run, 472 -> 438 and 487 -> 458 in others (512 B: -5%, 2 KB / 4 KB and prefetches into
+// L2: less); single-request decode 20.9 -> 20.0 ms a step. float32's stream (half the
+// work a byte) measured no faster with it.
+constexpr int64_t kStreamAhead = 1024;
+
+template <int R, int V, typename W, typename O, bool kAhead = false>
 inline void block_avx2(const float* x, int64_t ldx, const W* panel, int64_t steps,
                        const float* bias, O* out, int64_t ldo, int64_t cols, bool accumulate,
                        Prefetcher* pf) {
@@ -168,10 +178,44 @@ inline void block_avx2(const float* x, int64_t ldx, const W* panel, int64_t step
         for (int j = 0; j < V; ++j) acc[r][j] = _mm256_fmadd_ps(xb, wv[j], acc[r][j]);
       }
     }
+  } else if constexpr (S == 2 && !kAhead && R >= 3 && R * V + V + 1 <= 16) {
+    // bfloat16 blocks of 3+ rows (compute-bound): a pair step's halves one after the
+    // other, each widened into V registers (its lines re-read from L1), so 3 rows' sums
+    // fit beside them; 2 x 3 blocks have too few chains (2 dependent FMAs each per step) to
+    // keep both FMA pipes busy. Measured on Zen 3 (SmolLM2's shapes, in-process A/B, same
+    // bits), 3 x 3 against 2 x 3 with both halves kept: 2 threads 95 -> 99 GFLOP/s at 64
+    // rows and 107 -> 121 at 128, one thread 67 -> 74. (4 x 3 leaves GCC short of
+    // registers: spills, 121 against 2 x 3's 127; 2 x 3 this way: 114.)
+    for (int64_t kk = 0; kk < steps; ++kk) {
+      const W* w = panel + kk * kPanel * S;
+      prefetch.step();
+#pragma GCC unroll 2
+      for (int s = 0; s < 2; ++s) {
+        __m256 wv[V];
+#pragma GCC unroll 8
+        for (int j = 0; j < V; ++j) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j));
+          wv[j] = _mm256_castsi256_ps(
+              s == 0 ? _mm256_slli_epi32(raw, 16)
+                     : _mm256_slli_epi32(_mm256_srli_epi32(raw, 16), 16));
+          pagedllm_simd::in_register(wv[j]);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const __m256 xb = _mm256_broadcast_ss(x + r * ldx + kk * 2 + s);
+#pragma GCC unroll 8
+          for (int j = 0; j < V; ++j) acc[r][j] = _mm256_fmadd_ps(xb, wv[j], acc[r][j]);
+        }
+      }
+    }
   } else {
     for (int64_t kk = 0; kk < steps; ++kk) {
       const W* w = panel + kk * kPanel * S;
       prefetch.step();
+      if constexpr (kAhead) {  // the step's 3 lines, kStreamAhead on
+        const char* ahead = reinterpret_cast<const char*>(w) + kStreamAhead;
+        for (int line = 0; line < 3; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      }
 #pragma GCC unroll 8
       for (int j = 0; j < V; ++j) {
         __m256 wv[S];
@@ -180,7 +224,7 @@ inline void block_avx2(const float* x, int64_t ldx, const W* panel, int64_t step
         } else {  // 8 columns x (k, k + 1) as bfloat16 pairs: k in the low halves
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j));
           wv[0] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-          wv[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(raw, 16), 16));
+          wv[1] = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(-65536)));
         }
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r)
@@ -232,37 +276,40 @@ inline void block_avx2(const float* x, int64_t ldx, const W* panel, int64_t step
 // of up to kStreamRows rows stream the weight from memory: rows go kStreamBlock at a time
 // over the whole panel (each pass reads it front to back, the next from L2). Larger ones
 // are compute-bound: rows go kRowBlock at a time over column groups of kGroup vectors;
-// 8 rows split evenly (with 3-row blocks the 2-row tail took ~19% of a batch64 run's
-// samples). float32 holds a step's 3 weight vectors in registers (4 x 3 sums + 3 + one
-// broadcast at a time; block_avx2); bfloat16 widens its weight halves in registers (2 x 3
-// sums + 4 broadcasts + 2 halves). Measured on Zen 3 (2 threads, 30 SmolLM2 layers'
-// shapes, rows 64 / 128), with float32's weight then read as memory operands of the
-// FMAs: float32 4 x 3 115-119 GFLOP/s (4 x 2: 98-101, 3 x 3: 99-107; oneDNN's packed
-// float32 GEMM 123-144 on the same shapes), bfloat16 2 x 3 125-127 (3 x 2: 99-118).
+// float32's 8 rows split evenly (with 3-row blocks the 2-row tail took ~19% of a batch64
+// run's samples). float32 holds a step's 3 weight vectors in registers (4 x 3 sums + 3 +
+// one broadcast at a time; block_avx2); bfloat16 goes 3 + 3 + 2 rows, the 3-row blocks
+// widening one half of a pair step at a time (3 x 3 sums + 3 + one broadcast), the 2-row
+// tail both halves of a vector at once (2 x 3 sums + 4 broadcasts + 2 halves). Measured
+// on Zen 3 (2 threads, 30 SmolLM2 layers' shapes, rows 64 / 128), with float32's weight
+// then read as memory operands of the FMAs: float32 4 x 3 115-119 GFLOP/s (4 x 2: 98-101,
+// 3 x 3: 99-107; oneDNN's packed float32 GEMM 123-144 on the same shapes), bfloat16 2 x 3
+// 125-127 (3 x 2: 99-118); the 3-row bfloat16 blocks: block_avx2.
 template <typename W>
 struct Blocks {
   static constexpr int kStreamBlock = 2, kRowBlock = 4, kGroup = 3;
 };
 template <>
 struct Blocks<uint16_t> {
-  static constexpr int kStreamBlock = 2, kRowBlock = 2, kGroup = 3;
+  static constexpr int kStreamBlock = 2, kRowBlock = 3, kGroup = 3;
 };
 
 // Rows [r0, r0 + RB) of a block run, then the rest, RB at a time; over column groups of V
 // vectors. The prefetch of the next panel rides on the first block's walk over K.
-template <int R, int RB, int V, typename W, typename O>
+// kAhead: the first block streams the weight from memory (the others re-read it from L2).
+template <int R, int RB, int V, typename W, typename O, bool kAhead = false>
 inline void run_blocks(const float* x, int64_t ldx, const W* panel, int64_t steps,
                        const float* bias, O* out, int64_t ldo, int64_t cols, bool accumulate,
                        Prefetcher*& pf) {
   for (int64_t c = 0; c < kPanel && c < cols; c += 8 * V) {
-    block_avx2<std::min(R, RB), V>(x, ldx, panel + c * kSubSteps<W>, steps,
-                                   bias != nullptr ? bias + c : nullptr, out + c, ldo, cols - c,
-                                   accumulate, pf);
+    block_avx2<std::min(R, RB), V, W, O, kAhead>(x, ldx, panel + c * kSubSteps<W>, steps,
+                                                 bias != nullptr ? bias + c : nullptr, out + c,
+                                                 ldo, cols - c, accumulate, pf);
     pf = nullptr;
   }
   if constexpr (R > RB)
-    run_blocks<R - RB, RB, V>(x + RB * ldx, ldx, panel, steps, bias, out + RB * ldo, ldo, cols,
-                              accumulate, pf);
+    run_blocks<R - RB, RB, V, W, O>(x + RB * ldx, ldx, panel, steps, bias, out + RB * ldo, ldo,
+                                    cols, accumulate, pf);
 }
 
 // R rows (1..8) of x times one panel.
@@ -273,8 +320,8 @@ void micro_avx2(const float* x, int64_t ldx, const W* panel, int64_t steps, cons
   Prefetcher pf{ahead, ahead_lines, steps};
   Prefetcher* first = &pf;
   if constexpr (R <= kStreamRows)
-    run_blocks<R, Blocks<W>::kStreamBlock, 6>(x, ldx, panel, steps, bias, out, ldo, cols,
-                                              accumulate, first);
+    run_blocks<R, Blocks<W>::kStreamBlock, 6, W, O, std::is_same_v<W, uint16_t>>(
+        x, ldx, panel, steps, bias, out, ldo, cols, accumulate, first);
   else
     run_blocks<R, Blocks<W>::kRowBlock, Blocks<W>::kGroup>(x, ldx, panel, steps, bias, out,
                                                             ldo, cols, accumulate, first);
