@@ -81,21 +81,12 @@ inline int64_t slot_of(const Params<T, C>& p, int64_t r, int64_t pos) {
          pos % p.block_size;
 }
 
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 inline void to_float(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
 }
 
 inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
+  pagedllm_simd::widen_bf16(src, dst, n);
 }
 
 inline void to_float(const c10::Half* src, float* dst, int64_t n) {

@@ -36,6 +36,16 @@ __attribute__((always_inline)) inline float exp_poly(float x) {
   return p * scale;
 }
 
+// n bfloat16 values widened to float32 (exact: a bfloat16 is the top half of its float32).
+inline void widen_bf16(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+    std::memcpy(dst + i, &bits, sizeof(float));
+  }
+}
+
 }  // namespace pagedllm_simd
 
 
