@@ -205,6 +205,38 @@ def test_native_float32_gemm(bias, out_features):
     assert torch.equal(summed, residual + batched[:13])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_gemm_long_k_same_bits_alone_and_in_a_batch(dtype):
+    """A long K (1536, the MLP's down projection): on AVX2, calls of more than 4 rows walk
+    it in chunks (128 steps), the sums kept between chunks, for groups of rows (here 40 at
+    a time), and a call of one row walks it whole: a row's bits are the same either way,
+    at 300 rows (threads split the rows), 64 (they split the panels) and 13, with and
+    without accumulate; within float32 summation error (bfloat16: one rounding) of a
+    float64 product."""
+    if dtype == torch.bfloat16 and not has_native_bf16_gemm():
+        pytest.skip("needs AVX512-BF16 or AVX2")
+    gen = torch.Generator().manual_seed(8)
+    layer = _random_linear(1536, 100, True, gen).to(dtype)
+    weight, bias = layer.weight.double(), layer.bias.double()
+    pack_linear_weights(torch.nn.Sequential(layer))
+    assert layer.native_weight is not None
+    x = torch.randn(300, 1536, generator=gen).to(dtype)
+    batched = layer(x)
+    expected = torch.nn.functional.linear(x.double(), weight, bias)
+    tol = dict(rtol=1e-5, atol=1e-3) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.5)
+    torch.testing.assert_close(batched.double(), expected, **tol)
+    for i in range(0, 300, 23):
+        assert torch.equal(layer(x[i:i + 1]), batched[i:i + 1]), i
+    assert torch.equal(layer(x[:64]), batched[:64])
+    assert torch.equal(layer(x[-13:]), batched[-13:])
+    gemm = (torch.ops.pagedllm_cpu.gemm_f32 if dtype == torch.float32
+            else torch.ops.pagedllm_cpu.gemm_bf16)
+    residual = torch.randn(64, 100, generator=gen).to(dtype)
+    summed = residual.clone()
+    gemm(summed, x[:64], layer.native_weight, layer.native_bias, True)
+    assert torch.equal(summed, residual + batched[:64])
+
+
 def test_native_float32_gemm_rejects_bad_shapes():
     weight = torch.zeros(1, 16, 48)  # N <= 48, K = 16
     with pytest.raises(RuntimeError, match="K, 48"):

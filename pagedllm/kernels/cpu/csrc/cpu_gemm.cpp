@@ -10,7 +10,7 @@
 //   blocking of K by the number of rows, so a row's sums depended on the batch it came in.
 // An AVX-512 micro-kernel keeps 8 rows x 48 columns of sums in 24 registers and walks K
 // once, one chain per output in K order whatever the row count (the AVX2 ones, below,
-// do the same in smaller blocks); threads split the panels (claimed in runs at a few
+// do the same in smaller blocks, and in chunks of K above a few rows); threads split the panels (claimed in runs at a few
 // rows: work_split.h) or, on long prefills, the rows.
 // Measured (bf16) on this repo's 2-core Zen 5 VM, SmolLM2-135M shapes, weights cold: at 64 rows ~920 GFLOP/s against
 // oneDNN's packed GEMM's ~620; at 2048 rows about equal (~880); at one row it streams
@@ -61,6 +61,18 @@ constexpr int64_t kRowSplitMin = 256;
 // least this many at a time.
 constexpr int64_t kMinRunPanels = 2;
 
+// AVX2: calls of more than kStreamRows rows (compute-bound) walk K in chunks of this
+// many steps (a 24 KB slice of a panel: float32 [128, 48], bfloat16 [128, 48, 2]), each
+// chunk for a group of rows whose x fits kGroupBytes (Gemm::run_chunked). A walk over the whole K
+// read each block's weight from L2 at 96 bytes a step (more than L1 holds: a panel is
+// 110 KB at K = 576, 295 KB at 1536), and at K = 1536 a thread's x and panel together
+// overflowed L2. Measured on Zen 3 (2 threads, SmolLM2's 4 shapes, in-process A/B, same
+// bits; GFLOP/s): float32 79 -> 91-96 at 64 rows, 90 -> 91-94 at 128, 87 -> 95-96 at 2048
+// (the down projection, K = 1536: 73 -> 87, 81 -> 95); bfloat16 62 -> 73-76, 80 -> 80,
+// 64 -> 69-74. 64 and 96 steps, or 96 KB of x, measured slower; 256 steps and 384 KB even.
+constexpr int64_t kChunkSteps = 128;
+constexpr int64_t kGroupBytes = 256 << 10;
+
 // Spreads `lines` cache-line prefetches of `ahead` (the next panel's share of this call)
 // evenly over the `steps` steps of a K loop, the remainder carried (Bresenham-style).
 struct Prefetcher {
@@ -101,6 +113,13 @@ template <typename X, typename W, typename O>
 using MicroFn = void (*)(const X* x, int64_t ldx, const W* panel, int64_t steps,
                          const float* bias, O* out, int64_t ldo, int64_t cols, bool accumulate,
                          const char* ahead, int64_t ahead_lines);
+
+// A K chunk of a micro-kernel call (chunk_avx2, below).
+template <typename X, typename W, typename O>
+using ChunkFn = void (*)(const X* x, int64_t ldx, const W* panel, int64_t steps,
+                         float* part, bool first, bool last, const float* bias, O* out,
+                         int64_t ldo, int64_t cols, bool accumulate, const char* ahead,
+                         int64_t ahead_lines);
 
 #if defined(__AVX512F__)
 // The micro-kernels' epilogue: for each of the panel's 3 vectors of columns that exist
@@ -147,13 +166,16 @@ constexpr int64_t kStreamAhead = 1024;
 template <int R, int V, typename W, typename O, bool kAhead = false>
 inline void block_avx2(const float* x, int64_t ldx, const W* panel, int64_t steps,
                        const float* bias, O* out, int64_t ldo, int64_t cols, bool accumulate,
-                       Prefetcher* pf) {
+                       Prefetcher* pf, const float* part_in = nullptr,
+                       float* part_out = nullptr) {
   constexpr int S = kSubSteps<W>;
   __m256 acc[R][V];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int j = 0; j < V; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int j = 0; j < V; ++j)
+      acc[r][j] = part_in != nullptr ? _mm256_loadu_ps(part_in + r * kPanel + 8 * j)
+                                     : _mm256_setzero_ps();
   // A local copy: stores through `pf` inside the loop made GCC keep `acc` in memory.
   Prefetcher prefetch = pf != nullptr ? *pf : Prefetcher{nullptr, 0, steps};
   if constexpr (S == 1 && R * V + V + 1 <= 16) {
@@ -239,6 +261,13 @@ inline void block_avx2(const float* x, int64_t ldx, const W* panel, int64_t step
     }
   }
   if (pf != nullptr) *pf = prefetch;
+  if (part_out != nullptr) {  // a K chunk before the last: the sums as they stand
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < V; ++j) _mm256_storeu_ps(part_out + r * kPanel + 8 * j, acc[r][j]);
+    return;
+  }
   alignas(32) float sums[R][V][8];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
@@ -303,16 +332,20 @@ struct Blocks<uint16_t> {
 template <int R, int RB, int V, typename W, typename O, bool kAhead = false>
 inline void run_blocks(const float* x, int64_t ldx, const W* panel, int64_t steps,
                        const float* bias, O* out, int64_t ldo, int64_t cols, bool accumulate,
-                       Prefetcher*& pf) {
+                       Prefetcher*& pf, const float* part_in = nullptr,
+                       float* part_out = nullptr) {
   for (int64_t c = 0; c < kPanel && c < cols; c += 8 * V) {
-    block_avx2<std::min(R, RB), V, W, O, kAhead>(x, ldx, panel + c * kSubSteps<W>, steps,
-                                                 bias != nullptr ? bias + c : nullptr, out + c,
-                                                 ldo, cols - c, accumulate, pf);
+    block_avx2<std::min(R, RB), V, W, O, kAhead>(
+        x, ldx, panel + c * kSubSteps<W>, steps, bias != nullptr ? bias + c : nullptr, out + c,
+        ldo, cols - c, accumulate, pf, part_in != nullptr ? part_in + c : nullptr,
+        part_out != nullptr ? part_out + c : nullptr);
     pf = nullptr;
   }
   if constexpr (R > RB)
-    run_blocks<R - RB, RB, V, W, O>(x + RB * ldx, ldx, panel, steps, bias, out + RB * ldo, ldo,
-                                    cols, accumulate, pf);
+    run_blocks<R - RB, RB, V, W, O>(
+        x + RB * ldx, ldx, panel, steps, bias, out + RB * ldo, ldo, cols, accumulate, pf,
+        part_in != nullptr ? part_in + RB * kPanel : nullptr,
+        part_out != nullptr ? part_out + RB * kPanel : nullptr);
 }
 
 // R rows (1..8) of x times one panel.
@@ -330,6 +363,28 @@ void micro_avx2(const float* x, int64_t ldx, const W* panel, int64_t steps, cons
                                                             ldo, cols, accumulate, first);
   pf.finish();
 }
+
+// R rows (1..8) of x times K steps [c0, c0 + steps) of one panel, a chunk of a call
+// run in K chunks (Gemm::run_chunked): the sums start from `part` (rows kPanel apart)
+// unless `first`, and go back there unless `last` (then the epilogue, as micro_avx2's).
+template <int R, typename W, typename O>
+void chunk_avx2(const float* x, int64_t ldx, const W* panel, int64_t steps, float* part,
+                bool first, bool last, const float* bias, O* out, int64_t ldo, int64_t cols,
+                bool accumulate, const char* ahead, int64_t ahead_lines) {
+  Prefetcher pf{ahead, ahead_lines, steps};
+  Prefetcher* first_pf = &pf;
+  run_blocks<R, Blocks<W>::kRowBlock, Blocks<W>::kGroup>(x, ldx, panel, steps, bias, out, ldo,
+                                                          cols, accumulate, first_pf,
+                                                          first ? nullptr : part,
+                                                          last ? nullptr : part);
+  pf.finish();
+}
+
+template <typename W, typename O>
+constexpr ChunkFn<float, W, O> kChunkAvx2[kRows + 1] = {
+    nullptr,           chunk_avx2<1, W, O>, chunk_avx2<2, W, O>, chunk_avx2<3, W, O>,
+    chunk_avx2<4, W, O>, chunk_avx2<5, W, O>, chunk_avx2<6, W, O>, chunk_avx2<7, W, O>,
+    chunk_avx2<8, W, O>};
 
 // bfloat16 weights and outputs, float32 x (no non-temporal loads here).
 constexpr MicroFn<float, uint16_t, uint16_t> kMicroBf16Avx2[kRows + 1] = {
@@ -464,6 +519,51 @@ struct Gemm {
   O* out;
   int64_t ldo, m, n, panels;
   bool accumulate;
+  // The AVX2 kernels' K-chunked form of `micros` (X = float) for calls of more than
+  // kStreamRows rows (run_chunked), else nullptr.
+  const ChunkFn<X, W, O>* chunked = nullptr;
+
+  // Rows [m0, m1) x panels [p0, p1) in K chunks of kChunkSteps: a chunk of a panel stays
+  // in L1 while a group of rows (their x within kGroupBytes: L2) goes by, and the sums
+  // wait in `part` between chunks (float32 stored and reloaded as is: the same chain of
+  // FMAs per output, the same bits as one walk over K).
+  void run_chunked(int64_t m0, int64_t m1, int64_t p0, int64_t p1) const {
+    const int64_t panel_elems = steps * step_elems, per_step = step_elems / kPanel;
+    const int64_t step_bytes = step_elems * static_cast<int64_t>(sizeof(W));
+    const int64_t chunk_steps = kChunkSteps;
+    const int64_t cap = std::max<int64_t>(
+        kRows, kGroupBytes / (steps * per_step * 4) / kRows * kRows);
+    const int64_t groups = (m1 - m0 + cap - 1) / cap;
+    const int64_t group_rows = ((m1 - m0 + groups - 1) / groups + kRows - 1) / kRows * kRows;
+    const auto part = std::make_unique_for_overwrite<float[]>(group_rows * kPanel);
+    for (int64_t g0 = m0; g0 < m1; g0 += group_rows) {
+      const int64_t g1 = std::min(m1, g0 + group_rows);
+      const int64_t blocks = (g1 - g0 + kRows - 1) / kRows;
+      for (int64_t p = p0; p < p1; ++p) {
+        const W* panel = w + p * panel_elems;
+        const int64_t cols = std::min(kPanel, n - p * kPanel);
+        for (int64_t c0 = 0; c0 < steps; c0 += chunk_steps) {
+          const int64_t c1 = std::min(steps, c0 + chunk_steps);
+          // Prefetched meanwhile, a share per row block: the next chunk, or the next
+          // panel's first.
+          const W* next = c1 < steps ? panel + c1 * step_elems
+                                     : (p + 1 < p1 ? panel + panel_elems : nullptr);
+          const int64_t lines =
+              next != nullptr
+                  ? std::min(chunk_steps, c1 < steps ? steps - c1 : steps) * step_bytes / 64
+                  : 0;
+          const int64_t share = (lines + blocks - 1) / blocks;
+          for (int64_t mm = g0, b = 0; mm < g1; mm += kRows, ++b)
+            chunked[std::min(kRows, g1 - mm)](
+                x + mm * ldx + c0 * per_step, ldx, panel + c0 * step_elems, c1 - c0,
+                part.get() + (mm - g0) * kPanel, c0 == 0, c1 == steps,
+                bias ? bias + p * kPanel : nullptr, out + mm * ldo + p * kPanel, ldo, cols,
+                accumulate, next ? reinterpret_cast<const char*>(next) + 64 * b * share : nullptr,
+                std::clamp<int64_t>(lines - b * share, 0, share));
+        }
+      }
+    }
+  }
 
   // Panels [p0, p1) for rows [m0, m1). While a panel is in use, the next one is
   // prefetched a slice per row block (above kStreamRows rows): weights stream from
@@ -471,6 +571,7 @@ struct Gemm {
   // prefetch each panel's first reads stall.
   void run_panels(int64_t m0, int64_t m1, int64_t p0, int64_t p1) const {
     const bool prefetch = m1 - m0 > kStreamRows;
+    if (prefetch && chunked != nullptr) return run_chunked(m0, m1, p0, p1);
     const int64_t panel_elems = steps * step_elems;
     const int64_t panel_lines = panel_elems * static_cast<int64_t>(sizeof(W)) / 64;
     const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
@@ -535,8 +636,9 @@ bool streams(const at::Tensor& x, const at::Tensor& weight) {
 template <typename X>
 void run_gemm_bf16(const MicroFn<X, uint16_t, uint16_t>* micros, const X* x, int64_t ldx,
                    const at::Tensor& out, const at::Tensor& weight,
-                   const std::optional<at::Tensor>& bias, bool accumulate) {
-  const Gemm<X, uint16_t, uint16_t> g{micros,
+                   const std::optional<at::Tensor>& bias, bool accumulate,
+                   const ChunkFn<X, uint16_t, uint16_t>* chunked = nullptr) {
+  Gemm<X, uint16_t, uint16_t> g{micros,
                                       x,
                                       ldx,
                                       reinterpret_cast<const uint16_t*>(weight.data_ptr()),
@@ -549,6 +651,7 @@ void run_gemm_bf16(const MicroFn<X, uint16_t, uint16_t>* micros, const X* x, int
                                       out.size(1),
                                       weight.size(0),
                                       accumulate};
+  g.chunked = chunked;
   g.run();
 }
 
@@ -591,7 +694,8 @@ void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   const auto* xb = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
   for (int64_t r = 0; r < m; ++r)
     pagedllm_simd::widen_bf16(xb + r * x.stride(0), xf.get() + r * k, k);
-  run_gemm_bf16(kMicroBf16Avx2, xf.get(), k, out, weight, bias, accumulate);
+  run_gemm_bf16(kMicroBf16Avx2, xf.get(), k, out, weight, bias, accumulate,
+                kChunkAvx2<uint16_t, uint16_t>);
 #else
   TORCH_CHECK(false, "gemm_bf16 needs AVX512-BF16 or AVX2 with FMA");
 #endif
@@ -605,13 +709,16 @@ void gemm_f32(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
                   weight.size(1) == x.size(1) && weight.scalar_type() == at::kFloat,
               "gemm_f32: weight is packed float32 [ceil(N / 48), K, 48]");
   check_out_bias("gemm_f32", out, x, weight.size(0), at::kFloat, "float32", bias);
-  const Gemm<float, float, float> g{streams(x, weight) ? kMicroF32<true> : kMicroF32<false>,
+  Gemm<float, float, float> g{streams(x, weight) ? kMicroF32<true> : kMicroF32<false>,
                                     x.data_ptr<float>(),      x.stride(0),
                                     weight.data_ptr<float>(), weight.size(1),
                                     kPanel,                   bias.data_ptr<float>(),
                                     out.data_ptr<float>(),    out.stride(0),
                                     x.size(0),                out.size(1),
                                     weight.size(0),           accumulate};
+  #if defined(PAGEDLLM_GEMM_AVX2) && !defined(__AVX512F__)
+  g.chunked = kChunkAvx2<float, float>;
+#endif
   g.run();
 }
 
