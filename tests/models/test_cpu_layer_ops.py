@@ -209,10 +209,11 @@ def test_native_float32_gemm(bias, out_features):
 def test_native_gemm_long_k_same_bits_alone_and_in_a_batch(dtype):
     """A long K (1536, the MLP's down projection): on AVX2, calls of more than 4 rows walk
     it in chunks (128 steps), the sums kept between chunks, for groups of rows (here 40 at
-    a time), and a call of one row walks it whole: a row's bits are the same either way,
-    at 300 rows (threads split the rows), 64 (they split the panels) and 13, with and
-    without accumulate; within float32 summation error (bfloat16: one rounding) of a
-    float64 product."""
+    a time); bfloat16 from 8 rows a thread on chunks widened to float32 first, from 5 to 7
+    with the weight widened in registers; a call of one row walks it whole: a row's bits
+    are the same either way, at 300 rows (threads split the rows), 64 and 13 (they split
+    the panels) and 6, with and without accumulate; within float32 summation error
+    (bfloat16: one rounding) of a float64 product."""
     if dtype == torch.bfloat16 and not has_native_bf16_gemm():
         pytest.skip("needs AVX512-BF16 or AVX2")
     gen = torch.Generator().manual_seed(8)
@@ -229,6 +230,7 @@ def test_native_gemm_long_k_same_bits_alone_and_in_a_batch(dtype):
         assert torch.equal(layer(x[i:i + 1]), batched[i:i + 1]), i
     assert torch.equal(layer(x[:64]), batched[:64])
     assert torch.equal(layer(x[-13:]), batched[-13:])
+    assert torch.equal(layer(x[7:13]), batched[7:13])
     gemm = (torch.ops.pagedllm_cpu.gemm_f32 if dtype == torch.float32
             else torch.ops.pagedllm_cpu.gemm_bf16)
     residual = torch.randn(64, 100, generator=gen).to(dtype)

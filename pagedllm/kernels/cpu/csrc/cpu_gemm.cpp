@@ -72,6 +72,14 @@ constexpr int64_t kMinRunPanels = 2;
 // 64 -> 69-74. 64 and 96 steps, or 96 KB of x, measured slower; 256 steps and 384 KB even.
 constexpr int64_t kChunkSteps = 128;
 constexpr int64_t kGroupBytes = 256 << 10;
+// AVX2 bfloat16 calls of at least this many rows (per thread) widen each chunk of a panel
+// to float32 once (64 pair steps: 24 KB) and run the float32 kernels over it, for every
+// row of the group: no widening in the inner loop, whose shifts competed with the FMAs
+// (the same bits: the same FMAs in the same order). Measured on Zen 3 (2 threads,
+// SmolLM2's shapes, in-process A/B; GFLOP/s): 55 -> 58 at 8 rows, 59 -> 66 at 12, 69 ->
+// 74 at 16, 82 -> 90-91 at 64, 78 -> 87-89 at 128, 85 -> 98 at 2048 (float32, the same
+// run: 91-92); at 5 rows 39 -> 38, so fewer rows keep widening in registers.
+constexpr int64_t kWidenRows = 8;
 
 // Spreads `lines` cache-line prefetches of `ahead` (the next panel's share of this call)
 // evenly over the `steps` steps of a K loop, the remainder carried (Bresenham-style).
@@ -316,7 +324,9 @@ inline void block_avx2(const float* x, int64_t ldx, const W* panel, int64_t step
 // on Zen 3 (2 threads, 30 SmolLM2 layers' shapes, rows 64 / 128), with float32's weight
 // then read as memory operands of the FMAs: float32 4 x 3 115-119 GFLOP/s (4 x 2: 98-101,
 // 3 x 3: 99-107; oneDNN's packed float32 GEMM 123-144 on the same shapes), bfloat16 2 x 3
-// 125-127 (3 x 2: 99-118); the 3-row bfloat16 blocks: block_avx2.
+// 125-127 (3 x 2: 99-118); the 3-row bfloat16 blocks: block_avx2. (bfloat16 calls of
+// kWidenRows rows or more per thread now run float32's blocks on widened chunks, so its
+// own compute-bound blocks serve calls of 5 to 7 rows.)
 template <typename W>
 struct Blocks {
   static constexpr int kStreamBlock = 2, kRowBlock = 4, kGroup = 3;
@@ -378,6 +388,23 @@ void chunk_avx2(const float* x, int64_t ldx, const W* panel, int64_t steps, floa
                                                           first ? nullptr : part,
                                                           last ? nullptr : part);
   pf.finish();
+}
+
+// Widens `steps` pair steps of a bfloat16 panel ([steps, 48, 2]) into float32 [2 * steps,
+// 48]: k = 2s and 2s + 1 of step s in turn (exact).
+inline void widen_pairs(const uint16_t* chunk, int64_t steps, float* out) {
+  const __m256i high = _mm256_set1_epi32(-65536);
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint16_t* w = chunk + s * 2 * kPanel;
+    float* even = out + 2 * s * kPanel;
+#pragma GCC unroll 6
+    for (int j = 0; j < kPanel / 8; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(even + 8 * j), _mm256_slli_epi32(raw, 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(even + kPanel + 8 * j),
+                          _mm256_and_si256(raw, high));
+    }
+  }
 }
 
 template <typename W, typename O>
@@ -522,6 +549,10 @@ struct Gemm {
   // The AVX2 kernels' K-chunked form of `micros` (X = float) for calls of more than
   // kStreamRows rows (run_chunked), else nullptr.
   const ChunkFn<X, W, O>* chunked = nullptr;
+  // bfloat16 on AVX2: the float32 kernels' chunked form, and what widens a chunk of
+  // `steps` pair steps of a panel into float32 [2 * steps, kPanel] for them.
+  const ChunkFn<X, float, O>* widened = nullptr;
+  void (*widen)(const W* chunk, int64_t steps, float* out) = nullptr;
 
   // Rows [m0, m1) x panels [p0, p1) in K chunks of kChunkSteps: a chunk of a panel stays
   // in L1 while a group of rows (their x within kGroupBytes: L2) goes by, and the sums
@@ -530,12 +561,15 @@ struct Gemm {
   void run_chunked(int64_t m0, int64_t m1, int64_t p0, int64_t p1) const {
     const int64_t panel_elems = steps * step_elems, per_step = step_elems / kPanel;
     const int64_t step_bytes = step_elems * static_cast<int64_t>(sizeof(W));
-    const int64_t chunk_steps = kChunkSteps;
     const int64_t cap = std::max<int64_t>(
         kRows, kGroupBytes / (steps * per_step * 4) / kRows * kRows);
     const int64_t groups = (m1 - m0 + cap - 1) / cap;
     const int64_t group_rows = ((m1 - m0 + groups - 1) / groups + kRows - 1) / kRows * kRows;
     const auto part = std::make_unique_for_overwrite<float[]>(group_rows * kPanel);
+    const bool widening = widened != nullptr && m1 - m0 >= kWidenRows;
+    const int64_t chunk_steps = widening ? kChunkSteps / per_step : kChunkSteps;
+    std::unique_ptr<float[]> wide;
+    if (widening) wide = std::make_unique_for_overwrite<float[]>(kChunkSteps * kPanel);
     for (int64_t g0 = m0; g0 < m1; g0 += group_rows) {
       const int64_t g1 = std::min(m1, g0 + group_rows);
       const int64_t blocks = (g1 - g0 + kRows - 1) / kRows;
@@ -553,13 +587,23 @@ struct Gemm {
                   ? std::min(chunk_steps, c1 < steps ? steps - c1 : steps) * step_bytes / 64
                   : 0;
           const int64_t share = (lines + blocks - 1) / blocks;
-          for (int64_t mm = g0, b = 0; mm < g1; mm += kRows, ++b)
-            chunked[std::min(kRows, g1 - mm)](
-                x + mm * ldx + c0 * per_step, ldx, panel + c0 * step_elems, c1 - c0,
-                part.get() + (mm - g0) * kPanel, c0 == 0, c1 == steps,
-                bias ? bias + p * kPanel : nullptr, out + mm * ldo + p * kPanel, ldo, cols,
-                accumulate, next ? reinterpret_cast<const char*>(next) + 64 * b * share : nullptr,
-                std::clamp<int64_t>(lines - b * share, 0, share));
+          if (widening) widen(panel + c0 * step_elems, c1 - c0, wide.get());
+          for (int64_t mm = g0, b = 0; mm < g1; mm += kRows, ++b) {
+            const int64_t rows = std::min(kRows, g1 - mm);
+            const char* ahead =
+                next ? reinterpret_cast<const char*>(next) + 64 * b * share : nullptr;
+            const int64_t ahead_lines = std::clamp<int64_t>(lines - b * share, 0, share);
+            const bool first = c0 == 0, last = c1 == steps;
+            float* sums = part.get() + (mm - g0) * kPanel;
+            const float* b_p = bias ? bias + p * kPanel : nullptr;
+            O* o = out + mm * ldo + p * kPanel;
+            if (widening)
+              widened[rows](x + mm * ldx + c0 * per_step, ldx, wide.get(), (c1 - c0) * per_step,
+                            sums, first, last, b_p, o, ldo, cols, accumulate, ahead, ahead_lines);
+            else
+              chunked[rows](x + mm * ldx + c0 * per_step, ldx, panel + c0 * step_elems, c1 - c0,
+                            sums, first, last, b_p, o, ldo, cols, accumulate, ahead, ahead_lines);
+          }
         }
       }
     }
@@ -637,7 +681,9 @@ template <typename X>
 void run_gemm_bf16(const MicroFn<X, uint16_t, uint16_t>* micros, const X* x, int64_t ldx,
                    const at::Tensor& out, const at::Tensor& weight,
                    const std::optional<at::Tensor>& bias, bool accumulate,
-                   const ChunkFn<X, uint16_t, uint16_t>* chunked = nullptr) {
+                   const ChunkFn<X, uint16_t, uint16_t>* chunked = nullptr,
+                   const ChunkFn<X, float, uint16_t>* widened = nullptr,
+                   void (*widen)(const uint16_t*, int64_t, float*) = nullptr) {
   Gemm<X, uint16_t, uint16_t> g{micros,
                                       x,
                                       ldx,
@@ -652,6 +698,8 @@ void run_gemm_bf16(const MicroFn<X, uint16_t, uint16_t>* micros, const X* x, int
                                       weight.size(0),
                                       accumulate};
   g.chunked = chunked;
+  g.widened = widened;
+  g.widen = widen;
   g.run();
 }
 
@@ -695,7 +743,7 @@ void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   for (int64_t r = 0; r < m; ++r)
     pagedllm_simd::widen_bf16(xb + r * x.stride(0), xf.get() + r * k, k);
   run_gemm_bf16(kMicroBf16Avx2, xf.get(), k, out, weight, bias, accumulate,
-                kChunkAvx2<uint16_t, uint16_t>);
+                kChunkAvx2<uint16_t, uint16_t>, kChunkAvx2<float, uint16_t>, widen_pairs);
 #else
   TORCH_CHECK(false, "gemm_bf16 needs AVX512-BF16 or AVX2 with FMA");
 #endif
