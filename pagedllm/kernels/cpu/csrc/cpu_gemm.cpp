@@ -10,8 +10,8 @@
 //   blocking of K by the number of rows, so a row's sums depended on the batch it came in.
 // An AVX-512 micro-kernel keeps 8 rows x 48 columns of sums in 24 registers and walks K
 // once, one chain per output in K order whatever the row count (the AVX2 ones, below,
-// do the same in smaller blocks, and in chunks of K above a few rows); threads split the panels (claimed in runs at a few
-// rows: work_split.h) or, on long prefills, the rows.
+// do the same in smaller blocks, and in chunks of K above a few rows); threads split the
+// panels (claimed in runs at a few rows: work_split.h) or, on long prefills, the rows.
 // Measured (bf16) on this repo's 2-core Zen 5 VM, SmolLM2-135M shapes, weights cold: at 64 rows ~920 GFLOP/s against
 // oneDNN's packed GEMM's ~620; at 2048 rows about equal (~880); at one row it streams
 // the weights at ~49 GB/s (with the next panel prefetched, since left to the hardware
@@ -63,13 +63,14 @@ constexpr int64_t kMinRunPanels = 2;
 
 // AVX2: calls of more than kStreamRows rows (compute-bound) walk K in chunks of this
 // many steps (a 24 KB slice of a panel: float32 [128, 48], bfloat16 [128, 48, 2]), each
-// chunk for a group of rows whose x fits kGroupBytes (Gemm::run_chunked). A walk over the whole K
-// read each block's weight from L2 at 96 bytes a step (more than L1 holds: a panel is
-// 110 KB at K = 576, 295 KB at 1536), and at K = 1536 a thread's x and panel together
-// overflowed L2. Measured on Zen 3 (2 threads, SmolLM2's 4 shapes, in-process A/B, same
-// bits; GFLOP/s): float32 79 -> 91-96 at 64 rows, 90 -> 91-94 at 128, 87 -> 95-96 at 2048
-// (the down projection, K = 1536: 73 -> 87, 81 -> 95); bfloat16 62 -> 73-76, 80 -> 80,
-// 64 -> 69-74. 64 and 96 steps, or 96 KB of x, measured slower; 256 steps and 384 KB even.
+// chunk for a group of rows whose x fits kGroupBytes (Gemm::run_chunked). A walk over the
+// whole K read each block's weight from L2 at 96 bytes a step (more than L1 holds: a
+// panel is 110 KB at K = 576, 295 KB at 1536), and at K = 1536 a thread's x and panel
+// together overflowed L2. Measured on Zen 3 (2 threads, SmolLM2's 4 shapes, in-process
+// A/B, same bits; GFLOP/s): float32 79 -> 91-96 at 64 rows, 90 -> 91-94 at 128, 87 ->
+// 95-96 at 2048 (the down projection, K = 1536: 73 -> 87, 81 -> 95); bfloat16 62 -> 73-76,
+// 80 -> 80, 64 -> 69-74. 64 and 96 steps, or 96 KB of x, measured slower; 256 steps and
+// 384 KB even.
 constexpr int64_t kChunkSteps = 128;
 constexpr int64_t kGroupBytes = 256 << 10;
 // AVX2 bfloat16 calls of at least this many rows (per thread) widen each chunk of a panel
@@ -685,18 +686,18 @@ void run_gemm_bf16(const MicroFn<X, uint16_t, uint16_t>* micros, const X* x, int
                    const ChunkFn<X, float, uint16_t>* widened = nullptr,
                    void (*widen)(const uint16_t*, int64_t, float*) = nullptr) {
   Gemm<X, uint16_t, uint16_t> g{micros,
-                                      x,
-                                      ldx,
-                                      reinterpret_cast<const uint16_t*>(weight.data_ptr()),
-                                      weight.size(1),
-                                      2 * kPanel,
-                                      bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                                      reinterpret_cast<uint16_t*>(out.data_ptr()),
-                                      out.stride(0),
-                                      out.size(0),
-                                      out.size(1),
-                                      weight.size(0),
-                                      accumulate};
+                                x,
+                                ldx,
+                                reinterpret_cast<const uint16_t*>(weight.data_ptr()),
+                                weight.size(1),
+                                2 * kPanel,
+                                bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                                reinterpret_cast<uint16_t*>(out.data_ptr()),
+                                out.stride(0),
+                                out.size(0),
+                                out.size(1),
+                                weight.size(0),
+                                accumulate};
   g.chunked = chunked;
   g.widened = widened;
   g.widen = widen;
@@ -758,13 +759,13 @@ void gemm_f32(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
               "gemm_f32: weight is packed float32 [ceil(N / 48), K, 48]");
   check_out_bias("gemm_f32", out, x, weight.size(0), at::kFloat, "float32", bias);
   Gemm<float, float, float> g{streams(x, weight) ? kMicroF32<true> : kMicroF32<false>,
-                                    x.data_ptr<float>(),      x.stride(0),
-                                    weight.data_ptr<float>(), weight.size(1),
-                                    kPanel,                   bias.data_ptr<float>(),
-                                    out.data_ptr<float>(),    out.stride(0),
-                                    x.size(0),                out.size(1),
-                                    weight.size(0),           accumulate};
-  #if defined(PAGEDLLM_GEMM_AVX2) && !defined(__AVX512F__)
+                              x.data_ptr<float>(),      x.stride(0),
+                              weight.data_ptr<float>(), weight.size(1),
+                              kPanel,                   bias.data_ptr<float>(),
+                              out.data_ptr<float>(),    out.stride(0),
+                              x.size(0),                out.size(1),
+                              weight.size(0),           accumulate};
+#if defined(PAGEDLLM_GEMM_AVX2) && !defined(__AVX512F__)
   g.chunked = kChunkAvx2<float, float>;
 #endif
   g.run();
