@@ -359,25 +359,9 @@ inline void run_blocks(const float* x, int64_t ldx, const W* panel, int64_t step
         part_out != nullptr ? part_out + RB * kPanel : nullptr);
 }
 
-// R rows (1..8) of x times one panel.
-template <int R, typename W, typename O>
-void micro_avx2(const float* x, int64_t ldx, const W* panel, int64_t steps, const float* bias,
-                O* out, int64_t ldo, int64_t cols, bool accumulate, const char* ahead,
-                int64_t ahead_lines) {
-  Prefetcher pf{ahead, ahead_lines, steps};
-  Prefetcher* first = &pf;
-  if constexpr (R <= kStreamRows)
-    run_blocks<R, Blocks<W>::kStreamBlock, 6, W, O, std::is_same_v<W, uint16_t>>(
-        x, ldx, panel, steps, bias, out, ldo, cols, accumulate, first);
-  else
-    run_blocks<R, Blocks<W>::kRowBlock, Blocks<W>::kGroup>(x, ldx, panel, steps, bias, out,
-                                                            ldo, cols, accumulate, first);
-  pf.finish();
-}
-
 // R rows (1..8) of x times K steps [c0, c0 + steps) of one panel, a chunk of a call
 // run in K chunks (Gemm::run_chunked): the sums start from `part` (rows kPanel apart)
-// unless `first`, and go back there unless `last` (then the epilogue, as micro_avx2's).
+// unless `first`, and go back there unless `last` (then the epilogue).
 template <int R, typename W, typename O>
 void chunk_avx2(const float* x, int64_t ldx, const W* panel, int64_t steps, float* part,
                 bool first, bool last, const float* bias, O* out, int64_t ldo, int64_t cols,
@@ -389,6 +373,24 @@ void chunk_avx2(const float* x, int64_t ldx, const W* panel, int64_t steps, floa
                                                           first ? nullptr : part,
                                                           last ? nullptr : part);
   pf.finish();
+}
+
+// R rows (1..8) of x times one panel. The AVX2 GEMMs send calls of more than kStreamRows
+// rows to run_chunked, so here those rows are only the table's filling: one chunk.
+template <int R, typename W, typename O>
+void micro_avx2(const float* x, int64_t ldx, const W* panel, int64_t steps, const float* bias,
+                O* out, int64_t ldo, int64_t cols, bool accumulate, const char* ahead,
+                int64_t ahead_lines) {
+  if constexpr (R <= kStreamRows) {
+    Prefetcher pf{ahead, ahead_lines, steps};
+    Prefetcher* first = &pf;
+    run_blocks<R, Blocks<W>::kStreamBlock, 6, W, O, std::is_same_v<W, uint16_t>>(
+        x, ldx, panel, steps, bias, out, ldo, cols, accumulate, first);
+    pf.finish();
+  } else {
+    chunk_avx2<R, W, O>(x, ldx, panel, steps, nullptr, true, true, bias, out, ldo, cols,
+                        accumulate, ahead, ahead_lines);
+  }
 }
 
 // Widens `steps` pair steps of a bfloat16 panel ([steps, 48, 2]) into float32 [2 * steps,
