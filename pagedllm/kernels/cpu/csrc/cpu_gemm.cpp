@@ -647,9 +647,13 @@ struct Gemm {
     // x holds k per row as float32 (4 bytes each) or as bfloat16 pairs in int32 (2).
     const int64_t row_bytes = k * (std::is_same_v<X, float> ? 4 : 2);
     const int64_t row_block = std::max<int64_t>(kRows, kRowBlockBytes / row_bytes / kRows * kRows);
+    const int64_t unit_cap = std::max<int64_t>(kRows, kGroupBytes / row_bytes / kRows * kRows);
+    const int64_t max_threads = omp_get_max_threads();
+    const auto cursors = std::make_unique<std::atomic<int64_t>[]>(max_threads);
     for (int64_t m0 = 0; m0 < m; m0 += row_block) {
       const int64_t m1 = std::min(m, m0 + row_block);
       std::atomic<int64_t> next_panel{0};
+      for (int64_t i = 0; i < max_threads; ++i) cursors[i].store(0, std::memory_order_relaxed);
 #pragma omp parallel if (parallel)
       {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
@@ -658,14 +662,27 @@ struct Gemm {
           claim_runs(next_panel, panels, threads, kMinRunPanels,
                      [&](int64_t p0, int64_t p1) { run_panels(m0, m1, p0, p1); });
         } else if (panels >= threads && m1 - m0 < kRowSplitMin) {
-          // Contiguous runs of panels: each thread streams its part of the weight.
-          run_panels(m0, m1, panels * t / threads, panels * (t + 1) / threads);
+          // Compute-bound too: runs of panels claimed in turn, shrinking to one, so a
+          // thread that runs slower (a VM's vCPU, a busy SMT sibling) is not waited for.
+          claim_runs(next_panel, panels, threads, 1,
+                     [&](int64_t p0, int64_t p1) { run_panels(m0, m1, p0, p1); });
         } else {
-          // Many rows, or fewer panels than threads: split the rows.
-          const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
-          const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
-          if (b0 < b1)
-            run_panels(m0 + b0 * kRows, std::min(m1, m0 + b1 * kRows), 0, panels);
+          // Many rows, or fewer panels than threads: each thread takes its own even share
+          // of the rows (kept in its cache for the ops that follow) in units of up to
+          // unit_cap rows, then the units of the others that they have not reached.
+          const auto share = [&](int64_t o) {
+            const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;
+            const int64_t r0 = m0 + blocks * o / threads * kRows;
+            return RowShare(r0, std::min(m1, m0 + blocks * (o + 1) / threads * kRows), unit_cap,
+                            kRows);
+          };
+          claim_own_then_others(
+              cursors.get(), threads, t, [&](int64_t o) { return share(o).units; },
+              [&](int64_t o, int64_t j) {
+                const RowShare s = share(o);
+                run_panels(s.r0 + j * s.unit, std::min(s.r1, s.r0 + (j + 1) * s.unit), 0,
+                           panels);
+              });
         }
       }
     }

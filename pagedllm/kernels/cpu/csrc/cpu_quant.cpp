@@ -58,6 +58,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 
 #include "ops.h"
@@ -674,19 +675,27 @@ void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   const int64_t ldo = out.stride(0);
   // Small calls take microseconds, less than waking the other threads.
   const bool parallel = groups * weight_blocks * block_bytes * (m + 4) > (1 << 18);
-  std::atomic<int64_t> next_group{0};
+  // Each block of kRowBlock rows has its own claims, so no thread waits for another
+  // between blocks.
+  const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  const auto next_group = std::make_unique<std::atomic<int64_t>[]>(row_blocks);
+  for (int64_t b = 0; b < row_blocks; ++b) next_group[b].store(0, std::memory_order_relaxed);
 #pragma omp parallel if (parallel)
   {
-    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t threads = omp_get_num_threads();
     if (m <= kStreamRows) {
-      claim_runs(next_group, groups, threads, kMinRunGroups, [&](int64_t g0, int64_t g1) {
+      claim_runs(next_group[0], groups, threads, kMinRunGroups, [&](int64_t g0, int64_t g1) {
         run(path, xq, 0, m, wp, block_bytes, L, bias, op, ldo, n, accumulate, g0, g1);
       });
     } else {
-      const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
-      for (int64_t m0 = 0; m0 < m; m0 += kRowBlock)
-        run(path, xq, m0, std::min(m, m0 + kRowBlock), wp, block_bytes, L, bias, op, ldo, n,
-            accumulate, g0, g1);
+      // Compute-bound: runs of groups claimed in turn, shrinking to one, so a thread
+      // that runs slower (a VM's vCPU, a busy SMT sibling) is not waited for at the end.
+      for (int64_t b = 0; b < row_blocks; ++b) {
+        const int64_t m0 = b * kRowBlock, m1 = std::min(m, m0 + kRowBlock);
+        claim_runs(next_group[b], groups, threads, 1, [&](int64_t g0, int64_t g1) {
+          run(path, xq, m0, m1, wp, block_bytes, L, bias, op, ldo, n, accumulate, g0, g1);
+        });
+      }
     }
   }
 }

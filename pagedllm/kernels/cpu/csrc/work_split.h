@@ -38,4 +38,37 @@ inline void claim_runs(std::atomic<int64_t>& next, int64_t total, int64_t thread
   }
 }
 
+// Rows [r0, r1) as `units` runs of `unit` rows (a multiple of `block`, near `cap` or
+// below, as even as blocks allow; the last run may be short).
+struct RowShare {
+  int64_t r0, r1, unit, units = 0;
+  RowShare(int64_t begin, int64_t end, int64_t cap, int64_t block)
+      : r0(begin), r1(std::max(begin, end)), unit(block) {
+    if (r1 == r0) return;
+    const int64_t runs = (r1 - r0 + cap - 1) / cap;
+    unit = ((r1 - r0 + runs - 1) / runs + block - 1) / block * block;
+    units = (r1 - r0 + unit - 1) / unit;
+  }
+};
+
+// Calls fn(o, j) for every unit j < units(o) of every thread o of a parallel region, each
+// once: thread t takes its own units in order, then those of the other threads that they
+// have not reached yet (cursors[o]: thread o's next unit, 0 at the start). Each thread's
+// share stays with it unless it falls behind, as when a VM's vCPU or a busy SMT sibling
+// runs slower than the other: an even static split then leaves the faster thread waiting
+// at the region's closing barrier (the float32 GEMM on a 2-vCPU Zen 3 VM: ~10% of each
+// thread's time).
+template <typename Units, typename Fn>
+inline void claim_own_then_others(std::atomic<int64_t>* cursors, int64_t threads, int64_t t,
+                                  Units&& units, Fn&& fn) {
+  for (int64_t i = 0; i < threads; ++i) {
+    const int64_t o = (t + i) % threads, count = units(o);
+    for (;;) {
+      const int64_t j = cursors[o].fetch_add(1, std::memory_order_relaxed);
+      if (j >= count) break;
+      fn(o, j);
+    }
+  }
+}
+
 }  // namespace pagedllm_ops
