@@ -107,6 +107,7 @@ struct Scratch {
   std::vector<float> q, acc, m, l, l_lanes, k, v, s, probs, alpha;
   std::vector<uint16_t> probs_b;
   std::vector<const float*> kp, vp;  // the generic item's K / V rows of its current step
+  std::vector<const uint16_t*> kp16, vp16;  // the same, read in place from a bfloat16 cache
   // The item this thread runs after the current one, when it is already claimed: the
   // current item's last steps prefetch its first keys (nullptr: none known).
   const Item* next = nullptr;
@@ -114,7 +115,8 @@ struct Scratch {
       : q(max_rows * head_size), acc(max_rows * head_size), m(max_rows), l(max_rows),
         l_lanes(max_rows * 16),
         k(keys * head_size), v(keys * head_size), s(2 * (keys + 8)), probs(max_rows * 16),
-        alpha(max_rows), probs_b(max_rows * 16 + 2), kp(keys), vp(keys) {}
+        alpha(max_rows), probs_b(max_rows * 16 + 2), kp(keys), vp(keys), kp16(keys),
+        vp16(keys) {}
 };
 
 // Load the queries of KV head h as float32 times `scale`, rows i * G + g.
