@@ -1,5 +1,6 @@
-// How the GEMMs share a weight's column panels / groups among threads when a call only
-// streams the weight (decode-sized calls: a few rows).
+// How the GEMMs share their work among threads: a weight's column panels / groups
+// (decode-sized calls, which only stream the weight, and compute-bound calls of fewer
+// rows), or rows (compute-bound calls of many rows).
 //
 // An even static split leaves one thread waiting for the other at the end of every call:
 // two cores streaming their halves do not finish together (profiled on Zen 4, single
@@ -9,6 +10,9 @@
 // Measured there, in-process A/B: bfloat16 decoder stack 9.69 -> 9.16 ms per step, Q4_1
 // 5.45 -> 4.96 ms (halving per thread, or longer minimum runs: the same within noise).
 // Which thread computes a column never changes its bits (one chain per output either way).
+// Compute-bound calls claim their runs the same way, down to runs of one (cpu_gemm.cpp,
+// cpu_quant.cpp): on a VM one vCPU often runs slower than the other (profiled on Zen 3,
+// float32 batch64: ~10% of both threads' time at the closing barriers, 3.7% after).
 #pragma once
 
 #include <algorithm>
