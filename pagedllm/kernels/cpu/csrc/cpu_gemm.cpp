@@ -649,11 +649,11 @@ struct Gemm {
     const int64_t row_block = std::max<int64_t>(kRows, kRowBlockBytes / row_bytes / kRows * kRows);
     const int64_t unit_cap = std::max<int64_t>(kRows, kGroupBytes / row_bytes / kRows * kRows);
     const int64_t max_threads = omp_get_max_threads();
-    const auto cursors = std::make_unique<std::atomic<int64_t>[]>(max_threads);
+    ClaimCounters cursors(max_threads);
     for (int64_t m0 = 0; m0 < m; m0 += row_block) {
       const int64_t m1 = std::min(m, m0 + row_block);
       std::atomic<int64_t> next_panel{0};
-      for (int64_t i = 0; i < max_threads; ++i) cursors[i].store(0, std::memory_order_relaxed);
+      cursors.reset(max_threads);
 #pragma omp parallel if (parallel)
       {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
@@ -677,7 +677,7 @@ struct Gemm {
                             kRows);
           };
           claim_own_then_others(
-              cursors.get(), threads, t, [&](int64_t o) { return share(o).units; },
+              cursors.data(), threads, t, [&](int64_t o) { return share(o).units; },
               [&](int64_t o, int64_t j) {
                 const RowShare s = share(o);
                 run_panels(s.r0 + j * s.unit, std::min(s.r1, s.r0 + (j + 1) * s.unit), 0,

@@ -678,8 +678,7 @@ void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   // Each block of kRowBlock rows has its own claims, so no thread waits for another
   // between blocks.
   const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
-  const auto next_group = std::make_unique<std::atomic<int64_t>[]>(row_blocks);
-  for (int64_t b = 0; b < row_blocks; ++b) next_group[b].store(0, std::memory_order_relaxed);
+  ClaimCounters next_group(row_blocks);
 #pragma omp parallel if (parallel)
   {
     const int64_t threads = omp_get_num_threads();

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 
 namespace pagedllm_ops {
 
@@ -25,6 +26,32 @@ namespace pagedllm_ops {
 // their runs here, and the bfloat16 / float32 GEMM leaves the stream to the hardware
 // prefetcher and reads it with non-temporal loads (cpu_gemm.cpp).
 constexpr int64_t kStreamRows = 4;
+
+// One call's claim counters, all 0 at the start: held inline up to kInline (every
+// decode-sized call, and the thread counts of most machines), on the heap beyond, so the
+// ~120 GEMM calls of a decode step allocate nothing for them.
+class ClaimCounters {
+ public:
+  explicit ClaimCounters(int64_t n)
+      : heap_(n > kInline ? std::make_unique<std::atomic<int64_t>[]>(n) : nullptr),
+        data_(heap_ ? heap_.get() : inline_) {
+    reset(n);
+  }
+  ClaimCounters(const ClaimCounters&) = delete;
+  ClaimCounters& operator=(const ClaimCounters&) = delete;
+
+  void reset(int64_t n) {
+    for (int64_t i = 0; i < n; ++i) data_[i].store(0, std::memory_order_relaxed);
+  }
+  std::atomic<int64_t>* data() { return data_; }
+  std::atomic<int64_t>& operator[](int64_t i) { return data_[i]; }
+
+ private:
+  static constexpr int64_t kInline = 8;
+  std::atomic<int64_t> inline_[kInline];
+  std::unique_ptr<std::atomic<int64_t>[]> heap_;
+  std::atomic<int64_t>* data_;
+};
 
 // Calls fn(begin, end) for runs of [0, total) claimed from `next` (shared by the threads
 // of one parallel region, starting at 0) until none are left.
