@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from pagedllm.kernels.cpu.ops import load_cpu_kernels
-from pagedllm.kernels.cpu.features import has_native_bf16_gemm
+from pagedllm.kernels.cpu.features import has_f32_gemm_over_bf16, has_native_bf16_gemm
 from pagedllm.models.layers import activation, norm, rotary
 from pagedllm.models.layers.activation import SiluAndMul
-from pagedllm.models.layers.linear import ColumnParallelLinear, pack_linear_weights
+from pagedllm.models.layers import linear as linear_module
+from pagedllm.models.layers.linear import (ColumnParallelLinear, is_bf16_exact,
+                                           pack_linear_weights, pack_native)
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding
 
@@ -237,6 +239,57 @@ def test_native_gemm_long_k_same_bits_alone_and_in_a_batch(dtype):
     summed = residual.clone()
     gemm(summed, x[:64], layer.native_weight, layer.native_bias, True)
     assert torch.equal(summed, residual + batched[:64])
+
+
+@pytest.mark.skipif(not has_f32_gemm_over_bf16(), reason="needs the AVX2 build (no AVX-512)")
+@pytest.mark.parametrize("in_features,out_features", [(200, 100), (1536, 100), (576, 3072)])
+def test_float32_gemm_over_bfloat16_weights_same_bits(monkeypatch, in_features,
+                                                      out_features):
+    """A float32 linear whose weights are all bfloat16 values (a bfloat16 checkpoint run in
+    float32) is packed as bfloat16, half the bytes, and gemm_f32 reads those panels with
+    the same bits as float32 panels of the same values: for every kind of call (1-4 rows:
+    the stream; 5-7: bfloat16 blocks widening in registers; 8 and more: chunks widened to
+    float32; 300: the rows split between threads; K = 1536: chunks of K), with accumulate,
+    and with 1-3 threads. A weight with any other value keeps its float32 panels."""
+    gen = torch.Generator().manual_seed(9)
+    layer = _random_linear(in_features, out_features, True, gen)
+    assert not is_bf16_exact(layer.weight)
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.bfloat16().float())
+    assert is_bf16_exact(layer.weight)
+    packed = pack_native(layer.weight)
+    assert packed.dtype == torch.bfloat16
+    assert packed.shape == (-(-out_features // 48), in_features // 2, 48, 2)
+    monkeypatch.setattr(linear_module, "has_f32_gemm_over_bf16", lambda: False)
+    reference = pack_native(layer.weight)
+    assert reference.dtype == torch.float32
+    bias = layer.bias.detach().contiguous()
+    x = torch.randn(300, in_features, generator=gen)
+
+    def gemm(weight, rows, accumulate_into=None):
+        out = (torch.empty(rows.shape[0], out_features) if accumulate_into is None
+               else accumulate_into.clone())
+        torch.ops.pagedllm_cpu.gemm_f32(out, rows, weight, bias, accumulate_into is not None)
+        return out
+
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for rows in (1, 2, 3, 4, 5, 7, 8, 13, 64, 300):
+                part = x[-rows:]
+                assert torch.equal(gemm(packed, part), gemm(reference, part)), (n, rows)
+    finally:
+        torch.set_num_threads(threads)
+    residual = torch.randn(64, out_features, generator=gen)
+    for rows in (1, 6, 64):
+        assert torch.equal(gemm(packed, x[:rows], residual[:rows]),
+                           gemm(reference, x[:rows], residual[:rows]))
+    near = layer.weight.detach().clone()
+    near[-1, -1] = torch.nextafter(near[-1, -1], torch.tensor(float("inf")))
+    assert not is_bf16_exact(near)
+    monkeypatch.undo()
+    assert pack_native(near).dtype == torch.float32
 
 
 def test_native_float32_gemm_rejects_bad_shapes():

@@ -10,7 +10,9 @@ import torch
 import transformers as tf
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.kernels.cpu.features import has_f32_gemm_over_bf16
 from pagedllm.kernels.cpu.ops import load_cpu_kernels
+from pagedllm.models.layers import linear as linear_module
 from tests.utils import random_prompts, save_tiny_model, tiny_llama_config
 
 pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="native CPU ops not built")
@@ -75,3 +77,35 @@ def test_native_layers_long_prefill(tmp_path, dtype):
     llm.generate([{"prompt_token_ids": prompt}],
                  SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert steps[0] == 1100
+
+
+@pytest.mark.skipif(not has_f32_gemm_over_bf16(), reason="needs the AVX2 build (no AVX-512)")
+def test_bfloat16_checkpoint_in_float32(tmp_path, monkeypatch):
+    """A bfloat16 checkpoint run in float32 (dtype "auto" on AVX2): its linears and LM head
+    are packed as bfloat16 (pack_native: half the bytes a decode step streams), the native
+    stack agrees with the Python layers on them, and the tokens and logprobs are exactly
+    those of float32 panels of the same values."""
+    path = save_tiny_model(tmp_path / "llama", tiny_llama_config(), dtype=torch.bfloat16)
+    prompts = random_prompts(3, 256, 5, 40, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+
+    def run() -> tuple[list, set]:
+        llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True,
+                  max_num_batched_tokens=24, enable_prefix_caching=False)
+        steps = run_both_ways(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        assert 24 in steps and 1 in steps
+        model = llm.llm_engine.engine_core.executor.runner.model
+        dtypes = {m.native_weight.dtype for m in model.modules()
+                  if getattr(m, "native_weight", None) is not None}
+        return [(o.outputs[0].token_ids,
+                 [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+                for o in outs], dtypes
+
+    halves, halves_dtypes = run()
+    assert halves_dtypes == {torch.bfloat16}
+    monkeypatch.setattr(linear_module, "has_f32_gemm_over_bf16", lambda: False)
+    full, full_dtypes = run()
+    assert full_dtypes == {torch.float32}
+    assert halves == full

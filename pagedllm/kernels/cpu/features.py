@@ -42,6 +42,14 @@ def has_native_bf16_gemm() -> bool:
     return has_avx512_bf16() or {"avx2", "fma"} <= cpu_flags()
 
 
+def has_f32_gemm_over_bf16() -> bool:
+    """True when the native float32 GEMM also reads bfloat16-packed weights (csrc/
+    cpu_gemm.cpp: gemm_f32): its AVX2 kernels, which this CPU runs when it has AVX2 and FMA
+    but no AVX-512 (the AVX-512 float32 kernel reads float32 panels only)."""
+    flags = cpu_flags()
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+
+
 def has_quant_simd() -> bool:
     """True when the quantized GEMM (csrc/cpu_quant.cpp) has SIMD kernels for this CPU:
     AVX512-VNNI (Zen 4, Zen 5, Intel since Ice Lake) or AVX2 with FMA and F16C (Zen 2 and

@@ -16,7 +16,7 @@ from torch import nn
 from pagedllm.distributed.comm import all_reduce
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.kernels.cpu import ops as cpu_ops
-from pagedllm.kernels.cpu.features import has_native_bf16_gemm
+from pagedllm.kernels.cpu.features import has_f32_gemm_over_bf16, has_native_bf16_gemm
 from pagedllm.kernels.cpu.ops import cpu_ops_available
 from pagedllm.kernels.cpu.quant import QuantizedWeight, repack
 from pagedllm.nn import Module
@@ -159,10 +159,27 @@ def can_native(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
+def is_bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether every float32 value of `weight` is a bfloat16 one (its low 16 bits zero), as
+    when a bfloat16 checkpoint runs in float32."""
+    if weight.dtype != torch.float32 or weight.numel() == 0:
+        return False
+    words = weight.detach().contiguous().view(torch.int16)  # little-endian: low half first
+    return not bool(words[..., 0::2].any())
+
+
 def pack_native(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> panels of 48 output columns (rows past N are zero), as
     cpu_gemm.cpp reads them: bfloat16 [ceil(N / 48), K / 2, 48, 2] (each pair of K of 48
-    columns one contiguous run), float32 [ceil(N / 48), K, 48]."""
+    columns one contiguous run), float32 [ceil(N / 48), K, 48].
+
+    A float32 weight whose values are all bfloat16 (is_bf16_exact) is packed as bfloat16
+    where gemm_f32 reads those (has_f32_gemm_over_bf16: AVX2 without AVX-512): the same
+    bits from half the bytes, which a decode step streams from memory (measured on Zen 3:
+    bfloat16 checkpoints in float32 decode ~1.8x faster, as in bfloat16)."""
+    if (weight.dtype == torch.float32 and weight.shape[1] % 2 == 0
+            and has_f32_gemm_over_bf16() and is_bf16_exact(weight)):
+        weight = weight.detach().bfloat16()
     n, k = weight.shape
     panels = -(-n // NATIVE_PANEL)
     padded = F.pad(weight.detach(), (0, 0, 0, panels * NATIVE_PANEL - n))
@@ -212,7 +229,8 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if x2.stride(1) != 1 or x2.stride(0) % 2:
             x2 = x2.contiguous()
         out = torch.empty((x2.shape[0], native_bias.numel()), dtype=x.dtype)
-        gemm = cpu_ops.gemm_f32 if native_weight.dtype == torch.float32 else cpu_ops.gemm_bf16
+        # float32 x may meet bfloat16 panels (pack_native): the GEMM goes by x's dtype.
+        gemm = cpu_ops.gemm_f32 if x.dtype == torch.float32 else cpu_ops.gemm_bf16
         gemm(out, x2, native_weight, native_bias)
         return out.view(*x.shape[:-1], out.shape[1])
     if packed_weight is None:

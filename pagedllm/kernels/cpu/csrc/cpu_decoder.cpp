@@ -65,13 +65,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                  c10::string_view(""));
 }
 
-// out (+)= x . W^T + bias through the native GEMM of W's packing (bfloat16 or float32
-// panels, uint8 GGUF blocks).
+// out (+)= x . W^T + bias through the native GEMM of W's packing (uint8 GGUF blocks;
+// bfloat16 or float32 panels, multiplied in x's dtype: float32 x may meet bfloat16
+// panels, models/layers/linear.py: pack_native).
 void native_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& bias, bool accumulate) {
   if (weight.scalar_type() == at::kByte) {
     gemm_quant(out, x, weight, bias, accumulate);
-  } else if (weight.scalar_type() == at::kFloat) {
+  } else if (x.scalar_type() == at::kFloat) {
     gemm_f32(out, x, weight, bias, accumulate);
   } else {
     gemm_bf16(out, x, weight, bias, accumulate);

@@ -416,12 +416,14 @@ constexpr ChunkFn<float, W, O> kChunkAvx2[kRows + 1] = {
     chunk_avx2<4, W, O>, chunk_avx2<5, W, O>, chunk_avx2<6, W, O>, chunk_avx2<7, W, O>,
     chunk_avx2<8, W, O>};
 
-// bfloat16 weights and outputs, float32 x (no non-temporal loads here).
-constexpr MicroFn<float, uint16_t, uint16_t> kMicroBf16Avx2[kRows + 1] = {
-    nullptr, micro_avx2<1, uint16_t, uint16_t>, micro_avx2<2, uint16_t, uint16_t>,
-    micro_avx2<3, uint16_t, uint16_t>, micro_avx2<4, uint16_t, uint16_t>,
-    micro_avx2<5, uint16_t, uint16_t>, micro_avx2<6, uint16_t, uint16_t>,
-    micro_avx2<7, uint16_t, uint16_t>, micro_avx2<8, uint16_t, uint16_t>};
+// bfloat16 weights, float32 x, O outputs (no non-temporal loads here): bfloat16 outputs
+// for gemm_bf16, float32 for gemm_f32 over weights stored as bfloat16.
+template <typename O>
+constexpr MicroFn<float, uint16_t, O> kMicroBf16Avx2[kRows + 1] = {
+    nullptr, micro_avx2<1, uint16_t, O>, micro_avx2<2, uint16_t, O>,
+    micro_avx2<3, uint16_t, O>, micro_avx2<4, uint16_t, O>,
+    micro_avx2<5, uint16_t, O>, micro_avx2<6, uint16_t, O>,
+    micro_avx2<7, uint16_t, O>, micro_avx2<8, uint16_t, O>};
 #endif
 
 #if defined(__AVX512BF16__)
@@ -762,7 +764,7 @@ void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   const auto* xb = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
   for (int64_t r = 0; r < m; ++r)
     pagedllm_simd::widen_bf16(xb + r * x.stride(0), xf.get() + r * k, k);
-  run_gemm_bf16(kMicroBf16Avx2, xf.get(), k, out, weight, bias, accumulate,
+  run_gemm_bf16(kMicroBf16Avx2<uint16_t>, xf.get(), k, out, weight, bias, accumulate,
                 kChunkAvx2<uint16_t, uint16_t>, kChunkAvx2<float, uint16_t>, widen_pairs);
 #else
   TORCH_CHECK(false, "gemm_bf16 needs AVX512-BF16 or AVX2 with FMA");
@@ -773,6 +775,40 @@ void gemm_f32(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
               const at::Tensor& bias, bool accumulate) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
               "gemm_f32: x is a float32 [M, K] with contiguous rows");
+  if (weight.scalar_type() == at::kBFloat16) {
+    // float32 weights that are exactly bfloat16 (a bfloat16 checkpoint run in float32),
+    // stored as such: each output is the same FMA chain over K in order as from the
+    // float32 panels (the pairs widened exactly, in registers or a chunk at a time), so
+    // the same bits from half the bytes, which is what a decode step reads.
+    TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() && weight.size(2) == kPanel &&
+                    weight.size(3) == 2 && weight.size(1) * 2 == x.size(1),
+                "gemm_f32: a bfloat16 weight is packed [ceil(N / 48), K / 2, 48, 2]");
+    check_out_bias("gemm_f32", out, x, weight.size(0), at::kFloat, "float32", bias);
+#if defined(PAGEDLLM_GEMM_AVX2) && !defined(__AVX512F__)
+    Gemm<float, uint16_t, float> g{kMicroBf16Avx2<float>,
+                                   x.data_ptr<float>(),
+                                   x.stride(0),
+                                   reinterpret_cast<const uint16_t*>(weight.data_ptr()),
+                                   weight.size(1),
+                                   2 * kPanel,
+                                   bias.data_ptr<float>(),
+                                   out.data_ptr<float>(),
+                                   out.stride(0),
+                                   x.size(0),
+                                   out.size(1),
+                                   weight.size(0),
+                                   accumulate};
+    g.chunked = kChunkAvx2<uint16_t, float>;
+    g.widened = kChunkAvx2<float, float>;
+    g.widen = widen_pairs;
+    g.run();
+    return;
+#else
+    // The AVX-512 float32 kernel reads float32 panels; these would need their own.
+    TORCH_CHECK(false, "gemm_f32: bfloat16 weights need the AVX2 build (AVX2 and FMA, "
+                       "no AVX-512)");
+#endif
+  }
   TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.size(2) == kPanel &&
                   weight.size(1) == x.size(1) && weight.scalar_type() == at::kFloat,
               "gemm_f32: weight is packed float32 [ceil(N / 48), K, 48]");

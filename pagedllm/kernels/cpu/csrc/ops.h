@@ -21,7 +21,8 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x);
 void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                const std::optional<at::Tensor>& bias, bool accumulate = false);
 // float32 (cpu_gemm.cpp): out = x . W^T + bias from W packed [ceil(N / 48), K, 48], one
-// fused multiply-add chain per output in K order; accumulate: out += that.
+// fused multiply-add chain per output in K order; accumulate: out += that. In the AVX2
+// build W may also be bfloat16 packed as for gemm_bf16 (the same bits as its float32).
 void gemm_f32(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
               const at::Tensor& bias, bool accumulate = false);
 // GGUF-quantized weight (cpu_quant.cpp): out = round(x . dequant(W)^T + bias); bias is a
