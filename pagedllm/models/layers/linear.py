@@ -164,8 +164,11 @@ def is_bf16_exact(weight: torch.Tensor) -> bool:
     when a bfloat16 checkpoint runs in float32."""
     if weight.dtype != torch.float32 or weight.numel() == 0:
         return False
-    words = weight.detach().contiguous().view(torch.int16)  # little-endian: low half first
-    return not bool(words[..., 0::2].any())
+    # Little-endian: each value's low half comes first.
+    low = weight.detach().contiguous().view(torch.int16).view(-1)[0::2]
+    # The first values settle a float32 checkpoint's weights at once; a whole check takes
+    # ~40 ms per 28M values (SmolLM2's LM head).
+    return not bool(low[:4096].any()) and not bool(low.any())
 
 
 def pack_native(weight: torch.Tensor) -> torch.Tensor:
