@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from pagedllm.kernels.cpu.ops import load_cpu_kernels
-from pagedllm.kernels.cpu.features import has_f32_gemm_over_bf16, has_native_bf16_gemm
+from pagedllm.kernels.cpu.features import has_f32_gemm_over_16bit, has_native_bf16_gemm
 from pagedllm.models.layers import activation, norm, rotary
 from pagedllm.models.layers.activation import SiluAndMul
 from pagedllm.models.layers import linear as linear_module
-from pagedllm.models.layers.linear import (ColumnParallelLinear, is_bf16_exact,
+from pagedllm.models.layers.linear import (ColumnParallelLinear, is_bf16_exact, is_f16_exact,
                                            pack_linear_weights, pack_native)
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding
@@ -241,26 +241,33 @@ def test_native_gemm_long_k_same_bits_alone_and_in_a_batch(dtype):
     assert torch.equal(summed, residual + batched[:64])
 
 
-@pytest.mark.skipif(not has_f32_gemm_over_bf16(), reason="needs the AVX2 build (no AVX-512)")
-@pytest.mark.parametrize("in_features,out_features", [(200, 100), (1536, 100), (576, 3072)])
-def test_float32_gemm_over_bfloat16_weights_same_bits(monkeypatch, in_features,
-                                                      out_features):
+@pytest.mark.skipif(not has_f32_gemm_over_16bit(),
+                    reason="needs the AVX2 build (AVX2, FMA, F16C; no AVX-512)")
+@pytest.mark.parametrize("dtype,in_features,out_features", [
+    (torch.bfloat16, 200, 100), (torch.bfloat16, 1536, 100), (torch.bfloat16, 576, 3072),
+    (torch.float16, 200, 100), (torch.float16, 1536, 100), (torch.float16, 201, 50)])
+def test_float32_gemm_over_16bit_weights_same_bits(monkeypatch, dtype, in_features,
+                                                   out_features):
     """A float32 linear whose weights are all bfloat16 values (a bfloat16 checkpoint run in
-    float32) is packed as bfloat16, half the bytes, and gemm_f32 reads those panels with
-    the same bits as float32 panels of the same values: for every kind of call (1-4 rows:
-    the stream; 5-7: bfloat16 blocks widening in registers; 8 and more: chunks widened to
-    float32; 300: the rows split between threads; K = 1536: chunks of K), with accumulate,
+    float32), or else all float16 ones (a float16 checkpoint or GGUF file), is packed in
+    that dtype, half the bytes, and gemm_f32 reads those panels with the same bits as
+    float32 panels of the same values: for every kind of call (1-4 rows: the stream; 5-7:
+    blocks widening in registers; 8 and more: chunks widened to float32; 300: the rows
+    split between threads; K = 1536: chunks of K; an odd K in float16), with accumulate,
     and with 1-3 threads. A weight with any other value keeps its float32 panels."""
     gen = torch.Generator().manual_seed(9)
     layer = _random_linear(in_features, out_features, True, gen)
-    assert not is_bf16_exact(layer.weight)
+    assert not is_bf16_exact(layer.weight) and not is_f16_exact(layer.weight)
     with torch.no_grad():
-        layer.weight.copy_(layer.weight.bfloat16().float())
-    assert is_bf16_exact(layer.weight)
+        layer.weight.copy_(layer.weight.to(dtype).float())
+    assert is_bf16_exact(layer.weight) == (dtype == torch.bfloat16)
+    assert is_f16_exact(layer.weight) or dtype == torch.bfloat16
     packed = pack_native(layer.weight)
-    assert packed.dtype == torch.bfloat16
-    assert packed.shape == (-(-out_features // 48), in_features // 2, 48, 2)
-    monkeypatch.setattr(linear_module, "has_f32_gemm_over_bf16", lambda: False)
+    assert packed.dtype == dtype
+    panels = -(-out_features // 48)
+    assert packed.shape == ((panels, in_features // 2, 48, 2) if dtype == torch.bfloat16
+                            else (panels, in_features, 48))
+    monkeypatch.setattr(linear_module, "has_f32_gemm_over_16bit", lambda: False)
     reference = pack_native(layer.weight)
     assert reference.dtype == torch.float32
     bias = layer.bias.detach().contiguous()
@@ -287,9 +294,25 @@ def test_float32_gemm_over_bfloat16_weights_same_bits(monkeypatch, in_features,
                            gemm(reference, x[:rows], residual[:rows]))
     near = layer.weight.detach().clone()
     near[-1, -1] = torch.nextafter(near[-1, -1], torch.tensor(float("inf")))
-    assert not is_bf16_exact(near)
+    assert not is_bf16_exact(near) and not is_f16_exact(near)
     monkeypatch.undo()
     assert pack_native(near).dtype == torch.float32
+
+
+def test_16bit_exactness_checks():
+    """is_bf16_exact / is_f16_exact: every value representable (any shape), not merely the
+    first ones; NaN, and values outside float16's range, count as not float16."""
+    values = torch.randn(5000).bfloat16().float()
+    assert is_bf16_exact(values) and is_bf16_exact(values.view(50, 100))
+    values[-1] += 2 ** -20
+    assert not is_bf16_exact(values)
+    halves = torch.randn(5000).half().float()
+    assert is_f16_exact(halves)
+    for bad in (float("nan"), 70000.0, 1e-9):
+        other = halves.clone()
+        other[-1] = bad
+        assert not is_f16_exact(other), bad
+    assert not is_bf16_exact(torch.zeros(0)) and not is_f16_exact(torch.zeros(3).half())
 
 
 def test_native_float32_gemm_rejects_bad_shapes():

@@ -10,7 +10,7 @@ import torch
 import transformers as tf
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.kernels.cpu.features import has_f32_gemm_over_bf16
+from pagedllm.kernels.cpu.features import has_f32_gemm_over_16bit
 from pagedllm.kernels.cpu.ops import load_cpu_kernels
 from pagedllm.models.layers import linear as linear_module
 from tests.utils import random_prompts, save_tiny_model, tiny_llama_config
@@ -79,13 +79,15 @@ def test_native_layers_long_prefill(tmp_path, dtype):
     assert steps[0] == 1100
 
 
-@pytest.mark.skipif(not has_f32_gemm_over_bf16(), reason="needs the AVX2 build (no AVX-512)")
-def test_bfloat16_checkpoint_in_float32(tmp_path, monkeypatch):
-    """A bfloat16 checkpoint run in float32 (dtype "auto" on AVX2): its linears and LM head
-    are packed as bfloat16 (pack_native: half the bytes a decode step streams), the native
-    stack agrees with the Python layers on them, and the tokens and logprobs are exactly
-    those of float32 panels of the same values."""
-    path = save_tiny_model(tmp_path / "llama", tiny_llama_config(), dtype=torch.bfloat16)
+@pytest.mark.skipif(not has_f32_gemm_over_16bit(),
+                    reason="needs the AVX2 build (AVX2, FMA, F16C; no AVX-512)")
+@pytest.mark.parametrize("saved", [torch.bfloat16, torch.float16])
+def test_16bit_checkpoint_in_float32(tmp_path, monkeypatch, saved):
+    """A bfloat16 or float16 checkpoint run in float32 (dtype "auto" on AVX2): its linears
+    and LM head are packed in the checkpoint's dtype (pack_native: half the bytes a decode
+    step streams), the native stack agrees with the Python layers on them, and the tokens
+    and logprobs are exactly those of float32 panels of the same values."""
+    path = save_tiny_model(tmp_path / "llama", tiny_llama_config(), dtype=saved)
     prompts = random_prompts(3, 256, 5, 40, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
 
@@ -104,8 +106,8 @@ def test_bfloat16_checkpoint_in_float32(tmp_path, monkeypatch):
                 for o in outs], dtypes
 
     halves, halves_dtypes = run()
-    assert halves_dtypes == {torch.bfloat16}
-    monkeypatch.setattr(linear_module, "has_f32_gemm_over_bf16", lambda: False)
+    assert halves_dtypes == {saved}
+    monkeypatch.setattr(linear_module, "has_f32_gemm_over_16bit", lambda: False)
     full, full_dtypes = run()
     assert full_dtypes == {torch.float32}
     assert halves == full

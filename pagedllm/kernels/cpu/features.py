@@ -42,12 +42,13 @@ def has_native_bf16_gemm() -> bool:
     return has_avx512_bf16() or {"avx2", "fma"} <= cpu_flags()
 
 
-def has_f32_gemm_over_bf16() -> bool:
-    """True when the native float32 GEMM also reads bfloat16-packed weights (csrc/
-    cpu_gemm.cpp: gemm_f32): its AVX2 kernels, which this CPU runs when it has AVX2 and FMA
-    but no AVX-512 (the AVX-512 float32 kernel reads float32 panels only)."""
+def has_f32_gemm_over_16bit() -> bool:
+    """True when the native float32 GEMM also reads weights packed as bfloat16 or float16
+    (csrc/cpu_gemm.cpp: gemm_f32, widened exactly in registers): its AVX2 kernels, which
+    this CPU runs when it has AVX2, FMA and F16C but no AVX-512 (the AVX-512 float32
+    kernel reads float32 panels only)."""
     flags = cpu_flags()
-    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+    return {"avx2", "fma", "f16c"} <= flags and "avx512f" not in flags
 
 
 def has_quant_simd() -> bool:

@@ -76,8 +76,9 @@ def gemm_f32(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     """out [M, N] = x [M, K] @ W^T + bias (float32) from the packed weight
     [ceil(N/48), K, 48] and bias [N]; with `accumulate`, out += that. Each output is one
     fused multiply-add chain over K in order, whatever M (batch invariant). Where
-    `features.has_f32_gemm_over_bf16()`, the weight may instead be bfloat16 packed as for
-    gemm_bf16: the same bits as the float32 panels of the same values."""
+    `features.has_f32_gemm_over_16bit()`, the weight may instead be bfloat16 packed as for
+    gemm_bf16, or float16 [ceil(N/48), K, 48]: the same bits as float32 panels of the same
+    values."""
     torch.ops.pagedllm_cpu.gemm_f32.default(out, x, weight, bias, accumulate)
 
 

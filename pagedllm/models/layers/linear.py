@@ -16,7 +16,7 @@ from torch import nn
 from pagedllm.distributed.comm import all_reduce
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.kernels.cpu import ops as cpu_ops
-from pagedllm.kernels.cpu.features import has_f32_gemm_over_bf16, has_native_bf16_gemm
+from pagedllm.kernels.cpu.features import has_f32_gemm_over_16bit, has_native_bf16_gemm
 from pagedllm.kernels.cpu.ops import cpu_ops_available
 from pagedllm.kernels.cpu.quant import QuantizedWeight, repack
 from pagedllm.nn import Module
@@ -171,22 +171,35 @@ def is_bf16_exact(weight: torch.Tensor) -> bool:
     return not bool(low[:4096].any()) and not bool(low.any())
 
 
+def is_f16_exact(weight: torch.Tensor) -> bool:
+    """Whether every float32 value of `weight` is a float16 one (NaN counts as not), as
+    when a float16 checkpoint or GGUF file runs in float32."""
+    if weight.dtype != torch.float32 or weight.numel() == 0:
+        return False
+    flat = weight.detach().reshape(-1)
+    head = flat[:4096]  # settles most other weights at once, as in is_bf16_exact
+    return torch.equal(head.half().float(), head) and torch.equal(flat.half().float(), flat)
+
+
 def pack_native(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> panels of 48 output columns (rows past N are zero), as
     cpu_gemm.cpp reads them: bfloat16 [ceil(N / 48), K / 2, 48, 2] (each pair of K of 48
-    columns one contiguous run), float32 [ceil(N / 48), K, 48].
+    columns one contiguous run), float32 or float16 [ceil(N / 48), K, 48].
 
-    A float32 weight whose values are all bfloat16 (is_bf16_exact) is packed as bfloat16
-    where gemm_f32 reads those (has_f32_gemm_over_bf16: AVX2 without AVX-512): the same
-    bits from half the bytes, which a decode step streams from memory (measured on Zen 3:
-    bfloat16 checkpoints in float32 decode ~1.8x faster, as in bfloat16)."""
-    if (weight.dtype == torch.float32 and weight.shape[1] % 2 == 0
-            and has_f32_gemm_over_bf16() and is_bf16_exact(weight)):
-        weight = weight.detach().bfloat16()
+    A float32 weight whose values are all bfloat16 (is_bf16_exact) or else all float16
+    (is_f16_exact) is packed in that dtype where gemm_f32 reads it
+    (has_f32_gemm_over_16bit: AVX2 without AVX-512): the same bits from half the bytes,
+    which a decode step streams from memory (measured on Zen 3: bfloat16 checkpoints in
+    float32 decode ~1.8x faster, as in bfloat16)."""
+    if weight.dtype == torch.float32 and has_f32_gemm_over_16bit():
+        if weight.shape[1] % 2 == 0 and is_bf16_exact(weight):
+            weight = weight.detach().bfloat16()
+        elif is_f16_exact(weight):
+            weight = weight.detach().half()
     n, k = weight.shape
     panels = -(-n // NATIVE_PANEL)
     padded = F.pad(weight.detach(), (0, 0, 0, panels * NATIVE_PANEL - n))
-    if weight.dtype == torch.float32:
+    if weight.dtype != torch.bfloat16:
         return padded.view(panels, NATIVE_PANEL, k).transpose(1, 2).contiguous()
     return padded.view(panels, NATIVE_PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 

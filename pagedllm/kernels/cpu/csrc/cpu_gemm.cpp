@@ -20,6 +20,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 #include <omp.h>
 
@@ -27,6 +28,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <memory>
 #include <type_traits>
@@ -159,8 +161,16 @@ inline void each_output(const __m512 (&acc)[R][3], const float* bias, int64_t co
 #if defined(__AVX2__) && defined(__FMA__)
 #define PAGEDLLM_GEMM_AVX2 1
 
+// k per step: 2 for bfloat16 pairs (uint16_t), 1 for float32 and float16 (c10::Half,
+// panels laid out as float32's, for gemm_f32 over float16 weights).
 template <typename W>
-constexpr int kSubSteps = std::is_same_v<W, float> ? 1 : 2;  // k per step
+constexpr int kSubSteps = std::is_same_v<W, uint16_t> ? 2 : 1;
+
+// 8 consecutive weights of a one-k step as float32 (float16 widened exactly, F16C).
+inline __m256 load_w8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load_w8(const c10::Half* w) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
 
 // How far ahead of its reads a bfloat16 block that streams its weight from memory
 // prefetches it (kAhead, below). A Zen 3 core keeps too few misses in flight for the
@@ -200,7 +210,7 @@ inline void block_avx2(const float* x, int64_t ldx, const W* panel, int64_t step
       __m256 wv[V];
 #pragma GCC unroll 8
       for (int j = 0; j < V; ++j) {
-        wv[j] = _mm256_loadu_ps(w + 8 * j);
+        wv[j] = load_w8(w + 8 * j);
         pagedllm_simd::in_register(wv[j]);  // not a memory operand of each FMA
       }
 #pragma GCC unroll 16
@@ -254,7 +264,7 @@ inline void block_avx2(const float* x, int64_t ldx, const W* panel, int64_t step
       for (int j = 0; j < V; ++j) {
         __m256 wv[S];
         if constexpr (S == 1) {
-          wv[0] = _mm256_loadu_ps(w + 8 * j);
+          wv[0] = load_w8(w + 8 * j);
         } else {  // 8 columns x (k, k + 1) as bfloat16 pairs: k in the low halves
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * j));
           wv[0] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
@@ -410,6 +420,11 @@ inline void widen_pairs(const uint16_t* chunk, int64_t steps, float* out) {
   }
 }
 
+// Widens `steps` steps of a float16 panel ([steps, 48]) into float32 [steps, 48] (exact).
+inline void widen_halves(const c10::Half* chunk, int64_t steps, float* out) {
+  for (int64_t i = 0; i < steps * kPanel; i += 8) _mm256_storeu_ps(out + i, load_w8(chunk + i));
+}
+
 template <typename W, typename O>
 constexpr ChunkFn<float, W, O> kChunkAvx2[kRows + 1] = {
     nullptr,           chunk_avx2<1, W, O>, chunk_avx2<2, W, O>, chunk_avx2<3, W, O>,
@@ -424,6 +439,13 @@ constexpr MicroFn<float, uint16_t, O> kMicroBf16Avx2[kRows + 1] = {
     micro_avx2<3, uint16_t, O>, micro_avx2<4, uint16_t, O>,
     micro_avx2<5, uint16_t, O>, micro_avx2<6, uint16_t, O>,
     micro_avx2<7, uint16_t, O>, micro_avx2<8, uint16_t, O>};
+
+// float16 weights, float32 x and outputs (gemm_f32 over float16 weights).
+constexpr MicroFn<float, c10::Half, float> kMicroF16Avx2[kRows + 1] = {
+    nullptr, micro_avx2<1, c10::Half, float>, micro_avx2<2, c10::Half, float>,
+    micro_avx2<3, c10::Half, float>, micro_avx2<4, c10::Half, float>,
+    micro_avx2<5, c10::Half, float>, micro_avx2<6, c10::Half, float>,
+    micro_avx2<7, c10::Half, float>, micro_avx2<8, c10::Half, float>};
 #endif
 
 #if defined(__AVX512BF16__)
@@ -538,6 +560,10 @@ constexpr MicroFn<float, float, float> kMicroF32[kRows + 1] = {
     micro_f32<4, kStream>, micro_f32<5, false>, micro_f32<6, false>, micro_f32<7, false>,
     micro_f32<8, false>};
 
+struct FreeAligned {
+  void operator()(float* p) const { std::free(p); }
+};
+
 // One GEMM call: x [m, steps] (X units), panels [panels, steps, step_elems] of W, out
 // [m, n]. `micros[R]` handles R rows.
 template <typename X, typename W, typename O>
@@ -573,8 +599,11 @@ struct Gemm {
     const auto part = std::make_unique_for_overwrite<float[]>(group_rows * kPanel);
     const bool widening = widened != nullptr && m1 - m0 >= kWidenRows;
     const int64_t chunk_steps = widening ? kChunkSteps / per_step : kChunkSteps;
-    std::unique_ptr<float[]> wide;
-    if (widening) wide = std::make_unique_for_overwrite<float[]>(kChunkSteps * kPanel);
+    // On cache lines, as the packed panels are: from malloc's 16-byte alignment half the
+    // kernels' 32-byte loads of it straddled two lines.
+    std::unique_ptr<float[], FreeAligned> wide;
+    if (widening)
+      wide.reset(static_cast<float*>(std::aligned_alloc(64, kChunkSteps * kPanel * sizeof(float))));
     for (int64_t g0 = m0; g0 < m1; g0 += group_rows) {
       const int64_t g1 = std::min(m1, g0 + group_rows);
       const int64_t blocks = (g1 - g0 + kRows - 1) / kRows;
@@ -806,6 +835,38 @@ void gemm_f32(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
 #else
     // The AVX-512 float32 kernel reads float32 panels; these would need their own.
     TORCH_CHECK(false, "gemm_f32: bfloat16 weights need the AVX2 build (AVX2 and FMA, "
+                       "no AVX-512)");
+#endif
+  }
+  if (weight.scalar_type() == at::kHalf) {
+    // float32 weights that are exactly float16 (a float16 checkpoint or GGUF file run in
+    // float32), stored as such in float32's panel layout and widened exactly (F16C): the
+    // same bits as from float32 panels, from half the bytes.
+    TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.size(2) == kPanel &&
+                    weight.size(1) == x.size(1),
+                "gemm_f32: a float16 weight is packed [ceil(N / 48), K, 48]");
+    check_out_bias("gemm_f32", out, x, weight.size(0), at::kFloat, "float32", bias);
+#if defined(PAGEDLLM_GEMM_AVX2) && !defined(__AVX512F__) && defined(__F16C__)
+    Gemm<float, c10::Half, float> g{kMicroF16Avx2,
+                                    x.data_ptr<float>(),
+                                    x.stride(0),
+                                    reinterpret_cast<const c10::Half*>(weight.data_ptr()),
+                                    weight.size(1),
+                                    kPanel,
+                                    bias.data_ptr<float>(),
+                                    out.data_ptr<float>(),
+                                    out.stride(0),
+                                    x.size(0),
+                                    out.size(1),
+                                    weight.size(0),
+                                    accumulate};
+    g.chunked = kChunkAvx2<c10::Half, float>;
+    g.widened = kChunkAvx2<float, float>;
+    g.widen = widen_halves;
+    g.run();
+    return;
+#else
+    TORCH_CHECK(false, "gemm_f32: float16 weights need the AVX2 build (AVX2, FMA and F16C, "
                        "no AVX-512)");
 #endif
   }
