@@ -323,6 +323,12 @@ def test_native_float32_gemm_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="out is a float32"):
         torch.ops.pagedllm_cpu.gemm_f32(torch.empty(2, 60), torch.zeros(2, 16), weight,
                                         torch.zeros(60))
+    # 16-bit panels for K = 16 against x rows of 18
+    for packed in (torch.zeros(1, 16, 48, dtype=torch.float16),
+                   torch.zeros(1, 8, 48, 2, dtype=torch.bfloat16)):
+        with pytest.raises(RuntimeError, match="16-bit weight is packed"):
+            torch.ops.pagedllm_cpu.gemm_f32(torch.empty(2, 40), torch.zeros(2, 18), packed,
+                                            torch.zeros(40))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -168,9 +168,11 @@ constexpr int kSubSteps = std::is_same_v<W, uint16_t> ? 2 : 1;
 
 // 8 consecutive weights of a one-k step as float32 (float16 widened exactly, F16C).
 inline __m256 load_w8(const float* w) { return _mm256_loadu_ps(w); }
+#if defined(__F16C__)
 inline __m256 load_w8(const c10::Half* w) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
 }
+#endif
 
 // How far ahead of its reads a bfloat16 block that streams its weight from memory
 // prefetches it (kAhead, below). A Zen 3 core keeps too few misses in flight for the
@@ -420,10 +422,12 @@ inline void widen_pairs(const uint16_t* chunk, int64_t steps, float* out) {
   }
 }
 
+#if defined(__F16C__)
 // Widens `steps` steps of a float16 panel ([steps, 48]) into float32 [steps, 48] (exact).
 inline void widen_halves(const c10::Half* chunk, int64_t steps, float* out) {
   for (int64_t i = 0; i < steps * kPanel; i += 8) _mm256_storeu_ps(out + i, load_w8(chunk + i));
 }
+#endif
 
 template <typename W, typename O>
 constexpr ChunkFn<float, W, O> kChunkAvx2[kRows + 1] = {
@@ -440,12 +444,14 @@ constexpr MicroFn<float, uint16_t, O> kMicroBf16Avx2[kRows + 1] = {
     micro_avx2<5, uint16_t, O>, micro_avx2<6, uint16_t, O>,
     micro_avx2<7, uint16_t, O>, micro_avx2<8, uint16_t, O>};
 
+#if defined(__F16C__)
 // float16 weights, float32 x and outputs (gemm_f32 over float16 weights).
 constexpr MicroFn<float, c10::Half, float> kMicroF16Avx2[kRows + 1] = {
     nullptr, micro_avx2<1, c10::Half, float>, micro_avx2<2, c10::Half, float>,
     micro_avx2<3, c10::Half, float>, micro_avx2<4, c10::Half, float>,
     micro_avx2<5, c10::Half, float>, micro_avx2<6, c10::Half, float>,
     micro_avx2<7, c10::Half, float>, micro_avx2<8, c10::Half, float>};
+#endif
 #endif
 
 #if defined(__AVX512BF16__)
@@ -800,73 +806,66 @@ void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
 #endif
 }
 
+#if defined(PAGEDLLM_GEMM_AVX2) && !defined(__AVX512F__) && defined(__F16C__)
+namespace {
+
+// gemm_f32 over 16-bit weights W (bfloat16 pairs: uint16_t, or float16: c10::Half) whose
+// packed panels hold `step_elems` per step: the AVX2 kernels widening W exactly.
+template <typename W>
+void gemm_f32_over(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                   const at::Tensor& bias, bool accumulate, const MicroFn<float, W, float>* micros,
+                   int64_t step_elems, void (*widen)(const W*, int64_t, float*)) {
+  Gemm<float, W, float> g{micros,
+                          x.data_ptr<float>(),
+                          x.stride(0),
+                          reinterpret_cast<const W*>(weight.data_ptr()),
+                          weight.size(1),
+                          step_elems,
+                          bias.data_ptr<float>(),
+                          out.data_ptr<float>(),
+                          out.stride(0),
+                          x.size(0),
+                          out.size(1),
+                          weight.size(0),
+                          accumulate};
+  g.chunked = kChunkAvx2<W, float>;
+  g.widened = kChunkAvx2<float, float>;
+  g.widen = widen;
+  g.run();
+}
+
+}  // namespace
+#define PAGEDLLM_GEMM_F32_OVER_16BIT 1
+#endif
+
 void gemm_f32(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
               const at::Tensor& bias, bool accumulate) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
               "gemm_f32: x is a float32 [M, K] with contiguous rows");
-  if (weight.scalar_type() == at::kBFloat16) {
-    // float32 weights that are exactly bfloat16 (a bfloat16 checkpoint run in float32),
-    // stored as such: each output is the same FMA chain over K in order as from the
-    // float32 panels (the pairs widened exactly, in registers or a chunk at a time), so
-    // the same bits from half the bytes, which is what a decode step reads.
-    TORCH_CHECK(weight.dim() == 4 && weight.is_contiguous() && weight.size(2) == kPanel &&
-                    weight.size(3) == 2 && weight.size(1) * 2 == x.size(1),
-                "gemm_f32: a bfloat16 weight is packed [ceil(N / 48), K / 2, 48, 2]");
+  if (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf) {
+    // float32 weights that are exactly bfloat16 or float16 (such a checkpoint, or an F16
+    // GGUF file, run in float32), stored as such: bfloat16 in gemm_bf16's pairs, float16
+    // in float32's layout. Each output is the same FMA chain over K in order as from the
+    // float32 panels (widened exactly, in registers or a chunk at a time), so the same
+    // bits from half the bytes, which is what a decode step reads.
+    const bool pairs = weight.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(weight.dim() == (pairs ? 4 : 3) && weight.is_contiguous() &&
+                    weight.size(2) == kPanel && (!pairs || weight.size(3) == 2) &&
+                    weight.size(1) * (pairs ? 2 : 1) == x.size(1),
+                "gemm_f32: a 16-bit weight is packed bfloat16 [ceil(N / 48), K / 2, 48, 2] "
+                "or float16 [ceil(N / 48), K, 48]");
     check_out_bias("gemm_f32", out, x, weight.size(0), at::kFloat, "float32", bias);
-#if defined(PAGEDLLM_GEMM_AVX2) && !defined(__AVX512F__)
-    Gemm<float, uint16_t, float> g{kMicroBf16Avx2<float>,
-                                   x.data_ptr<float>(),
-                                   x.stride(0),
-                                   reinterpret_cast<const uint16_t*>(weight.data_ptr()),
-                                   weight.size(1),
-                                   2 * kPanel,
-                                   bias.data_ptr<float>(),
-                                   out.data_ptr<float>(),
-                                   out.stride(0),
-                                   x.size(0),
-                                   out.size(1),
-                                   weight.size(0),
-                                   accumulate};
-    g.chunked = kChunkAvx2<uint16_t, float>;
-    g.widened = kChunkAvx2<float, float>;
-    g.widen = widen_pairs;
-    g.run();
+#if defined(PAGEDLLM_GEMM_F32_OVER_16BIT)
+    if (pairs)
+      gemm_f32_over<uint16_t>(out, x, weight, bias, accumulate, kMicroBf16Avx2<float>,
+                              2 * kPanel, widen_pairs);
+    else
+      gemm_f32_over<c10::Half>(out, x, weight, bias, accumulate, kMicroF16Avx2, kPanel,
+                               widen_halves);
     return;
 #else
     // The AVX-512 float32 kernel reads float32 panels; these would need their own.
-    TORCH_CHECK(false, "gemm_f32: bfloat16 weights need the AVX2 build (AVX2 and FMA, "
-                       "no AVX-512)");
-#endif
-  }
-  if (weight.scalar_type() == at::kHalf) {
-    // float32 weights that are exactly float16 (a float16 checkpoint or GGUF file run in
-    // float32), stored as such in float32's panel layout and widened exactly (F16C): the
-    // same bits as from float32 panels, from half the bytes.
-    TORCH_CHECK(weight.dim() == 3 && weight.is_contiguous() && weight.size(2) == kPanel &&
-                    weight.size(1) == x.size(1),
-                "gemm_f32: a float16 weight is packed [ceil(N / 48), K, 48]");
-    check_out_bias("gemm_f32", out, x, weight.size(0), at::kFloat, "float32", bias);
-#if defined(PAGEDLLM_GEMM_AVX2) && !defined(__AVX512F__) && defined(__F16C__)
-    Gemm<float, c10::Half, float> g{kMicroF16Avx2,
-                                    x.data_ptr<float>(),
-                                    x.stride(0),
-                                    reinterpret_cast<const c10::Half*>(weight.data_ptr()),
-                                    weight.size(1),
-                                    kPanel,
-                                    bias.data_ptr<float>(),
-                                    out.data_ptr<float>(),
-                                    out.stride(0),
-                                    x.size(0),
-                                    out.size(1),
-                                    weight.size(0),
-                                    accumulate};
-    g.chunked = kChunkAvx2<c10::Half, float>;
-    g.widened = kChunkAvx2<float, float>;
-    g.widen = widen_halves;
-    g.run();
-    return;
-#else
-    TORCH_CHECK(false, "gemm_f32: float16 weights need the AVX2 build (AVX2, FMA and F16C, "
+    TORCH_CHECK(false, "gemm_f32: 16-bit weights need the AVX2 build (AVX2, FMA and F16C, "
                        "no AVX-512)");
 #endif
   }
