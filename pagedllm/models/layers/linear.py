@@ -245,7 +245,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if x2.stride(1) != 1 or x2.stride(0) % 2:
             x2 = x2.contiguous()
         out = torch.empty((x2.shape[0], native_bias.numel()), dtype=x.dtype)
-        # float32 x may meet bfloat16 panels (pack_native): the GEMM goes by x's dtype.
+        # float32 x may meet 16-bit panels (pack_native): the GEMM goes by x's dtype.
         gemm = cpu_ops.gemm_f32 if x.dtype == torch.float32 else cpu_ops.gemm_bf16
         gemm(out, x2, native_weight, native_bias)
         return out.view(*x.shape[:-1], out.shape[1])

@@ -66,8 +66,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
 }
 
 // out (+)= x . W^T + bias through the native GEMM of W's packing (uint8 GGUF blocks;
-// bfloat16 or float32 panels, multiplied in x's dtype: float32 x may meet bfloat16
-// panels, models/layers/linear.py: pack_native).
+// bfloat16, float16 or float32 panels, multiplied in x's dtype: float32 x may meet
+// 16-bit panels, models/layers/linear.py: pack_native).
 void native_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& bias, bool accumulate) {
   if (weight.scalar_type() == at::kByte) {
