@@ -151,9 +151,14 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_space: float = 4.0
-    """KV cache memory budget in GiB (CPU)."""
+    """KV cache memory budget in GiB (CPU only; on CUDA gpu_memory_utilization decides)."""
     num_kv_blocks: int | None = None
-    """Override of the block count computed from kv_cache_space (tests force tiny caches)."""
+    """Override of the block count computed from kv_cache_space or the CUDA memory
+    profile (tests force tiny caches)."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: fraction of the GPU's total memory the engine may use, weights, activations
+    and KV cache together; the KV cache gets what a profiled forward pass leaves of it
+    (worker/memory.py)."""
     enable_prefix_caching: bool = True
     """Reuse full KV blocks across requests with equal prefixes (chained block hashes)."""
     swap_space: float = 4.0
@@ -176,6 +181,9 @@ class CacheConfig:
             raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is the null block), "
                              f"got {self.num_kv_blocks}")
@@ -239,6 +247,8 @@ class DeviceConfig:
     """Run the model through torch.compile (worker/compile.py) instead of eagerly."""
     compile_cache_dir: str = ""
     """On-disk cache of compiled graphs (under cache_root())."""
+    enforce_eager: bool = False
+    """CUDA: run every step eagerly, without capturing CUDA graphs for decode steps."""
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")

@@ -32,6 +32,11 @@ class AttentionMetadata:
     # Host copies of the two small arrays, so backends loop over requests without a sync.
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
+    # Captured in a CUDA graph (worker/cuda_graphs.py): the tensors are static buffers
+    # refilled before each replay, so a backend must not choose kernels or grids from
+    # per-step host values (max_seq_len is then only an upper bound, the host arrays
+    # those of the capture).
+    static_shapes: bool = False
     # With KV cache groups (sliding-window layers, core/kv_groups.py): per group, this
     # metadata with the group's block_table and slot_mapping (entry 0 is self); empty
     # for a model with one group.
@@ -49,13 +54,30 @@ class AttentionMetadata:
         proposer's), its tensors copied to `device`."""
         return cls(
             num_reqs=len(seq_lens), num_actual_tokens=int(query_start_loc[-1]),
-            query_start_loc=torch.from_numpy(query_start_loc).to(device, torch.int32),
-            seq_lens=torch.from_numpy(seq_lens).to(device, torch.int32),
-            block_table=torch.from_numpy(block_table).to(device),
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            query_start_loc=host_to_device(query_start_loc, device, torch.int32),
+            seq_lens=host_to_device(seq_lens, device, torch.int32),
+            block_table=host_to_device(block_table, device),
+            slot_mapping=host_to_device(slot_mapping, device),
             max_query_len=int(np.diff(query_start_loc).max()), max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
 
     @property
     def is_all_decode(self) -> bool:
         return self.max_query_len == 1
+
+
+def host_to_device(array: np.ndarray, device: torch.device,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`array` as a tensor on `device` (converted to `dtype` on the host first).
+
+    To a GPU through pinned (page-locked) memory with a non-blocking copy: the host goes
+    on preparing the step while the copy runs, in stream order before the kernels that
+    read it. (pin_memory() draws from torch's caching host allocator, which keeps a
+    buffer until the copies queued from it have run.)
+    """
+    tensor = torch.from_numpy(array)
+    if dtype is not None:
+        tensor = tensor.to(dtype)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

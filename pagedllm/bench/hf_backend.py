@@ -20,14 +20,18 @@ from pagedllm.engine.arg_utils import EngineArgs
 _PROBE_TOKENS = 32
 
 
-def load_hf_model(path: str, dtype: torch.dtype) -> Any:
+def load_hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> Any:
+    """transformers' model on `device` (the engine's: the baseline runs where pagedllm
+    does)."""
     from transformers import AutoModelForCausalLM
 
     if path.endswith(".gguf"):
         # transformers dequantizes the GGUF itself.
-        return AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
 
 
 def pad_id_of(config: Any) -> int:
@@ -49,8 +53,11 @@ def generate_batch(model: Any, batch: list[BenchRequest], max_new: int, pad_id: 
     for i, r in enumerate(batch):
         input_ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
         mask[i, width - len(r.prompt_token_ids):] = 1
-    model.generate(input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
-                   min_new_tokens=max_new, pad_token_id=pad_id)
+    device = model.device
+    model.generate(input_ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                   max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad_id)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the caller times the batch
 
 
 def pick_batch_size(model: Any, requests: list[BenchRequest], sizes: list[int],
@@ -72,7 +79,7 @@ def run_hf(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
     config = engine_args.create_engine_config()
     dtype = getattr(torch, config.model.dtype)
     requests = workload_from_args(ns, config.model.hf_config.vocab_size)
-    model = load_hf_model(config.model.path, dtype)
+    model = load_hf_model(config.model.path, dtype, config.device.device)
     pad_id = pad_id_of(model.config)
     sizes = sorted({min(int(s), len(requests)) for s in ns.hf_batch_sizes.split(",")
                     if s.strip()})

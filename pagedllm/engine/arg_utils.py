@@ -62,10 +62,16 @@ class EngineArgs:
     max_model_len: int | None = _arg(None, "maximum prompt + output length (default: the "
                                            "model's, capped at 8192)")
     block_size: int = _arg(16, "tokens per KV cache block")
-    kv_cache_space: float | None = _arg(None, "KV cache size in GiB on CPU (default 4, or "
-                                              "env PAGEDLLM_CPU_KVCACHE_SPACE)")
+    kv_cache_space: float | None = _arg(None, "KV cache size in GiB, CPU only (default 4, "
+                                              "or env PAGEDLLM_CPU_KVCACHE_SPACE); on CUDA "
+                                              "gpu_memory_utilization sizes the cache")
     num_kv_blocks: int | None = _arg(None, "force the number of KV blocks (overrides "
-                                           "kv_cache_space)")
+                                           "kv_cache_space and gpu_memory_utilization)")
+    gpu_memory_utilization: float = _arg(
+        0.9, "CUDA only: fraction of the GPU's total memory this engine may use, weights, "
+             "activations and KV cache together (the KV cache gets what a profiled "
+             "max_num_batched_tokens step leaves; memory of other processes counts "
+             "against it)")
     max_num_seqs: int = _arg(256, "maximum number of sequences per step")
     scheduling_policy: str = _arg("fcfs", "fcfs: serve requests in arrival order; priority: "
                                           "by each request's priority (lower first, then "
@@ -96,6 +102,8 @@ class EngineArgs:
     compile: bool = _arg(False, "compile the model with torch.compile (inductor; graphs "
                                 "cached on disk). Off by default: on CPU the eager path with "
                                 "native kernels is as fast and starts in seconds")
+    enforce_eager: bool = _arg(False, "CUDA: run every step eagerly, without capturing CUDA "
+                                      "graphs for decode steps")
     tensor_parallel_size: int = _arg(1, "tensor parallel workers: each holds 1/N of every "
                                         "layer's heads and MLP columns and of the vocabulary "
                                         "(CPU: gloo; the threads are shared among them)")
@@ -135,8 +143,13 @@ class EngineArgs:
         space = self.kv_cache_space
         if space is None:
             space = env_kv_cache_space()
+        elif device == "cuda" and self.num_kv_blocks is None:
+            logger.warning("kv_cache_space is ignored on CUDA: gpu_memory_utilization "
+                           "(%s) sizes the KV cache; num_kv_blocks forces a block count",
+                           self.gpu_memory_utilization)
         cache = CacheConfig(block_size=self.block_size, kv_cache_space=space,
                             num_kv_blocks=self.num_kv_blocks,
+                            gpu_memory_utilization=self.gpu_memory_utilization,
                             # An encoder's prompt is recomputed whole: a bidirectional
                             # layer needs every position, and it keeps no KV to reuse.
                             enable_prefix_caching=(self.enable_prefix_caching
@@ -154,7 +167,7 @@ class EngineArgs:
         device_config = DeviceConfig(
             device=device, attention_backend=backend,
             num_threads=_resolve_num_threads(self.num_threads), compile=self.compile,
-            compile_cache_dir=str(cache_root() / "inductor"))
+            compile_cache_dir=str(cache_root() / "inductor"), enforce_eager=self.enforce_eager)
         parallel = self._parallel_config(hf_config, device)
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device_config,
                             parallel=parallel,

@@ -122,6 +122,10 @@ def _expert_stacked_params(num_experts: int) -> tuple[tuple[str, str, Any], ...]
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    # The MoE block groups tokens by expert on the host (a sync, counts that change
+    # every step): a CUDA graph cannot hold it, so every step runs eagerly.
+    supports_cuda_graphs = False
+
     def __init__(self, cfg: Any, attn_backend: str,
                  parallel: ParallelState | None = None) -> None:
         variant = LlamaVariant(make_mlp=MixtralMoE, stacked_params=(

@@ -44,8 +44,12 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask (-inf) tokens outside each row's top-k, then outside its top-p nucleus."""
+                      top_p: torch.Tensor | None, max_top_k: int | None = None,
+                      ) -> torch.Tensor:
+    """Mask (-inf) tokens outside each row's top-k, then outside its top-p nucleus.
+
+    max_top_k: an upper bound of top_k known on the host (else read from the tensor,
+    a device sync on a GPU)."""
     if top_k is None and top_p is None:
         return logits
     vocab = logits.shape[-1]
@@ -53,7 +57,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         # Top-k alone needs no full sort: the k-th largest value of each row is the
         # threshold (ties with it stay, as transformers' TopKLogitsWarper).
         k = top_k.clamp(1, vocab)
-        top_values = logits.topk(int(k.max()), dim=-1).values
+        width = max(1, min(max_top_k, vocab)) if max_top_k is not None else int(k.max())
+        top_values = logits.topk(width, dim=-1).values
         kth = top_values.gather(1, (k - 1)[:, None])
         return logits.masked_fill(logits < kth, _NEG_INF)
     sorted_logits, order = logits.sort(dim=-1, descending=False)  # ascending

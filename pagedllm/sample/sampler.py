@@ -83,7 +83,7 @@ class Sampler:
             return greedy
         if greedy is None or md.random_rows is None:
             sampled = Sampler._draw(logits, md.temperature, md.min_p, md.top_k, md.top_p,
-                                    md.generators)
+                                    md.generators, md.max_top_k)
             return sampled if greedy is None else torch.where(md.is_greedy, greedy, sampled)
         # A mixed step: only the random rows pay for softmax and the [R, V] draw (a few
         # sampled rows in a large greedy batch would otherwise cost a full-batch draw).
@@ -95,16 +95,18 @@ class Sampler:
 
         sampled = Sampler._draw(logits[rows], md.temperature[rows], pick(md.min_p),
                                 pick(md.top_k), pick(md.top_p),
-                                {positions[r]: g for r, g in md.generators.items()})
+                                {positions[r]: g for r, g in md.generators.items()},
+                                md.max_top_k)
         return greedy.index_copy_(0, rows, sampled)
 
     @staticmethod
     def _draw(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor | None,
               top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-              generators: dict[int, torch.Generator]) -> torch.Tensor:
+              generators: dict[int, torch.Generator], max_top_k: int | None = None,
+              ) -> torch.Tensor:
         """One draw per row of `logits` [R, V] from its tempered, truncated softmax."""
         logits = logits / temperature[:, None]
         if min_p is not None:
             logits = apply_min_p(logits, min_p)
-        logits = apply_top_k_top_p(logits, top_k, top_p)
+        logits = apply_top_k_top_p(logits, top_k, top_p, max_top_k)
         return exponential_race(torch.softmax(logits, dim=-1), generators)

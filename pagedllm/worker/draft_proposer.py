@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import AttentionMetadata, host_to_device
 from pagedllm.sample.ops import argmax_rows
 from pagedllm.worker.input_batch import InputBatch
 
@@ -95,7 +95,7 @@ class DraftModelProposer:
         md = AttentionMetadata.from_host(query_start_loc, seq_lens,
                                          batch.block_tables[0, rows, :num_blocks],
                                          slot_mapping, dev)
-        hidden = self.model(torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev),
-                            torch.from_numpy(np.ascontiguousarray(positions)).to(dev), md)
-        last = torch.from_numpy(query_start_loc[1:] - 1).to(dev)
+        hidden = self.model(host_to_device(np.ascontiguousarray(input_ids), dev),
+                            host_to_device(np.ascontiguousarray(positions), dev), md)
+        last = host_to_device(query_start_loc[1:] - 1, dev)
         return argmax_rows(self.model.compute_logits(hidden[last])).cpu().numpy()

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import math
 import mmap
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -54,8 +58,11 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype,
 
 def determine_num_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerConfig,
                          dtype: torch.dtype, layout: KVCacheLayout | None = None,
-                         first_layer: int = 0, extra_bytes_per_block: int = 0) -> int:
-    """Blocks that fit kv_cache_space (or the num_kv_blocks override), block 0 included.
+                         first_layer: int = 0, extra_bytes_per_block: int = 0,
+                         profile_run: Callable[[], int] | None = None) -> int:
+    """Blocks that fit the memory budget, block 0 included: the num_kv_blocks override,
+    else (with `profile_run`, on CUDA) what gpu_memory_utilization leaves after the
+    weights and a profiled forward pass (`cuda_num_blocks`), else kv_cache_space.
 
     Never more than every sequence at full length needs (a window group: its window's
     blocks): beyond that, memory (and the scheduler's per-block bookkeeping) would be
@@ -70,12 +77,132 @@ def determine_num_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerC
         # No paged attention layer (an encoder-only model): block ids are the
         # scheduler's bookkeeping only and cost no memory, so every useful one exists.
         return _num_useful_blocks(cache, sched, layout)
+    if profile_run is not None:
+        return cuda_num_blocks(cache, per_block, _num_useful_blocks(cache, sched, layout),
+                               profile_run)
     fit = int(cache.kv_cache_space * GiB) // per_block
     num_blocks = min(fit, _num_useful_blocks(cache, sched, layout))
     if num_blocks < 2:
         raise ValueError(f"kv_cache_space={cache.kv_cache_space} GiB holds {fit} blocks of "
                          f"{per_block} bytes; at least 2 are needed")
     return num_blocks
+
+
+def blocks_from_profile(total_bytes: int, utilization: float, weights_bytes: int,
+                        peak_activation_bytes: int, non_torch_bytes: int,
+                        bytes_per_block: int, cap_blocks: int) -> int:
+    """KV blocks (block 0 included) in what `utilization` of the device's memory leaves
+    after the weights, the activation peak of a full step and the memory torch does not
+    manage (the CUDA context, other processes), at most `cap_blocks`.
+
+    Pure arithmetic over a profile's figures (see `cuda_num_blocks`), so it is tested
+    on any machine.
+    """
+    budget = int(total_bytes * utilization)
+    kv_bytes = budget - weights_bytes - peak_activation_bytes - non_torch_bytes
+    fit = max(kv_bytes, 0) // bytes_per_block
+    if fit < 2:  # block 0 is the null block: one usable block at least
+        raise ValueError(
+            f"no memory left for the KV cache: gpu_memory_utilization={utilization} x "
+            f"{_gib(total_bytes)} GiB total is {_gib(budget)} GiB, of which the weights "
+            f"take {_gib(weights_bytes)} GiB, the activation peak of a step "
+            f"{_gib(peak_activation_bytes)} GiB and other processes / non-torch memory "
+            f"(CUDA context) {_gib(non_torch_bytes)} GiB, leaving {_gib(kv_bytes)} GiB "
+            f"for KV blocks of {bytes_per_block} bytes (2 at least). Raise "
+            f"gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, or "
+            f"use a smaller model")
+    return min(fit, cap_blocks)
+
+
+def cuda_num_blocks(cache: CacheConfig, bytes_per_block: int, cap_blocks: int,
+                    profile_run: Callable[[], int]) -> int:
+    """KV blocks sized by profiling the current CUDA device (vLLM's scheme; the caller
+    makes the runner's device current).
+
+    `profile_run()` runs the largest step the scheduler may send (over a temporary KV
+    cache of its own) and returns its activation peak: the bytes allocated at the peak
+    beyond what was allocated before it (`peak_allocated_bytes`). What torch holds
+    before the profile counts as weights (the weights and persistent buffers; reserved
+    rather than allocated bytes, so the allocator's rounding of their segments is in the
+    budget too). What torch does not manage, the CUDA context and other processes'
+    memory, is measured after the profile as used - torch's reserved bytes, and counts
+    against the budget as well: the engine keeps the whole device within utilization x
+    total, as long as nothing else grows later. (vLLM counts only what other processes
+    allocate after its start, making the fraction per instance; this is simpler and
+    stricter.)
+    """
+    gc.collect()
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_reserved()
+    peak = profile_run()
+    gc.collect()
+    torch.cuda.empty_cache()  # the profile's cached blocks are not the engine's to keep
+    free, total = torch.cuda.mem_get_info()
+    non_torch = (total - free) - torch.cuda.memory_reserved()
+    num_blocks = blocks_from_profile(total, cache.gpu_memory_utilization, weights, peak,
+                                     non_torch, bytes_per_block, cap_blocks)
+    logger.info("CUDA memory: %s GiB total x gpu_memory_utilization %s = %s GiB; "
+                "weights %s GiB, activation peak %s GiB, non-torch %s GiB -> KV "
+                "cache %s GiB, %d blocks", _gib(total), cache.gpu_memory_utilization,
+                _gib(int(total * cache.gpu_memory_utilization)), _gib(weights), _gib(peak),
+                _gib(non_torch), _gib(num_blocks * bytes_per_block), num_blocks)
+    return num_blocks
+
+
+def peak_allocated_bytes(run: Callable[[], object], device: torch.device) -> int:
+    """Bytes torch's CUDA allocator held at the peak of `run()` beyond what it held
+    before (the activations of a step, not what existed already). Off CUDA `run()` only
+    runs and 0 comes back: there are no allocator statistics to read."""
+    if device.type != "cuda":
+        run()
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+@dataclass
+class ProfileBatch:
+    """Host arrays of the dummy step profiled on CUDA: prompt chunks of `seq_lens`
+    tokens, nothing cached, over blocks 1.. of a temporary cache of `num_blocks`."""
+
+    query_start_loc: np.ndarray  # [num_seqs + 1] int64
+    seq_lens: np.ndarray  # [num_seqs] int64
+    block_table: np.ndarray  # [num_seqs, blocks_per_seq] int32
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    num_blocks: int
+
+
+def profile_batch(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                  block_size: int) -> ProfileBatch:
+    """The largest step the scheduler can send: max_num_batched_tokens prompt tokens
+    split as evenly as possible over min(max_num_seqs, tokens) sequences, none longer
+    than max_model_len (so fewer tokens when they cannot hold the budget)."""
+    num_seqs = min(max_num_seqs, max_num_batched_tokens)
+    num_tokens = min(max_num_batched_tokens, num_seqs * max_model_len)
+    seq_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
+    seq_lens[:num_tokens % num_seqs] += 1
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(seq_lens, out=query_start_loc[1:])
+    # Sequence i owns blocks 1 + i * blocks_per_seq .. (block 0 is the null block).
+    blocks_per_seq = -(-int(seq_lens[0]) // block_size)  # seq_lens[0] is the longest
+    block_table = (1 + np.arange(num_seqs * blocks_per_seq, dtype=np.int32)
+                   ).reshape(num_seqs, blocks_per_seq)
+    # Token t belongs to sequence seq_of[t], at position t - query_start_loc[seq_of[t]].
+    seq_of = np.repeat(np.arange(num_seqs), seq_lens)
+    positions = np.arange(num_tokens) - query_start_loc[seq_of]
+    slot_mapping = (block_table[seq_of, positions // block_size].astype(np.int64)
+                    * block_size + positions % block_size)
+    return ProfileBatch(query_start_loc, seq_lens, block_table, slot_mapping, positions,
+                        num_blocks=1 + num_seqs * blocks_per_seq)
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GiB:.2f}"
 
 
 def determine_num_swap_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerConfig,

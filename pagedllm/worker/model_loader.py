@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import inspect
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -17,6 +19,8 @@ from pagedllm.errors import ModelLoadError
 from pagedllm.loader import iter_weights
 from pagedllm.models.layers.linear import finalize_quantized_weights
 from pagedllm.models.registry import get_model_class
+
+GiB = 1 << 30
 
 
 @contextlib.contextmanager
@@ -79,6 +83,22 @@ def load_model(model_config: ModelConfig, attn_backend: str, device: torch.devic
                                  f"{model_config.architecture} yet")
         kwargs["parallel"] = parallel
     start = time.perf_counter()
+    model = None
+    try:
+        model = _build_and_load(cls, kwargs, model_config, attn_backend, device, dtype)
+    except torch.cuda.OutOfMemoryError:
+        if device.type != "cuda":
+            raise
+        # Reported below, once the partly built model (held by the traceback) is gone.
+    if model is None:
+        raise _weights_do_not_fit(cls, kwargs, model_config, attn_backend, device, dtype)
+    model.eval()
+    model.load_time_s = time.perf_counter() - start
+    return model
+
+
+def _build_and_load(cls: type, kwargs: dict, model_config: ModelConfig, attn_backend: str,
+                    device: torch.device, dtype: torch.dtype) -> nn.Module:
     with torch.device(device), _default_dtype(dtype):
         model = cls(model_config.hf_config, attn_backend, **kwargs)
     weights = iter_weights(model_config.path, model_config.hf_config, dtype,
@@ -89,6 +109,31 @@ def load_model(model_config: ModelConfig, attn_backend: str, device: torch.devic
         model.load_weights(_trimming(weights))
         finalize_quantized_weights(model)  # blocks of projections some shards of which came plain
         _return_freed_memory()
-    model.eval()
-    model.load_time_s = time.perf_counter() - start
     return model
+
+
+def _weights_do_not_fit(cls: type, kwargs: dict, model_config: ModelConfig,
+                        attn_backend: str, device: torch.device, dtype: torch.dtype,
+                        ) -> ModelLoadError:
+    """The error of a load that ran out of GPU memory, with the weights' size (of a
+    model built again on the meta device: no memory) and the device's free memory."""
+    gc.collect()  # the traceback's frames held the partly built model
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    size = "of unknown size"
+    try:
+        with torch.device("meta"), _default_dtype(dtype):
+            meta = cls(model_config.hf_config, attn_backend, **kwargs)
+        size = f"{module_bytes(meta) / GiB:.2f} GiB"
+    except Exception:  # noqa: BLE001 (a model whose __init__ needs real tensors)
+        pass
+    return ModelLoadError(
+        f"the model's weights ({size} in {str(dtype).removeprefix('torch.')}) do not fit "
+        f"in the GPU's free memory ({free / GiB:.2f} GiB free of {total / GiB:.2f} GiB): "
+        f"free the GPU (other processes?), or use a smaller model or dtype")
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers."""
+    return sum(t.numel() * t.element_size()
+               for t in itertools.chain(module.parameters(), module.buffers()))

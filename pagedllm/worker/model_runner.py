@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.kv_quant import kv_cache_torch_dtype, verify_kv_cache_support
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import AttentionMetadata, host_to_device
 from pagedllm.config import EngineConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.distributed.comm import broadcast, recv_from_prev_stage, send_to_next_stage
@@ -19,6 +20,7 @@ from pagedllm.kernels.cpu.ops import cpu_ops_available
 from pagedllm.loader import load_tokenizer
 from pagedllm.models.layers.linear import pack_linear_weights
 from pagedllm.sample.logprobs import LogprobsTensors
+from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.rejection_sampler import accept_drafts
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sample.structured_output import GrammarManager
@@ -26,9 +28,11 @@ from pagedllm.models.pipeline import layer_range
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_layout import check_layer_windows, kv_cache_layout
 from pagedllm.worker.invariance import batch_invariance_caveat
-from pagedllm.worker.memory import (allocate_kv_cache, determine_num_blocks,
-                                    determine_num_swap_blocks, kv_bytes_per_block)
+from pagedllm.worker.memory import (allocate_kv_cache, attention_layers,
+                                    determine_num_blocks, determine_num_swap_blocks,
+                                    kv_bytes_per_block, peak_allocated_bytes, profile_batch)
 from pagedllm.worker.model_loader import load_model
+from pagedllm.worker.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from pagedllm.worker.draft_proposer import DraftModelProposer
 from pagedllm.worker.ngram_proposer import NgramProposer
 from pagedllm.worker.pooler import pool_hidden_states
@@ -63,6 +67,8 @@ class StepInputs:
     # Per request of req_ids: tokens computed before this step, and scheduled in it.
     num_computed: np.ndarray | None = None
     num_scheduled: np.ndarray | None = None
+    # The CUDA graph bucket the step replays in (its inputs staged there), or None.
+    graph_bucket: int | None = None
 
 
 class ModelRunner:
@@ -129,6 +135,8 @@ class ModelRunner:
         # Host blocks of swap preemption, one tensor per KV cache tensor ([] unless
         # swapping).
         self.host_kv_caches: list[torch.Tensor] = []
+        # Captured decode steps (CUDA; None: every step runs eagerly).
+        self.graphs: DecodeGraphs | None = None
 
     def _draft_bytes_per_block(self) -> int:
         if not isinstance(self.proposer, DraftModelProposer):
@@ -136,9 +144,65 @@ class ModelRunner:
         return kv_bytes_per_block(self.proposer.model, self.block_size, self.kv_cache_dtype)
 
     def determine_num_blocks(self) -> int:
-        return determine_num_blocks(self.model, self.config.cache, self.config.scheduler,
-                                    self.kv_cache_dtype, self.kv_layout, self.first_layer,
-                                    self._draft_bytes_per_block())
+        """KV blocks of this worker, block 0 included (worker/memory.py): on CUDA what
+        gpu_memory_utilization leaves after the weights and a profiled step
+        (`profile_run`), elsewhere kv_cache_space; num_kv_blocks overrides both.
+        Pipeline parallelism (CPU only so far) keeps kv_cache_space: a stage's step
+        would need its neighbours' hidden states."""
+        profiled = self.device.type == "cuda" and self.parallel.pp_size == 1
+        # The memory statistics read the current CUDA device: make it the runner's.
+        with torch.cuda.device(self.device) if profiled else contextlib.nullcontext():
+            return determine_num_blocks(self.model, self.config.cache,
+                                        self.config.scheduler, self.kv_cache_dtype,
+                                        self.kv_layout, self.first_layer,
+                                        self._draft_bytes_per_block(),
+                                        profile_run=self.profile_run if profiled else None)
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Activation peak in bytes (0 off CUDA) of the largest step the scheduler may
+        send: a forward pass over `profile_batch` (max_num_batched_tokens prompt tokens
+        in min(max_num_seqs, tokens) sequences), then the logits and a top-k / top-p
+        draw (the sampler's costliest path: a sort of [N, V]) at every row that can
+        sample, as vLLM profiles it. The attention layers write a temporary KV cache,
+        unbound and freed afterwards. Not the draft model's own forward passes (its
+        weights and K/V are counted; its activations are not)."""
+        sched, dev = self.config.scheduler, self.device
+        batch = profile_batch(sched.max_num_batched_tokens, sched.max_num_seqs,
+                              self.max_model_len, self.block_size)
+        num_tokens = len(batch.positions)
+        # Rows that sample: one per request, 1 + k under speculative decoding.
+        spec = self.config.speculative
+        per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        num_rows = min(num_tokens, sched.max_num_seqs * per_seq)
+        layers = attention_layers(self.model)
+        saved = [layer.kv_cache for layer in layers]  # None before initialize_kv_cache
+        allocate_kv_cache(self.model, batch.num_blocks, self.block_size,
+                          self.kv_cache_dtype, dev, self.kv_layout, self.first_layer)
+        md = AttentionMetadata.from_host(batch.query_start_loc, batch.seq_lens,
+                                         batch.block_table, batch.slot_mapping, dev)
+        # Varied ids (a MoE router then spreads them as real text would).
+        input_ids = torch.arange(num_tokens, device=dev) % self.vocab_size
+        positions = torch.from_numpy(batch.positions).to(dev)
+        logits_indices = torch.arange(num_tokens - num_rows, num_tokens, device=dev)
+        sampling = SamplingMetadata(
+            temperature=torch.full((num_rows,), 0.5, dtype=torch.float32, device=dev),
+            is_greedy=torch.zeros(num_rows, dtype=torch.bool, device=dev),
+            all_greedy=False, all_random=True,
+            top_k=torch.full((num_rows,), self.vocab_size - 1, dtype=torch.int64, device=dev),
+            top_p=torch.full((num_rows,), 0.99, dtype=torch.float32, device=dev))
+
+        def step() -> None:
+            hidden = self._forward(input_ids, positions, md)  # [T, hidden_size]
+            logits = self.model.compute_logits(hidden[logits_indices])  # [N, V]
+            self.sampler(logits, sampling)
+
+        try:
+            return peak_allocated_bytes(step, dev)
+        finally:
+            # The temporary cache is freed with its last reference, the layers'.
+            for layer, cache in zip(layers, saved):
+                layer.kv_cache = cache
 
     def kv_cache_group_windows(self) -> tuple[int | None, ...]:
         return self.kv_layout.group_windows
@@ -167,6 +231,30 @@ class ModelRunner:
         self.input_batch = InputBatch(self.config.scheduler.max_num_seqs, self.max_model_len,
                                       max_blocks_per_req, self.vocab_size, self.device,
                                       self.grammar, self.kv_layout.num_groups)
+        if self._graphs_apply():
+            # After the KV cache: the graphs hold its addresses.
+            self.graphs = DecodeGraphs(self._forward, self.config.scheduler.max_num_seqs,
+                                       max_blocks_per_req, self.kv_layout.num_groups,
+                                       self.max_model_len, self.device, CudaGraphCapture())
+
+    def _graphs_apply(self) -> bool:
+        """Whether decode steps replay CUDA graphs: on CUDA with the triton backend,
+        unless enforce_eager, more than one worker (collectives stay eager) or a model
+        whose forward syncs with the host. Under compile the graphs hold the compiled
+        forward's kernels (inductor's own graphs stay off: its default mode)."""
+        if self.device.type != "cuda":
+            return False
+        cfg = self.config
+        reasons = [why for why, applies in (
+            ("enforce_eager", cfg.device.enforce_eager),
+            ("more than one worker", self.parallel.tp_size * self.parallel.pp_size > 1),
+            (f"attention backend {cfg.device.attention_backend}",
+             cfg.device.attention_backend != "triton"),
+            (f"{type(self.model).__name__} syncs with the host",
+             not getattr(self.model, "supports_cuda_graphs", True))) if applies]
+        if reasons and self.parallel.is_driver:
+            logger.info("decode steps run eagerly (no CUDA graphs): %s", ", ".join(reasons))
+        return not reasons
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -178,7 +266,9 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(so)
-        if self.parallel.pp_size == 1:
+        if inputs.graph_bucket is not None:
+            hidden = self.graphs.replay(inputs.graph_bucket, inputs.attn_metadata.num_reqs)
+        elif self.parallel.pp_size == 1:
             hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         else:
             hidden = self._forward_stage(inputs)
@@ -406,11 +496,21 @@ class ModelRunner:
                 skip = np.maximum(computed - window + 1, 0) // block_size
                 block_table[np.arange(num_blocks) < skip[:, None]] = 0
             tables.append((block_table, slot_mapping))
-        md = AttentionMetadata.from_host(query_start_loc, seq_lens, *tables[0], dev)
-        if len(tables) > 1:
-            md.groups = (md, *(replace(md, block_table=torch.from_numpy(table).to(dev),
-                                       slot_mapping=torch.from_numpy(slots).to(dev))
-                               for table, slots in tables[1:]))
+        bucket = None
+        if self.graphs is not None and not spec:
+            bucket = self.graphs.bucket_for(len(req_ids), int(num_sched.max()))
+        if bucket is not None:
+            # A decode step of a captured size: straight into the graph's buffers.
+            input_ids_t, positions_t, md = self.graphs.stage(
+                bucket, input_ids, positions, query_start_loc, seq_lens, tables)
+        else:
+            input_ids_t = host_to_device(input_ids, dev)
+            positions_t = host_to_device(positions, dev)
+            md = AttentionMetadata.from_host(query_start_loc, seq_lens, *tables[0], dev)
+            if len(tables) > 1:
+                md.groups = (md, *(replace(md, block_table=host_to_device(table, dev),
+                                           slot_mapping=host_to_device(slots, dev))
+                                   for table, slots in tables[1:]))
         logits_indices = query_start_loc[1:][samples] - 1
         num_logits = drafts = None
         if spec:
@@ -422,13 +522,11 @@ class ModelRunner:
                 np.cumsum(num_logits) - num_logits, num_logits)
             logits_indices = first + offsets
         return StepInputs(
-            input_ids=torch.from_numpy(input_ids).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
-            attn_metadata=md, req_ids=req_ids,
-            logits_indices=torch.from_numpy(logits_indices).to(dev),
+            input_ids=input_ids_t, positions=positions_t, attn_metadata=md, req_ids=req_ids,
+            logits_indices=host_to_device(logits_indices, dev),
             sample_rows=rows[samples], sample_positions=sample_positions, rows=rows,
             num_logits=num_logits, drafts=drafts, num_computed=computed,
-            num_scheduled=num_sched)
+            num_scheduled=num_sched, graph_bucket=bucket)
 
 
 def _make_proposer(config: EngineConfig, device: torch.device, dtype: torch.dtype,

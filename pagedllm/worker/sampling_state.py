@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.attention.metadata import host_to_device
 from pagedllm.core.contracts import NewRequestData
 from pagedllm.sample.metadata import PenaltyMetadata, SamplingMetadata
 from pagedllm.sample.ops import output_token_counts
@@ -145,23 +146,24 @@ class SamplingState:
         dev = self.device
         is_greedy = self.is_greedy[rows]
         md = SamplingMetadata(
-            temperature=torch.from_numpy(self.temperature[rows]).to(dev),
-            is_greedy=torch.from_numpy(is_greedy).to(dev),
+            temperature=host_to_device(self.temperature[rows], dev),
+            is_greedy=host_to_device(is_greedy, dev),
             all_greedy=bool(is_greedy.all()), all_random=not bool(is_greedy.any()))
         if not md.all_greedy:
             top_p, top_k, min_p = self.top_p[rows], self.top_k[rows], self.min_p[rows]
             if (top_p < 1).any():
-                md.top_p = torch.from_numpy(top_p).to(dev)
+                md.top_p = host_to_device(top_p, dev)
             if (top_k < self.vocab_size).any():
-                md.top_k = torch.from_numpy(top_k).to(dev)
+                md.top_k = host_to_device(top_k, dev)
+                md.max_top_k = int(top_k.max())
             if (min_p > 0).any():
-                md.min_p = torch.from_numpy(min_p).to(dev)
+                md.min_p = host_to_device(min_p, dev)
             seeded = np.nonzero(self.has_generator[rows])[0]
             md.generators = {i: self.generators[r]
                              for i, r in zip(seeded.tolist(), rows[seeded].tolist())}
             if not md.all_random:
                 random_rows = np.nonzero(~is_greedy)[0]
-                md.random_rows = torch.from_numpy(random_rows).to(dev)
+                md.random_rows = host_to_device(random_rows, dev)
                 md.random_row_ids = random_rows.tolist()
         md.penalties = self._penalties(rows)
         md.banned = self._banned(rows)
@@ -184,18 +186,18 @@ class SamplingState:
         dev = self.device
         num_prompt, num_tokens = self.num_prompt_tokens[rows], self.num_tokens[rows]
         # [N, L]: the rows' token histories, padded to the longest.
-        ids = torch.from_numpy(self.token_ids[rows, :int(num_tokens.max())]).to(dev)
-        prompt_end = torch.from_numpy(num_prompt).to(dev)
+        ids = host_to_device(self.token_ids[rows, :int(num_tokens.max())], dev)
+        prompt_end = host_to_device(num_prompt, dev)
         counts = output_token_counts(ids, prompt_end,
-                                     torch.from_numpy(num_tokens).to(dev), self.vocab_size)
+                                     host_to_device(num_tokens, dev), self.vocab_size)
         prompt_mask = None
         if use_repetition:
             prompt_mask = output_token_counts(ids, torch.zeros_like(prompt_end), prompt_end,
                                               self.vocab_size) > 0
         return PenaltyMetadata(
-            presence=torch.from_numpy(presence).to(dev) if use_presence else None,
-            frequency=torch.from_numpy(frequency).to(dev) if use_frequency else None,
-            repetition=torch.from_numpy(repetition).to(dev) if use_repetition else None,
+            presence=host_to_device(presence, dev) if use_presence else None,
+            frequency=host_to_device(frequency, dev) if use_frequency else None,
+            repetition=host_to_device(repetition, dev) if use_repetition else None,
             output_token_counts=counts, prompt_token_mask=prompt_mask)
 
     def _banned(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:

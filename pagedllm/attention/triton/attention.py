@@ -52,7 +52,10 @@ class TritonAttention:
         reshape_and_cache(key, value, kv_cache, md.slot_mapping, k_scale, v_scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, H, D]
         split = self.split_kv
-        if split is None:
+        if md.static_shapes:
+            # A CUDA graph: the partition count would follow the step's longest context.
+            split = False
+        elif split is None:
             split = use_split_kv(md.num_reqs, md.max_query_len, md.max_seq_len,
                                  self.spec.num_kv_heads, self.partition_size,
                                  self._target_programs)

@@ -1,0 +1,193 @@
+"""CUDA graphs of decode-only steps: one captured forward per batch-size bucket.
+
+A decode step of a small model is mostly launch overhead: hundreds of small kernels,
+each launched from Python. Captured once per bucket at start-up, a step replays the
+whole forward with one launch. A graph replays fixed kernels on fixed addresses, so
+the step's inputs go into static buffers first, the batch padded to its bucket:
+
+- padding rows decode token 0 at position 0 with a one-token context; their K/V go to
+  slot 0 of the null block (block 0, never handed out) and their block-table rows
+  point at it, so they touch no request's cache; their outputs are dropped;
+- the captured AttentionMetadata is marked `static_shapes`: backends pick launch
+  shapes that hold for any step of the bucket (the Triton backend: no split-KV, whose
+  partition count depends on the step's longest context).
+
+Only decode-only steps (one token per request) replay; prefill chunks, speculative
+verification (several tokens per request) and batches above the largest bucket run
+eagerly. `capture` is the seam that makes the padding and buffer logic testable
+without a GPU: `eager_capture` re-runs the forward on the static buffers at "replay".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+# forward(input_ids, positions, attn_metadata) -> hidden states [T, hidden]
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# capture(run) -> (replay, output): `run` computes the output from the static buffers;
+# `replay()` recomputes it in place (in `output`).
+Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, then steps of 8 up to max_num_seqs
+    (vLLM's sizes); a batch runs in the smallest bucket that holds it."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs]
+    sizes += range(8, max_num_seqs + 8, 8)
+    return sorted({min(b, max_num_seqs) for b in sizes})
+
+
+class CudaGraphCapture:
+    """Captures with torch.cuda.CUDAGraph into one memory pool shared by every bucket
+    (captured largest first, so smaller graphs reuse its blocks)."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, run: Callable[[], torch.Tensor],
+                 ) -> tuple[Callable[[], None], torch.Tensor]:
+        # Warm-up outside the graph: Triton compiles its kernels on first launch and
+        # cuBLAS picks algorithms; neither may happen during capture.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = run()
+        return graph.replay, output
+
+
+def eager_capture(run: Callable[[], torch.Tensor],
+                  ) -> tuple[Callable[[], None], torch.Tensor]:
+    """A stand-in for capture without a GPU: "replay" re-runs the forward on the static
+    buffers and writes its output where a graph's would be."""
+    output = run()
+
+    def replay() -> None:
+        output.copy_(run())
+
+    return replay, output
+
+
+class DecodeGraphs:
+    """Static input buffers and one captured forward per bucket.
+
+    A step's inputs go from numpy into pinned host copies of the static buffers, padded
+    there, then to the device in one non-blocking copy per buffer (`stage`). NOTE: the
+    host buffers are rewritten by the next step's `stage`; the runner syncs once per
+    step (it reads the sampled tokens) before preparing the next, so every copy queued
+    from them has run by then.
+    """
+
+    def __init__(self, forward: Forward, max_num_seqs: int, max_blocks_per_req: int,
+                 num_groups: int, max_model_len: int, device: torch.device,
+                 capture: Capture) -> None:
+        self.buckets = graph_buckets(max_num_seqs)
+        self.max_model_len = max_model_len
+        n = self.buckets[-1]
+        # name -> (host, device) buffer pairs; rows are requests, padding included.
+        shapes = {"input_ids": ((n,), torch.int64), "positions": ((n,), torch.int64),
+                  "seq_lens": ((n,), torch.int32),
+                  "block_tables": ((num_groups, n, max_blocks_per_req), torch.int32),
+                  "slot_mappings": ((num_groups, n), torch.int64)}
+        pin = device.type == "cuda"
+        self.host = {k: torch.zeros(shape, dtype=dtype, pin_memory=pin)
+                     for k, (shape, dtype) in shapes.items()}
+        self.dev = {k: torch.zeros(shape, dtype=dtype, device=device)
+                    for k, (shape, dtype) in shapes.items()}
+        self.host_np = {k: t.numpy() for k, t in self.host.items()}
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self._replay: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        start = time.perf_counter()
+        for bucket in reversed(self.buckets):
+            run = _bound(forward, self.dev["input_ids"][:bucket],
+                         self.dev["positions"][:bucket], self._metadata(bucket))
+            self._replay[bucket] = capture(run)
+        logger.info("captured CUDA graphs of decode steps for %d batch sizes (1..%d) in "
+                    "%.1f s", len(self.buckets), n, time.perf_counter() - start)
+
+    def _metadata(self, bucket: int) -> AttentionMetadata:
+        """The metadata every replay of `bucket` reads: views of the static buffers."""
+        dev = self.dev
+        groups = [AttentionMetadata(
+            num_reqs=bucket, num_actual_tokens=bucket,
+            query_start_loc=self.query_start_loc[:bucket + 1],
+            seq_lens=dev["seq_lens"][:bucket], block_table=dev["block_tables"][g, :bucket],
+            slot_mapping=dev["slot_mappings"][g, :bucket], max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=np.arange(bucket + 1, dtype=np.int64),
+            seq_lens_cpu=np.full(bucket, self.max_model_len, dtype=np.int64),
+            static_shapes=True) for g in range(len(dev["block_tables"]))]
+        md = groups[0]
+        if len(groups) > 1:
+            md.groups = tuple(groups)
+        return md
+
+    def bucket_for(self, num_reqs: int, max_query_len: int) -> int | None:
+        """The bucket a step replays in, or None when it must run eagerly."""
+        if max_query_len != 1 or num_reqs > self.buckets[-1]:
+            return None
+        return next(b for b in self.buckets if b >= num_reqs)
+
+    def stage(self, bucket: int, input_ids: np.ndarray, positions: np.ndarray,
+              query_start_loc: np.ndarray, seq_lens: np.ndarray,
+              tables: list[tuple[np.ndarray, np.ndarray]],
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Put a decode step (one token per request) in `bucket`'s static buffers; its
+        input_ids, positions and metadata as views of them (the step's own sizes and
+        host arrays, for everything but the forward pass, which `replay` runs)."""
+        n, host = len(seq_lens), self.host_np
+        # Padding rows: see the module docstring.
+        host["input_ids"][:n] = input_ids
+        host["input_ids"][n:bucket] = 0
+        host["positions"][:n] = positions
+        host["positions"][n:bucket] = 0
+        host["seq_lens"][:n] = seq_lens
+        host["seq_lens"][n:bucket] = 1
+        for g, (table, slots) in enumerate(tables):
+            # Columns past the step's width hold older steps' ids: never read, as they
+            # lie past every context (seq_lens) of this step.
+            host["block_tables"][g, :n, :table.shape[1]] = table
+            host["block_tables"][g, n:bucket] = 0
+            host["slot_mappings"][g, :n] = slots
+            host["slot_mappings"][g, n:bucket] = 0
+        for key, dst in self.dev.items():
+            src = self.host[key]
+            if dst.dim() == 1:
+                dst[:bucket].copy_(src[:bucket], non_blocking=True)
+            else:  # per group: its first `bucket` rows are contiguous
+                for g in range(dst.shape[0]):
+                    dst[g, :bucket].copy_(src[g, :bucket], non_blocking=True)
+        dev = self.dev
+        groups = [AttentionMetadata(
+            num_reqs=n, num_actual_tokens=n, query_start_loc=self.query_start_loc[:n + 1],
+            seq_lens=dev["seq_lens"][:n],
+            block_table=dev["block_tables"][g, :n, :table.shape[1]],
+            slot_mapping=dev["slot_mappings"][g, :n], max_query_len=1,
+            max_seq_len=int(seq_lens.max()), query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens) for g, (table, _) in enumerate(tables)]
+        md = groups[0]
+        if len(groups) > 1:
+            md.groups = tuple(groups)
+        return dev["input_ids"][:n], dev["positions"][:n], md
+
+    def replay(self, bucket: int, num_reqs: int) -> torch.Tensor:
+        """Run `bucket`'s graph on what `stage` put in; hidden states [num_reqs, hidden]."""
+        replay, output = self._replay[bucket]
+        replay()
+        return output[:num_reqs]
+
+def _bound(forward: Forward, input_ids: torch.Tensor, positions: torch.Tensor,
+           md: AttentionMetadata) -> Callable[[], torch.Tensor]:
+    return lambda: forward(input_ids, positions, md)
