@@ -4,11 +4,16 @@ float32 product, the native float32 GEMM a float64 one, with rows independent of
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from pagedllm.kernels.cpu.ops import load_cpu_kernels
-from pagedllm.kernels.cpu.features import has_f32_gemm_over_16bit, has_native_bf16_gemm
+from pagedllm.kernels.cpu.features import (has_avx512_bf16, has_f32_gemm_over_16bit,
+                                           has_native_bf16_gemm)
 from pagedllm.models.layers import activation, norm, rotary
 from pagedllm.models.layers.activation import SiluAndMul
 from pagedllm.models.layers import linear as linear_module
@@ -383,3 +388,46 @@ def test_native_gemm_decode_calls_on_an_unaligned_weight(dtype):
         gemm(shifted, x[:rows], unaligned, layer.native_bias)
         assert torch.equal(shifted, expected), rows
         assert torch.equal(expected, layer(x[:rows])), rows
+
+
+_BF16_BY_FMA_CHECK = """
+import torch
+from pagedllm.kernels.cpu.ops import load_cpu_kernels
+from pagedllm.models.layers.linear import pack_native
+assert load_cpu_kernels()
+torch.manual_seed(0)
+gemm = torch.ops.pagedllm_cpu
+sames = []
+for n, k in ((100, 64), (200, 1536)):
+    w = (torch.randn(n, k) * 0.05).bfloat16()
+    b = torch.randn(n)
+    x = torch.randn(300, k).bfloat16()
+    packed, packed32 = pack_native(w), pack_native(w.float())
+    full = torch.empty(300, n, dtype=torch.bfloat16)
+    gemm.gemm_bf16(full, x, packed, b, False)
+    for rows in (1, 3, 8, 17, 300):
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        gemm.gemm_bf16(out, x[:rows], packed, b, False)
+        assert torch.equal(out, full[:rows]), (n, rows)  # batch invariance
+        ref = torch.empty(rows, n)
+        gemm.gemm_f32(ref, x[:rows].float(), packed32, b, False)
+        sames.append(torch.equal(out, ref.bfloat16()))
+# dpbf16 may round to the same bfloat16 (it did on the short K); not everywhere.
+assert all(sames) if EXPECT_SAME else not all(sames), sames
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not has_avx512_bf16(), reason="needs AVX512-BF16 (both bfloat16 GEMMs)")
+@pytest.mark.parametrize("mode", ["fma", "dpbf16"])
+def test_bfloat16_gemm_by_fma_is_the_float32_chain_rounded(mode):
+    """PAGEDLLM_CPU_BF16_GEMM=fma (the default on Intel) multiplies bfloat16 by float32
+    FMAs: each output is float32's FMA chain over K in order, rounded once, so it equals
+    gemm_f32 on the widened inputs bit for bit; vdpbf16ps (dpbf16, AMD's default) sums each
+    pair first and differs. Both keep every row's bits whatever the batch. (A process-wide
+    choice, fixed at the first call: hence a subprocess per mode.)"""
+    env = {**os.environ, "PAGEDLLM_CPU_BF16_GEMM": mode}
+    code = f"EXPECT_SAME = {mode == 'fma'}\n" + _BF16_BY_FMA_CHECK
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
