@@ -30,6 +30,7 @@ def make_runner(batch: InputBatch) -> ModelRunner:
     runner = ModelRunner.__new__(ModelRunner)
     runner.input_batch, runner.block_size = batch, BLOCK_SIZE
     runner.device = torch.device("cpu")
+    runner.graphs = None  # CUDA graphs: none on CPU
     runner.kv_layout = build_kv_cache_layout([None], MAX_MODEL_LEN)
     return runner
 
