@@ -119,16 +119,23 @@ class DecodeGraphs:
 
     def _metadata(self, bucket: int) -> AttentionMetadata:
         """The metadata every replay of `bucket` reads: views of the static buffers."""
+        return self._views(bucket, self.dev["block_tables"].shape[2], self.max_model_len,
+                           np.arange(bucket + 1, dtype=np.int64),
+                           np.full(bucket, self.max_model_len, dtype=np.int64),
+                           static_shapes=True)
+
+    def _views(self, n: int, width: int, max_seq_len: int, query_start_loc: np.ndarray,
+               seq_lens: np.ndarray, static_shapes: bool) -> AttentionMetadata:
+        """Metadata of n one-token requests over the static buffers' first n rows (block
+        tables `width` wide), one per KV cache group (entry 0 is the result itself)."""
         dev = self.dev
         groups = [AttentionMetadata(
-            num_reqs=bucket, num_actual_tokens=bucket,
-            query_start_loc=self.query_start_loc[:bucket + 1],
-            seq_lens=dev["seq_lens"][:bucket], block_table=dev["block_tables"][g, :bucket],
-            slot_mapping=dev["slot_mappings"][g, :bucket], max_query_len=1,
-            max_seq_len=self.max_model_len,
-            query_start_loc_cpu=np.arange(bucket + 1, dtype=np.int64),
-            seq_lens_cpu=np.full(bucket, self.max_model_len, dtype=np.int64),
-            static_shapes=True) for g in range(len(dev["block_tables"]))]
+            num_reqs=n, num_actual_tokens=n, query_start_loc=self.query_start_loc[:n + 1],
+            seq_lens=dev["seq_lens"][:n], block_table=dev["block_tables"][g, :n, :width],
+            slot_mapping=dev["slot_mappings"][g, :n], max_query_len=1,
+            max_seq_len=max_seq_len, query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens, static_shapes=static_shapes)
+            for g in range(len(dev["block_tables"]))]
         md = groups[0]
         if len(groups) > 1:
             md.groups = tuple(groups)
@@ -169,18 +176,10 @@ class DecodeGraphs:
             else:  # per group: its first `bucket` rows are contiguous
                 for g in range(dst.shape[0]):
                     dst[g, :bucket].copy_(src[g, :bucket], non_blocking=True)
-        dev = self.dev
-        groups = [AttentionMetadata(
-            num_reqs=n, num_actual_tokens=n, query_start_loc=self.query_start_loc[:n + 1],
-            seq_lens=dev["seq_lens"][:n],
-            block_table=dev["block_tables"][g, :n, :table.shape[1]],
-            slot_mapping=dev["slot_mappings"][g, :n], max_query_len=1,
-            max_seq_len=int(seq_lens.max()), query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens) for g, (table, _) in enumerate(tables)]
-        md = groups[0]
-        if len(groups) > 1:
-            md.groups = tuple(groups)
-        return dev["input_ids"][:n], dev["positions"][:n], md
+        # Every group's table has the step's width (the runner cuts them alike).
+        md = self._views(n, tables[0][0].shape[1], int(seq_lens.max()), query_start_loc,
+                         seq_lens, static_shapes=False)
+        return self.dev["input_ids"][:n], self.dev["positions"][:n], md
 
     def replay(self, bucket: int, num_reqs: int) -> torch.Tensor:
         """Run `bucket`'s graph on what `stage` put in; hidden states [num_reqs, hidden]."""

@@ -183,7 +183,7 @@ class ModelRunner:
                                          batch.block_table, batch.slot_mapping, dev)
         # Varied ids (a MoE router then spreads them as real text would).
         input_ids = torch.arange(num_tokens, device=dev) % self.vocab_size
-        positions = torch.from_numpy(batch.positions).to(dev)
+        positions = host_to_device(batch.positions, dev)
         logits_indices = torch.arange(num_tokens - num_rows, num_tokens, device=dev)
         sampling = SamplingMetadata(
             temperature=torch.full((num_rows,), 0.5, dtype=torch.float32, device=dev),
