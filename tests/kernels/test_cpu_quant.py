@@ -164,11 +164,13 @@ def test_rows_bit_identical_whatever_the_batch(qtype: str) -> None:
 def test_every_path_same_bits(qtype: str, path: str) -> None:
     """The kernels of CPUs without AVX512-VNNI (AVX2: 8 columns at a time, int16 sums;
     portable C++) give the same bits as the widest ones: 11 rows (AVX2 micro-kernels of 4,
-    4 and 3), 3 and 1 (a decode: the weight streamed, one row's both halves in one pass),
-    45 columns (a last group of 13: a full half and one of 5), and 7 (one half); float32
+    4 and 3; AVX-512: two groups of 16 columns at a time), 6 rows of 29 columns (a pair of
+    groups whose second has 13), 3 and 1 (a decode: the weight streamed, one row's both
+    halves in one pass), 45 columns (a last group of 13: a full half and one of 5), and 7
+    (one half); float32
     and bfloat16 activations; a bias, and accumulation."""
     _require_path(path)
-    for n, m in ((45, 11), (7, 3), (45, 1), (7, 1)):
+    for n, m in ((45, 11), (29, 6), (7, 3), (45, 1), (7, 1)):
         weight = make_weight(qtype, n, 512, seed=n)
         for dtype in (torch.float32, torch.bfloat16):
             x = (torch.randn(m, weight.shape[1]) * 3).to(dtype)
