@@ -111,6 +111,14 @@ Path path_of(c10::string_view name) {
               std::string(name), "'");
 }
 
+// Column groups per micro-kernel call: compute-bound calls of the AVX-512 `micro` take
+// two at a time (its G); decode-sized ones one, as they only stream the weight.
+inline int64_t groups_per_step(Path path, QType type, int64_t rows) {
+  const bool super = type == QType::kQ2_K || type == QType::kQ4_K || type == QType::kQ5_K ||
+                     type == QType::kQ6_K;
+  return path == Path::kAvx512 && !super && rows > kStreamRows ? 2 : 1;
+}
+
 // One block of 32 of x quantized, per path: q, and the sums of q over its halves of 16
 // into s (the SIMD paths: all of it into s[0] unless asked for `halves`, two reductions
 // that cost ~1% of a Q4 prefill GEMM, so only Q6_K and Q2_K ask); returns d.
@@ -617,9 +625,7 @@ void run_simd(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
       Q == QType::kQ2_K || Q == QType::kQ4_K || Q == QType::kQ5_K || Q == QType::kQ6_K;
   const int64_t blocks = super ? x.nb / 8 : x.nb;  // weight blocks per group
   const int64_t group_bytes = blocks * block_bytes;
-  // Compute-bound calls take two groups at a time (`micro`'s G); decode-sized ones one,
-  // as they only stream the weight.
-  const int64_t pair = !super && m1 - m0 > kStreamRows ? 2 : 1;
+  const int64_t pair = groups_per_step(Path::kAvx512, Q, m1 - m0);
   // The next group's weights are prefetched into L2, a slice before each micro-kernel
   // call of this group, so they stream in while it computes. Measured on SmolLM2's
   // shapes (Q4_1, every layer's weights in turn, 2 threads, Zen 4): M = 16 -8%, M = 64
@@ -721,12 +727,17 @@ void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
         run(path, xq, 0, m, wp, block_bytes, L, bias, op, ldo, n, accumulate, g0, g1);
       });
     } else {
-      // Compute-bound: runs of groups claimed in turn, shrinking to one, so a thread
-      // that runs slower (a VM's vCPU, a busy SMT sibling) is not waited for at the end.
+      // Compute-bound: runs of groups claimed in turn, shrinking to one step of the
+      // micro-kernel, so a thread that runs slower (a VM's vCPU, a busy SMT sibling) is
+      // not waited for at the end; counted in steps, so no run leaves a group alone
+      // where pairs are taken.
+      const int64_t step = groups_per_step(path, L.type, m);
+      const int64_t steps = (groups + step - 1) / step;
       for (int64_t b = 0; b < row_blocks; ++b) {
         const int64_t m0 = b * kRowBlock, m1 = std::min(m, m0 + kRowBlock);
-        claim_runs(next_group[b], groups, threads, 1, [&](int64_t g0, int64_t g1) {
-          run(path, xq, m0, m1, wp, block_bytes, L, bias, op, ldo, n, accumulate, g0, g1);
+        claim_runs(next_group[b], steps, threads, 1, [&](int64_t s0, int64_t s1) {
+          run(path, xq, m0, m1, wp, block_bytes, L, bias, op, ldo, n, accumulate, s0 * step,
+              std::min(groups, s1 * step));
         });
       }
     }
