@@ -29,10 +29,11 @@ class PenaltyMetadata:
 class SamplingMetadata:
     """Row i describes the i-th logits row of the step."""
 
-    # [N] float32; rows with temperature 0 are greedy (their value here is 1.0).
-    temperature: torch.Tensor
-    # [N] bool: greedy rows (temperature 0 or top_k 1).
-    is_greedy: torch.Tensor
+    # [N] float32; rows with temperature 0 are greedy (their value here is 1.0). None
+    # when all_greedy: nothing reads it then (no copy to the device each greedy step).
+    temperature: torch.Tensor | None
+    # [N] bool: greedy rows (temperature 0 or top_k 1); None when all_greedy.
+    is_greedy: torch.Tensor | None
     all_greedy: bool
     all_random: bool
     # [N] float32, None when no row uses top-p (< 1).

@@ -145,11 +145,12 @@ class SamplingState:
         """Gather the sampling state of `rows` (the rows that sample, in logits order)."""
         dev = self.device
         is_greedy = self.is_greedy[rows]
+        all_greedy = bool(is_greedy.all())
         md = SamplingMetadata(
-            temperature=host_to_device(self.temperature[rows], dev),
-            is_greedy=host_to_device(is_greedy, dev),
-            all_greedy=bool(is_greedy.all()), all_random=not bool(is_greedy.any()))
-        if not md.all_greedy:
+            temperature=None if all_greedy else host_to_device(self.temperature[rows], dev),
+            is_greedy=None if all_greedy else host_to_device(is_greedy, dev),
+            all_greedy=all_greedy, all_random=not bool(is_greedy.any()))
+        if not all_greedy:
             top_p, top_k, min_p = self.top_p[rows], self.top_k[rows], self.min_p[rows]
             if (top_p < 1).any():
                 md.top_p = host_to_device(top_p, dev)

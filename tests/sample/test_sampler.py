@@ -281,3 +281,19 @@ def test_mixed_step_draws_only_the_random_rows_and_keeps_seeded_draws():
                                all_greedy=False, all_random=False, generators=gens())
     full = Sampler.sample(logits.clone(), md_full)
     assert full[[0, 1, 2, 3, 5]].tolist() == out[[0, 1, 2, 3, 5]].tolist()
+
+
+def test_all_greedy_metadata_copies_no_temperature() -> None:
+    """An all-greedy step leaves temperature and the greedy flags on the host (the sampler
+    reads neither then: two device copies saved per step on a GPU); a mixed step has
+    both, row for row."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    state, rows = make_state([(greedy, [2, 3], []), (greedy, [4], [5])])
+    md = state.metadata(rows)
+    assert md.all_greedy and md.temperature is None and md.is_greedy is None
+    mixed, rows = make_state([(greedy, [2, 3], []),
+                              (SamplingParams(temperature=0.7, max_tokens=4), [4], [5])])
+    md = mixed.metadata(rows)
+    assert not md.all_greedy
+    assert torch.equal(md.is_greedy, torch.tensor([True, False]))
+    torch.testing.assert_close(md.temperature, torch.tensor([1.0, 0.7]))
