@@ -5,7 +5,7 @@
 #
 # Phases, in this order:
 #   tests   the `cuda`-marked tests (tests/cuda/ and every test file that marks some)
-#   triton  the Triton kernel and engine tests, compiled on the GPU
+#   triton  the Triton kernel (attention, layer ops) and engine tests, compiled on the GPU
 #   bench   scripts/gpu/bench_gpu.py (pagedllm vs HF generate vs the hardware floors)
 # A rerun names only the phases still to do, e.g. `bash scripts/gpu/check.sh triton,bench`.
 #
@@ -103,8 +103,8 @@ fi
 if want triton; then
   run_phase triton "${TRITON_TIMEOUT:-120}" python3 -m pytest -q $PYTEST_STOP \
     -p no:cacheprovider $PYTEST_TIMEOUT --durations 10 \
-    tests/attention/test_triton_attention.py tests/engine/test_triton_engine.py \
-    tests/worker/test_decode_graphs.py
+    tests/attention/test_triton_attention.py tests/kernels/test_triton_layer_ops.py \
+    tests/engine/test_triton_engine.py tests/worker/test_decode_graphs.py
 fi
 if want bench; then
   run_phase bench "${BENCH_TIMEOUT:-150}" python3 scripts/gpu/bench_gpu.py --out "$OUT"

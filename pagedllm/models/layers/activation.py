@@ -8,6 +8,7 @@ from torch import nn
 
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.ops import cpu_ops_available
+from pagedllm.kernels.triton import layer_ops_for
 from pagedllm.nn import Module
 
 
@@ -19,6 +20,8 @@ class SiluAndMul(Module):
             out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
             cpu_ops.silu_and_mul(out, x)
             return out
+        if x.dim() == 2 and (gpu_ops := layer_ops_for(x)) is not None:
+            return gpu_ops.silu_and_mul(x)  # one kernel
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

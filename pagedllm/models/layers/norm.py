@@ -8,6 +8,7 @@ from torch import nn
 
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.ops import cpu_ops_available
+from pagedllm.kernels.triton import layer_ops_for
 from pagedllm.nn import Module
 
 
@@ -26,6 +27,8 @@ class RMSNorm(Module):
             out = torch.empty(rows.shape, dtype=x.dtype)
             cpu_ops.rms_norm(out, rows, self.weight, self.eps, self.offset)
             return out.view(x.shape)
+        if (gpu_ops := layer_ops_for(x)) is not None:
+            return gpu_ops.rms_norm(x, self.weight, self.eps, self.offset)  # one kernel
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.ops import cpu_ops_available
+from pagedllm.kernels.triton import layer_ops_for
 from pagedllm.nn import Module
 
 
@@ -64,15 +65,21 @@ class RotaryEmbedding(Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H*D], k [T, KVH*D] -> rotated (q, k). NOTE: on CPU the native op rotates
-        q and k in place (they are fresh projections); use the returned tensors."""
+        """q [T, H*D], k [T, KVH*D] -> rotated (q, k). NOTE: on CPU (the native op) and
+        CUDA (a Triton kernel) q and k are rotated in place (they are fresh projections);
+        use the returned tensors."""
         cos_t, sin_t = self.tables(q.device, q.dtype)
-        if (cpu_ops_available(q) and q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1
-                and k.stride(-1) == 1 and positions.dtype == torch.int64):
-            cpu_ops.rotary_embedding(
-                q, k, positions, cos_t, sin_t, self.head_size, self.rotary_dim,
-                self.is_neox_style)
-            return q, k
+        if (q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1 and k.stride(-1) == 1
+                and positions.dtype == torch.int64):
+            if cpu_ops_available(q):
+                cpu_ops.rotary_embedding(
+                    q, k, positions, cos_t, sin_t, self.head_size, self.rotary_dim,
+                    self.is_neox_style)
+                return q, k
+            if (gpu_ops := layer_ops_for(q)) is not None:
+                gpu_ops.rotary_embedding(q, k, positions, cos_t, sin_t, self.head_size,
+                                         self.rotary_dim, self.is_neox_style)
+                return q, k
         cos, sin = cos_t[positions], sin_t[positions]  # [T, rotary_dim // 2]
         return self._apply(q, cos, sin), self._apply(k, cos, sin)
 
