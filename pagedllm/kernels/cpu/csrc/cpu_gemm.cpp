@@ -846,6 +846,19 @@ void check_out_bias(const char* op, const at::Tensor& out, const at::Tensor& x,
               op, ": bias must be a contiguous float32 [N]");
 }
 
+// x [M, K] bfloat16 widened to float32 rows (exact, K apart) in a plain buffer, for the
+// kernels that multiply in float32 (the Intel FMA and AVX2 paths): a tensor's allocation
+// and dispatch cost ~2 us a call, and a decode step makes 4 calls a layer (in-process A/B
+// on Zen 3, single-request bfloat16 decode: 17.5 -> 17.2 ms a step, median of 16).
+[[maybe_unused]] std::unique_ptr<float[]> widened_rows(const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1);
+  auto xf = std::make_unique_for_overwrite<float[]>(m * k);
+  const auto* xb = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
+  for (int64_t r = 0; r < m; ++r)
+    pagedllm_simd::widen_bf16(xb + r * x.stride(0), xf.get() + r * k, k);
+  return xf;
+}
+
 }  // namespace
 
 void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
@@ -860,29 +873,17 @@ void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   TORCH_CHECK(x.stride(0) % 2 == 0, "gemm_bf16: x rows must start on bfloat16 pairs");
 #if defined(__AVX512BF16__)
   if (bf16_gemm_by_fma()) {
-    // x widened to float32 rows (exact) in a plain buffer, as the AVX2 path below.
-    const int64_t m = x.size(0), k = x.size(1);
-    const auto xf = std::make_unique_for_overwrite<float[]>(m * k);
-    const auto* xb = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
-    for (int64_t r = 0; r < m; ++r)
-      pagedllm_simd::widen_bf16(xb + r * x.stride(0), xf.get() + r * k, k);
+    const auto xf = widened_rows(x);
     run_gemm_bf16(streams(x, weight) ? kMicroBf16Fma<true> : kMicroBf16Fma<false>, xf.get(),
-                  k, out, weight, bias, accumulate);
+                  x.size(1), out, weight, bias, accumulate);
     return;
   }
   run_gemm_bf16(streams(x, weight) ? kMicroBf16<true> : kMicroBf16<false>,
                 reinterpret_cast<const int32_t*>(x.data_ptr()), x.stride(0) / 2, out, weight,
                 bias, accumulate);
 #elif defined(PAGEDLLM_GEMM_AVX2)
-  // x widened to float32 rows (exact) in a plain buffer: a tensor's allocation and
-  // dispatch cost ~2 us a call, and a decode step makes 4 calls a layer (in-process A/B
-  // on Zen 3, single-request bfloat16 decode: 17.5 -> 17.2 ms a step, median of 16).
-  const int64_t m = x.size(0), k = x.size(1);
-  const auto xf = std::make_unique_for_overwrite<float[]>(m * k);
-  const auto* xb = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
-  for (int64_t r = 0; r < m; ++r)
-    pagedllm_simd::widen_bf16(xb + r * x.stride(0), xf.get() + r * k, k);
-  run_gemm_bf16(kMicroBf16Avx2<uint16_t>, xf.get(), k, out, weight, bias, accumulate,
+  const auto xf = widened_rows(x);
+  run_gemm_bf16(kMicroBf16Avx2<uint16_t>, xf.get(), x.size(1), out, weight, bias, accumulate,
                 kChunkAvx2<uint16_t, uint16_t>, kChunkAvx2<float, uint16_t>, widen_pairs);
 #else
   TORCH_CHECK(false, "gemm_bf16 needs AVX512-BF16 or AVX2 with FMA");
