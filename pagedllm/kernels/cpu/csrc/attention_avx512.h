@@ -3,7 +3,8 @@
 // Scores of one row for a chunk: a 16-lane partial dot product per key (vdpbf16ps on
 // bfloat16, FMAs otherwise) folded by hsum16 into one vector whose lane t is key t.
 // Tiles of many rows in bfloat16 (prefill chunks, the cascade's shared prefix) instead
-// run GEMM-shaped micro-kernels over keys transposed once per step (run_item_tiles_bf16).
+// run GEMM-shaped micro-kernels over keys transposed once per step (run_item_tiles_bf16),
+// by vdpbf16ps or, on Intel, by float32 FMAs (bf16_attention_by_fma).
 // P.V: FMAs into a float32 accumulator per row; on bfloat16, vdpbf16ps over pairs of
 // keys (probabilities rounded to bfloat16, as bf16 attention kernels do), which leaves the
 // accumulator's head dims in the unpack order, undone when the output is stored.
@@ -389,14 +390,14 @@ class StepPrefetch {
 };
 
 // The item's query rows, head-major (head h owns head_rows rows): raw bfloat16 for the
-// vdpbf16ps path (scores are scaled after the dot product), else float32.
-template <typename T, typename C, int NV, bool kBf16>
+// vdpbf16ps paths (`raw`; scores are scaled after the dot product), else float32.
+template <typename T, typename C, int NV>
 void load_item_queries(const Params<T, C>& p, const Item& item, int64_t head_rows,
-                       Scratch& sc) {
+                       Scratch& sc, bool raw) {
   constexpr int D = NV * 16;
   const int64_t num_heads = item.head_end - item.head_begin;
   for (int64_t h = 0; h < num_heads; ++h) {
-    if constexpr (kBf16) {
+    if (raw) {
       // Raw bfloat16 rows (the score is scaled after the dot product).
       uint16_t* qb = reinterpret_cast<uint16_t*>(sc.q.data()) + h * head_rows * D;
       for (int64_t rr = 0; rr < head_rows; ++rr) {
@@ -411,6 +412,14 @@ void load_item_queries(const Params<T, C>& p, const Item& item, int64_t head_row
 }
 
 #if defined(__AVX512BF16__)
+// Whether the bfloat16 tile pass takes tile_rows' FMA form (pagedllm_simd::bf16_by_fma;
+// PAGEDLLM_CPU_BF16_ATTENTION overrides), fixed for the process: every row of every item
+// then reduces the same way (batch invariance, DESIGN.md §10).
+inline bool bf16_attention_by_fma() {
+  static const bool by_fma = pagedllm_simd::bf16_by_fma("PAGEDLLM_CPU_BF16_ATTENTION");
+  return by_fma;
+}
+
 // The bfloat16 tile pass, shaped like a small GEMM: per step of kTileKeys keys and KV head,
 // the keys are transposed and the values interleaved in pairs once, then micro-kernels of
 // kTileRows<NV> query rows compute their scores (rows x 3 vectors of sums in registers, so
@@ -448,22 +457,49 @@ inline void interleave_values(const C* const* vb, int n, __m512i* vi) {
 // One micro-kernel: R rows (bfloat16 queries q, D apart; row `row` of the item's head,
 // at position pos[r]) against a step of n keys starting at key c: scores, online softmax
 // (m, l by lane, acc rescaled) and acc += P . V.
-template <typename T, typename C, int NV, int R>
+//
+// kFma (bf16_attention_by_fma): the same steps with float32 FMAs instead of vdpbf16ps,
+// for CPUs that run vdpbf16ps at a quarter of their FMA rate (Intel's): queries are
+// float32 rows (widened exactly), each key pair dword splits into its even and odd dim
+// as float32 (a bfloat16 is the top half of its float32), every score is one FMA chain
+// over the dims in order, and the probabilities stay float32 for P . V (each value pair
+// split the same way: key 2t, then key 2t + 1).
+template <typename T, typename C, int NV, int R, bool kFma>
 inline void tile_rows(const Params<T, C>& p, const __m512i* kt, const __m512i* vi, int64_t c,
-                      int n, const uint16_t* q, const int64_t* pos, float* m, float* l,
+                      int n, const void* qv, const int64_t* pos, float* m, float* l,
                       float* acc, StepPrefetch<C>& ahead) {
   constexpr int D = NV * 16;
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  // The even (low) and odd (high) bfloat16 of each dword of x as float32.
+  auto even = [](__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); };
+  auto odd = [&high](__m512i x) { return _mm512_castsi512_ps(_mm512_and_si512(x, high)); };
   __m512 s[R][kTileVecs];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kTileVecs; ++v) s[r][v] = _mm512_setzero_ps();
   for (int j = 0; j < NV * 8; ++j) {
     ahead.next();
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, q + r * D + 2 * j, sizeof(pair));
-      const __m512bh qp = (__m512bh)_mm512_set1_epi32(pair);
-      for (int v = 0; v < kTileVecs; ++v)
-        s[r][v] = _mm512_dpbf16_ps(s[r][v], (__m512bh)kt[v * NV * 8 + j], qp);
+    if constexpr (kFma) {
+      const float* q = static_cast<const float*>(qv);
+      __m512 ke[kTileVecs], ko[kTileVecs];
+      for (int v = 0; v < kTileVecs; ++v) {
+        ke[v] = even(kt[v * NV * 8 + j]);
+        ko[v] = odd(kt[v * NV * 8 + j]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 qe = _mm512_set1_ps(q[r * D + 2 * j]);
+        for (int v = 0; v < kTileVecs; ++v) s[r][v] = _mm512_fmadd_ps(qe, ke[v], s[r][v]);
+        const __m512 qo = _mm512_set1_ps(q[r * D + 2 * j + 1]);
+        for (int v = 0; v < kTileVecs; ++v) s[r][v] = _mm512_fmadd_ps(qo, ko[v], s[r][v]);
+      }
+    } else {
+      const uint16_t* q = static_cast<const uint16_t*>(qv);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, q + r * D + 2 * j, sizeof(pair));
+        const __m512bh qp = (__m512bh)_mm512_set1_epi32(pair);
+        for (int v = 0; v < kTileVecs; ++v)
+          s[r][v] = _mm512_dpbf16_ps(s[r][v], (__m512bh)kt[v * NV * 8 + j], qp);
+      }
     }
   }
   // Softmax: probabilities in bfloat16, pairs of keys per dword (the P . V operand). The
@@ -471,6 +507,7 @@ inline void tile_rows(const Params<T, C>& p, const __m512i* kt, const __m512i* v
   // than kRescaleAbove (exact either way: acc and l share the reference m, and p <= e^8
   // stays far inside bfloat16 and float32 range), so most steps need no horizontal max.
   alignas(64) uint16_t pb[R][kTileKeys];
+  alignas(64) float pf[R][kTileKeys];  // kFma: float32 probabilities
   float alpha[R];
   bool rescaled = false;
   const __m512 sc = _mm512_set1_ps(p.scale), above = _mm512_set1_ps(kRescaleAbove);
@@ -502,8 +539,11 @@ inline void tile_rows(const Params<T, C>& p, const __m512i* kt, const __m512i* v
     for (int v = 0; v < kTileVecs; ++v) {
       const __m512 e = _mm512_maskz_mov_ps(mask[v], exp16(x[v]));
       lanes = _mm512_add_ps(lanes, e);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + 16 * v),
-                         (__m256i)_mm512_cvtneps_pbh(e));
+      if constexpr (kFma)
+        _mm512_store_ps(pf[r] + 16 * v, e);
+      else
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + 16 * v),
+                           (__m256i)_mm512_cvtneps_pbh(e));
     }
     _mm512_storeu_ps(l + r * 16, lanes);
   }
@@ -516,13 +556,23 @@ inline void tile_rows(const Params<T, C>& p, const __m512i* kt, const __m512i* v
     }
   }
   for (int t = 0; 2 * t < n; ++t) {
-    __m512bh vt[NV];
-    for (int j = 0; j < NV; ++j) vt[j] = (__m512bh)vi[t * NV + j];
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, pb[r] + 2 * t, sizeof(pair));  // p_2t | p_2t+1 << 16
-      const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < NV; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], vt[j], pp);
+    if constexpr (kFma) {
+      for (int j = 0; j < NV; ++j) {
+        const __m512 ve = even(vi[t * NV + j]), vo = odd(vi[t * NV + j]);
+        for (int r = 0; r < R; ++r) {
+          a[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(pf[r][2 * t]), ve, a[r][j]);
+          a[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(pf[r][2 * t + 1]), vo, a[r][j]);
+        }
+      }
+    } else {
+      __m512bh vt[NV];
+      for (int j = 0; j < NV; ++j) vt[j] = (__m512bh)vi[t * NV + j];
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, pb[r] + 2 * t, sizeof(pair));  // p_2t | p_2t+1 << 16
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < NV; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], vt[j], pp);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -530,30 +580,32 @@ inline void tile_rows(const Params<T, C>& p, const __m512i* kt, const __m512i* v
 }
 
 // R = 1 .. kTileRows rows: the micro-kernel of that size.
-template <typename T, typename C, int NV, int R = kTileRows<NV>>
+template <typename T, typename C, int NV, bool kFma, int R = kTileRows<NV>>
 inline void tile_rows_n(int rows, const Params<T, C>& p, const __m512i* kt, const __m512i* vi,
-                        int64_t c, int n, const uint16_t* q, const int64_t* pos, float* m,
+                        int64_t c, int n, const void* q, const int64_t* pos, float* m,
                         float* l, float* acc, StepPrefetch<C>& ahead) {
   if constexpr (R > 1) {
     if (rows < R) {
-      tile_rows_n<T, C, NV, R - 1>(rows, p, kt, vi, c, n, q, pos, m, l, acc, ahead);
+      tile_rows_n<T, C, NV, kFma, R - 1>(rows, p, kt, vi, c, n, q, pos, m, l, acc, ahead);
       return;
     }
   }
-  tile_rows<T, C, NV, R>(p, kt, vi, c, n, q, pos, m, l, acc, ahead);
+  tile_rows<T, C, NV, R, kFma>(p, kt, vi, c, n, q, pos, m, l, acc, ahead);
 }
 
 // run_item_chunks' key loop for bfloat16 with whole 16-key runs per block
 // (block_size % 16 == 0): steps of kTileKeys keys through the micro-kernels.
 // `shared_keys`: the cascade's shared prefix, whose keys the thread's next item (then a
 // decode continuing from the shared state) does not read.
-template <typename T, typename C, int NV>
+template <typename T, typename C, int NV, bool kFma>
 void run_item_tiles_bf16(const Params<T, C>& p, const Item& item, const Span& sp,
                          Scratch& sc, int64_t shared_keys) {
   constexpr int D = NV * 16;
   constexpr int R = kTileRows<NV>;
   const int64_t head_rows = sp.num_toks * p.group;
-  const uint16_t* qb = reinterpret_cast<const uint16_t*>(sc.q.data());
+  // Query rows: float32 (kFma) or raw bfloat16 (load_item_queries).
+  const size_t q_bytes = kFma ? sizeof(float) : sizeof(uint16_t);
+  const char* qb = reinterpret_cast<const char*>(sc.q.data());
   alignas(64) __m512i kt[kTileVecs * NV * 8];
   alignas(64) __m512i vi[kTileKeys / 2 * NV];
   // Steps start at multiples of kTileKeys: a row's steps are the same whatever the other
@@ -630,9 +682,10 @@ void run_item_tiles_bf16(const Params<T, C>& p, const Item& item, const Span& sp
         int64_t pos[R];
         for (int r = 0; r < R; ++r) pos[r] = sp.pos0 + (rr + r) / p.group;
         const int64_t row = row0 + rr;
-        tile_rows_n<T, C, NV>(static_cast<int>(std::min<int64_t>(R, head_rows - rr)), p, kt, vi, c,
-                           n, qb + row * D, pos, sc.m.data() + row, sc.l_lanes.data() + row * 16,
-                           sc.acc.data() + row * D, ahead);
+        tile_rows_n<T, C, NV, kFma>(static_cast<int>(std::min<int64_t>(R, head_rows - rr)), p,
+                                    kt, vi, c, n, qb + row * D * q_bytes, pos,
+                                    sc.m.data() + row, sc.l_lanes.data() + row * 16,
+                                    sc.acc.data() + row * D, ahead);
       }
     }
     ahead.rest();
@@ -651,7 +704,13 @@ void run_item_chunks(const Params<T, C>& p, const Item& item, Span sp, Scratch& 
   constexpr int D = NV * 16;
   const int64_t head_rows = sp.num_toks * p.group;
   const int64_t rows = head_rows * (item.head_end - item.head_begin);
-  load_item_queries<T, C, NV, kBf16>(p, item, head_rows, sc);
+#if defined(__AVX512BF16__)
+  const bool tiles = kBf16 && p.block_size % 16 == 0;
+  const bool by_fma = tiles && bf16_attention_by_fma();
+#else
+  const bool by_fma = false;
+#endif
+  load_item_queries<T, C, NV>(p, item, head_rows, sc, kBf16 && !by_fma);
   if (sh != nullptr && sh->keys > 0) {
     // One token: row = (h - head_begin) * group + g, as the shared part stored it.
     const int64_t at0 = item.tok_begin * sh->heads + item.head_begin * p.group;
@@ -670,8 +729,12 @@ void run_item_chunks(const Params<T, C>& p, const Item& item, Span sp, Scratch& 
   };
 #if defined(__AVX512BF16__)
   if constexpr (kBf16) {
-    if (p.block_size % 16 == 0) {
-      run_item_tiles_bf16<T, C, NV>(p, item, sp, sc, sh != nullptr ? sh->keys : 0);
+    if (tiles) {
+      const int64_t shared_keys = sh != nullptr ? sh->keys : 0;
+      if (by_fma)
+        run_item_tiles_bf16<T, C, NV, true>(p, item, sp, sc, shared_keys);
+      else
+        run_item_tiles_bf16<T, C, NV, false>(p, item, sp, sc, shared_keys);
       sum_lanes();
       return;
     }

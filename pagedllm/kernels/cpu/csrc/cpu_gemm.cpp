@@ -31,7 +31,6 @@
 #include <cstdlib>
 #include <optional>
 #include <memory>
-#include <string_view>
 #include <type_traits>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -551,16 +550,10 @@ constexpr MicroFn<float, uint16_t, uint16_t> kMicroBf16Fma[kRows + 1] = {
     micro_bf16_fma<3, kStream>, micro_bf16_fma<4, kStream>, micro_bf16_fma<5, false>,
     micro_bf16_fma<6, false>, micro_bf16_fma<7, false>, micro_bf16_fma<8, false>};
 
-// Whether gemm_bf16 takes the FMA kernel: on Intel CPUs, or as PAGEDLLM_CPU_BF16_GEMM
-// ("fma" | "dpbf16") says. A property of the machine, fixed for the process (its outputs'
-// bits follow it, as they follow the ISA: batch invariance holds either way).
+// Whether gemm_bf16 takes the FMA kernel (pagedllm_simd::bf16_by_fma; the variable
+// PAGEDLLM_CPU_BF16_GEMM overrides), fixed for the process.
 bool bf16_gemm_by_fma() {
-  static const bool by_fma = [] {
-    const char* env = std::getenv("PAGEDLLM_CPU_BF16_GEMM");
-    if (env != nullptr && std::string_view(env) == "fma") return true;
-    if (env != nullptr && std::string_view(env) == "dpbf16") return false;
-    return static_cast<bool>(__builtin_cpu_is("intel"));
-  }();
+  static const bool by_fma = pagedllm_simd::bf16_by_fma("PAGEDLLM_CPU_BF16_GEMM");
   return by_fma;
 }
 

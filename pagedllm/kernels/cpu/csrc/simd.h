@@ -10,12 +10,30 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 namespace pagedllm_simd {
+
+// Whether bfloat16 products run as float32 FMAs (a bfloat16 widened exactly) instead of
+// vdpbf16ps: on Intel CPUs, or as the environment variable `env` ("fma" | "dpbf16") says.
+// The Intel Xeon measured (family 6 model 207) issues half a vdpbf16ps per cycle against
+// two FMAs, so the FMAs' twice as many instructions finish first; AMD's Zen 4 and Zen 5
+// run vdpbf16ps at twice their FMA rate. A property of the machine, read once per process
+// by each caller: outputs' bits follow it as they follow the ISA, every row the same way.
+inline bool bf16_by_fma(const char* env) {
+  const char* mode = std::getenv(env);
+  if (mode != nullptr && std::strcmp(mode, "fma") == 0) return true;
+  if (mode != nullptr && std::strcmp(mode, "dpbf16") == 0) return false;
+#if defined(__x86_64__)
+  return static_cast<bool>(__builtin_cpu_is("intel"));
+#else
+  return false;
+#endif
+}
 
 // exp(x) by Cephes' polynomial (~1 ulp); x is clamped to [-87, 88]. Always inlined: it
 // sits in the attention kernels' per-chunk rescale.
