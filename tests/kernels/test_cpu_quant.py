@@ -168,12 +168,14 @@ def test_every_path_same_bits(qtype: str, path: str) -> None:
     groups whose second has 13), 3 and 1 (a decode: the weight streamed, one row's both
     halves in one pass), 45 columns (a last group of 13: a full half and one of 5), and 7
     (one half); float32
-    and bfloat16 activations; a bias, and accumulation."""
+    and bfloat16 activations; a bias, and accumulation. K is 512 or 768 (x quantized 16
+    blocks at a time on AVX-512, then 8 one by one), one block of x all zeros."""
     _require_path(path)
-    for n, m in ((45, 11), (29, 6), (7, 3), (45, 1), (7, 1)):
-        weight = make_weight(qtype, n, 512, seed=n)
+    for n, m, k in ((45, 11, 512), (29, 6, 768), (7, 3, 512), (45, 1, 768), (7, 1, 512)):
+        weight = make_weight(qtype, n, k, seed=n)
         for dtype in (torch.float32, torch.bfloat16):
             x = (torch.randn(m, weight.shape[1]) * 3).to(dtype)
+            x[0, 32:64] = 0
             bias = torch.randn(n)
             assert torch.equal(run_gemm(weight, x, bias, path=path), run_gemm(weight, x, bias))
             start = torch.randn(m, n).to(dtype)

@@ -44,25 +44,9 @@ inline __m512i load32_bf16(const C* src, bool valid) {
   return pagedllm_fp8::bf16x32<C>(_mm256_maskz_loadu_epi8(valid ? ~0u : 0u, src));
 }
 
-// hsum16 reads key t's partial sums from slot kSlotOfKey[t].
-constexpr int kSlotOfKey[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-
-// Lane t of the result = sum of the 16 lanes of v[kSlotOfKey[t]] (a reduction tree).
+// Lane t of the result = sum of the 16 lanes of v[kSlotOfLane[t]] (a reduction tree).
 inline __m512 hsum16(const __m512 v[16]) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i) {
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-  }
-  for (int i = 0; i < 2; ++i) {
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
-  }
-  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  return pagedllm_simd::reduce16(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
 }
 
 #if defined(__AVX512BF16__)
@@ -142,7 +126,7 @@ inline void row_scores(const C* const* kb, int n, const void* q, __mmask16 mask,
   if (mask != 0) {
     __m512 v[16];
     for (int t = 0; t < 16; ++t)
-      v[kSlotOfKey[t]] = t < n ? key_dot<C, NV, kBf16>(kb[t], q) : _mm512_setzero_ps();
+      v[pagedllm_simd::kSlotOfLane[t]] = t < n ? key_dot<C, NV, kBf16>(kb[t], q) : _mm512_setzero_ps();
     s = hsum16(v);
   }
   row_softmax<kBf16>(s, mask, scale, m, l, probs, pb, alpha);

@@ -159,6 +159,43 @@ float quantize_block_avx512(const T* xb, int8_t* q, int32_t s[2], bool halves) {
   }
   return db;
 }
+
+// 16 blocks of 32 of x at once, without `halves`: quantize_block_avx512's arithmetic, the
+// 16 horizontal maxima and sums taken together by one reduce16 each and the divisions 16
+// lanes wide (IEEE division rounds alike at any width; max and integer sums are exact in
+// any order), so the same bits. One block at a time is a chain of latencies (a reduction,
+// two divisions, a reduction) that the core overlaps poorly: ~3.6% of a 128-token Q4_1
+// prefill on the Intel Xeon measured.
+template <typename T>
+void quantize_16_blocks_avx512(const T* x, int8_t* q, float* d, int32_t* sum, float* dsum) {
+  using namespace pagedllm_simd;
+  auto max = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
+  auto add_epi32 = [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  };
+  __m512 v[16];
+  for (int b = 0; b < 16; ++b) {
+    v[kSlotOfLane[b]] = _mm512_max_ps(_mm512_abs_ps(load16(x + b * kBlock)),
+                                      _mm512_abs_ps(load16(x + b * kBlock + 16)));
+  }
+  const __m512 db = _mm512_div_ps(reduce16(v, max), _mm512_set1_ps(127.0f));
+  // 1 / d, or 0 where d is 0 (unordered counts as nonzero, as `db != 0.0f` does).
+  const __mmask16 nonzero = _mm512_cmp_ps_mask(db, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+  alignas(64) float id[16];
+  _mm512_store_ps(id, _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.0f), db));
+  for (int b = 0; b < 16; ++b) {
+    const __m512 scale = _mm512_set1_ps(id[b]);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + b * kBlock), scale));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + b * kBlock + 16), scale));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+    v[kSlotOfLane[b]] = _mm512_castsi512_ps(_mm512_add_epi32(q0, q1));
+  }
+  const __m512i sums = _mm512_castps_si512(reduce16(v, add_epi32));
+  _mm512_storeu_ps(d, db);
+  _mm512_storeu_si512(sum, sums);
+  _mm512_storeu_ps(dsum, _mm512_mul_ps(db, _mm512_cvtepi32_ps(sums)));
+}
 #endif
 
 // Quantize x [K] (float32 or bfloat16) into the row's buffers; the same bits on every
@@ -166,7 +203,14 @@ float quantize_block_avx512(const T* xb, int8_t* q, int32_t s[2], bool halves) {
 template <typename T>
 void quantize_row(Path path, const T* x, int64_t k, int8_t* q, float* d, int32_t* sum,
                   float* dsum, int32_t* off16) {
-  for (int64_t b = 0; b < k / kBlock; ++b) {
+  int64_t b = 0;
+#if defined(__AVX512F__)
+  if (path == Path::kAvx512 && off16 == nullptr) {
+    for (; b + 16 <= k / kBlock; b += 16)
+      quantize_16_blocks_avx512(x + b * kBlock, q + b * kBlock, d + b, sum + b, dsum + b);
+  }
+#endif
+  for (; b < k / kBlock; ++b) {
     const T* xb = x + b * kBlock;
     int8_t* qb = q + b * kBlock;
     int32_t s[2] = {0, 0};  // sums over the two halves of 16

@@ -168,6 +168,29 @@ inline __m512 exp2_16(__m512 y) {
   return _mm512_scalef_ps(p, k);
 }
 
+// reduce16 reads the vector of lane t from slot kSlotOfLane[t].
+constexpr int kSlotOfLane[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+// Lane t of the result = op over the 16 lanes of v[kSlotOfLane[t]], by a fixed tree
+// (op: a lane-wise float32 add or max): 16 horizontal reductions for the price of ~4.
+template <typename Op>
+inline __m512 reduce16(const __m512 v[16], Op op) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {
+    w[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    x[i] = op(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+              _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    y[i] = op(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+              _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  }
+  return op(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+
 // Lanes [0, n) of a 16-lane mask (n in [0, 16]).
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
