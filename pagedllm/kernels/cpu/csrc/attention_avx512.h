@@ -6,8 +6,9 @@
 // run GEMM-shaped micro-kernels over keys transposed once per step (run_item_tiles_bf16),
 // by vdpbf16ps or, on Intel, by float32 FMAs (bf16_attention_by_fma).
 // P.V: FMAs into a float32 accumulator per row; on bfloat16, vdpbf16ps over pairs of
-// keys (probabilities rounded to bfloat16, as bf16 attention kernels do), which leaves the
-// accumulator's head dims in the unpack order, undone when the output is stored.
+// keys (probabilities rounded to bfloat16, as bf16 attention kernels do; the FMA form
+// keeps them float32), which leaves the accumulator's head dims in the unpack order,
+// undone when the output is stored.
 // An fp8 cache (C, fp8.h) is read through the same code: keys and values are converted on
 // the fly, exactly, to bfloat16 pairs (the vdpbf16ps paths) or float32 lanes (the others);
 // k_scale is folded into the softmax scale and v_scale into the output normalization.
@@ -126,7 +127,8 @@ inline void row_scores(const C* const* kb, int n, const void* q, __mmask16 mask,
   if (mask != 0) {
     __m512 v[16];
     for (int t = 0; t < 16; ++t)
-      v[pagedllm_simd::kSlotOfLane[t]] = t < n ? key_dot<C, NV, kBf16>(kb[t], q) : _mm512_setzero_ps();
+      v[pagedllm_simd::kSlotOfLane[t]] =
+          t < n ? key_dot<C, NV, kBf16>(kb[t], q) : _mm512_setzero_ps();
     s = hsum16(v);
   }
   row_softmax<kBf16>(s, mask, scale, m, l, probs, pb, alpha);
@@ -443,7 +445,8 @@ inline void interleave_values(const C* const* vb, int n, __m512i* vi) {
 // (m, l by lane, acc rescaled) and acc += P . V.
 //
 // kFma (bf16_attention_by_fma): the same steps with float32 FMAs instead of vdpbf16ps,
-// for CPUs that run vdpbf16ps at a quarter of their FMA rate (Intel's): queries are
+// for CPUs that issue half a vdpbf16ps per cycle against two FMAs (Intel's), where the
+// FMAs' twice as many instructions finish first: queries are
 // float32 rows (widened exactly), each key pair dword splits into its even and odd dim
 // as float32 (a bfloat16 is the top half of its float32), every score is one FMA chain
 // over the dims in order, and the probabilities stay float32 for P . V (each value pair
@@ -486,10 +489,11 @@ inline void tile_rows(const Params<T, C>& p, const __m512i* kt, const __m512i* v
       }
     }
   }
-  // Softmax: probabilities in bfloat16, pairs of keys per dword (the P . V operand). The
-  // running max m is lazy: a step rescales only when a visible score exceeds m by more
-  // than kRescaleAbove (exact either way: acc and l share the reference m, and p <= e^8
-  // stays far inside bfloat16 and float32 range), so most steps need no horizontal max.
+  // Softmax: probabilities in bfloat16, pairs of keys per dword (the P . V operand; kFma:
+  // float32, one key per lane). The running max m is lazy: a step rescales only when a
+  // visible score exceeds m by more than kRescaleAbove (exact either way: acc and l share
+  // the reference m, and p <= e^8 stays far inside bfloat16 and float32 range), so most
+  // steps need no horizontal max.
   alignas(64) uint16_t pb[R][kTileKeys];
   alignas(64) float pf[R][kTileKeys];  // kFma: float32 probabilities
   float alpha[R];
