@@ -63,27 +63,6 @@ constexpr int64_t kRowSplitMin = 256;
 // least this many at a time.
 constexpr int64_t kMinRunPanels = 2;
 
-// How far ahead of its reads a streaming call (kStreamRows rows or fewer) prefetches its
-// panel into L2 (0: not at all, the hardware prefetcher alone): 8 KB on Intel CPUs, or as
-// PAGEDLLM_CPU_STREAM_PREFETCH (bytes) says. On the Intel Xeon measured (family 6 model
-// 207, 2 threads), SmolLM2's 30 layers of bfloat16 weights at one row: in-process A/B of
-// 40 interleaved passes, median 12.3-13.0 -> 9.2-10.0 ms at 4-16 KB ahead (1 KB: no gain,
-// 32-64 KB: less), against 10.6-11.5 prefetching the next panel as calls of more rows do
-// (its L2 streamer alone starts each run of panels cold); in separate processes 11.1-12.5
-// -> 6.9-8.5 ms (~17 -> ~27 GB/s); engine bfloat16 decode 55-73 -> 80-92 tok/s. On Zen 4
-// the next-panel prefetch measured slower (above) and the distance form is untried, so
-// AMD keeps none.
-int64_t stream_prefetch_bytes() {
-  static const int64_t bytes = []() -> int64_t {
-    if (const char* env = std::getenv("PAGEDLLM_CPU_STREAM_PREFETCH")) return std::atoll(env);
-#if defined(__x86_64__)
-    return __builtin_cpu_is("intel") ? 8192 : 0;
-#else
-    return 0;
-#endif
-  }();
-  return bytes;
-}
 
 // AVX2: calls of more than kStreamRows rows (compute-bound) walk K in chunks of this
 // many steps (a 24 KB slice of a panel: float32 [128, 48], bfloat16 [128, 48, 2]), each
@@ -742,11 +721,12 @@ struct Gemm {
   // prefetch each panel's first reads stall.
   //
   // A streaming call (kStreamRows rows or fewer: one micro-kernel call per panel) instead
-  // prefetches its own panel stream_prefetch_bytes() ahead of the reads, where that is on.
+  // prefetches its own panel pagedllm_simd::stream_prefetch_bytes() ahead of the reads,
+  // where that is on.
   void run_panels(int64_t m0, int64_t m1, int64_t p0, int64_t p1) const {
     const bool stream = m1 - m0 <= kStreamRows;
     if (!stream && chunked != nullptr) return run_chunked(m0, m1, p0, p1);
-    const int64_t lead = stream ? stream_prefetch_bytes() : 0;
+    const int64_t lead = stream ? pagedllm_simd::stream_prefetch_bytes() : 0;
     const int64_t panel_elems = steps * step_elems;
     const int64_t panel_lines = panel_elems * static_cast<int64_t>(sizeof(W)) / 64;
     const int64_t blocks = (m1 - m0 + kRows - 1) / kRows;

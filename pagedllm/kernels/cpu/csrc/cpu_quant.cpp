@@ -411,11 +411,12 @@ inline void unpack_q4(__m512i raw, __m512i plane, int v, __m512i& lo, __m512i& h
 // columns left from the first one's), over all blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
 // G = 2 shares each broadcast of x between two groups: measured on an Intel Xeon (2 cores,
 // SmolLM2's shapes at 128 rows, every output's bits unchanged) 5-15% faster than one group
-// at a time; the float part of each output is the same chain whatever G.
+// at a time; the float part of each output is the same chain whatever G. lead > 0:
+// prefetch each block's lines that many bytes ahead (a streaming call, run_simd).
 template <QType Q, int R, int G, typename T>
 void micro(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t group_bytes,
            int64_t block_bytes, const float* bias, T* out, int64_t ldo, int64_t cols,
-           bool accumulate) {
+           bool accumulate, int64_t lead) {
   constexpr bool q5 = Q == QType::kQ5_0 || Q == QType::kQ5_1;
   constexpr int64_t qs_bytes = Q == QType::kQ8_0 ? 512 : (q5 ? 320 : 256);
   constexpr int32_t offset = Q == QType::kQ8_0 ? 128 :
@@ -424,6 +425,10 @@ void micro(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t group_bytes
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.nb; ++b) {
+    if (lead > 0) {
+      const char* ahead = reinterpret_cast<const char*>(wg + b * block_bytes + lead);
+      for (int64_t l = 0; l < block_bytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T1);
+    }
     __m512i dot[G][R];
     for (int g = 0; g < G; ++g)
       for (int r = 0; r < R; ++r) dot[g][r] = _mm512_setzero_si512();
@@ -642,7 +647,7 @@ void micro_q2k(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_b
 template <QType Q, int R, int G, typename T>
 void micro_any(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t group_bytes,
                int64_t block_bytes, const float* bias, T* out, int64_t ldo, int64_t cols,
-               bool accumulate) {
+               bool accumulate, int64_t lead) {
   cols = std::min(cols, G * kGroup);
   if constexpr (Q == QType::kQ4_K || Q == QType::kQ5_K) {
     micro_q4k<Q, R, T>(x, m, wg, block_bytes, bias, out, ldo, cols, accumulate);
@@ -651,7 +656,8 @@ void micro_any(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t group_b
   } else if constexpr (Q == QType::kQ2_K) {
     micro_q2k<R, T>(x, m, wg, block_bytes, bias, out, ldo, cols, accumulate);
   } else {
-    micro<Q, R, G, T>(x, m, wg, group_bytes, block_bytes, bias, out, ldo, cols, accumulate);
+    micro<Q, R, G, T>(x, m, wg, group_bytes, block_bytes, bias, out, ldo, cols, accumulate,
+                      lead);
   }
 }
 
@@ -660,7 +666,7 @@ void run_simd(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
               int64_t block_bytes, const float* bias, T* out, int64_t ldo, int64_t n,
               bool accumulate, int64_t g0, int64_t g1) {
   using Fn = void (*)(const QuantRows&, int64_t, const uint8_t*, int64_t, int64_t,
-                      const float*, T*, int64_t, int64_t, bool);
+                      const float*, T*, int64_t, int64_t, bool, int64_t);
   static constexpr Fn kMicro[2][kRows + 1] = {
       {nullptr, micro_any<Q, 1, 1, T>, micro_any<Q, 2, 1, T>, micro_any<Q, 3, 1, T>,
        micro_any<Q, 4, 1, T>, micro_any<Q, 5, 1, T>, micro_any<Q, 6, 1, T>,
@@ -676,11 +682,16 @@ void run_simd(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
   // The next group's weights are prefetched into L2, a slice before each micro-kernel
   // call of this group, so they stream in while it computes. Measured on SmolLM2's
   // shapes (Q4_1, every layer's weights in turn, 2 threads, Zen 4): M = 16 -8%, M = 64
-  // -8%, M = 128 -3%. With one call per group (M <= kRows) the hardware prefetcher is
-  // left alone: the slice would be the whole group at once (M = 1: +5%). (The AVX2
+  // -8%, M = 128 -3%. With one call per group (M <= kRows) that slice would be the whole
+  // group at once (M = 1: +5%), so these calls prefetch ahead inside `micro` (`lead`,
+  // below) or not at all. (The AVX2
   // kernels prefetch a streamed weight a fixed distance ahead of each block instead,
   // quant_avx2.h's kStreamPrefetch: measured on Zen 3 only, not tried here.)
   const int64_t calls = (m1 - m0 + kRows - 1) / kRows;
+  // One call per group streams the weight: `micro` then prefetches its blocks `lead`
+  // bytes ahead where pagedllm_simd::stream_prefetch_bytes says (the K-types' kernels
+  // leave it to the hardware).
+  const int64_t lead = calls == 1 ? pagedllm_simd::stream_prefetch_bytes() : 0;
   for (int64_t g = g0; g < g1;) {
     const int64_t span = std::min(pair, g1 - g);  // groups in this step
     const uint8_t* wg = w + g * group_bytes;
@@ -693,7 +704,7 @@ void run_simd(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
         _mm_prefetch(next + at, _MM_HINT_T1);
       kMicro[span - 1][std::min<int64_t>(kRows, m1 - m)](
           x, m, wg, group_bytes, block_bytes, bias + g * kGroup, out + g * kGroup, ldo,
-          n - g * kGroup, accumulate);
+          n - g * kGroup, accumulate, lead);
     }
     g += span;
   }
