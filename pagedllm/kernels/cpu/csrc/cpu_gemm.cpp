@@ -63,7 +63,6 @@ constexpr int64_t kRowSplitMin = 256;
 // least this many at a time.
 constexpr int64_t kMinRunPanels = 2;
 
-
 // AVX2: calls of more than kStreamRows rows (compute-bound) walk K in chunks of this
 // many steps (a 24 KB slice of a panel: float32 [128, 48], bfloat16 [128, 48, 2]), each
 // chunk for a group of rows whose x fits kGroupBytes (Gemm::run_chunked). A walk over the

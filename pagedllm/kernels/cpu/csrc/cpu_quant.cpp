@@ -684,9 +684,8 @@ void run_simd(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
   // shapes (Q4_1, every layer's weights in turn, 2 threads, Zen 4): M = 16 -8%, M = 64
   // -8%, M = 128 -3%. With one call per group (M <= kRows) that slice would be the whole
   // group at once (M = 1: +5%), so these calls prefetch ahead inside `micro` (`lead`,
-  // below) or not at all. (The AVX2
-  // kernels prefetch a streamed weight a fixed distance ahead of each block instead,
-  // quant_avx2.h's kStreamPrefetch: measured on Zen 3 only, not tried here.)
+  // below) or not at all. (The AVX2 kernels prefetch a streamed weight a fixed distance
+  // ahead of each block on every CPU, quant_avx2.h's kStreamPrefetch, measured on Zen 3.)
   const int64_t calls = (m1 - m0 + kRows - 1) / kRows;
   // One call per group streams the weight: `micro` then prefetches its blocks `lead`
   // bytes ahead where pagedllm_simd::stream_prefetch_bytes says (the K-types' kernels
