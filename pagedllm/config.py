@@ -214,6 +214,10 @@ class SchedulerConfig:
     the request is recomputed from its tokens when readmitted) or "swap" (copy them to a
     host block pool of CacheConfig.swap_space GiB and bring them back later; recompute
     when the host pool has no room)."""
+    async_scheduling: bool = False
+    """Schedule and launch step N+1 while step N runs: a request that samples in step N
+    continues in N+1 with a placeholder the runner fills from N's sampled ids on the
+    device (core/scheduler.py)."""
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:

@@ -118,6 +118,9 @@ class Request:
         # Speculative decoding: tokens proposed to follow all_token_ids, to be verified
         # by the next step that schedules this request (never part of its tokens).
         self.spec_token_ids: list[int] = []
+        # Async scheduling: tokens sampled in steps whose output has not come back yet
+        # (their positions are scheduled already; the runner fills them on the device).
+        self.num_output_placeholders = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -50,6 +50,22 @@ draft never enters the prefix cache). With `num_lookahead_tokens` (a draft model
 its own K/V for the tokens it proposes) a step that samples also reserves that many
 slots beyond its tokens.
 
+Async scheduling (`SchedulerConfig.async_scheduling`): the engine schedules step N + 1
+while step N runs, with at most one step in flight at a `schedule()`. A request whose
+step N samples (its scheduled tokens reach the end of its known sequence) gets a
+placeholder (`Request.num_output_placeholders`): it counts as a token for scheduling, so
+the request continues in N + 1 with one token, whose id the runner takes from N's
+sampled ids on the device. `update_from_output` of N removes it. A request in flight
+is scheduled again only when what it has pending cannot finish it by length (max_tokens,
+the longest sequence); one finished by N's token (EOS, a stop id) wastes its N + 1 token,
+which is dropped with the request. Requests in flight are still never preempted: when
+only those could make room (for a running request's blocks, or for a better waiting
+request under the priority policy), the step goes without it and `can_overlap()` turns
+False, so the engine schedules the next step after N's output, with nothing in flight.
+`can_overlap()` is also False while a live request needs its previous token on the host
+to be sampled (penalties, bad words, min_tokens, a grammar): the engine then waits for
+each step before the next.
+
 Deadlines: a request with `deadline` (absolute `time.monotonic()` time) still live at
 the start of a `schedule()` at or after it is finished as FINISHED_TIMEOUT, waiting,
 swapped or running; its blocks are freed at once and `pop_timed_out_requests()` hands it over.
@@ -59,6 +75,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from pagedllm.config import CacheConfig, SchedulerConfig
@@ -133,8 +150,15 @@ class Scheduler:
         self._deadlines = DeadlineHeap()
         # Finished by their deadline, until pop_timed_out_requests() hands them over.
         self.timed_out_reqs: list[Request] = []
-        # Ids of requests in steps whose output is not back yet.
-        self.in_flight: set[str] = set()
+        # Ids of requests in steps whose output is not back yet, with the number of such
+        # steps (async scheduling can hold a request in two: one in flight, one being
+        # scheduled).
+        self.in_flight: Counter[str] = Counter()
+        self.async_scheduling = scheduler_config.async_scheduling
+        # Live requests that need their previous token on the host, and whether the last
+        # schedule() wanted to preempt requests in flight (can_overlap).
+        self._num_needing_host_tokens = 0
+        self._victims_in_flight = False
         self.send_token_ids = pipeline_depth > 1
         self.max_num_seqs_per_step = -(-self.max_num_seqs // pipeline_depth)
         # Speculative decoding: slots reserved past a sampling step's tokens, and the
@@ -166,6 +190,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
         self.waiting.add(request)
+        self._num_needing_host_tokens += needs_host_tokens(request)
         if request.deadline is not None:
             self._deadlines.push(request)
 
@@ -199,6 +224,13 @@ class Scheduler:
         """True while finished ids wait to be sent to the runner by the next schedule()."""
         return bool(self.finished_req_ids)
 
+    def can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the last one's output is back:
+        no live request needs its previous token on the host first (a penalty, bad words
+        or min_tokens read the token history when sampling, a grammar is advanced by
+        each token)."""
+        return self._num_needing_host_tokens == 0 and not self._victims_in_flight
+
     def pop_timed_out_requests(self) -> list[Request]:
         """The requests finished as FINISHED_TIMEOUT since the last call."""
         timed_out, self.timed_out_reqs = self.timed_out_reqs, []
@@ -209,6 +241,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step's work; advances num_computed_tokens of scheduled requests."""
         self._finish_expired_requests()
+        self._victims_in_flight = False
         step = StepState(self.max_num_batched_tokens, self.max_num_tokens,
                          self.enable_chunked_prefill, self.num_lookahead_tokens)
         if self.policy == "priority":
@@ -224,8 +257,13 @@ class Scheduler:
         # The runner reads num_computed_tokens from the output (values before this step);
         # from here on they include the tokens this step computes.
         for req_id, num_tokens in step.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
-        self.in_flight.update(step.num_scheduled_tokens)
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            if (self.async_scheduling and not request.is_pooling
+                    and request.num_computed_tokens
+                    >= request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1  # it samples in this step
+        self.in_flight.update(step.num_scheduled_tokens.keys())
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         return output
 
@@ -236,10 +274,11 @@ class Scheduler:
                and len(step.num_scheduled_tokens) < self.max_num_seqs_per_step):
             request = self.running[req_index]
             # Chunked prefill: take what is left of the prompt (or 1 token when
-            # decoding), capped by the remaining budget.
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens,
-                                 step.token_budget)
-            if num_new_tokens <= 0 or request.req_id in self.in_flight:
+            # decoding; a placeholder counts as known), capped by the remaining budget.
+            num_new_tokens = min(request.num_tokens + request.num_output_placeholders
+                                 - request.num_computed_tokens, step.token_budget)
+            if num_new_tokens <= 0 or (request.req_id in self.in_flight
+                                       and not self._may_continue_in_flight(request)):
                 req_index += 1
                 continue
             spec_token_ids = step.spec_tokens_to_schedule(request)
@@ -257,6 +296,16 @@ class Scheduler:
             step.add_cached(request, num_new_tokens, new_blocks, new_token_ids)
             req_index += 1
 
+    def _may_continue_in_flight(self, request: Request) -> bool:
+        """Async scheduling: a request in flight continues unless the tokens it has
+        pending already end it by length."""
+        if not self.async_scheduling:
+            return False
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        max_tokens = request.max_tokens
+        return not ((max_tokens is not None and num_tokens - request.num_prompt_tokens
+                     >= max_tokens) or num_tokens >= self.max_num_tokens)
+
     def _allocate_or_preempt(self, request: Request, index: int, num_new_tokens: int,
                              step: StepState) -> list[list[KVCacheBlock]] | None:
         """Allocate for running[index], preempting the last running request not in
@@ -265,7 +314,8 @@ class Scheduler:
         The requests before `index` are already scheduled this step and the victims come
         from the back, so a scheduled request is never preempted; `request` itself is
         not in flight, so a victim always exists. Returns None when `request` itself had
-        to be preempted.
+        to be preempted. Under async scheduling `request` may be in flight itself: when
+        no request is left to preempt, it waits (None, nothing preempted).
         """
         num_lookahead = step.num_lookahead(request, request.num_computed_tokens,
                                            num_new_tokens)
@@ -276,6 +326,9 @@ class Scheduler:
                 return new_blocks
             step.is_short_of_blocks = True
             victim_index = self._last_preemptible(index)
+            if victim_index < 0:  # every candidate is in flight (async scheduling)
+                self._victims_in_flight = True
+                return None
             victim = self.running.pop(victim_index)
             self._preempt(victim, step)
             if victim is request:
@@ -418,8 +471,11 @@ class Scheduler:
                 return  # admissible as is
             # running is sorted by priority_key: the worse requests are a suffix (the
             # ones in flight cannot be preempted now).
-            worse = [r for r in self.running
-                     if r.priority > head.priority and r.req_id not in self.in_flight]
+            worse = [r for r in self.running if r.priority > head.priority]
+            if not all(r.req_id not in self.in_flight for r in worse):
+                # Async scheduling: preempt once they are back (the next schedule).
+                self._victims_in_flight = True
+                worse = [r for r in worse if r.req_id not in self.in_flight]
             if not worse or not self._fits_after_preempting(head, worse):
                 return
             self._preempt(self.running.pop(self.running.index(worse[-1])), step)
@@ -451,7 +507,17 @@ class Scheduler:
         Returns the requests that got new tokens or finished in this step, in the
         runner's order. Requests finished or aborted meanwhile are skipped.
         """
-        self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
+        self.in_flight.subtract(scheduler_output.num_scheduled_tokens.keys())
+        for req_id in scheduler_output.num_scheduled_tokens:
+            if self.in_flight[req_id] <= 0:
+                del self.in_flight[req_id]
+        if self.async_scheduling:
+            # The tokens of this step's placeholders are here (applied below).
+            for req_id, token_ids in zip(model_runner_output.req_ids,
+                                         model_runner_output.sampled_token_ids):
+                request = self.requests.get(req_id)
+                if token_ids and request is not None and request.num_output_placeholders:
+                    request.num_output_placeholders -= 1
         update = apply_runner_output(self.requests, scheduler_output, model_runner_output,
                                      self.max_num_tokens)
         self.num_draft_tokens += update.num_draft_tokens
@@ -495,5 +561,15 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         if self.swap_space is not None:
             self.swap_space.free(request)
+        self._num_needing_host_tokens -= needs_host_tokens(request)
         del self.requests[request.req_id]
         self.finished_req_ids.add(request.req_id)
+
+
+def needs_host_tokens(request: Request) -> bool:
+    """Whether sampling or scheduling the request's next token reads its previous token
+    on the host (see Scheduler.can_overlap)."""
+    sp = request.sampling_params
+    return bool(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1
+                or sp.bad_words or sp.bad_words_token_ids or sp.min_tokens
+                or sp.structured_outputs is not None)

@@ -104,6 +104,10 @@ class EngineArgs:
                                 "native kernels is as fast and starts in seconds")
     enforce_eager: bool = _arg(False, "CUDA: run every step eagerly, without capturing CUDA "
                                       "graphs for decode steps")
+    async_scheduling: bool | None = _arg(
+        None, "schedule and launch each step while the previous one runs, so the host's "
+              "work overlaps the device's (outputs unchanged); default: on for CUDA with "
+              "one worker and no speculative decoding, off otherwise")
     tensor_parallel_size: int = _arg(1, "tensor parallel workers: each holds 1/N of every "
                                         "layer's heads and MLP columns and of the vocabulary "
                                         "(CPU: gloo; the threads are shared among them)")
@@ -169,9 +173,25 @@ class EngineArgs:
             num_threads=_resolve_num_threads(self.num_threads), compile=self.compile,
             compile_cache_dir=str(cache_root() / "inductor"), enforce_eager=self.enforce_eager)
         parallel = self._parallel_config(hf_config, device)
+        speculative = self._speculative_config(parallel, model, device)
+        sched.async_scheduling = self._resolve_async_scheduling(parallel, speculative,
+                                                                device)
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device_config,
-                            parallel=parallel,
-                            speculative=self._speculative_config(parallel, model, device))
+                            parallel=parallel, speculative=speculative)
+
+    def _resolve_async_scheduling(self, parallel: ParallelConfig,
+                                  speculative: SpeculativeConfig | None, device: str) -> bool:
+        """Explicit True where it works, else an error naming why; None: on where it pays
+        (CUDA, where the host's step work can overlap the device's)."""
+        reasons = [why for why, applies in (
+            ("speculative decoding (a step's proposals need its sampled tokens on the "
+             "host)", speculative is not None),
+            ("more than one worker", parallel.world_size > 1)) if applies]
+        if self.async_scheduling is None:
+            return device == "cuda" and not reasons
+        if self.async_scheduling and reasons:
+            raise ValueError(f"async_scheduling is not supported with {reasons[0]}")
+        return bool(self.async_scheduling)
 
     def _speculative_config(self, parallel: ParallelConfig, target: ModelConfig,
                             device: str) -> SpeculativeConfig | None:

@@ -7,6 +7,13 @@ Pipeline parallelism keeps up to pipeline_parallel_size steps in flight (the exe
 `max_concurrent_batches`): `step()` schedules and sends a new step while there is room
 and something to run, and otherwise waits for the oldest step's output, so every stage
 has work while the others run theirs. The scheduler skips requests in flight.
+
+Async scheduling (`SchedulerConfig.async_scheduling`, one worker) uses the same loop with
+two steps: step N + 1 is scheduled and launched while step N runs on the device, its
+requests continuing with placeholders for N's tokens (core/scheduler.py); N's output is
+read only then, so the host's work for one step overlaps the device's for the step
+before. While a live request needs its tokens on the host first (`can_overlap`), each
+step's output is read before the next step is scheduled.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ class EngineCore:
         self.num_swap_blocks = self.executor.determine_num_swap_blocks()
         self.executor.initialize_kv_cache(self.num_blocks, self.num_swap_blocks)
         self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self.async_scheduling = config.scheduler.async_scheduling
+        # Steps the loop keeps in flight: the pipeline's stages, or async scheduling's
+        # one step ahead of the one whose output is read next.
+        self.max_in_flight = 2 if self.async_scheduling else self.max_concurrent_batches
         group_windows = self.executor.kv_cache_group_windows()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
                                    num_swap_blocks=self.num_swap_blocks,
@@ -67,7 +78,7 @@ class EngineCore:
     def step(self) -> list[Request]:
         """Run one forward pass; return the requests that got tokens or finished
         (including those whose deadline passed: finished with FINISHED_TIMEOUT)."""
-        if self.max_concurrent_batches > 1:
+        if self.max_in_flight > 1:
             return self._step_pipelined()
         if not self.scheduler.has_unfinished_requests():
             return []
@@ -87,8 +98,10 @@ class EngineCore:
         the pipeline is full) take the oldest step's output. Returns the requests updated
         (and timed out) by this call, possibly none."""
         timed_out: list[Request] = []
-        if (len(self.batch_queue) < self.max_concurrent_batches
-                and self.scheduler.has_unfinished_requests()):
+        if (len(self.batch_queue) < self.max_in_flight
+                and self.scheduler.has_unfinished_requests()
+                and (not self.batch_queue or not self.async_scheduling
+                     or self.scheduler.can_overlap())):
             scheduler_output = self.scheduler.schedule()
             timed_out = self.scheduler.pop_timed_out_requests()
             so = scheduler_output
@@ -99,7 +112,7 @@ class EngineCore:
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 self.batch_queue.append((scheduler_output, future))
                 if (not scheduler_output.is_empty
-                        and len(self.batch_queue) < self.max_concurrent_batches):
+                        and len(self.batch_queue) < self.max_in_flight):
                     return timed_out  # room for another step before waiting
         if not self.batch_queue:
             return timed_out

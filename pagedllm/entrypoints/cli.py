@@ -36,7 +36,8 @@ def add_dataclass_args(group: Any, cls: type,
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         hint = hints[f.name]
-        if hint is bool:
+        if hint is bool or hint == (bool | None):
+            # bool | None: --flag / --no-flag, or neither (None: decided later).
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = _scalar_type(hint)

@@ -60,11 +60,12 @@ class InProcExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
                       ) -> ModelRunnerOutput | StepFuture:
-        output = self.runner.execute_model(scheduler_output)
+        """The step's output; with `non_block` a future of it, whose `result()` waits for
+        the device (under async scheduling the step may still be running)."""
+        launched = self.runner.launch(scheduler_output)
         if not non_block:
-            return output
-        future = StepFuture(lambda: None)
-        future.set_result(output)
+            return launched.get()
+        future = StepFuture(lambda: future.set_result(launched.get()))
         return future
 
     def shutdown(self) -> None:

@@ -84,10 +84,10 @@ class DecodeGraphs:
     """Static input buffers and one captured forward per bucket.
 
     A step's inputs go from numpy into pinned host copies of the static buffers, padded
-    there, then to the device in one non-blocking copy per buffer (`stage`). NOTE: the
-    host buffers are rewritten by the next step's `stage`; the runner syncs once per
-    step (it reads the sampled tokens) before preparing the next, so every copy queued
-    from them has run by then.
+    there, then to the device in one non-blocking copy per buffer (`stage`). The next
+    `stage` rewrites the host buffers only once those copies have run (an event after
+    them): under async scheduling the step that queued them may still be waiting on
+    the device.
     """
 
     def __init__(self, forward: Forward, max_num_seqs: int, max_blocks_per_req: int,
@@ -107,6 +107,8 @@ class DecodeGraphs:
         self.dev = {k: torch.zeros(shape, dtype=dtype, device=device)
                     for k, (shape, dtype) in shapes.items()}
         self.host_np = {k: t.numpy() for k, t in self.host.items()}
+        # Recorded after the last stage's copies (CUDA only).
+        self._copied: torch.cuda.Event | None = None
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._replay: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         start = time.perf_counter()
@@ -155,6 +157,8 @@ class DecodeGraphs:
         input_ids, positions and metadata as views of them (the step's own sizes and
         host arrays, for everything but the forward pass, which `replay` runs)."""
         n, host = len(seq_lens), self.host_np
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have read the buffers
         # Padding rows: see the module docstring.
         host["input_ids"][:n] = input_ids
         host["input_ids"][n:bucket] = 0
@@ -176,6 +180,9 @@ class DecodeGraphs:
             else:  # per group: its first `bucket` rows are contiguous
                 for g in range(dst.shape[0]):
                     dst[g, :bucket].copy_(src[g, :bucket], non_blocking=True)
+        if dst.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         # Every group's table has the step's width (the runner cuts them alike).
         md = self._views(n, tables[0][0].shape[1], int(seq_lens.max()), query_start_loc,
                          seq_lens, static_shapes=False)

@@ -47,11 +47,15 @@ class InputBatch:
         self.is_pooling = np.zeros(max_num_reqs, dtype=bool)
         self.pooling_params: dict[str, PoolingParams] = {}
         self.req_id_to_row: dict[str, int] = {}
+        # Bumped when a row is taken or freed: work launched for a row's request
+        # (a deferred sample) checks that the row still holds it.
+        self.generation = np.zeros(max_num_reqs, dtype=np.int64)
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def add_request(self, new: NewRequestData) -> int:
         row = self._free_rows.pop()
         self.req_id_to_row[new.req_id] = row
+        self.generation[row] += 1
         tokens = new.prompt_token_ids + new.output_token_ids
         self.token_ids[row, :len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
@@ -69,6 +73,7 @@ class InputBatch:
         row = self.req_id_to_row.pop(req_id, None)
         if row is None:
             return
+        self.generation[row] += 1
         self.sampling.remove(row)
         self.is_pooling[row] = False
         self.pooling_params.pop(req_id, None)

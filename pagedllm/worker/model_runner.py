@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from pagedllm.worker.memory import (allocate_kv_cache, attention_layers,
                                     kv_bytes_per_block, peak_allocated_bytes, profile_batch)
 from pagedllm.worker.model_loader import load_model
 from pagedllm.worker.cuda_graphs import CudaGraphCapture, DecodeGraphs
+from pagedllm.worker.deferred_sample import DeferredSample, HostCopy
 from pagedllm.worker.draft_proposer import DraftModelProposer
 from pagedllm.worker.ngram_proposer import NgramProposer
 from pagedllm.worker.pooler import pool_hidden_states
@@ -69,6 +71,22 @@ class StepInputs:
     num_scheduled: np.ndarray | None = None
     # The CUDA graph bucket the step replays in (its inputs staged there), or None.
     graph_bucket: int | None = None
+
+
+class StepOutput:
+    """A launched step's `ModelRunnerOutput`: `get()` finishes it (reads the sampled ids
+    back, the step's one wait for the device, and records them) the first time."""
+
+    def __init__(self, output: ModelRunnerOutput,
+                 finish: Callable[[ModelRunnerOutput], None] | None = None) -> None:
+        self._output = output
+        self._finish = finish
+
+    def get(self) -> ModelRunnerOutput:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish(self._output)
+        return self._output
 
 
 class ModelRunner:
@@ -137,6 +155,11 @@ class ModelRunner:
         self.host_kv_caches: list[torch.Tensor] = []
         # Captured decode steps (CUDA; None: every step runs eagerly).
         self.graphs: DecodeGraphs | None = None
+        # Async scheduling: a step's sampled ids are read when the engine asks for its
+        # output, after the next step is launched (whose placeholders take them on the
+        # device). Launched steps whose ids are not read yet, oldest first.
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._unread: list[DeferredSample] = []
 
     def _draft_bytes_per_block(self) -> int:
         if not isinstance(self.proposer, DraftModelProposer):
@@ -256,15 +279,20 @@ class ModelRunner:
             logger.info("decode steps run eagerly (no CUDA graphs): %s", ", ".join(reasons))
         return not reasons
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(so).get()
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> StepOutput:
+        """Run the step; under async scheduling its sampled ids stay on the device until
+        the output's `get()` (one runner: its sampling is never deferred otherwise)."""
         # Before anything reads or writes the cache (even in a step with no tokens).
         if so.blocks_to_swap_out or so.blocks_to_swap_in:
             swap_blocks(self.kv_caches, self.host_kv_caches, so.blocks_to_swap_out,
                         so.blocks_to_swap_in)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return StepOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         inputs = self._prepare_inputs(so)
         if inputs.graph_bucket is not None:
             hidden = self.graphs.replay(inputs.graph_bucket, inputs.attn_metadata.num_reqs)
@@ -273,11 +301,15 @@ class ModelRunner:
         else:
             hidden = self._forward_stage(inputs)
             if not self.parallel.is_last_stage:
-                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+                return StepOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         output = ModelRunnerOutput(req_ids=inputs.req_ids,
                                    sampled_token_ids=[[] for _ in inputs.req_ids])
+        deferred = None
         if len(inputs.sample_rows):
-            self._sample(inputs, hidden, output)
+            deferred = self._sample(inputs, hidden, output)
+        if deferred is not None and not self.async_scheduling:
+            self._read_sampled(deferred, output)
+            deferred = None
         if self.proposer is not None:
             self._propose(inputs, output)
         if self.input_batch.sampling.has_prompt_logprobs():
@@ -289,7 +321,9 @@ class ModelRunner:
             output.pooler_output = pool_hidden_states(
                 hidden, self.input_batch, inputs.req_ids, inputs.rows,
                 inputs.attn_metadata.query_start_loc_cpu)
-        return output
+        if deferred is None:
+            return StepOutput(output)
+        return StepOutput(output, lambda out: self._read_sampled(deferred, out))
 
     def _forward_stage(self, inputs: StepInputs) -> torch.Tensor:
         """This pipeline stage's layers: on the previous stage's hidden states (received),
@@ -310,23 +344,33 @@ class ModelRunner:
         return hidden
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor,
-                output: ModelRunnerOutput) -> None:
+                output: ModelRunnerOutput) -> DeferredSample | None:
         """Sample the requests of `inputs.sample_rows`, record their tokens in the input
         batch (unless under PP: they come with the next step) and in `output` (sampled
-        ids, logprobs)."""
+        ids, logprobs). One runner leaves that to `_read_sampled` of the returned
+        DeferredSample, with the ids still on the device."""
         # [N, V]; None on TP ranks but 0, which only take part in the logits gather.
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if inputs.num_logits is not None:
             self._sample_verify(inputs, logits, output)
-            return
+            return None
         sampler_output = None
         pipelined = self.parallel.pp_size > 1
+        batch = self.input_batch
         if self.parallel.is_driver:
-            md = self.input_batch.sampling_metadata(inputs.sample_rows)
+            md = batch.sampling_metadata(inputs.sample_rows)
             sampler_output = self.sampler(logits, md)
             sampled_t = sampler_output.sampled_token_ids  # [N] int64
+            if self.parallel.tp_size == 1 and not pipelined:
+                deferred = DeferredSample(
+                    sampled=sampled_t, copy=HostCopy(sampled_t), rows=inputs.sample_rows,
+                    generations=batch.generation[inputs.sample_rows],
+                    positions=inputs.sample_positions, logprobs=sampler_output.logprobs,
+                    num_logprobs=batch.sampling.num_logprobs[inputs.sample_rows])
+                self._unread.append(deferred)
+                return deferred
         elif pipelined:
-            return
+            return None
         else:
             sampled_t = torch.empty(len(inputs.sample_rows), dtype=torch.int64,
                                     device=self.device)
@@ -339,7 +383,24 @@ class ModelRunner:
         for pos, tok in zip(inputs.sample_positions.tolist(), sampled.tolist()):
             output.sampled_token_ids[pos] = [tok]
         if sampler_output is not None and sampler_output.logprobs is not None:
-            output.logprobs = self._sample_logprobs(inputs, sampler_output.logprobs)
+            output.logprobs = _sample_logprobs(
+                len(inputs.req_ids), inputs.sample_positions, sampler_output.logprobs,
+                batch.sampling.num_logprobs[inputs.sample_rows])
+        return None
+
+    def _read_sampled(self, deferred: DeferredSample, output: ModelRunnerOutput) -> None:
+        """Read a step's sampled ids back (waiting for them), record them in the input
+        batch for the rows that still hold their requests, and in `output`."""
+        sampled = deferred.copy.numpy()
+        self._unread.remove(deferred)
+        rows = deferred.rows
+        live = self.input_batch.generation[rows] == deferred.generations
+        self.input_batch.append_sampled(rows[live], sampled[live])
+        for pos, tok in zip(deferred.positions.tolist(), sampled.tolist()):
+            output.sampled_token_ids[pos] = [tok]
+        if deferred.logprobs is not None:
+            output.logprobs = _sample_logprobs(len(output.req_ids), deferred.positions,
+                                               deferred.logprobs, deferred.num_logprobs)
 
     def _sample_verify(self, inputs: StepInputs, logits: torch.Tensor,
                        output: ModelRunnerOutput) -> None:
@@ -424,17 +485,6 @@ class ModelRunner:
                     proposals[inputs.req_ids[pos]] = tokens
         output.spec_token_ids = proposals or None
 
-    def _sample_logprobs(self, inputs: StepInputs, lp: LogprobsTensors,
-                         ) -> list[list[TokenLogprobs]]:
-        """Per request of the step: [TokenLogprobs] if it sampled and asked, else []."""
-        per_row = lp.tolists(self.input_batch.sampling.num_logprobs[inputs.sample_rows]
-                             .tolist())
-        out: list[list[TokenLogprobs]] = [[] for _ in inputs.req_ids]
-        for pos, entry in zip(inputs.sample_positions.tolist(), per_row):
-            if entry is not None:
-                out[pos] = [entry]
-        return out
-
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -476,12 +526,20 @@ class ModelRunner:
             start = int(batch.num_tokens[row])
             batch.token_ids[row, start:start + len(drafts)] = drafts
         input_ids = batch.token_ids[token_rows, positions]
+        num_tokens = batch.num_tokens[rows]
+        placeholders = None
+        if self._unread:
+            # Async scheduling: requests that sampled in the step in flight continue
+            # with that token, which only the device has yet.
+            placeholders, pending = self._placeholders(token_rows, positions, rows)
+            input_ids[placeholders[0]] = 0  # filled on the device below
+            num_tokens = num_tokens + pending
         seq_lens = computed + num_sched
         max_seq_len = int(seq_lens.max())
         num_blocks = -(-max_seq_len // block_size)
         # A request samples once its sequence is fully computed (prefill done or decoding);
         # an embedding request never does (it is pooled instead).
-        samples = (seq_lens >= batch.num_tokens[rows]) & ~batch.is_pooling[rows]
+        samples = (seq_lens >= num_tokens) & ~batch.is_pooling[rows]
         sample_positions = np.nonzero(samples)[0]
         dev = self.device
         tables = []
@@ -511,6 +569,10 @@ class ModelRunner:
                 md.groups = (md, *(replace(md, block_table=host_to_device(table, dev),
                                            slot_mapping=host_to_device(slots, dev))
                                    for table, slots in tables[1:]))
+        if placeholders is not None:
+            token_index, sample_index = placeholders
+            input_ids_t[host_to_device(token_index, dev)] = \
+                self._unread[0].sampled[host_to_device(sample_index, dev)]
         logits_indices = query_start_loc[1:][samples] - 1
         num_logits = drafts = None
         if spec:
@@ -527,6 +589,36 @@ class ModelRunner:
             sample_rows=rows[samples], sample_positions=sample_positions, rows=rows,
             num_logits=num_logits, drafts=drafts, num_computed=computed,
             num_scheduled=num_sched, graph_bucket=bucket)
+
+    def _placeholders(self, token_rows: np.ndarray, positions: np.ndarray,
+                      rows: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
+        """Where a step's tokens are still on the device: ((index of the token in the
+        step, its index in the unread step's sampled ids), per request of the step
+        whether it has one). A placeholder is the position after the tokens the host
+        knows; the engine reads each step before it schedules the one after next, so
+        one step at most is unread and a request has at most one placeholder."""
+        assert len(self._unread) == 1, "more than one step's sampled ids unread"
+        batch, unread = self.input_batch, self._unread[0]
+        source = np.full(batch.max_num_reqs, -1, dtype=np.int64)
+        live = batch.generation[unread.rows] == unread.generations
+        source[unread.rows[live]] = np.nonzero(live)[0]
+        token_index = np.nonzero(positions >= batch.num_tokens[token_rows])[0]
+        sample_index = source[token_rows[token_index]]
+        assert (sample_index >= 0).all(), "a token past the known ones has no sample"
+        assert len(np.unique(token_rows[token_index])) == len(token_index), \
+            "a request with more than one placeholder"
+        return (token_index, sample_index), source[rows] >= 0
+
+
+def _sample_logprobs(num_reqs: int, sample_positions: np.ndarray, lp: LogprobsTensors,
+                     num_logprobs: np.ndarray) -> list[list[TokenLogprobs]]:
+    """Per request of a step: [TokenLogprobs] if it sampled and asked, else []."""
+    per_row = lp.tolists(num_logprobs.tolist())
+    out: list[list[TokenLogprobs]] = [[] for _ in range(num_reqs)]
+    for pos, entry in zip(sample_positions.tolist(), per_row):
+        if entry is not None:
+            out[pos] = [entry]
+    return out
 
 
 def _make_proposer(config: EngineConfig, device: torch.device, dtype: torch.dtype,

@@ -31,9 +31,9 @@ def test_in_flight_requests_are_not_scheduled_again(make_scheduler, make_request
     second = sched.schedule()
     assert list(second.num_scheduled_tokens) == ["c", "d"]
     # a-d are in flight and max_num_seqs keeps e out: nothing to run.
-    assert sched.schedule().is_empty and sched.in_flight == {"a", "b", "c", "d"}
+    assert sched.schedule().is_empty and set(sched.in_flight) == {"a", "b", "c", "d"}
     sched.update_from_output(first, _run(sched, first))
-    assert sched.in_flight == {"c", "d"} and reqs[0].output_token_ids == [1005]
+    assert set(sched.in_flight) == {"c", "d"} and reqs[0].output_token_ids == [1005]
     third = sched.schedule()
     # The decodes carry the tokens sampled in the first step; the runners lack them.
     assert [(c.req_id, c.new_token_ids) for c in third.scheduled_cached_reqs] == [
@@ -83,12 +83,12 @@ def test_in_flight_requests_are_never_preempted(make_scheduler, make_request):
     # Both now decode position 8 and need a 3rd block. b, the last running request and
     # so the usual victim, is in flight (as if scheduled in the step before): a
     # preempts itself instead.
-    sched.in_flight.add("b")
+    sched.in_flight["b"] += 1
     second = sched.schedule()
     assert second.preempted_req_ids == {"a"} and second.is_empty
     assert a.status == RequestStatus.PREEMPTED and b.status == RequestStatus.RUNNING
     assert sched.kv_cache_manager.get_block_ids("b") != [[]]
-    sched.in_flight.discard("b")
+    del sched.in_flight["b"]
     while sched.has_unfinished_requests():
         out = sched.schedule()
         sched.update_from_output(out, _run(sched, out))

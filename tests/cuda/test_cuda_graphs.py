@@ -127,3 +127,44 @@ def test_graphs_with_chunked_prefill_and_prefix_hits(tiny_llama, dtype):
         torch_ref = Run(tiny_llama, dtype, batches, False, attention_backend="torch_ref",
                         enforce_eager=True, **kw)
         assert graph.tokens == torch_ref.tokens
+
+
+def test_async_scheduling_equals_sync_scheduling(tiny_llama):
+    """Async scheduling, the default on CUDA (each step launched while the one before
+    runs, its placeholders filled on the device from that step's sampled ids, in the
+    replayed graphs' static buffers), against async_scheduling=False: the same tokens,
+    finish reasons and logprobs in float32, for 9 requests of different lengths, with
+    a stop id that ends some of them early (each then wastes one launched token)."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = random_prompts(9, VOCAB, 3, 40, seed=11)
+
+    def run(async_scheduling, stop_token_ids=()):
+        llm = LLM(str(tiny_llama), dtype="float32", skip_tokenizer_init=True,
+                  async_scheduling=async_scheduling, **TINY_ENGINE_KW)
+        try:
+            core = llm.llm_engine.engine_core
+            assert core.async_scheduling is (async_scheduling is not False)
+            assert runner_of(llm).graphs is not None
+            params = [SamplingParams(temperature=0, max_tokens=4 + i, logprobs=2,
+                                     stop_token_ids=list(stop_token_ids))
+                      for i in range(len(prompts))]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+            return ([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs],
+                    [[{t: lp.logprob for t, lp in step.items()}
+                      for step in o.outputs[0].logprobs] for o in outs])
+        finally:
+            del llm
+            free_cuda()
+
+    plain, _ = run(False)
+    stop = plain[-1][0][2]  # a token the longest request produces third
+    expected, expected_lp = run(False, [stop])
+    assert any(reason == "stop" for _, reason in expected)
+    actual, actual_lp = run(None, [stop])
+    assert actual == expected
+    for a_req, e_req in zip(actual_lp, expected_lp):
+        for a, e in zip(a_req, e_req, strict=True):
+            assert a.keys() == e.keys()
+            assert all(abs(a[t] - e[t]) <= 1e-4 for t in a)

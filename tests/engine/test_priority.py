@@ -24,10 +24,11 @@ def tiny_path(tmp_path_factory):
                            tiny_llama_config(vocab_size=VOCAB), seed=3)
 
 
-def make_engine(tiny_path, policy: str = "fcfs", max_num_seqs: int = 2) -> LLMEngine:
+def make_engine(tiny_path, policy: str = "fcfs", max_num_seqs: int = 2,
+                async_scheduling: bool = False) -> LLMEngine:
     args = EngineArgs(model=str(tiny_path), dtype="float32", block_size=4,
                       num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=max_num_seqs,
-                      scheduling_policy=policy)
+                      scheduling_policy=policy, async_scheduling=async_scheduling)
     return LLMEngine.from_engine_args(args, skip_tokenizer_init=True)
 
 
@@ -54,9 +55,14 @@ def alone_tokens(tiny_path, prompts):
             for i, p in enumerate(prompts)]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_high_priority_request_finishes_first(tiny_path, prompts, alone_tokens, policy):
-    engine = make_engine(tiny_path, policy)
+def test_high_priority_request_finishes_first(tiny_path, prompts, alone_tokens, policy,
+                                              async_scheduling):
+    # Async scheduling: the running requests are in flight whenever a step is scheduled,
+    # so the high request's preemption waits for a step with nothing in flight, which
+    # the scheduler asks for (can_overlap).
+    engine = make_engine(tiny_path, policy, async_scheduling=async_scheduling)
     priority = 1 if policy == "priority" else 0
     for i, p in enumerate(prompts[:8]):
         engine.add_request(f"low{i}", {"prompt_token_ids": p}, greedy(40), priority=priority)

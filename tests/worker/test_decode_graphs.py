@@ -88,7 +88,7 @@ def model_path(request, tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp(request.param), MODELS[request.param]())
 
 
-def _engine(path) -> LLM:
+def _engine(path, async_scheduling: bool = False) -> LLM:
     from pagedllm.attention.triton.ops import kernels_interpreted
 
     if not torch.cuda.is_available() and not kernels_interpreted():
@@ -96,7 +96,8 @@ def _engine(path) -> LLM:
     # num_kv_blocks: the interpreter copies every tensor argument, so keep the cache small.
     return LLM(str(path), dtype="float32", skip_tokenizer_init=True,
                attention_backend="triton", block_size=16, num_kv_blocks=64,
-               max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=32, enforce_eager=True)
+               max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=32, enforce_eager=True,
+               async_scheduling=async_scheduling)
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -105,14 +106,16 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_replayed_decode_steps_equal_eager_ones(model_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_replayed_decode_steps_equal_eager_ones(model_path, async_scheduling):
     # 5 requests of mixed lengths under a 32-token budget: the first steps mix prefill
     # chunks and decodes (eager), later ones are decode-only: 5 rows replayed in the
-    # 8-row bucket (3 padding rows).
+    # 8-row bucket (3 padding rows). Async scheduling: the placeholders of each replayed
+    # step are filled in the static input buffer from the step before's sampled ids.
     prompts = random_prompts(5, VOCAB, 3, 24, seed=5)
     expected = _generate(_engine(model_path), prompts)
 
-    llm = _engine(model_path)
+    llm = _engine(model_path, async_scheduling)
     runner = llm.llm_engine.engine_core.executor.runner
     assert runner.graphs is None  # enforce_eager
     graphs = DecodeGraphs(runner._forward, MAX_NUM_SEQS, runner.input_batch.block_tables.shape[2],

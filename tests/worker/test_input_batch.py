@@ -31,6 +31,7 @@ def make_runner(batch: InputBatch) -> ModelRunner:
     runner.input_batch, runner.block_size = batch, BLOCK_SIZE
     runner.device = torch.device("cpu")
     runner.graphs = None  # CUDA graphs: none on CPU
+    runner._unread = []  # async scheduling: no step launched and unread
     runner.kv_layout = build_kv_cache_layout([None], MAX_MODEL_LEN)
     return runner
 
