@@ -242,9 +242,11 @@ def hf_prefill(model: Any, prompts: list[list[int]]) -> dict[str, float]:
 
 # ----------------------------------------------------------------- pagedllm
 
-def make_llm(path: Path, args: argparse.Namespace, enforce_eager: bool) -> tuple[Any, dict]:
+def make_llm(path: Path, args: argparse.Namespace, enforce_eager: bool,
+             sync: bool = False) -> tuple[Any, dict]:
     """pagedllm's LLM on cuda/bf16 with the options this checkout's EngineArgs has
-    (enforce_eager and gpu_memory_utilization are recent)."""
+    (enforce_eager, gpu_memory_utilization and async_scheduling are recent); `sync`:
+    async_scheduling off."""
     from pagedllm import LLM
     from pagedllm.engine.arg_utils import EngineArgs
 
@@ -260,12 +262,17 @@ def make_llm(path: Path, args: argparse.Namespace, enforce_eager: bool) -> tuple
         if "enforce_eager" not in fields:
             raise TypeError("EngineArgs has no enforce_eager in this checkout")
         kw["enforce_eager"] = True
+    if sync:
+        if "async_scheduling" not in fields:
+            raise TypeError("EngineArgs has no async_scheduling in this checkout")
+        kw["async_scheduling"] = False
     t0 = time.perf_counter()
     llm = LLM(skip_tokenizer_init=True, **kw)
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.engine_core.executor.runner
     info = {"startup_s": startup, "options": kw,
             "cuda_graphs": getattr(runner, "graphs", None) is not None,
+            "async_scheduling": getattr(llm.llm_engine.engine_core, "async_scheduling", None),
             "num_kv_blocks": getattr(llm.llm_engine.engine_core, "num_blocks", None)}
     return llm, info
 
@@ -388,10 +395,11 @@ def run_hf(model: Any, work: Workloads, iters: int) -> dict[str, Any]:
 
 
 def run_engine(path: Path, work: Workloads, args: argparse.Namespace,
-               eager: bool) -> dict[str, Any]:
-    """One engine (CUDA graphs, or enforce_eager): (a), (b), and (c) with graphs."""
+               eager: bool, sync: bool = False) -> dict[str, Any]:
+    """One engine (CUDA graphs, or enforce_eager; `sync`: graphs without async
+    scheduling): (a), (b), and (c) with graphs and async scheduling (the defaults)."""
     out: dict[str, Any] = {}
-    made = attempt(out, "engine", lambda: make_llm(path, args, eager))
+    made = attempt(out, "engine", lambda: make_llm(path, args, eager, sync))
     if isinstance(made, dict):  # the error entry
         return out
     llm, out["engine"] = made
@@ -399,7 +407,7 @@ def run_engine(path: Path, work: Workloads, args: argparse.Namespace,
     try:
         attempt(out, "decode_batch1", lambda: paged_decode_batch1(llm, work.single, args.iters))
         attempt(out, "batch", lambda: paged_batch(llm, work.batch))
-        if not eager:
+        if not eager and not sync:
             attempt(out, "prefill", lambda: paged_prefill(llm, work.prefill, work.prefill_warm))
     finally:
         shutdown_llm(llm)
@@ -423,6 +431,8 @@ def bench_model(name: str, cfg: dict[str, Any], args: argparse.Namespace,
     model = None  # off the GPU before the engines start
     free_cuda()
     res["graphs"] = run_engine(path, work, args, eager=False)
+    if not args.skip_sync:
+        res["sync"] = run_engine(path, work, args, eager=False, sync=True)
     if not args.skip_eager:
         res["eager"] = run_engine(path, work, args, eager=True)
     return res
@@ -441,13 +451,13 @@ def _fmt(x: float | None) -> str:
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = ["| model | measure | pagedllm graphs | pagedllm eager | HF generate | floor | "
-            "graphs / floor | graphs / HF |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| model | measure | pagedllm graphs | graphs, sync | pagedllm eager | "
+            "HF generate | floor | graphs / floor | graphs / HF |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in results["models"].items():
         if not isinstance(r, dict) or "floors" not in r:
             rows.append(f"| {name} | error | {r.get('error', '?') if isinstance(r, dict) else r} "
-                        f"| | | | | |")
+                        f"| | | | | | |")
             continue
         f = r["floors"]
         for label, key, sub, floor in (
@@ -458,14 +468,16 @@ def table(results: dict[str, Any]) -> str:
                 (f"prefill tok/s ({PREFILL_PROMPTS}x{PREFILL_LEN})", "prefill",
                  "prompt_tokens_per_s", f.get("prefill_tokens_per_s_nominal"))):
             g = _get(r, "graphs", key, sub)
+            sy = _get(r, "sync", key, sub)
             e = _get(r, "eager", key, sub)
             h = _get(r, "hf", key, sub)
             ratio_floor = g / floor if g and floor else None
             ratio_hf = g / h if g and h else None
-            rows.append(f"| {name} | {label} | {_fmt(g)} | {_fmt(e)} | {_fmt(h)} | "
+            rows.append(f"| {name} | {label} | {_fmt(g)} | {_fmt(sy)} | {_fmt(e)} | {_fmt(h)} | "
                         f"{_fmt(floor)} | {_fmt(ratio_floor)} | {_fmt(ratio_hf)} |")
         rows.append(f"| {name} | engine start-up s | "
                     f"{_fmt(_get(r, 'graphs', 'engine', 'startup_s'))} | "
+                    f"{_fmt(_get(r, 'sync', 'engine', 'startup_s'))} | "
                     f"{_fmt(_get(r, 'eager', 'engine', 'startup_s'))} | | | | |")
     c = results.get("ceilings", {})
     rows.append("")
@@ -487,6 +499,8 @@ def main() -> int:
     parser.add_argument("--batch-workload", default=str(WORKLOADS / "batch64.json"))
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-eager", action="store_true")
+    parser.add_argument("--skip-sync", action="store_true",
+                        help="no graphs engine with async_scheduling off")
     parser.add_argument("--out", default=os.environ.get("OUT") or "./out")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a dry run of the script's logic (with --models tiny)")

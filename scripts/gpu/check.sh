@@ -97,7 +97,7 @@ if want tests; then
            $(grep -rlE 'mark\.cuda' tests --include='test_*.py' | sort); do
     [ -f "$f" ] && [[ " ${CUDA_FILES[*]} " != *" $f "* ]] && CUDA_FILES+=("$f")
   done
-  run_phase tests "${TESTS_TIMEOUT:-140}" python3 -m pytest -q $PYTEST_STOP -m cuda \
+  run_phase tests "${TESTS_TIMEOUT:-200}" python3 -m pytest -q $PYTEST_STOP -m cuda \
     -p no:cacheprovider $PYTEST_TIMEOUT --durations 15 "${CUDA_FILES[@]}"
 fi
 if want triton; then

@@ -29,6 +29,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--compile", action="store_true", help="torch.compile the forward")
     ap.add_argument("--profile", action="store_true", help="print cProfile's top entries")
+    ap.add_argument("--sync", action="store_true", help="async_scheduling off")
     args = ap.parse_args()
     from pagedllm import LLM, SamplingParams
 
@@ -39,7 +40,7 @@ def main() -> int:
     t0 = time.perf_counter()
     llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=1024,
               max_num_seqs=64, gpu_memory_utilization=0.5, skip_tokenizer_init=True,
-              compile=args.compile)
+              compile=args.compile, **({"async_scheduling": False} if args.sync else {}))
     startup = time.perf_counter() - t0
     runner = llm.llm_engine.engine_core.executor.runner
     gpu_ms: list[float] = []
@@ -79,7 +80,7 @@ def main() -> int:
     outs = llm.generate(prompts, many, use_tqdm=False)
     batch_s = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"{args.model} compile={args.compile}: start-up {startup:.1f} s; batch-1 decode "
+    print(f"{args.model} compile={args.compile} sync={args.sync}: start-up {startup:.1f} s; batch-1 decode "
           f"{args.tokens} tokens in {plain * 1e3:.1f} ms = {plain / args.tokens * 1e3:.3f} "
           f"ms/step ({args.tokens / plain:.0f} tok/s); graph replay (GPU, median) "
           f"{gpu_ms[len(gpu_ms) // 2]:.3f} ms; under cProfile "
