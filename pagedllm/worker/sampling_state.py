@@ -47,6 +47,9 @@ class SamplingState:
         self.has_generator = np.zeros(n, dtype=bool)
         self.has_extra = np.zeros(n, dtype=bool)  # bias, allowed ids or bad words
         self.has_grammar = np.zeros(n, dtype=bool)
+        # Greedy with nothing else (no penalty, ban, extra, grammar or logprobs): a step
+        # of only such rows gets the constant all-greedy metadata (the decode fast path).
+        self.is_plain_greedy = np.zeros(n, dtype=bool)
         self.generators: dict[int, torch.Generator] = {}
         self.min_tokens_ids: dict[int, list[int]] = {}  # masked until min_tokens
         self.logit_bias: dict[int, tuple[list[int], list[float]]] = {}
@@ -89,6 +92,11 @@ class SamplingState:
             self.matchers[row] = self.grammar.new_matcher(
                 sp.structured_outputs, new.eos_token_id, new.output_token_ids)
             self.has_grammar[row] = True
+        self.is_plain_greedy[row] = (
+            sp.is_greedy and not self.has_extra[row] and not self.has_grammar[row]
+            and row not in self.min_tokens_ids and self.num_logprobs[row] < 0
+            and self.presence[row] == 0 and self.frequency[row] == 0
+            and self.repetition[row] == 1)
 
     def _add_generator(self, row: int, new: NewRequestData) -> None:
         sp = new.sampling_params
@@ -108,6 +116,7 @@ class SamplingState:
                       self.allowed_token_ids, self.bad_words, self.matchers):
             extra.pop(row, None)
         self.has_generator[row] = self.has_extra[row] = self.has_grammar[row] = False
+        self.is_plain_greedy[row] = False
         self.min_tokens[row] = 0
         self.num_logprobs[row] = self.num_prompt_logprobs[row] = -1
 
@@ -143,6 +152,10 @@ class SamplingState:
 
     def metadata(self, rows: np.ndarray) -> SamplingMetadata:
         """Gather the sampling state of `rows` (the rows that sample, in logits order)."""
+        if self.is_plain_greedy[rows].all():
+            # What the general path below returns for such rows, without its gathers.
+            return SamplingMetadata(temperature=None, is_greedy=None, all_greedy=True,
+                                    all_random=False)
         dev = self.device
         is_greedy = self.is_greedy[rows]
         all_greedy = bool(is_greedy.all())

@@ -297,3 +297,32 @@ def test_all_greedy_metadata_copies_no_temperature() -> None:
     assert not md.all_greedy
     assert torch.equal(md.is_greedy, torch.tensor([True, False]))
     torch.testing.assert_close(md.temperature, torch.tensor([1.0, 0.7]))
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"logprobs": 0}, {"min_tokens": 2}, {"repetition_penalty": 1.2},
+    {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"logit_bias": {3: 1.0}},
+    {"allowed_token_ids": [3, 4]}, {"bad_words_token_ids": [[7]]}])
+def test_plain_greedy_fast_path_equals_the_general_metadata(extra) -> None:
+    """Rows that are greedy with nothing else get the constant all-greedy metadata
+    without the per-parameter gathers; it equals what the general path builds, and any
+    extra parameter (here with a greedy row beside it) takes the general path."""
+    from dataclasses import fields
+
+    plain = SamplingParams(temperature=0.0, max_tokens=4)
+    other = SamplingParams(temperature=0.0, max_tokens=4, **extra)
+    state, rows = make_state([(plain, [2, 3], []), (other, [4], [5])])
+    assert state.is_plain_greedy[rows].tolist() == [True, not extra]
+    fast = state.metadata(rows)
+    state.is_plain_greedy[:] = False  # force the general path
+    general = state.metadata(rows)
+    for f in fields(fast):
+        a, b = getattr(fast, f.name), getattr(general, f.name)
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and torch.equal(a, b), f.name
+        elif f.name not in ("penalties", "banned", "logit_bias"):
+            assert a == b, f.name
+        else:
+            assert (a is None) == (b is None), f.name
+    state.remove(int(rows[0]))
+    assert not state.is_plain_greedy[rows[0]]
