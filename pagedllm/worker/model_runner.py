@@ -53,8 +53,9 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
     req_ids: list[str]
-    # Flattened token index of each sampling request's last scheduled token.
-    logits_indices: torch.Tensor  # [N]
+    # Flattened token index of each sampling request's last scheduled token; None when
+    # every token of the step samples (each request decodes one), in order.
+    logits_indices: torch.Tensor | None  # [N]
     # Rows (in the input batch) of the requests that sample, in logits order.
     sample_rows: np.ndarray
     # Position of each sampling request in req_ids.
@@ -350,7 +351,9 @@ class ModelRunner:
         ids, logprobs). One runner leaves that to `_read_sampled` of the returned
         DeferredSample, with the ids still on the device."""
         # [N, V]; None on TP ranks but 0, which only take part in the logits gather.
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.logits_indices is not None:
+            hidden = hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(hidden)
         if inputs.num_logits is not None:
             self._sample_verify(inputs, logits, output)
             return None
@@ -571,8 +574,14 @@ class ModelRunner:
                                    for table, slots in tables[1:]))
         if placeholders is not None:
             token_index, sample_index = placeholders
-            input_ids_t[host_to_device(token_index, dev)] = \
-                self._unread[0].sampled[host_to_device(sample_index, dev)]
+            sampled = self._unread[0].sampled
+            if len(token_index) == total and (sample_index == token_index).all():
+                # Every token is the sample of the request in its place last step (a
+                # steady decode batch): one copy, no index tensors to send.
+                input_ids_t.copy_(sampled[:total])
+            else:
+                input_ids_t[host_to_device(token_index, dev)] = \
+                    sampled[host_to_device(sample_index, dev)]
         logits_indices = query_start_loc[1:][samples] - 1
         num_logits = drafts = None
         if spec:
@@ -585,7 +594,8 @@ class ModelRunner:
             logits_indices = first + offsets
         return StepInputs(
             input_ids=input_ids_t, positions=positions_t, attn_metadata=md, req_ids=req_ids,
-            logits_indices=host_to_device(logits_indices, dev),
+            logits_indices=(None if len(logits_indices) == total  # increasing: 0..T-1
+                            else host_to_device(logits_indices, dev)),
             sample_rows=rows[samples], sample_positions=sample_positions, rows=rows,
             num_logits=num_logits, drafts=drafts, num_computed=computed,
             num_scheduled=num_sched, graph_bucket=bucket)

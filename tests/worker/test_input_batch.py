@@ -92,7 +92,10 @@ def check_step(inputs: StepInputs, *, req_ids, input_ids, positions, slot_mappin
     assert (md.num_reqs, md.num_actual_tokens) == (len(req_ids), len(positions))
     assert md.max_query_len == max(np.diff(query_start_loc))
     assert md.max_seq_len == max(seq_lens)
-    assert inputs.logits_indices.tolist() == logits_indices
+    if logits_indices is None:  # every token samples: no gather
+        assert inputs.logits_indices is None
+    else:
+        assert inputs.logits_indices.tolist() == logits_indices
     assert inputs.sample_rows.tolist() == sample_rows
     assert inputs.sample_positions.tolist() == sample_positions
 
@@ -127,6 +130,45 @@ def test_prepare_inputs_of_a_mixed_batch_across_two_steps():
                query_start_loc=[0, 1, 6, 8], seq_lens=[7, 13, 10],
                block_table=[[2, 5, 0, 0], [4, 6, 8, 11], [7, 3, 9, 0]],
                logits_indices=[0, 7], sample_rows=[1, 0], sample_positions=[0, 2])
+
+
+def test_placeholders_take_the_unread_steps_sampled_ids():
+    """Async scheduling: b and c sampled in a launched step whose ids are unread; the
+    next step decodes both at the position after their known tokens, and their input
+    ids come from that step's sampled tensor: by one copy when the order matches, by
+    index otherwise. A decode-only step gathers no logits rows (logits_indices None)."""
+    from pagedllm.worker.deferred_sample import DeferredSample, HostCopy
+
+    batch = make_batch()
+    runner = make_runner(batch)
+    so = step([new_req("b", PROMPT_B, [2, 5]), new_req("c", PROMPT_C[:7], [4, 6])], [],
+              {"b": 6, "c": 7})
+    runner._update_states(so)
+    first = runner._prepare_inputs(so)
+    rows = first.sample_rows
+    sampled = torch.tensor([250, 350])
+    runner._unread = [DeferredSample(
+        sampled=sampled, copy=HostCopy(sampled), rows=rows,
+        generations=batch.generation[rows], positions=first.sample_positions,
+        logprobs=None, num_logprobs=np.full(2, -1))]
+    for order, expected in ((("b", "c"), [250, 350]), (("c", "b"), [350, 250])):
+        computed = {"b": 6, "c": 7}
+        so = step([], [CachedRequestData(r, new_block_ids=[[]],
+                                         num_computed_tokens=computed[r]) for r in order],
+                  {r: 1 for r in order})
+        runner._update_states(so)
+        inputs = runner._prepare_inputs(so)
+        assert inputs.input_ids.tolist() == expected
+        assert inputs.positions.tolist() == [computed[r] for r in order]
+        assert inputs.logits_indices is None
+        assert inputs.sample_positions.tolist() == [0, 1]
+    # b finished meanwhile (its row freed, so no longer the sample's): c, alone now,
+    # still takes its own sample (by index: it was second in the launched step).
+    runner._update_states(step([], [], {}, finished=("b",)))
+    so = step([], [CachedRequestData("c", new_block_ids=[[]], num_computed_tokens=7)],
+              {"c": 1})
+    runner._update_states(so)
+    assert runner._prepare_inputs(so).input_ids.tolist() == [350]
 
 
 def test_prepare_inputs_of_a_prompt_resumed_after_preemption():
