@@ -228,7 +228,8 @@ class Scheduler:
         """Whether the next step may be scheduled before the last one's output is back:
         no live request needs its previous token on the host first (a penalty, bad words
         or min_tokens read the token history when sampling, a grammar is advanced by
-        each token)."""
+        each token), and the last schedule() left no request out for want of a victim
+        not in flight."""
         return self._num_needing_host_tokens == 0 and not self._victims_in_flight
 
     def pop_timed_out_requests(self) -> list[Request]:
@@ -312,10 +313,10 @@ class Scheduler:
         flight until it fits.
 
         The requests before `index` are already scheduled this step and the victims come
-        from the back, so a scheduled request is never preempted; `request` itself is
-        not in flight, so a victim always exists. Returns None when `request` itself had
-        to be preempted. Under async scheduling `request` may be in flight itself: when
-        no request is left to preempt, it waits (None, nothing preempted).
+        from the back, so a scheduled request is never preempted. Returns None when
+        `request` itself had to be preempted, or (async scheduling, where `request` may
+        be in flight itself) when every candidate is in flight: then nothing is
+        preempted and it waits.
         """
         num_lookahead = step.num_lookahead(request, request.num_computed_tokens,
                                            num_new_tokens)

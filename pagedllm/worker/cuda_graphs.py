@@ -180,7 +180,7 @@ class DecodeGraphs:
             else:  # per group: its first `bucket` rows are contiguous
                 for g in range(dst.shape[0]):
                     dst[g, :bucket].copy_(src[g, :bucket], non_blocking=True)
-        if dst.is_cuda:
+        if self.query_start_loc.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
         # Every group's table has the step's width (the runner cuts them alike).
