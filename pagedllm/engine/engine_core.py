@@ -60,6 +60,8 @@ class EngineCore:
                         ", ".join(f"{w or 'full'}" for w in group_windows))
         if self.num_swap_blocks:
             logger.info("swap space: %d host blocks", self.num_swap_blocks - 1)
+        if self.async_scheduling:
+            logger.info("async scheduling: each step is launched while the one before runs")
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request; raises InvalidRequestError if it can never fit."""
