@@ -7,6 +7,8 @@
 #   tests   the `cuda`-marked tests (tests/cuda/ and every test file that marks some)
 #   triton  the Triton kernel (attention, layer ops) and engine tests, compiled on the GPU
 #   bench   scripts/gpu/bench_gpu.py (pagedllm vs HF generate vs the hardware floors)
+#   profile scripts/gpu/profile_decode.py --profile: where a 1B batch-1 decode step's host
+#           and GPU time go, with async scheduling (the default) and without (--sync)
 # A rerun names only the phases still to do, e.g. `bash scripts/gpu/check.sh triton,bench`.
 #
 # Python packages the machine lacks travel as wheels in .whl/ (gitignored through
@@ -20,7 +22,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 PHASES=${1:-all}
-[ "$PHASES" = all ] && PHASES=tests,triton,bench
+[ "$PHASES" = all ] && PHASES=tests,triton,bench,profile
 T0=$(date +%s)
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -108,6 +110,10 @@ if want triton; then
 fi
 if want bench; then
   run_phase bench "${BENCH_TIMEOUT:-150}" python3 scripts/gpu/bench_gpu.py --out "$OUT"
+fi
+if want profile; then
+  run_phase profile "${PROFILE_TIMEOUT:-90}" bash -c \
+    "python3 scripts/gpu/profile_decode.py --profile && python3 scripts/gpu/profile_decode.py --sync"
 fi
 
 {
