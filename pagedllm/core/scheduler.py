@@ -508,10 +508,8 @@ class Scheduler:
         Returns the requests that got new tokens or finished in this step, in the
         runner's order. Requests finished or aborted meanwhile are skipped.
         """
-        self.in_flight.subtract(scheduler_output.num_scheduled_tokens.keys())
-        for req_id in scheduler_output.num_scheduled_tokens:
-            if self.in_flight[req_id] <= 0:
-                del self.in_flight[req_id]
+        # Counter subtraction drops the ids whose count reaches 0.
+        self.in_flight -= Counter(scheduler_output.num_scheduled_tokens.keys())
         if self.async_scheduling:
             # The tokens of this step's placeholders are here (applied below).
             for req_id, token_ids in zip(model_runner_output.req_ids,
