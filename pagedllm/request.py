@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -121,6 +122,9 @@ class Request:
         # Async scheduling: tokens sampled in steps whose output has not come back yet
         # (their positions are scheduled already; the runner fills them on the device).
         self.num_output_placeholders = 0
+        # Structured output: the xgrammar matcher of its grammar, advanced by each output
+        # token (set by the engine core once the grammar compiled; None otherwise).
+        self.structured_output: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -32,7 +32,7 @@ class RequestOutputKind(enum.Enum):
 class StructuredOutputsParams:
     """Constrain generation to a grammar; exactly one of the constraint fields is set.
 
-    Compiled by xgrammar on the model runner side (cached per constraint).
+    Compiled by xgrammar in the engine core, off its loop (cached per constraint).
     """
 
     json: str | dict | None = None

@@ -1,15 +1,17 @@
 """The only types that cross between the scheduler and the model runner.
 
-Plain dataclasses of ints, lists and dicts (no tensors), so the runner can live in
-another process. A request's full data is sent once (`NewRequestData`); later steps send
-only what changed (`CachedRequestData`). The runner appends the tokens it samples to its
-own copy of each request, so sampled ids never travel back down, except under pipeline
-parallelism, where only the last stage samples and steps overlap.
+Plain dataclasses of ints, lists and dicts (no tensors; one numpy array, the grammar
+bitmask), so the runner can live in another process. A request's full data is sent once
+(`NewRequestData`); later steps send only what changed (`CachedRequestData`). The runner
+appends the tokens it samples to its own copy of each request, so sampled ids never travel
+back down, except under pipeline parallelism, where only the last stage samples and steps
+overlap.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # The logprob records are defined beside Request, which stores them, so that request.py
 # never imports core/; the runner returns them through ModelRunnerOutput.
@@ -90,6 +92,12 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the proposed tokens this step verifies after the
     # request's last token (its num_scheduled_tokens count them: 1 + len(drafts)).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Structured output (filled by the engine core after scheduling): req_id -> row of
+    # `grammar_bitmask` for each request of the step that samples under a grammar; the
+    # bitmask is xgrammar's allowed-token mask, a numpy int32 array [rows, ceil(V / 32)]
+    # (bit j of a row set: token j allowed). None when no request of the step has one.
+    structured_output_rows: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

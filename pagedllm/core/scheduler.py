@@ -171,6 +171,17 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; InvalidRequestError if its prompt can never fit the cache."""
+        self.check_request(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.req_id] = request
+        self.waiting.add(request)
+        self._num_needing_host_tokens += needs_host_tokens(request)
+        if request.deadline is not None:
+            self._deadlines.push(request)
+
+    def check_request(self, request: Request) -> None:
+        """InvalidRequestError if `add_request` would refuse the request (its id is live,
+        or its prompt is empty or can never be scheduled)."""
         if request.req_id in self.requests:
             raise InvalidRequestError(f"request id {request.req_id!r} is already in use")
         if request.num_prompt_tokens == 0:
@@ -187,12 +198,6 @@ class Scheduler:
                 f"the prompt of an embedding request is computed in one step, but it has "
                 f"{request.num_prompt_tokens} tokens and a step holds at most "
                 f"{self.max_num_batched_tokens} (max_num_batched_tokens)")
-        request.status = RequestStatus.WAITING
-        self.requests[request.req_id] = request
-        self.waiting.add(request)
-        self._num_needing_host_tokens += needs_host_tokens(request)
-        if request.deadline is not None:
-            self._deadlines.push(request)
 
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)

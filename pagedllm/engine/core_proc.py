@@ -276,7 +276,8 @@ class EngineCoreProc:
         sched = self.core.scheduler
         kv = sched.kv_cache_manager
         return SchedulerStats(
-            num_running=sched.num_running, num_waiting=sched.num_waiting,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting + self.core.num_compiling,  # grammars compiling too
             kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=sched.num_preemptions,
             num_free_blocks=kv.get_num_free_blocks(), num_blocks=self.core.num_blocks,

@@ -14,19 +14,28 @@ requests continuing with placeholders for N's tokens (core/scheduler.py); N's ou
 read only then, so the host's work for one step overlaps the device's for the step
 before. While a live request needs its tokens on the host first (`can_overlap`), each
 step's output is read before the next step is scheduled.
+
+Structured output (engine/structured_output.py): a request with a grammar waits outside
+the scheduler while a background thread compiles it, so a grammar that takes seconds to
+compile holds back only its own request. Each step then carries the grammar requests'
+token bitmask, and their matchers take the tokens that come back.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.structured_output import StructuredOutputManager
+from pagedllm.errors import InvalidRequestError
 from pagedllm.executor.executor import create_executor
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sample.structured_output import GrammarManager
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +61,11 @@ class EngineCore:
                                    num_lookahead_tokens=_num_lookahead_tokens(config))
         # (SchedulerOutput, future of its ModelRunnerOutput), oldest first.
         self.batch_queue: deque[tuple[Any, Any]] = deque()
+        self.structured_output = StructuredOutputManager(GrammarManager(
+            lambda: _load_tokenizer(config), config.model.hf_config.vocab_size))
+        # Finished while their grammar compiled (aborted, failed, timed out): handed
+        # over by the next step().
+        self._finished_compiling: list[Request] = []
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", self.num_blocks,
                     config.cache.block_size, (self.num_blocks - 1) * config.cache.block_size,
                     config.kv_cache_dtype)
@@ -65,35 +79,92 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request; raises InvalidRequestError if it can never fit."""
-        self.scheduler.add_request(request)
+        if request.req_id in self.structured_output:
+            raise InvalidRequestError(f"request id {request.req_id!r} is already in use")
+        self.scheduler.check_request(request)
+        if request.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(request)
+        else:
+            self.structured_output.submit(request)  # to the scheduler once compiled
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
-        return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        return self._finish(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, req_ids: Iterable[str]) -> list[Request]:
         """Finish requests as "stop" (a stop string was found in their text)."""
-        return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
+        return self._finish(req_ids, RequestStatus.FINISHED_STOPPED)
+
+    def _finish(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        req_ids = [req_ids] if isinstance(req_ids, str) else list(req_ids)
+        finished = self.structured_output.pop(req_ids)
+        for request in finished:
+            request.status = status
+        return finished + self.scheduler.finish_requests(req_ids, status)
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar to compile (not in the scheduler yet)."""
+        return self.structured_output.num_pending
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        return (self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+                or self.num_compiling > 0 or bool(self._finished_compiling))
+
+    def _admit_compiled(self) -> list[Request]:
+        """Hand the requests whose grammar compiled to the scheduler; return the ones
+        finished meanwhile (compile failed: aborted; or their deadline passed)."""
+        finished, self._finished_compiling = self._finished_compiling, []
+        if not self.num_compiling:
+            return finished
+        ready, failed = self.structured_output.pop_ready()
+        for request in failed:
+            request.status = RequestStatus.FINISHED_ABORTED
+        finished += failed
+        for request in ready:
+            try:
+                self.scheduler.add_request(request)  # checked by add_request already
+            except InvalidRequestError as e:  # its id was taken meanwhile
+                logger.warning("request %s dropped: %s", request.req_id, e)
+                request.status = RequestStatus.FINISHED_ABORTED
+                finished.append(request)
+        now = time.monotonic()
+        expired = [r.req_id for r in self.structured_output.pending_requests()
+                   if r.deadline is not None and r.deadline <= now]
+        if expired:
+            finished += self._finish(expired, RequestStatus.FINISHED_TIMEOUT)
+        if not self.scheduler.has_unfinished_requests() and not self.batch_queue:
+            # Only compiles are left: wait for one rather than spin.
+            self.structured_output.wait(0.05)
+        return finished
+
+    def _schedule(self) -> Any:
+        """scheduler.schedule(), with the grammar bitmask of the requests that sample."""
+        scheduler_output = self.scheduler.schedule()
+        self.structured_output.fill_bitmask(scheduler_output, self.scheduler.requests)
+        return scheduler_output
+
+    def _update(self, scheduler_output: Any, runner_output: Any) -> list[Request]:
+        self.structured_output.accept_tokens(runner_output, self.scheduler.requests)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def step(self) -> list[Request]:
         """Run one forward pass; return the requests that got tokens or finished
         (including those whose deadline passed: finished with FINISHED_TIMEOUT)."""
+        finished = self._admit_compiled()
         if self.max_in_flight > 1:
-            return self._step_pipelined()
+            return finished + self._step_pipelined()
         if not self.scheduler.has_unfinished_requests():
-            return []
-        scheduler_output = self.scheduler.schedule()
+            return finished
+        scheduler_output = self._schedule()
         # Timed out inside schedule(): no runner output will mention them.
-        timed_out = self.scheduler.pop_timed_out_requests()
+        timed_out = finished + self.scheduler.pop_timed_out_requests()
         if scheduler_output.is_empty:
             # Every live request timed out: nothing to run. The runner still gets the
             # output so it drops their state (an empty step skips the forward pass).
             self.executor.execute_model(scheduler_output)
             return timed_out
         runner_output = self.executor.execute_model(scheduler_output)
-        return timed_out + self.scheduler.update_from_output(scheduler_output, runner_output)
+        return timed_out + self._update(scheduler_output, runner_output)
 
     def _step_pipelined(self) -> list[Request]:
         """Send a new step if one fits in the pipeline and has work; otherwise (or when
@@ -104,7 +175,7 @@ class EngineCore:
                 and self.scheduler.has_unfinished_requests()
                 and (not self.batch_queue or not self.async_scheduling
                      or self.scheduler.can_overlap())):
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             timed_out = self.scheduler.pop_timed_out_requests()
             so = scheduler_output
             if (not so.is_empty or so.finished_req_ids or so.preempted_req_ids
@@ -120,10 +191,19 @@ class EngineCore:
             return timed_out
         scheduler_output, future = self.batch_queue.popleft()
         runner_output = future.result()
-        return timed_out + self.scheduler.update_from_output(scheduler_output, runner_output)
+        return timed_out + self._update(scheduler_output, runner_output)
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()
+
+
+def _load_tokenizer(config: EngineConfig) -> Any:
+    """The grammar compiler's tokenizer, loaded with the first grammar (loader/ imports
+    torch, which importing the engine does not)."""
+    from pagedllm.loader import load_tokenizer
+
+    return load_tokenizer(config.model.path, config.model.tokenizer)
 
 
 def _num_lookahead_tokens(config: EngineConfig) -> int:

@@ -1,9 +1,11 @@
 """Structured output with xgrammar: grammar per constraint, one matcher per request.
 
-The matchers live on the model runner side, next to the sampler: each step they fill a
-token bitmask for their rows (applied to the logits before sampling) and are advanced
-with the sampled tokens. The grammar compiler needs the HF tokenizer, loaded on the
-first structured request; compiled grammars are cached by the constraint.
+The engine core owns the matchers (engine/structured_output.py): it compiles each
+constraint off its loop, fills the token bitmask of the requests that sample in a step
+(sent with the step, applied to the logits by the sampler) and advances the matchers with
+the tokens that come back. The grammar compiler needs the HF tokenizer, loaded with the
+first compile; compiled grammars are cached by the constraint (least recently used
+dropped past a memory budget).
 
 EOS is allowed only where the grammar may end; the request then finishes through the
 scheduler's ordinary EOS check. xgrammar is imported lazily (only when used).
@@ -12,16 +14,17 @@ scheduler's ordinary EOS check. xgrammar is imported lazily (only when used).
 from __future__ import annotations
 
 import functools
-
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # the engine core imports this module; torch stays out of its import
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +70,28 @@ def _validate_constraint(key: tuple) -> None:
             f"invalid structured_outputs.{kind}: {str(e).strip().splitlines()[-1]}") from e
 
 
-class GrammarManager:
-    """Compiles constraints (cached) and makes per-request matchers."""
+# Compiled grammars kept for reuse: a big enum or schema compiles to tens of MB, and a
+# stream of distinct ones must not grow the cache without bound.
+MAX_CACHE_BYTES = 256 << 20
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
+
+class GrammarManager:
+    """Compiles constraints (cached) and makes per-request matchers.
+
+    `compile` may run for seconds (it grows with the constraint: a JSON-schema enum of
+    40,000 strings takes ~8 s); the engine calls it from one background thread, never
+    from two at once.
+    """
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int,
+                 max_cache_bytes: int = MAX_CACHE_BYTES) -> None:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
+        self.max_cache_bytes = max_cache_bytes
         self._compiler: Any = None
-        self._compiled: dict[tuple, Any] = {}
+        # cache_key -> (compiled grammar, its size), least recently used first.
+        self._compiled: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+        self._cache_bytes = 0
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:
@@ -83,41 +100,51 @@ class GrammarManager:
             tokenizer = self._load_tokenizer()
             # vocab_size = the model's (may exceed the tokenizer's: padded embeddings).
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            # Its own cache is unbounded: ours (by constraint, bounded) replaces it.
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         return self._compiler
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         key = params.cache_key()
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiler = self._get_compiler()
-            kind = params.kind
-            if kind == "json":
-                compiled = compiler.compile_json_schema(
-                    _json_schema_text(params.json),
-                    any_whitespace=not params.disable_any_whitespace)
-            elif kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
-            elif kind == "regex":
-                compiled = compiler.compile_regex(params.regex)
-            elif kind == "choice":
-                compiled = compiler.compile_grammar(choice_to_ebnf(params.choice))
-            else:
-                compiled = compiler.compile_grammar(params.grammar)
-            self._compiled[key] = compiled
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key][0]
+        compiler = self._get_compiler()
+        kind = params.kind
+        if kind == "json":
+            compiled = compiler.compile_json_schema(
+                _json_schema_text(params.json),
+                any_whitespace=not params.disable_any_whitespace)
+        elif kind == "json_object":
+            compiled = compiler.compile_builtin_json_grammar()
+        elif kind == "regex":
+            compiled = compiler.compile_regex(params.regex)
+        elif kind == "choice":
+            compiled = compiler.compile_grammar(choice_to_ebnf(params.choice))
+        else:
+            compiled = compiler.compile_grammar(params.grammar)
+        size = compiled.memory_size_bytes
+        self._compiled[key] = (compiled, size)
+        self._cache_bytes += size
+        while self._cache_bytes > self.max_cache_bytes and len(self._compiled) > 1:
+            _, (_, dropped) = self._compiled.popitem(last=False)
+            self._cache_bytes -= dropped
         return compiled
 
-    def new_matcher(self, params: StructuredOutputsParams, eos_token_id: int | None,
-                    output_token_ids: list[int]) -> Any:
-        """A matcher positioned after `output_token_ids` (tokens generated before a
-        preemption are replayed so the grammar state matches the sequence)."""
+    @property
+    def cache_bytes(self) -> int:
+        return self._cache_bytes
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._compiled)
+
+    def new_matcher(self, compiled: Any, eos_token_id: int | None) -> Any:
+        """A matcher at the start of `compiled` (what `compile` returned)."""
         import xgrammar as xgr
 
         stop = [eos_token_id] if eos_token_id is not None else None
-        matcher = xgr.GrammarMatcher(self.compile(params), override_stop_tokens=stop)
-        for token_id in output_token_ids:
-            matcher.accept_token(token_id)
-        return matcher
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=stop)
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         import xgrammar as xgr
@@ -125,9 +152,9 @@ class GrammarManager:
         return xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
 
-def fill_bitmask(matchers: list[Any], logits_rows: list[int], bitmask: torch.Tensor) -> None:
-    """Write each matcher's allowed-token mask into bitmask[logits_row]."""
-    for matcher, row in zip(matchers, logits_rows):
+def fill_bitmask(matchers: list[Any], bitmask: torch.Tensor) -> None:
+    """Write matcher i's allowed-token mask into bitmask[i]."""
+    for row, matcher in enumerate(matchers):
         if matcher.is_terminated():
             # Finished grammar (ignore_eos kept it going): leave the row unconstrained.
             bitmask[row].fill_(-1)

@@ -13,7 +13,6 @@ import torch
 from pagedllm.core.contracts import NewRequestData
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.structured_output import GrammarManager
 from pagedllm.worker.sampling_state import SamplingState
 
 
@@ -26,8 +25,7 @@ class InputBatch:
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
-                 vocab_size: int, device: torch.device,
-                 grammar: GrammarManager | None = None, num_kv_groups: int = 1) -> None:
+                 vocab_size: int, device: torch.device, num_kv_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = device
@@ -42,7 +40,7 @@ class InputBatch:
         self.num_blocks = np.zeros((num_kv_groups, max_num_reqs), dtype=np.int64)
         # Sampling parameters per row (scalars in arrays, extras in dicts).
         self.sampling = SamplingState(max_num_reqs, vocab_size, device, self.token_ids,
-                                      self.num_tokens, self.num_prompt_tokens, grammar)
+                                      self.num_tokens, self.num_prompt_tokens)
         # Embedding rows (pooled, never sampled) and their pooling, by req_id.
         self.is_pooling = np.zeros(max_num_reqs, dtype=bool)
         self.pooling_params: dict[str, PoolingParams] = {}
@@ -94,7 +92,6 @@ class InputBatch:
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
-        self.sampling.accept_sampled(rows, token_ids)
 
     def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         """Gather the sampling state of `rows` (the rows that sample, in logits order)."""

@@ -18,13 +18,11 @@ from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput, TokenLog
 from pagedllm.distributed.comm import broadcast, recv_from_prev_stage, send_to_next_stage
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.kernels.cpu.ops import cpu_ops_available
-from pagedllm.loader import load_tokenizer
 from pagedllm.models.layers.linear import pack_linear_weights
 from pagedllm.sample.logprobs import LogprobsTensors
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.rejection_sampler import accept_drafts
 from pagedllm.sample.sampler import Sampler
-from pagedllm.sample.structured_output import GrammarManager
 from pagedllm.models.pipeline import layer_range
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_layout import check_layer_windows, kv_cache_layout
@@ -72,6 +70,9 @@ class StepInputs:
     num_scheduled: np.ndarray | None = None
     # The CUDA graph bucket the step replays in (its inputs staged there), or None.
     graph_bucket: int | None = None
+    # Structured output: the grammar bitmask rows of the step (SchedulerOutput's) and
+    # the logits row each applies to; None when no request samples under a grammar.
+    grammar: tuple[np.ndarray, list[int]] | None = None
 
 
 class StepOutput:
@@ -140,10 +141,6 @@ class ModelRunner:
                         "caching: %s", caveat)
         self.sampler = Sampler()
         self.proposer = _make_proposer(config, self.device, self.dtype)
-        # Structured output: the tokenizer is loaded on the first grammar request.
-        self.grammar = GrammarManager(
-            lambda: load_tokenizer(config.model.path, config.model.tokenizer),
-            self.vocab_size)
         # KV cache groups (sliding-window layers get their own block tables): the same
         # layout on every worker and in the scheduler; this worker's layers start at
         # first_layer of the whole model (pipeline parallelism).
@@ -254,7 +251,7 @@ class ModelRunner:
         max_blocks_per_req = -(-(self.max_model_len + 1) // self.block_size)
         self.input_batch = InputBatch(self.config.scheduler.max_num_seqs, self.max_model_len,
                                       max_blocks_per_req, self.vocab_size, self.device,
-                                      self.grammar, self.kv_layout.num_groups)
+                                      self.kv_layout.num_groups)
         if self._graphs_apply():
             # After the KV cache: the graphs hold its addresses.
             self.graphs = DecodeGraphs(self._forward, self.config.scheduler.max_num_seqs,
@@ -362,6 +359,7 @@ class ModelRunner:
         batch = self.input_batch
         if self.parallel.is_driver:
             md = batch.sampling_metadata(inputs.sample_rows)
+            self._grammar_metadata(inputs, md, len(inputs.sample_rows))
             sampler_output = self.sampler(logits, md)
             sampled_t = sampler_output.sampled_token_ids  # [N] int64
             if self.parallel.tp_size == 1 and not pipelined:
@@ -391,6 +389,19 @@ class ModelRunner:
                 batch.sampling.num_logprobs[inputs.sample_rows])
         return None
 
+    def _grammar_metadata(self, inputs: StepInputs, md: SamplingMetadata,
+                          num_rows: int) -> None:
+        """The step's grammar bitmask into `md`: [num_rows (the logits rows), words],
+        all tokens allowed in the rows without a grammar (the sampler masks only
+        md.grammar_rows)."""
+        if inputs.grammar is None:
+            return
+        bitmask_rows, logits_rows = inputs.grammar
+        bitmask = np.full((num_rows, bitmask_rows.shape[1]), -1, dtype=np.int32)
+        bitmask[logits_rows] = bitmask_rows
+        md.grammar_bitmask = host_to_device(bitmask, self.device)
+        md.grammar_rows = logits_rows
+
     def _read_sampled(self, deferred: DeferredSample, output: ModelRunnerOutput) -> None:
         """Read a step's sampled ids back (waiting for them), record them in the input
         batch for the rows that still hold their requests, and in `output`."""
@@ -417,6 +428,7 @@ class ModelRunner:
         sampler_output = None
         if self.parallel.is_driver:
             md = batch.sampling_metadata(rows)
+            self._grammar_metadata(inputs, md, len(rows))
             # Seeded rows draw once per position; the draws of positions after a
             # rejection are given back below, so the generator advances once per token.
             saved = {start: md.generators[start].get_state()
@@ -592,13 +604,24 @@ class ModelRunner:
             offsets = np.arange(int(num_logits.sum())) - np.repeat(
                 np.cumsum(num_logits) - num_logits, num_logits)
             logits_indices = first + offsets
+        grammar = None
+        if so.structured_output_rows and self.parallel.is_last_stage:
+            # Each sampling request's first logits row (its only one without proposals;
+            # a request under a grammar never has proposals).
+            first = (np.arange(len(sample_positions)) if num_logits is None
+                     else np.cumsum(num_logits) - num_logits)
+            logits_row = dict(zip([req_ids[p] for p in sample_positions.tolist()],
+                                  first.tolist()))
+            bitmask_rows = list(so.structured_output_rows.values())
+            grammar = (so.grammar_bitmask[bitmask_rows],
+                       [logits_row[req_id] for req_id in so.structured_output_rows])
         return StepInputs(
             input_ids=input_ids_t, positions=positions_t, attn_metadata=md, req_ids=req_ids,
             logits_indices=(None if len(logits_indices) == total  # increasing: 0..T-1
                             else host_to_device(logits_indices, dev)),
             sample_rows=rows[samples], sample_positions=sample_positions, rows=rows,
             num_logits=num_logits, drafts=drafts, num_computed=computed,
-            num_scheduled=num_sched, graph_bucket=bucket)
+            num_scheduled=num_sched, graph_bucket=bucket, grammar=grammar)
 
     def _placeholders(self, token_rows: np.ndarray, positions: np.ndarray,
                       rows: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:

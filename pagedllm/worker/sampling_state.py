@@ -2,8 +2,10 @@
 
 Scalar parameters live in preallocated numpy arrays indexed by row, so gathering a
 step's rows is one fancy-index per parameter; rare per-request extras (logit bias,
-allowed ids, bad words, grammar matchers) live in dicts flagged by a per-row bool
-array, so a step only loops over the rows that have them. Every part of the metadata
+allowed ids, bad words) live in dicts flagged by a per-row bool array, so a step only
+loops over the rows that have them. Grammars live in the engine core, which sends each
+step's token bitmask with it (engine/structured_output.py); a row only notes that it has
+one. Every part of the metadata
 that no row of the step uses is left None and costs nothing in the sampler.
 """
 
@@ -16,21 +18,18 @@ from pagedllm.attention.metadata import host_to_device
 from pagedllm.core.contracts import NewRequestData
 from pagedllm.sample.metadata import PenaltyMetadata, SamplingMetadata
 from pagedllm.sample.ops import output_token_counts
-from pagedllm.sample.structured_output import GrammarManager, accept_tokens, fill_bitmask
 
 
 class SamplingState:
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device,
                  token_ids: np.ndarray, num_tokens: np.ndarray,
-                 num_prompt_tokens: np.ndarray, grammar: GrammarManager | None = None,
-                 ) -> None:
+                 num_prompt_tokens: np.ndarray) -> None:
         self.vocab_size = vocab_size
         self.device = device
         # Views of the InputBatch arrays (never reallocated): the token history.
         self.token_ids = token_ids
         self.num_tokens = num_tokens
         self.num_prompt_tokens = num_prompt_tokens
-        self.grammar = grammar
         n = max_num_reqs
         self.temperature = np.ones(n, dtype=np.float32)
         self.is_greedy = np.zeros(n, dtype=bool)
@@ -55,8 +54,6 @@ class SamplingState:
         self.logit_bias: dict[int, tuple[list[int], list[float]]] = {}
         self.allowed_token_ids: dict[int, list[int]] = {}
         self.bad_words: dict[int, list[list[int]]] = {}
-        self.matchers: dict[int, object] = {}
-        self._bitmask: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ rows
 
@@ -87,11 +84,7 @@ class SamplingState:
         self.has_extra[row] = (row in self.logit_bias or row in self.allowed_token_ids
                                or row in self.bad_words)
         self._add_generator(row, new)
-        if sp.structured_outputs is not None:
-            assert self.grammar is not None, "structured outputs need a GrammarManager"
-            self.matchers[row] = self.grammar.new_matcher(
-                sp.structured_outputs, new.eos_token_id, new.output_token_ids)
-            self.has_grammar[row] = True
+        self.has_grammar[row] = sp.structured_outputs is not None
         self.is_plain_greedy[row] = (
             sp.is_greedy and not self.has_extra[row] and not self.has_grammar[row]
             and row not in self.min_tokens_ids and self.num_logprobs[row] < 0
@@ -113,21 +106,12 @@ class SamplingState:
 
     def remove(self, row: int) -> None:
         for extra in (self.generators, self.min_tokens_ids, self.logit_bias,
-                      self.allowed_token_ids, self.bad_words, self.matchers):
+                      self.allowed_token_ids, self.bad_words):
             extra.pop(row, None)
         self.has_generator[row] = self.has_extra[row] = self.has_grammar[row] = False
         self.is_plain_greedy[row] = False
         self.min_tokens[row] = 0
         self.num_logprobs[row] = self.num_prompt_logprobs[row] = -1
-
-    def accept_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """Advance the grammar matchers of `rows` with their sampled tokens."""
-        if not self.matchers:
-            return
-        idx = np.nonzero(self.has_grammar[rows])[0]
-        if len(idx):
-            accept_tokens([self.matchers[r] for r in rows[idx].tolist()],
-                          token_ids[idx].tolist())
 
     def can_speculate(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows)] bool: rows whose next tokens may be proposed and verified in one
@@ -183,8 +167,6 @@ class SamplingState:
         md.banned = self._banned(rows)
         if self.has_extra[rows].any():
             md.logit_bias, md.disallowed_mask = self._bias_and_allowed(rows)
-        if self.matchers:
-            self._grammar_bitmask(rows, md)
         num_logprobs = self.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             md.max_num_logprobs = int(num_logprobs.max())
@@ -273,15 +255,3 @@ class SamplingState:
             bias = (torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev),
                     torch.tensor(bias_values, dtype=torch.float32, device=dev))
         return bias, disallowed
-
-    def _grammar_bitmask(self, rows: np.ndarray, md: SamplingMetadata) -> None:
-        idx = np.nonzero(self.has_grammar[rows])[0]
-        if not len(idx):
-            return
-        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
-            self._bitmask = self.grammar.allocate_bitmask(len(self.temperature))
-        bitmask = self._bitmask[:len(rows)]
-        logits_rows = idx.tolist()
-        fill_bitmask([self.matchers[r] for r in rows[idx].tolist()], logits_rows, bitmask)
-        md.grammar_bitmask = bitmask.to(self.device)
-        md.grammar_rows = logits_rows

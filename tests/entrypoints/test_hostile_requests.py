@@ -355,3 +355,34 @@ def test_looping_template_is_cut_off_and_sigterm_still_stops_the_server():
             t.join(30)
     finally:
         srv.stop()
+
+
+def test_a_grammar_compiling_for_seconds_holds_back_only_its_own_request(server):
+    """An enum of 60,000 strings (~0.9 MB, under the body limit) takes xgrammar seconds
+    to compile; requests sent meanwhile are answered at once, not after it."""
+    enum = [f"item{i}" for i in range(60000)]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    result: dict[str, Any] = {}
+
+    def ask_with_grammar() -> None:
+        with httpx.Client(base_url=server.url, timeout=300) as c:
+            result["r"] = c.post("/v1/completions", headers=auth, json=_completion(
+                prompt="Pick one:", max_tokens=16, temperature=0,
+                structured_outputs={"json": {"enum": enum}}))
+
+    grammar_thread = threading.Thread(target=ask_with_grammar)
+    grammar_thread.start()
+    client = httpx.Client(base_url=server.url, timeout=60)
+    deadline = time.monotonic() + 30
+    while server.stats()["num_waiting"] == 0:  # arrived (compiling counts as waiting)
+        assert grammar_thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.01)
+    answers = [_greedy(client) for _ in range(3)]
+    # Before the fix each of these waited for the compile, which ran in the engine loop.
+    assert grammar_thread.is_alive(), "the grammar compiled before the plain requests"
+    grammar_thread.join(300)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert json.loads(choice["text"]) in enum and choice["finish_reason"] == "stop"
+    assert len(set(answers)) == 1

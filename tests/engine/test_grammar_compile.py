@@ -1,0 +1,145 @@
+"""Grammars compile off the engine loop (engine/structured_output.py).
+
+A grammar can take seconds to compile; its request waits outside the scheduler while
+everything else keeps running. Compiling is made slow here on purpose (the compile
+waits for an Event), so what is checked is ordering, not timing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import pytest
+
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm.sample.structured_output import GrammarManager
+
+PHONE = StructuredOutputsParams(regex=r"\d{3}-\d{4}")
+MAX_STEPS = 500
+
+
+@pytest.fixture
+def gated_compile(default_llm, monkeypatch):
+    """The default LLM's grammar compiles wait until the returned Event is set."""
+    grammar = default_llm.llm_engine.engine_core.structured_output.grammar
+    release = threading.Event()
+    real = grammar.compile
+
+    def compile_when_released(params):
+        assert release.wait(60), "the test never released the compile"
+        return real(params)
+
+    monkeypatch.setattr(grammar, "compile", compile_when_released)
+    yield release
+    release.set()  # a compile the test left waiting ends (its result is dropped)
+
+
+def _run(engine, until, finished: dict) -> None:
+    for _ in range(MAX_STEPS):
+        if until():
+            return
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    raise AssertionError(f"not done after {MAX_STEPS} steps: {sorted(finished)}")
+
+
+def test_a_compiling_grammar_holds_back_only_its_own_request(default_llm, gated_compile):
+    engine = default_llm.llm_engine
+    core = engine.engine_core
+    engine.add_request("grammar", "My phone number is",
+                       SamplingParams(temperature=0, max_tokens=20, structured_outputs=PHONE))
+    engine.add_request("plain", "The capital of France is",
+                       SamplingParams(temperature=0, max_tokens=6))
+    finished: dict = {}
+    _run(engine, lambda: "plain" in finished, finished)
+    # The plain request ran to its end while the grammar was still compiling.
+    assert "Paris" in finished["plain"].outputs[0].text
+    assert "grammar" not in finished and core.num_compiling == 1
+    assert core.scheduler.get_request("grammar") is None  # not in the scheduler yet
+    gated_compile.set()
+    _run(engine, lambda: not engine.has_unfinished_requests(), finished)
+    out = finished["grammar"].outputs[0]
+    assert re.fullmatch(r"\d{3}-\d{4}", out.text) and out.finish_reason == "stop"
+
+
+def test_abort_while_compiling(default_llm, gated_compile):
+    engine = default_llm.llm_engine
+    engine.add_request("aborted", "My phone number is",
+                       SamplingParams(temperature=0, max_tokens=8, structured_outputs=PHONE))
+    assert engine.has_unfinished_requests()
+    aborted = engine.abort_request("aborted")
+    assert [o.request_id for o in aborted] == ["aborted"]
+    assert aborted[0].outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    assert engine.engine_core.num_compiling == 0
+
+
+def test_deadline_passes_while_compiling(default_llm, gated_compile):
+    engine = default_llm.llm_engine
+    engine.add_request("late", "My phone number is",
+                       SamplingParams(temperature=0, max_tokens=8, structured_outputs=PHONE),
+                       timeout=0.05)
+    time.sleep(0.1)
+    finished: dict = {}
+    _run(engine, lambda: not engine.has_unfinished_requests(), finished)
+    assert finished["late"].outputs[0].finish_reason == "timeout"
+    assert engine.engine_core.num_compiling == 0
+
+
+def test_a_failed_compile_aborts_its_request_only(default_llm, monkeypatch):
+    engine = default_llm.llm_engine
+    grammar = engine.engine_core.structured_output.grammar
+
+    def fail(params):
+        raise RuntimeError("out of grammar memory")
+
+    monkeypatch.setattr(grammar, "compile", fail)
+    engine.add_request("bad", "My phone number is",
+                       SamplingParams(temperature=0, max_tokens=8, structured_outputs=PHONE))
+    engine.add_request("fine", "The capital of France is",
+                       SamplingParams(temperature=0, max_tokens=6))
+    finished: dict = {}
+    _run(engine, lambda: not engine.has_unfinished_requests(), finished)
+    assert finished["bad"].outputs[0].finish_reason == "abort"
+    assert finished["bad"].outputs[0].token_ids == []
+    assert "Paris" in finished["fine"].outputs[0].text
+
+
+def test_grammar_state_survives_recompute_preemption(default_llm):
+    """The matcher lives on the request, so a preempted request resumes in its grammar
+    where it left off: the same outputs as with a cache big enough for all."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    prompts = [f"Describe person number {i} in JSON:" for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=48,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    expected = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params,
+                                                                      use_tqdm=False)]
+    small = LLM(num_kv_blocks=12, max_num_seqs=6)
+    try:
+        outputs = small.generate(prompts, params, use_tqdm=False)
+        assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
+    finally:
+        small.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    for o in outputs:
+        assert set(json.loads(o.outputs[0].text)) == {"name", "age"}
+
+
+def test_compiled_grammar_cache_drops_least_recently_used(smollm2_tokenizer):
+    manager = GrammarManager(lambda: smollm2_tokenizer, 49152, max_cache_bytes=1)
+    a, b = StructuredOutputsParams(regex="a+"), StructuredOutputsParams(regex="b+")
+    first = manager.compile(a)
+    assert manager.compile(a) is first  # cached
+    manager.compile(b)  # over budget: a is dropped, the newest always stays
+    assert manager.num_cached == 1
+    assert manager.compile(a) is not first  # compiled again
+    big = GrammarManager(lambda: smollm2_tokenizer, 49152)
+    for p in (a, b):
+        big.compile(p)
+    assert big.num_cached == 2 and big.cache_bytes > 0
