@@ -63,9 +63,6 @@ class EngineCore:
         self.batch_queue: deque[tuple[Any, Any]] = deque()
         self.structured_output = StructuredOutputManager(GrammarManager(
             lambda: _load_tokenizer(config), config.model.hf_config.vocab_size))
-        # Finished while their grammar compiled (aborted, failed, timed out): handed
-        # over by the next step().
-        self._finished_compiling: list[Request] = []
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", self.num_blocks,
                     config.cache.block_size, (self.num_blocks - 1) * config.cache.block_size,
                     config.kv_cache_dtype)
@@ -108,18 +105,16 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
-                or self.num_compiling > 0 or bool(self._finished_compiling))
+                or self.num_compiling > 0)
 
     def _admit_compiled(self) -> list[Request]:
         """Hand the requests whose grammar compiled to the scheduler; return the ones
-        finished meanwhile (compile failed: aborted; or their deadline passed)."""
-        finished, self._finished_compiling = self._finished_compiling, []
+        finished instead (compile failed: aborted; or their deadline passed)."""
         if not self.num_compiling:
-            return finished
-        ready, failed = self.structured_output.pop_ready()
-        for request in failed:
+            return []
+        ready, finished = self.structured_output.pop_ready()
+        for request in finished:  # failed to compile
             request.status = RequestStatus.FINISHED_ABORTED
-        finished += failed
         for request in ready:
             try:
                 self.scheduler.add_request(request)  # checked by add_request already
