@@ -9,9 +9,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.core.contracts import PromptLogprobsChunk
+from pagedllm.core.contracts import PromptLogprobsChunk, TokenLogprobs
 from pagedllm.sample.logprobs import gather_logprobs
 from pagedllm.worker.input_batch import InputBatch
+
+# Logits scored at once (rows x vocabulary): 64 MB per float32 tensor.
+MAX_LOGITS_ELEMENTS = 16 << 20
 
 
 def prompt_logprobs_chunks(model: torch.nn.Module, hidden: torch.Tensor, batch: InputBatch,
@@ -38,12 +41,21 @@ def prompt_logprobs_chunks(model: torch.nn.Module, hidden: torch.Tensor, batch: 
             continue
         # Flattened token index of position p: query_start_loc[i] + (p - computed).
         first = int(query_start_loc[i])
-        logits = model.compute_logits(hidden[first:first + end - computed])
-        if logits is None:
-            continue  # a tensor parallel rank but 0: it only took part in the gather
-        logits = logits.float()
-        targets = torch.from_numpy(batch.token_ids[row, computed + 1:end + 1]).to(logits.device)
-        lp = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, k)
-        entries = lp.tolists([k] * (end - computed))
-        chunks[req_id] = PromptLogprobsChunk(start=computed + 1, entries=entries)
+        # A few [rows, vocab] float32 tensors live at once per piece: pieces keep them
+        # small whatever the chunk (a 2,048-token chunk of a 256k vocabulary would
+        # otherwise take ~2 GB each).
+        piece = max(1, MAX_LOGITS_ELEMENTS // batch.vocab_size)
+        entries: list[TokenLogprobs | None] = []
+        for start in range(computed, end, piece):
+            stop = min(start + piece, end)
+            offset = first + start - computed
+            logits = model.compute_logits(hidden[offset:offset + stop - start])
+            if logits is None:
+                break  # a tensor parallel rank but 0: it only took part in the gather
+            targets = torch.from_numpy(batch.token_ids[row, start + 1:stop + 1])
+            lp = gather_logprobs(torch.log_softmax(logits.float(), dim=-1),
+                                 targets.to(logits.device), k)
+            entries += lp.tolists([k] * (stop - start))
+        if entries:
+            chunks[req_id] = PromptLogprobsChunk(start=computed + 1, entries=entries)
     return chunks or None

@@ -114,3 +114,28 @@ def test_logprobs_survive_preemption(tiny_path, hf_model):
         assert len(completion.logprobs) == 10
         for j, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
             check_entry(entry, ref[len(prompt) - 1 + j], token, 2)
+
+
+def test_prompt_logprobs_scored_in_pieces(llm, hf_model, monkeypatch):
+    """A chunk's prompt logprobs are scored a few rows at a time (bounded memory); the
+    pieces give the same entries as transformers."""
+    from pagedllm.worker import prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "MAX_LOGITS_ELEMENTS", 3 * VOCAB)  # 3 rows
+    pieces = []
+    real = prompt_logprobs.gather_logprobs
+
+    def gather(logprobs, token_ids, k):
+        pieces.append(len(token_ids))
+        return real(logprobs, token_ids, k)
+
+    monkeypatch.setattr(prompt_logprobs, "gather_logprobs", gather)
+    prompt = random_prompts(1, VOCAB, 23, 23, seed=11)[0]
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    assert sum(pieces) == len(prompt) - 1 and max(pieces) == 3 and len(pieces) >= 8
+    ref = reference(hf_model, prompt)
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        check_entry(out.prompt_logprobs[i], ref[i - 1], prompt[i], 2)

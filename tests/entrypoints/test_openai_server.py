@@ -127,6 +127,52 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(server, client):
         client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0)
 
 
+def test_prompt_logprobs_in_completion_and_chat(server, client):
+    """vLLM's prompt_logprobs: per prompt token (None first) the token itself and the
+    top-k by id, with ranks and text; the same numbers as echo's logprobs."""
+    prompt = "The capital of France is Paris"
+    ids = httpx.post(server.url + "/tokenize", headers=server.headers,
+                     json={"prompt": prompt}).json()["tokens"]
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60,
+                   json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2,
+                         "temperature": 0, "n": 2, "prompt_logprobs": 3})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    field = choices[0]["prompt_logprobs"]
+    assert choices[1]["prompt_logprobs"] == field  # one prompt, its n choices
+    assert len(field) == len(ids) and field[0] is None
+    echo = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1,
+                                     echo=True, logprobs=3, temperature=0)
+    echo_lp = echo.choices[0].logprobs
+    for i in range(1, len(ids)):
+        entry = field[i]
+        assert 3 <= len(entry) <= 4 and str(ids[i]) in entry
+        own = entry[str(ids[i])]
+        assert own["logprob"] == pytest.approx(echo_lp.token_logprobs[i], abs=1e-6)
+        assert own["decoded_token"] == echo_lp.tokens[i] and own["rank"] >= 1
+        assert sorted(e["rank"] for e in entry.values())[:3] == [1, 2, 3]
+    # Not asked: not there.
+    plain = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60,
+                       json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1})
+    assert plain.json()["choices"][0].get("prompt_logprobs") is None
+    chat = httpx.post(server.url + "/v1/chat/completions", headers=server.headers,
+                      timeout=60, json={"model": MODEL_NAME, "max_tokens": 2,
+                                        "messages": [{"role": "user", "content": "Hi"}],
+                                        "prompt_logprobs": 1})
+    assert chat.status_code == 200, chat.text
+    body = chat.json()
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert body["prompt_logprobs"][0] is None
+    assert all(1 <= len(e) <= 2 for e in body["prompt_logprobs"][1:])
+    for path, payload in (("/v1/completions", {"prompt": prompt}),
+                          ("/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "Hi"}]})):
+        streamed = httpx.post(server.url + path, headers=server.headers, timeout=60,
+                              json={"model": MODEL_NAME, "max_tokens": 2, "stream": True,
+                                    "prompt_logprobs": 1} | payload)
+        assert streamed.status_code == 400 and "prompt_logprobs" in streamed.text
+
+
 def test_tokenizer_info(server):
     info = httpx.get(server.url + "/tokenizer_info", headers=server.headers).json()
     assert info["model_max_length"] == MAX_MODEL_LEN and info["vocab_size"] >= 49152

@@ -179,12 +179,39 @@ class CompletionLogprobs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """One entry of vLLM's `prompt_logprobs` (its `Logprob`)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs` response field: per prompt token, {token id: entry} for the
+# token itself and the top-k (None for the first token, which nothing predicts).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def prompt_logprobs_field(prompt_logprobs: list | None) -> PromptLogprobs | None:
+    """RequestOutput.prompt_logprobs (outputs.Logprob dicts) as the response field."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            # JSON has no -inf: clamped as the other logprobs (serving_common).
+            {token_id: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
+                                     decoded_token=lp.decoded_token)
+             for token_id, lp in entry.items()}
+            for entry in prompt_logprobs]
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's extension, when the request asked for prompt_logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -377,6 +404,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo | None = None
+    # vLLM's extension, when the request asked for prompt_logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(_OmitsNoToolCalls):

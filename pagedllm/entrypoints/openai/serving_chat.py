@@ -16,7 +16,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
                                                   ChatLogprobTop, ChatLogprobToken,
                                                   ChatMessage, ChatResponseMessage,
                                                   ChatStreamChoice, DeltaMessage, UsageInfo,
-                                                  random_id)
+                                                  prompt_logprobs_field, random_id)
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSEResponse,
                                                         clamp_logprob, merge_streams, sse,
                                                         sse_error)
@@ -109,8 +109,10 @@ class OpenAIServingChat(OpenAIServing):
         usage = UsageInfo(prompt_tokens=len(final.prompt_token_ids),
                           completion_tokens=num_completion,
                           total_tokens=len(final.prompt_token_ids) + num_completion)
+        prompt_field = (prompt_logprobs_field(final.prompt_logprobs)
+                        if request.prompt_logprobs is not None else None)
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=usage)
+                                      usage=usage, prompt_logprobs=prompt_field)
 
     @staticmethod
     def _message(out: CompletionOutput, reader: ToolCallReader | None,

@@ -116,6 +116,9 @@ class OpenAIServing:
                 raise InvalidRequestError(
                     f"Requested {name} of {value}, which is greater than max allowed: "
                     f"{cfg.max_logprobs} (--max-logprobs)")
+        if request.prompt_logprobs is not None and request.stream:
+            raise InvalidRequestError("prompt_logprobs is not available with stream=true; "
+                                      "ask without streaming")
         stop = [request.stop] if isinstance(request.stop, str) else request.stop
         for name, values in (("stop", stop), ("stop_token_ids", request.stop_token_ids),
                              ("bad_words", request.bad_words)):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pagedllm.entrypoints.openai.protocol import (CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse,
                                                   CompletionResponseChoice, UsageInfo,
-                                                  random_id)
+                                                  prompt_logprobs_field, random_id)
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSEResponse,
                                                         clamp_logprob, merge_streams, sse,
                                                         sse_error)
@@ -53,7 +53,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                       "score the prompt), got 0.")
         prompts = await self._parse_prompts(request)
         kwargs = request.sampling_kwargs()
-        if request.echo and request.logprobs is not None:
+        if request.echo and request.logprobs is not None and request.prompt_logprobs is None:
+            # The echoed prompt's logprobs (vLLM: prompt_logprobs, when given, wins).
             kwargs["prompt_logprobs"] = request.logprobs
         # echo with max_tokens 0 scores the prompt: the engine samples one token, which
         # the response leaves out (vLLM does the same).
@@ -107,6 +108,8 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, ro in enumerate(finals):
             assert ro is not None, "every stream ends with a finished output"
             num_prompt_tokens += len(ro.prompt_token_ids)
+            prompt_field = (prompt_logprobs_field(ro.prompt_logprobs)
+                            if request.prompt_logprobs is not None else None)
             for out in sorted(_visible(request, ro.outputs), key=lambda o: o.index):
                 num_completion_tokens += len(out.token_ids)
                 text, logprobs = out.text, None
@@ -121,7 +124,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                               len(prefix), prompt_lp)
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + out.index, text=prefix + text, logprobs=logprobs,
-                    finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                    prompt_logprobs=prompt_field))
         usage = UsageInfo(prompt_tokens=num_prompt_tokens,
                           completion_tokens=num_completion_tokens,
                           total_tokens=num_prompt_tokens + num_completion_tokens)
