@@ -218,6 +218,13 @@ class SchedulerConfig:
     """Schedule and launch step N+1 while step N runs: a request that samples in step N
     continues in N+1 with a placeholder the runner fills from N's sampled ids on the
     device (core/scheduler.py)."""
+    attention_pairs_per_token: int = 0
+    """Query-key pairs of attention that cost about as much as one token through the
+    model's linear layers (set from the model: 2 * hidden + 1.5 * intermediate size).
+    With it a prefill chunk's cost counts its attention over the tokens before it, and
+    a step's chunks may cost what max_num_batched_tokens fresh prompt tokens cost: deep
+    into a long prompt the chunks shrink, so its steps (the other requests' time between
+    tokens) do not grow with it. 0: the budget counts tokens only."""
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:

@@ -35,6 +35,12 @@ ceil(max_num_seqs / pipeline_depth) requests, so the running requests spread ove
 them), and each continuing request carries the token sampled for it since it last ran
 (the pipeline's runners do not share their samples).
 
+Cost budget (`SchedulerConfig.attention_pairs_per_token` > 0): a prefill chunk also
+costs its attention over the tokens before it, so besides the token budget a step's
+chunks may cost only what a fresh prompt of the whole budget costs (StepState
+.chunk_cost); deep into a long prompt its chunks shrink, and every step, with the
+decodes that share it, stays about as long as the first.
+
 KV cache groups (core/kv_groups.py): with sliding-window layers a request holds blocks
 per group; block ids, allocation and preemption span the groups, and `CachedRequestData`
 carries each group's new blocks.
@@ -114,6 +120,7 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.attention_pairs_per_token = scheduler_config.attention_pairs_per_token
         self.policy = scheduler_config.policy
         self.clock = clock
         self.block_size = cache_config.block_size
@@ -249,7 +256,8 @@ class Scheduler:
         self._finish_expired_requests()
         self._victims_in_flight = False
         step = StepState(self.max_num_batched_tokens, self.max_num_tokens,
-                         self.enable_chunked_prefill, self.num_lookahead_tokens)
+                         self.enable_chunked_prefill, self.num_lookahead_tokens,
+                         attention_pairs_per_token=self.attention_pairs_per_token)
         if self.policy == "priority":
             # Before _schedule_running, so no scheduled request has to be undone.
             self._preempt_for_waiting_head(step)
@@ -281,8 +289,9 @@ class Scheduler:
             request = self.running[req_index]
             # Chunked prefill: take what is left of the prompt (or 1 token when
             # decoding; a placeholder counts as known), capped by the remaining budget.
-            num_new_tokens = min(request.num_tokens + request.num_output_placeholders
-                                 - request.num_computed_tokens, step.token_budget)
+            num_new_tokens = step.cap_chunk(request, request.num_computed_tokens, min(
+                request.num_tokens + request.num_output_placeholders
+                - request.num_computed_tokens, step.token_budget))
             if num_new_tokens <= 0 or (request.req_id in self.in_flight
                                        and not self._may_continue_in_flight(request)):
                 req_index += 1

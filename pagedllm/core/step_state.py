@@ -3,6 +3,7 @@ tokens a request may take of what is left, and the `SchedulerOutput` it becomes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pagedllm.core.block_pool import KVCacheBlock
@@ -34,10 +35,41 @@ class StepState:
     # A running request could not get its blocks (set by _allocate_or_preempt, not by
     # preemptions that make room for a better waiting request).
     is_short_of_blocks: bool = False
+    # SchedulerConfig.attention_pairs_per_token (0: prefill chunks cost their tokens).
+    attention_pairs_per_token: int = 0
+
+    def __post_init__(self) -> None:
+        # What the step's prefill chunks may cost, in tokens: as much as a fresh prompt
+        # of the whole budget (see chunk_cost).
+        self.cost_left = (self.chunk_cost(0, self.token_budget)
+                          if self.attention_pairs_per_token else math.inf)
+
+    def chunk_cost(self, num_computed: int, num_new_tokens: int) -> float:
+        """Cost, in tokens through the linear layers, of prefilling tokens [num_computed,
+        num_computed + num_new_tokens): each also attends to ~num_computed + n / 2 keys
+        at 1 / attention_pairs_per_token of a token each."""
+        r = self.attention_pairs_per_token
+        return num_new_tokens * (1 + (num_computed + num_new_tokens / 2) / r)
+
+    def cap_chunk(self, request: Request, num_computed: int, num_new_tokens: int) -> int:
+        """A prefill chunk (more than one token) cut to what is left of the step's cost
+        budget, down to one token at least; decodes, and prompts that must fit one step
+        (no chunked prefill, embeddings), are left as they are."""
+        if (math.isinf(self.cost_left) or num_new_tokens <= 1
+                or not self.enable_chunked_prefill or request.is_pooling):
+            return num_new_tokens
+        # The largest n with chunk_cost(num_computed, n) <= cost_left: the root of
+        # n^2 / 2r + a n - cost_left with a = 1 + num_computed / r.
+        r = self.attention_pairs_per_token
+        a = 1 + num_computed / r
+        fits = r * (math.sqrt(a * a + 2 * max(self.cost_left, 0) / r) - a)
+        return max(1, min(num_new_tokens, int(fits)))
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.num_scheduled_tokens[request.req_id] = num_new_tokens
         self.token_budget -= num_new_tokens
+        if num_new_tokens > 1 and not math.isinf(self.cost_left):
+            self.cost_left -= self.chunk_cost(request.num_computed_tokens, num_new_tokens)
 
     def add_new(self, request: Request, num_new_tokens: int,
                 block_ids: list[list[int]]) -> None:
@@ -65,15 +97,15 @@ class StepState:
         self.add(request, num_new_tokens)
 
     def num_tokens_to_schedule(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens after `num_computed_tokens`, capped by the budget (chunked prefill);
-        0 when they must all fit one step and do not (no chunked prefill, or an
-        embedding request: it pools its whole prompt in one step)."""
+        """Tokens after `num_computed_tokens`, capped by the budget and the cost budget
+        (chunked prefill); 0 when they must all fit one step and do not (no chunked
+        prefill, or an embedding request: it pools its whole prompt in one step)."""
         num_new_tokens = request.num_tokens - num_computed_tokens
         if num_new_tokens > self.token_budget:
             if not self.enable_chunked_prefill or request.is_pooling:
                 return 0  # the whole prompt must fit one step
             num_new_tokens = self.token_budget
-        return num_new_tokens
+        return self.cap_chunk(request, num_computed_tokens, num_new_tokens)
 
     def spec_tokens_to_schedule(self, request: Request) -> list[int]:
         """The request's proposed tokens this step verifies (consumed either way): only
