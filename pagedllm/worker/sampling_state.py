@@ -5,8 +5,8 @@ step's rows is one fancy-index per parameter; rare per-request extras (logit bia
 allowed ids, bad words) live in dicts flagged by a per-row bool array, so a step only
 loops over the rows that have them. Grammars live in the engine core, which sends each
 step's token bitmask with it (engine/structured_output.py); a row only notes that it has
-one. Every part of the metadata
-that no row of the step uses is left None and costs nothing in the sampler.
+one. Every part of the metadata that no row of the step uses is left None and costs
+nothing in the sampler.
 """
 
 from __future__ import annotations
