@@ -24,12 +24,12 @@ token bitmask, and their matchers take the tokens that come back.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.structured_output import StructuredOutputManager
 from pagedllm.errors import InvalidRequestError
@@ -122,7 +122,7 @@ class EngineCore:
                 logger.warning("request %s dropped: %s", request.req_id, e)
                 request.status = RequestStatus.FINISHED_ABORTED
                 finished.append(request)
-        now = time.monotonic()
+        now = self.scheduler.clock()  # the deadlines' time source
         expired = [r.req_id for r in self.structured_output.pending_requests()
                    if r.deadline is not None and r.deadline <= now]
         if expired:
@@ -132,14 +132,15 @@ class EngineCore:
             self.structured_output.wait(0.05)
         return finished
 
-    def _schedule(self) -> Any:
+    def _schedule(self) -> SchedulerOutput:
         """scheduler.schedule(), with the grammar bitmask of the requests that sample."""
         scheduler_output = self.scheduler.schedule()
-        self.structured_output.fill_bitmask(scheduler_output, self.scheduler.requests)
+        self.structured_output.fill_bitmask(scheduler_output)
         return scheduler_output
 
-    def _update(self, scheduler_output: Any, runner_output: Any) -> list[Request]:
-        self.structured_output.accept_tokens(runner_output, self.scheduler.requests)
+    def _update(self, scheduler_output: SchedulerOutput,
+                runner_output: ModelRunnerOutput) -> list[Request]:
+        self.structured_output.accept_tokens(runner_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def step(self) -> list[Request]:

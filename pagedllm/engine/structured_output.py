@@ -40,6 +40,9 @@ class StructuredOutputManager:
                                         initializer=_lower_priority)
         # Requests whose grammar is compiling, in arrival order.
         self._pending: dict[str, tuple[Request, Future]] = {}
+        # Requests with a matcher, until they finish (pruned by fill_bitmask): a step
+        # with none skips the per-request loops below.
+        self._live: dict[str, Request] = {}
 
     def submit(self, request: Request) -> None:
         """Start compiling the request's grammar; it waits here until `pop_ready`."""
@@ -73,6 +76,7 @@ class StructuredOutputManager:
                 continue
             request.structured_output = self.grammar.new_matcher(compiled,
                                                                  request.eos_token_id)
+            self._live[req_id] = request
             ready.append(request)
         return ready, failed
 
@@ -96,11 +100,14 @@ class StructuredOutputManager:
             wait([future for _, future in self._pending.values()], timeout,
                  return_when=FIRST_COMPLETED)
 
-    def fill_bitmask(self, so: SchedulerOutput, requests: dict[str, Request]) -> None:
+    def fill_bitmask(self, so: SchedulerOutput) -> None:
         """The allowed tokens of the step's requests that sample under a grammar (their
         scheduled tokens reach the end of their sequence) into `so`."""
-        sampling = [request for req_id in so.num_scheduled_tokens
-                    if (request := requests[req_id]).structured_output is not None
+        if not self._live:
+            return
+        self._live = {req_id: r for req_id, r in self._live.items() if not r.is_finished}
+        sampling = [request for req_id, request in self._live.items()
+                    if req_id in so.num_scheduled_tokens
                     and request.num_computed_tokens >= request.num_tokens]
         if not sampling:
             return
@@ -109,12 +116,13 @@ class StructuredOutputManager:
         so.grammar_bitmask = bitmask.numpy()
         so.structured_output_rows = {request.req_id: i for i, request in enumerate(sampling)}
 
-    @staticmethod
-    def accept_tokens(output: ModelRunnerOutput, requests: dict[str, Request]) -> None:
+    def accept_tokens(self, output: ModelRunnerOutput) -> None:
         """Advance the matchers of the step's requests with the tokens they sampled."""
+        if not self._live:
+            return
         for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
-            request = requests.get(req_id)
-            if not token_ids or request is None or request.structured_output is None:
+            request = self._live.get(req_id)
+            if not token_ids or request is None or request.is_finished:
                 continue
             matcher: Any = request.structured_output
             for token_id in token_ids:

@@ -192,13 +192,17 @@ class PromptLogprob(OpenAIBaseModel):
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
+def clamp_logprob(value: float) -> float:
+    """JSON has no -inf: clamp like vLLM."""
+    return max(value, -9999.0)
+
+
 def prompt_logprobs_field(prompt_logprobs: list | None) -> PromptLogprobs | None:
     """RequestOutput.prompt_logprobs (outputs.Logprob dicts) as the response field."""
     if prompt_logprobs is None:
         return None
     return [None if entry is None else
-            # JSON has no -inf: clamped as the other logprobs (serving_common).
-            {token_id: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
+            {token_id: PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank,
                                      decoded_token=lp.decoded_token)
              for token_id, lp in entry.items()}
             for entry in prompt_logprobs]

@@ -22,7 +22,8 @@ from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
 from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
+from pagedllm.entrypoints.openai.protocol import (  # noqa: F401  (clamp_logprob: re-exported)
+    ErrorInfo, ErrorResponse, SamplingFields, clamp_logprob)
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
@@ -251,11 +252,6 @@ class OpenAIServing:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
-
-
-def clamp_logprob(value: float) -> float:
-    """JSON has no -inf: clamp like vLLM."""
-    return max(value, -9999.0)
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]],
