@@ -164,6 +164,22 @@ def test_prompt_logprobs_in_completion_and_chat(server, client):
     assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
     assert body["prompt_logprobs"][0] is None
     assert all(1 <= len(e) <= 2 for e in body["prompt_logprobs"][1:])
+    # A long prompt's field is built and encoded in a worker thread (json_response).
+    long_prompt = " ".join(f"word{i}" for i in range(200))
+    num_long = num_tokens(server, long_prompt)
+    for path, payload in (("/v1/completions", {"prompt": long_prompt}),
+                          ("/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": long_prompt}]})):
+        big = httpx.post(server.url + path, headers=server.headers, timeout=60,
+                         json={"model": MODEL_NAME, "max_tokens": 1, "prompt_logprobs": 5}
+                         | payload)
+        assert big.status_code == 200, big.text
+        assert big.headers["content-type"] == "application/json"
+        data = big.json()
+        field = data["prompt_logprobs"] if "messages" in payload else \
+            data["choices"][0]["prompt_logprobs"]
+        assert len(field) == data["usage"]["prompt_tokens"] >= num_long
+        assert field[0] is None and all(5 <= len(e) <= 6 for e in field[1:])
     for path, payload in (("/v1/completions", {"prompt": prompt}),
                           ("/v1/chat/completions",
                            {"messages": [{"role": "user", "content": "Hi"}]})):

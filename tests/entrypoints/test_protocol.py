@@ -157,3 +157,46 @@ def test_swap_metrics_and_log_line():
     dead = {s.name: s.value for fam in text_string_to_metric_families(
         metrics.render().decode()) for s in fam.samples}
     assert dead["pagedllm:num_requests_swapped"] == 0 and dead["pagedllm:engine_alive"] == 0
+
+
+def test_large_responses_are_built_and_encoded_off_the_event_loop():
+    """json_response: a response above INLINE_BYTES is built and serialized in a worker
+    thread (FastAPI would encode the model on the event loop) and sent as its JSON."""
+    import asyncio
+    import json
+    import threading
+
+    from starlette.responses import Response
+
+    from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
+    from pagedllm.entrypoints.openai.protocol import (CompletionResponse,
+                                                      CompletionResponseChoice,
+                                                      prompt_logprobs_field)
+    from pagedllm.outputs import Logprob
+
+    serving = OpenAIServing.__new__(OpenAIServing)  # json_response needs the offloader only
+    serving.offloader = Offloader(timeout_s=5)
+    field = prompt_logprobs_field([None, {7: Logprob(float("-inf"), 3, "a"),
+                                          8: Logprob(-0.5, 1, "b")}])
+    threads = []
+
+    def build() -> CompletionResponse:
+        threads.append(threading.get_ident())
+        return CompletionResponse(id="c", model="m", choices=[
+            CompletionResponseChoice(index=0, text="x", prompt_logprobs=field)])
+
+    async def respond(size: int):
+        return await serving.json_response(build, size), threading.get_ident()
+
+    try:
+        small, loop_thread = asyncio.run(respond(INLINE_BYTES - 1))
+        assert isinstance(small, CompletionResponse) and threads == [loop_thread]
+        large, loop_thread = asyncio.run(respond(INLINE_BYTES))
+        assert isinstance(large, Response) and threads[1] != loop_thread
+        body = json.loads(large.body)
+        assert body == json.loads(small.model_dump_json())
+        assert body["choices"][0]["prompt_logprobs"] == [None, {
+            "7": {"logprob": -9999.0, "rank": 3, "decoded_token": "a"},
+            "8": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}]
+    finally:
+        serving.offloader.shutdown()

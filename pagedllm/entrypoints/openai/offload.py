@@ -78,5 +78,10 @@ class Offloader:
                 f"{what} took longer than {self.timeout_s:g} s (--render-timeout); "
                 f"send a smaller input") from None
 
+    async def run_in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a worker thread, with no time limit: the server's own work, bounded
+        by what it was asked for, only too long to run on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

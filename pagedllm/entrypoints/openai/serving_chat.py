@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.responses import Response
+
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
                                                   ChatCompletionResponse,
                                                   ChatCompletionResponseChoice,
@@ -18,7 +20,8 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
                                                   ChatStreamChoice, DeltaMessage, UsageInfo,
                                                   prompt_logprobs_field, random_id)
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSEResponse,
-                                                        clamp_logprob, merge_streams, sse,
+                                                        clamp_logprob, merge_streams,
+                                                        prompt_logprobs_bytes, sse,
                                                         sse_error)
 from pagedllm.entrypoints.openai.tool_calling import (ToolCallReader, ToolPlan, plan_tools,
                                                       response_tool_calls,
@@ -52,7 +55,7 @@ class OpenAIServingChat(OpenAIServing):
         self.chat_template = self.serve_config.load_chat_template()
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
-                                     ) -> ChatCompletionResponse | SSEResponse:
+                                     ) -> ChatCompletionResponse | Response | SSEResponse:
         self.check_model(request.model)
         self.check_generation()
         if request.top_logprobs is not None:
@@ -109,10 +112,15 @@ class OpenAIServingChat(OpenAIServing):
         usage = UsageInfo(prompt_tokens=len(final.prompt_token_ids),
                           completion_tokens=num_completion,
                           total_tokens=len(final.prompt_token_ids) + num_completion)
-        prompt_field = (prompt_logprobs_field(final.prompt_logprobs)
-                        if request.prompt_logprobs is not None else None)
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=usage, prompt_logprobs=prompt_field)
+        k = request.prompt_logprobs
+
+        def build() -> ChatCompletionResponse:
+            field = prompt_logprobs_field(final.prompt_logprobs) if k is not None else None
+            return ChatCompletionResponse(id=request_id, model=self.model_name,
+                                          choices=choices, usage=usage, prompt_logprobs=field)
+
+        return await self.json_response(
+            build, prompt_logprobs_bytes(k, 1, len(final.prompt_token_ids)))
 
     @staticmethod
     def _message(out: CompletionOutput, reader: ToolCallReader | None,

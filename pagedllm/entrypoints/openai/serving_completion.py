@@ -7,12 +7,15 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from starlette.responses import Response
+
 from pagedllm.entrypoints.openai.protocol import (CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse,
                                                   CompletionResponseChoice, UsageInfo,
                                                   prompt_logprobs_field, random_id)
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSEResponse,
-                                                        clamp_logprob, merge_streams, sse,
+                                                        clamp_logprob, merge_streams,
+                                                        prompt_logprobs_bytes, sse,
                                                         sse_error)
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -40,7 +43,7 @@ class _StreamState:
 class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest,
-                                ) -> CompletionResponse | SSEResponse:
+                                ) -> CompletionResponse | Response | SSEResponse:
         self.check_model(request.model)
         self.check_generation()
         if request.suffix is not None:
@@ -75,7 +78,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 finals[i] = out
         finally:
             self.abort_all(request_id, len(prompts))  # no-op unless cancelled
-        return self._response(request, request_id, prompts, finals)
+        size = prompt_logprobs_bytes(request.prompt_logprobs, request.n,
+                                      sum(len(ids) for _, ids in prompts))
+        return await self.json_response(
+            lambda: self._response(request, request_id, prompts, finals), size)
 
     async def _parse_prompts(self, request: CompletionRequest) -> list[Prompt]:
         prompt = request.prompt
@@ -244,3 +250,4 @@ def _visible(request: CompletionRequest,
     return [dataclasses.replace(o, text="", token_ids=[], logprobs=None,
                                 cumulative_logprob=None, finish_reason=o.finish_reason
                                 and "length") for o in outputs]
+
