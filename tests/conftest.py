@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Hermetic: converted GGUF weights etc. go to a per-session directory, not ~/.cache.
-os.environ.setdefault("PAGEDLLM_CACHE_DIR", tempfile.mkdtemp(prefix="pagedllm-test-cache-"))
+
+
+def _private_cache_dir() -> None:
+    """Hermetic: the native kernel build, converted GGUF weights etc. go to a per-session
+    directory, not ~/.cache. It holds about 1 GB, so it goes when the session ends: left
+    behind, a few hundred runs filled the disk that CI's own run then needed."""
+    if "PAGEDLLM_CACHE_DIR" in os.environ:
+        return
+    path = tempfile.mkdtemp(prefix="pagedllm-test-cache-")
+    os.environ["PAGEDLLM_CACHE_DIR"] = path
+    owner = os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == owner:  # a forked worker inherits the hook; only this process cleans
+            shutil.rmtree(path, ignore_errors=True)
+
+    atexit.register(remove)
+
+
+_private_cache_dir()
 # A failed native kernel build fails the suite instead of quietly testing the torch
 # fallback; a machine without a C++ compiler says so with PAGEDLLM_CPU_KERNELS=auto.
 os.environ.setdefault("PAGEDLLM_CPU_KERNELS", "required")
