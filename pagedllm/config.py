@@ -386,6 +386,27 @@ class SpeculativeConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    """Limits on compiling a request's grammar (JSON schema, regex, EBNF, choices).
+
+    What a grammar costs to compile is not what it costs to send: a 1.9 MB JSON-schema
+    enum takes xgrammar ~27 s and 5.6 GB. With either limit set the compiles run in a
+    child process, killed (and the request failed as invalid) when one runs over.
+    """
+
+    compile_timeout_s: float = 60.0
+    """CPU seconds one compile may use (its threads together); 0: no limit."""
+    compile_memory_gib: float = 4.0
+    """Resident memory of the compiler process during a compile; 0: no limit."""
+
+    def __post_init__(self) -> None:
+        for name in ("compile_timeout_s", "compile_memory_gib"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+
+@dataclass
 class EngineConfig:
     """Everything an engine needs, composed from the per-concern configs."""
 
@@ -395,6 +416,8 @@ class EngineConfig:
     device: DeviceConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+    structured_outputs: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig)
 
     @property
     def kv_cache_dtype(self) -> str:

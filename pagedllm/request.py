@@ -125,6 +125,10 @@ class Request:
         # Structured output: the xgrammar matcher of its grammar, advanced by each output
         # token (set by the engine core once the grammar compiled; None otherwise).
         self.structured_output: Any = None
+        # Why the engine finished it as aborted when the request itself was at fault (its
+        # grammar did not compile within the limits): the front end answers it as a bad
+        # request. None otherwise.
+        self.error: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

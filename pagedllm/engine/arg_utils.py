@@ -17,8 +17,9 @@ from typing import Any
 from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES,
                              PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig,
                              DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, SpeculativeConfig, cache_root, default_model_path,
-                             env_kv_cache_space, env_num_threads)
+                             SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
+                             cache_root, default_model_path, env_kv_cache_space,
+                             env_num_threads)
 from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu.features import has_avx512_bf16, has_quant_simd
 
@@ -125,6 +126,15 @@ class EngineArgs:
               "'{\"model\": \"/path/draft\", \"num_speculative_tokens\": 4}' (a draft "
               "model of the same vocabulary); outputs equal those without it")
 
+    grammar_compile_timeout: float = _arg(
+        60.0, "CPU seconds the grammar of one structured-output request may take to "
+              "compile; past it the compile is killed and the request fails as invalid "
+              "(0: no limit)")
+    grammar_compile_memory: float = _arg(
+        4.0, "GiB of memory the grammar compiler may hold while compiling one request's "
+             "grammar; past it the compile is killed and the request fails as invalid "
+             "(0: no limit; with both limits 0 grammars compile in the engine process)")
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -178,8 +188,12 @@ class EngineArgs:
         speculative = self._speculative_config(parallel, model, device)
         sched.async_scheduling = self._resolve_async_scheduling(parallel, speculative,
                                                                 device)
+        structured_outputs = StructuredOutputsConfig(
+            compile_timeout_s=self.grammar_compile_timeout,
+            compile_memory_gib=self.grammar_compile_memory)
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device_config,
-                            parallel=parallel, speculative=speculative)
+                            parallel=parallel, speculative=speculative,
+                            structured_outputs=structured_outputs)
 
     def _resolve_async_scheduling(self, parallel: ParallelConfig,
                                   speculative: SpeculativeConfig | None, device: str) -> bool:

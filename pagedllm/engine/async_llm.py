@@ -223,9 +223,11 @@ class AsyncLLM:
             if future is not None and not future.done():
                 future.set_result(pickle.loads(result.result))
         for err in batch.errors:
-            # The core rejected the request at admission: drop the front end's state too.
-            self.engine.abort_request([err.req_id])
-            queue = self._queues.get(err.req_id)
+            # The core rejected the request (at admission, or its grammar did not
+            # compile): drop the front end's state of the whole user request too.
+            request_id = self.engine.output_processor.parent_id(err.req_id)
+            self.engine.abort_request([request_id])
+            queue = self._queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(InvalidRequestError(err.message) if err.is_invalid
                                  else EngineGenerateError(err.message))

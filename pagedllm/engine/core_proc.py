@@ -189,7 +189,7 @@ class EngineCoreProc:
                 errors, results = [], []
             if not self._running:
                 return
-            outputs = self._step() if self.core.has_unfinished_requests() else []
+            outputs = self._step(errors) if self.core.has_unfinished_requests() else []
             self._send(EngineCoreOutputs(outputs=outputs, scheduler_stats=self._stats(),
                                          timestamp=time.monotonic(), errors=errors,
                                          utility_results=results))
@@ -228,9 +228,17 @@ class EngineCoreProc:
                 self._running = False
                 return errors, results
 
-    def _step(self) -> list[EngineCoreOutput]:
+    def _step(self, errors: list[RequestError]) -> list[EngineCoreOutput]:
+        """The step's outputs; a request the engine failed for its own fault (its grammar
+        did not compile) goes to `errors` instead, answered as a bad request."""
         step_start = time.monotonic()
-        updated = self.core.step()
+        updated = []
+        for req in self.core.step():
+            if req.error is None:
+                updated.append(req)
+            else:
+                errors.append(RequestError(req.req_id, req.error, True))
+                self._forget(req.req_id)
         # Requests this step scheduled for the first time: their queue time ends at
         # step_start (reported with their first output, which may come steps later when
         # a long prompt is prefilled in chunks).

@@ -61,8 +61,11 @@ class EngineCore:
                                    num_lookahead_tokens=_num_lookahead_tokens(config))
         # (SchedulerOutput, future of its ModelRunnerOutput), oldest first.
         self.batch_queue: deque[tuple[Any, Any]] = deque()
+        limits = config.structured_outputs
         self.structured_output = StructuredOutputManager(GrammarManager(
-            lambda: _load_tokenizer(config), config.model.hf_config.vocab_size))
+            lambda: _load_tokenizer(config), config.model.hf_config.vocab_size,
+            compile_cpu_limit_s=limits.compile_timeout_s,
+            compile_memory_limit_bytes=int(limits.compile_memory_gib * (1 << 30))))
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", self.num_blocks,
                     config.cache.block_size, (self.num_blocks - 1) * config.cache.block_size,
                     config.kv_cache_dtype)

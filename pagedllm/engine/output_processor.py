@@ -140,6 +140,11 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return [c.req_id for c in parent.children] if parent is not None else []
 
+    def parent_id(self, req_id: str) -> str:
+        """The user request an engine request belongs to (itself if unknown)."""
+        entry = self.children.get(req_id)
+        return entry[0].request_id if entry is not None else req_id
+
     def take_reqs_to_stop(self) -> list[str]:
         ids, self.reqs_to_stop = self.reqs_to_stop, []
         return ids

@@ -2,9 +2,11 @@
 matcher per request, the token bitmask of each step.
 
 A grammar can take seconds to compile (sample/structured_output.py), so a request that
-has one waits here, outside the scheduler, while one background thread compiles it (the
-compiler releases the GIL); the engine keeps stepping everything else meanwhile, and hands
-the request to the scheduler once its matcher exists. The matcher then lives on the
+has one waits here, outside the scheduler, while one background thread has it compiled
+(in the compiler process of sample/grammar_process.py, or with compile limits off in this
+process: xgrammar releases the GIL); the engine keeps stepping everything else meanwhile,
+and hands the request to the scheduler once its matcher exists. A compile that fails or
+runs over a limit finishes its request as aborted, with `Request.error` saying why. The matcher then lives on the
 request (`Request.structured_output`), so it survives preemption as the tokens do. For
 each step, `fill_bitmask` writes the allowed tokens of the requests that sample in it into
 the SchedulerOutput (the runner applies them to the logits), and `accept_tokens` advances
@@ -21,15 +23,10 @@ from typing import Any
 
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.request import Request
+from pagedllm.sample.grammar_process import COMPILE_NICE, GrammarCompileError
 from pagedllm.sample.structured_output import GrammarManager, fill_bitmask
 
 logger = logging.getLogger(__name__)
-
-# Nice value of the compile thread. Measured on 2 cores, a completion of 8 tokens while a
-# 60,000-string enum compiled: 0.54 s at 0, 0.12 s at 10, 0.09 s at 19 (0.06 s alone);
-# 10 leaves compiles most of a core when the engine is not using it.
-COMPILE_NICE = 10
-
 
 class StructuredOutputManager:
     def __init__(self, grammar: GrammarManager) -> None:
@@ -68,10 +65,16 @@ class StructuredOutputManager:
             del self._pending[req_id]
             try:
                 compiled = future.result()
-            except Exception:
+            except GrammarCompileError as e:
                 # The constraint parsed when the request was validated; a compile can
-                # still fail (out of memory, an xgrammar limit).
+                # still fail or run over the compile limits.
+                logger.warning("request %s: its grammar did not compile: %s", req_id, e)
+                request.error = f"structured_outputs: {e}"
+                failed.append(request)
+                continue
+            except Exception as e:
                 logger.exception("request %s: its grammar did not compile", req_id)
+                request.error = f"structured_outputs: the grammar did not compile ({e!r})"
                 failed.append(request)
                 continue
             request.structured_output = self.grammar.new_matcher(compiled,
@@ -132,11 +135,13 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.grammar.shutdown()
 
 
 def _lower_priority() -> None:
     """Nice the compile thread (and the threads xgrammar starts from it, which inherit
-    it): on a CPU the engine's OpenMP threads wait for each other at every parallel
+    it; with compile limits the compiles run in a process niced alike and this thread
+    only deserializes their results): on a CPU the engine's OpenMP threads wait for each other at every parallel
     region, so a compile competing with them as an equal slows every step many times
     over, while a niced one mostly runs in their gaps."""
     try:

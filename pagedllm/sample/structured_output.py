@@ -4,8 +4,9 @@ The engine core owns the matchers (engine/structured_output.py): it compiles eac
 constraint off its loop, fills the token bitmask of the requests that sample in a step
 (sent with the step, applied to the logits by the sampler) and advances the matchers with
 the tokens that come back. The grammar compiler needs the HF tokenizer, loaded with the
-first compile; compiled grammars are cached by the constraint (least recently used
-dropped past a memory budget).
+first compile; the compiles run in a child process under CPU-time and memory limits
+(grammar_process.py); compiled grammars are cached by the constraint (least recently
+used dropped past a memory budget).
 
 EOS is allowed only where the grammar may end; the request then finishes through the
 scheduler's ordinary EOS check. xgrammar is imported lazily (only when used).
@@ -21,6 +22,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.errors import InvalidRequestError
+from pagedllm.sample.grammar_process import (GrammarCompileError, GrammarCompileProcess,
+                                             compile_constraint, xgrammar_message)
 from pagedllm.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:  # the engine core imports this module; torch stays out of its import
@@ -67,7 +70,7 @@ def _validate_constraint(key: tuple) -> None:
             xgr.Grammar.from_ebnf(value)
     except (RuntimeError, ValueError) as e:
         raise InvalidRequestError(
-            f"invalid structured_outputs.{kind}: {str(e).strip().splitlines()[-1]}") from e
+            f"invalid structured_outputs.{kind}: {xgrammar_message(e)}") from e
 
 
 # Compiled grammars kept for reuse: a big enum or schema compiles to tens of MB, and a
@@ -79,19 +82,29 @@ class GrammarManager:
     """Compiles constraints (cached) and makes per-request matchers.
 
     `compile` may run for seconds (it grows with the constraint: a JSON-schema enum of
-    40,000 strings takes ~8 s); the engine calls it from one background thread, never
-    from two at once.
+    60,000 strings takes ~3 s); the engine calls it from one background thread, never
+    from two at once. With a CPU-time or memory limit (seconds, bytes; 0 = none) the
+    compiles run in a child process that is killed when one overruns
+    (grammar_process.py); with neither, in this process.
     """
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int,
-                 max_cache_bytes: int = MAX_CACHE_BYTES) -> None:
+                 max_cache_bytes: int = MAX_CACHE_BYTES, compile_cpu_limit_s: float = 0.0,
+                 compile_memory_limit_bytes: int = 0) -> None:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.max_cache_bytes = max_cache_bytes
-        self._compiler: Any = None
+        self.compile_cpu_limit_s = compile_cpu_limit_s
+        self.compile_memory_limit_bytes = compile_memory_limit_bytes
+        self._info: Any = None
+        self._compiler: Any = None  # GrammarCompileProcess, or xgrammar's compiler
         # cache_key -> (compiled grammar, its size), least recently used first.
         self._compiled: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
         self._cache_bytes = 0
+
+    @property
+    def uses_process(self) -> bool:
+        return bool(self.compile_cpu_limit_s or self.compile_memory_limit_bytes)
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:
@@ -99,30 +112,46 @@ class GrammarManager:
 
             tokenizer = self._load_tokenizer()
             # vocab_size = the model's (may exceed the tokenizer's: padded embeddings).
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-            # Its own cache is unbounded: ours (by constraint, bounded) replaces it.
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+            self._info = xgr.TokenizerInfo.from_huggingface(tokenizer,
+                                                            vocab_size=self.vocab_size)
+            if self.uses_process:
+                self._compiler = GrammarCompileProcess(
+                    self._info.serialize_json(), self.compile_cpu_limit_s,
+                    self.compile_memory_limit_bytes)
+            else:
+                # Its own cache is unbounded: ours (by constraint, bounded) replaces it.
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=2,
+                                                     cache_enabled=False)
         return self._compiler
 
     def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar of `params`; GrammarCompileError if it failed or ran
+        over a limit."""
         key = params.cache_key()
         if key in self._compiled:
             self._compiled.move_to_end(key)
             return self._compiled[key][0]
         compiler = self._get_compiler()
-        kind = params.kind
+        kind, spec = params.kind, ""
         if kind == "json":
-            compiled = compiler.compile_json_schema(
-                _json_schema_text(params.json),
-                any_whitespace=not params.disable_any_whitespace)
-        elif kind == "json_object":
-            compiled = compiler.compile_builtin_json_grammar()
+            spec = _json_schema_text(params.json)
         elif kind == "regex":
-            compiled = compiler.compile_regex(params.regex)
+            spec = params.regex
         elif kind == "choice":
-            compiled = compiler.compile_grammar(choice_to_ebnf(params.choice))
+            kind, spec = "grammar", choice_to_ebnf(params.choice)
+        elif kind == "grammar":
+            spec = params.grammar
+        any_whitespace = not params.disable_any_whitespace
+        if self.uses_process:
+            import xgrammar as xgr
+
+            compiled = xgr.CompiledGrammar.deserialize_json(
+                compiler.compile(kind, spec, any_whitespace), self._info)
         else:
-            compiled = compiler.compile_grammar(params.grammar)
+            try:
+                compiled = compile_constraint(compiler, kind, spec, any_whitespace)
+            except RuntimeError as e:
+                raise GrammarCompileError(xgrammar_message(e)) from e
         size = compiled.memory_size_bytes
         self._compiled[key] = (compiled, size)
         self._cache_bytes += size
@@ -130,6 +159,10 @@ class GrammarManager:
             _, (_, dropped) = self._compiled.popitem(last=False)
             self._cache_bytes -= dropped
         return compiled
+
+    def shutdown(self) -> None:
+        if isinstance(self._compiler, GrammarCompileProcess):
+            self._compiler.shutdown()
 
     @property
     def cache_bytes(self) -> int:

@@ -9,6 +9,7 @@ ends it within seconds even while a hostile template is rendering.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -386,3 +387,35 @@ def test_a_grammar_compiling_for_seconds_holds_back_only_its_own_request(server)
     choice = r.json()["choices"][0]
     assert json.loads(choice["text"]) in enum and choice["finish_reason"] == "stop"
     assert len(set(answers)) == 1
+
+
+def test_a_grammar_over_the_compile_limit_gets_a_400_and_the_compiler_recovers():
+    """A grammar whose compile runs over --grammar-compile-timeout is killed (with the
+    compiler process) and its request answered as invalid, naming the limit, for every
+    sample of an n > 1 request and as a stream's error event; plain and grammar
+    requests are served as before, the next grammar by a new compiler process."""
+    srv = RemoteServer(SERVER_ARGS + ["--grammar-compile-timeout", "0.5"], api_key=API_KEY)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    heavy = {"json": {"enum": [f"item{i}" for i in range(60000)]}}  # ~5 s of CPU
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            before = _greedy(c)
+            r = c.post("/v1/completions", headers=auth, json=_completion(
+                prompt="Pick one:", n=2, max_tokens=8, structured_outputs=heavy))
+            assert r.status_code == 400, r.text
+            message = r.json()["error"]["message"]
+            assert "structured_outputs" in message and "grammar_compile_timeout" in message
+            with c.stream("POST", "/v1/chat/completions", headers=auth, json=_chat(
+                    stream=True, max_tokens=8, structured_outputs=heavy)) as s:
+                body = s.read().decode()
+            assert "grammar_compile_timeout" in body and '"code":400' in body.replace(" ", "")
+            r = c.post("/v1/completions", headers=auth, json=_completion(
+                prompt="My phone number is", max_tokens=12, temperature=0,
+                structured_outputs={"regex": r"\d{3}-\d{4}"}))
+            assert r.status_code == 200, r.text
+            assert re.fullmatch(r"\d{3}-\d{4}", r.json()["choices"][0]["text"])
+            assert _greedy(c) == before
+            stats = srv.stats()
+            assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    finally:
+        srv.stop()

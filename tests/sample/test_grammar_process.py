@@ -1,0 +1,120 @@
+"""The grammar compiler process (sample/grammar_process.py): compiles in a child process,
+kills it when a compile runs over its CPU-time or memory limit or dies, and starts a new
+one for the next compile.
+
+A vocabulary of ASCII characters and the numbers 0-999 stands in for a tokenizer. An
+enum of 60,000 strings takes xgrammar seconds of CPU over it; one of 20,000 strings
+~1 s and ~80 MB more memory than the idle process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+xgr = pytest.importorskip("xgrammar")
+
+from pagedllm.sample.grammar_process import (GrammarCompileError,  # noqa: E402
+                                             GrammarCompileProcess, _resident_bytes)
+
+VOCAB = [chr(c) for c in range(32, 127)] + [str(i) for i in range(1000)] + ["</s>"]
+EOS = len(VOCAB) - 1
+PHONE = r"\d{3}-\d{4}"
+
+
+def _enum(n: int) -> str:
+    return json.dumps({"enum": [f"item{i}" for i in range(n)]})
+
+
+@pytest.fixture(scope="module")
+def info():
+    return xgr.TokenizerInfo(VOCAB, stop_token_ids=[EOS])
+
+
+@pytest.fixture
+def compiler(info):
+    proc = GrammarCompileProcess(info.serialize_json(), cpu_limit_s=0, memory_limit_bytes=0)
+    yield proc
+    proc.shutdown()
+
+
+def _matches(info, serialized: str, text: str) -> bool:
+    """Whether the compiled grammar accepts `text` (one token per character) and then
+    may end."""
+    matcher = xgr.GrammarMatcher(xgr.CompiledGrammar.deserialize_json(serialized, info))
+    return all(matcher.accept_token(VOCAB.index(ch)) for ch in text) \
+        and matcher.accept_token(EOS) and matcher.is_terminated()
+
+
+def test_compiles_in_a_child_process_and_the_result_matches(info, compiler):
+    serialized = compiler.compile("regex", PHONE, True)
+    assert compiler.pid is not None and compiler.pid != os.getpid()
+    assert _matches(info, serialized, "123-4567")
+    assert not _matches(info, serialized, "1234567")
+    schema = compiler.compile("json", json.dumps({"enum": ["red", "green"]}), False)
+    assert _matches(info, schema, '"green"') and not _matches(info, schema, '"blue"')
+    pid = compiler.pid
+    compiler.compile("json_object", "", True)
+    assert compiler.pid == pid  # one process serves every compile
+
+
+def test_a_grammar_xgrammar_rejects_fails_with_its_message(compiler):
+    with pytest.raises(GrammarCompileError,
+                       match=r'^EBNF parser error.*"undefined_rule" is not defined'):
+        compiler.compile("grammar", 'root ::= undefined_rule', True)
+    pid = compiler.pid
+    assert _resident_bytes(pid) is not None  # the process is still there, and serves
+    compiler.compile("regex", PHONE, True)
+    assert compiler.pid == pid
+
+
+def test_a_compile_over_the_cpu_limit_is_killed_and_the_next_one_runs(info, compiler):
+    compiler.compile("regex", PHONE, True)  # started
+    first = compiler.pid
+    compiler.cpu_limit_s = 0.5
+    with pytest.raises(GrammarCompileError, match="more than 0.5 s.*grammar_compile_timeout"):
+        compiler.compile("json", _enum(60000), True)
+    assert compiler.pid is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(first, 0)  # killed and reaped
+    assert _matches(info, compiler.compile("regex", PHONE, True), "555-0100")
+    assert compiler.pid not in (None, first)
+
+
+def test_a_compile_over_the_memory_limit_is_killed(info, compiler):
+    compiler.compile("regex", PHONE, True)
+    idle = _resident_bytes(compiler.pid)
+    assert idle is not None
+    compiler.memory_limit_bytes = idle + (30 << 20)
+    with pytest.raises(GrammarCompileError, match="grammar_compile_memory"):
+        compiler.compile("json", _enum(20000), True)
+    assert compiler.pid is None
+    # Below the limit, a compile still runs.
+    assert _matches(info, compiler.compile("regex", PHONE, True), "123-4567")
+
+
+def test_a_compiler_process_that_dies_fails_only_that_compile(info, compiler):
+    compiler.compile("regex", PHONE, True)
+    victim = compiler.pid
+    timer = threading.Timer(0.3, os.kill, (victim, signal.SIGKILL))
+    timer.start()
+    try:
+        with pytest.raises(GrammarCompileError, match="died"):
+            compiler.compile("json", _enum(60000), True)
+    finally:
+        timer.cancel()
+    assert _matches(info, compiler.compile("regex", PHONE, True), "123-4567")
+    assert compiler.pid != victim
+
+
+def test_shutdown_stops_the_process(info):
+    proc = GrammarCompileProcess(info.serialize_json(), cpu_limit_s=10, memory_limit_bytes=0)
+    proc.compile("regex", PHONE, True)
+    pid = proc.pid
+    proc.shutdown()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
