@@ -164,6 +164,9 @@ class EngineCoreProc:
         except BaseException as e:
             self._send(EngineDead(f"engine start-up failed: {e!r}"))
             raise
+        # A server's first grammar request would otherwise wait seconds for xgrammar and
+        # the compiler process to start (more on a busy machine: that process is niced).
+        self.core.structured_output.warm_up()
         # req_id -> how many entries of each per-token list were already sent.
         self._num_sent: dict[str, dict[str, int]] = {}
         # req_id -> monotonic time of its first scheduling step (None once reported).

@@ -41,6 +41,11 @@ class StructuredOutputManager:
         # with none skips the per-request loops below.
         self._live: dict[str, Request] = {}
 
+    def warm_up(self) -> None:
+        """Prepare the grammar compiler in the background (the compile thread), so the
+        first grammar request does not wait for it; compiles queue behind it."""
+        self._pool.submit(_log_failure, self.grammar.warm_up)
+
     def submit(self, request: Request) -> None:
         """Start compiling the request's grammar; it waits here until `pop_ready`."""
         params = request.sampling_params.structured_outputs
@@ -136,6 +141,13 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.grammar.shutdown()
+
+
+def _log_failure(fn: Any) -> None:
+    try:
+        fn()
+    except Exception:  # the first compile will try again, and fail its request
+        logger.exception("preparing the grammar compiler failed")
 
 
 def _lower_priority() -> None:

@@ -124,6 +124,13 @@ class GrammarManager:
                                                      cache_enabled=False)
         return self._compiler
 
+    def warm_up(self) -> None:
+        """Load what the first compile needs (xgrammar, the tokenizer's info, the
+        compiler process: seconds) before a request waits for it."""
+        compiler = self._get_compiler()
+        if isinstance(compiler, GrammarCompileProcess):
+            compiler.start()
+
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of `params`; GrammarCompileError if it failed or ran
         over a limit."""

@@ -8,6 +8,7 @@ waits for an Event), so what is checked is ordering, not timing.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -15,6 +16,8 @@ import time
 import pytest
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm.engine.structured_output import StructuredOutputManager
+from pagedllm.sample.grammar_process import GrammarCompileError
 from pagedllm.sample.structured_output import GrammarManager
 
 PHONE = StructuredOutputsParams(regex=r"\d{3}-\d{4}")
@@ -107,6 +110,40 @@ def test_a_failed_compile_aborts_its_request_only(default_llm, monkeypatch):
     assert finished["bad"].outputs[0].finish_reason == "abort"
     assert finished["bad"].outputs[0].token_ids == []
     assert "Paris" in finished["fine"].outputs[0].text
+
+
+def test_a_grammar_over_a_compile_limit_finishes_its_request_saying_why(default_llm,
+                                                                       monkeypatch, caplog):
+    engine = default_llm.llm_engine
+    grammar = engine.engine_core.structured_output.grammar
+
+    def over_limit(params):
+        raise GrammarCompileError("compiling the grammar took more than 1 s "
+                                  "(grammar_compile_timeout)")
+
+    monkeypatch.setattr(grammar, "compile", over_limit)
+    engine.add_request("slow", "My phone number is",
+                       SamplingParams(temperature=0, max_tokens=8, structured_outputs=PHONE))
+    finished: dict = {}
+    with caplog.at_level("WARNING", logger="pagedllm.engine.structured_output"):
+        _run(engine, lambda: not engine.has_unfinished_requests(), finished)
+    assert finished["slow"].outputs[0].finish_reason == "abort"
+    assert "request slow: its grammar did not compile: compiling the grammar took more " \
+           "than 1 s (grammar_compile_timeout)" in caplog.text
+
+
+def test_warm_up_starts_the_compiler_process_before_any_request(smollm2_tokenizer):
+    manager = StructuredOutputManager(GrammarManager(
+        lambda: smollm2_tokenizer, 49152, compile_cpu_limit_s=60.0))
+    try:
+        manager.warm_up()
+        manager._pool.submit(lambda: None).result(120)  # the warm-up ran before this
+        pid = manager.grammar._compiler.pid
+        assert pid is not None and pid != os.getpid()
+        manager.grammar.compile(PHONE)
+        assert manager.grammar._compiler.pid == pid  # the compile used that process
+    finally:
+        manager.shutdown()
 
 
 def test_grammar_state_survives_recompute_preemption(default_llm):
