@@ -17,7 +17,8 @@ child, which may not have children of its own). Messages over the socket pair, p
                         ("ok", compiled grammar JSON)     per compile
                         ("error", message)                per compile that raised
 
-The child exits when the engine's end of the socket closes. Limits are read from /proc
+The child exits when the engine's end of the socket closes, or (mid-compile) within a
+second of the engine process dying. Limits are read from /proc
 (Linux); elsewhere the time limit is wall-clock and memory is not limited.
 """
 
@@ -29,6 +30,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from multiprocessing import Pipe
@@ -185,6 +187,7 @@ def main(fd: int) -> None:
     """Entry point of the compiler process."""
     # Ctrl-C reaches the whole process group: the engine decides when this one stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     conn = Connection(fd)
     try:
         _serve(conn)
@@ -194,6 +197,14 @@ def main(fd: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip the interpreter's teardown: nothing is left to flush
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """An engine that died mid-compile (SIGKILL) cannot kill this process, and a compile
+    runs on past any limit; a compile releases the GIL, so this thread sees it."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _serve(conn: Connection) -> None:

@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -118,3 +121,35 @@ def test_shutdown_stops_the_process(info):
     proc.shutdown()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_the_compiler_process_exits_when_its_engine_dies_mid_compile(tmp_path):
+    """The engine (here a subprocess) is SIGKILLed while its compiler runs a compile of
+    seconds: the compiler exits within about a second instead of compiling on."""
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import json, sys, xgrammar as xgr\n"
+        "from pagedllm.sample.grammar_process import GrammarCompileProcess\n"
+        f"info = xgr.TokenizerInfo({VOCAB!r}, stop_token_ids=[{EOS}])\n"
+        "proc = GrammarCompileProcess(info.serialize_json(), 0, 0)\n"
+        "proc.start()\n"
+        "print(proc.pid, flush=True)\n"
+        f"proc.compile('json', {_enum(200000)!r}, True)\n")
+    engine = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    compiler_pid = int(engine.stdout.readline())
+    time.sleep(0.5)  # the compile is under way
+    engine.kill()
+    engine.wait()
+    deadline = time.monotonic() + 10
+    while _alive(compiler_pid):
+        assert time.monotonic() < deadline, "the compiler outlived its engine"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (an exited child of a dead parent is reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
