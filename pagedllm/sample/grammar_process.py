@@ -79,7 +79,11 @@ class GrammarCompileProcess:
 
     def compile(self, kind: str, spec: str, any_whitespace: bool) -> str:
         proc, conn = self.start()
-        conn.send((kind, spec, any_whitespace))
+        try:
+            conn.send((kind, spec, any_whitespace))
+        except OSError:  # it died after start() looked (the OOM killer, say)
+            self._stop()
+            raise GrammarCompileError("the grammar compiler process died") from None
         start = time.monotonic()
         cpu_start = _cpu_seconds(proc.pid)
         while not conn.poll(POLL_S):
@@ -112,9 +116,14 @@ class GrammarCompileProcess:
         return payload
 
     def start(self) -> tuple[subprocess.Popen, Connection]:
-        """The running child, started (and waited for) if there is none."""
+        """The running child, started (and waited for) if there is none or it died
+        between compiles."""
         if self._child:
-            return self._child[0], self._child[1]
+            if self._child[0].poll() is None:
+                return self._child[0], self._child[1]
+            logger.warning("the grammar compiler process had exited (code %s); starting "
+                           "another", self._child[0].returncode)
+            self._stop()
         parent, child = Pipe()  # duplex: a socket pair on POSIX
         fd = child.fileno()
         proc = subprocess.Popen([sys.executable, "-c", BOOT, str(fd), _PACKAGE_ROOT],

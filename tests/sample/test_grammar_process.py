@@ -153,3 +153,15 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_compiler_process_killed_between_compiles_is_replaced(info, compiler):
+    compiler.compile("regex", PHONE, True)
+    victim = compiler.pid
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _alive(victim):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert _matches(info, compiler.compile("regex", PHONE, True), "123-4567")
+    assert compiler.pid != victim
