@@ -6,8 +6,10 @@ has one waits here, outside the scheduler, while one background thread has it co
 (in the compiler process of sample/grammar_process.py, or with compile limits off in this
 process: xgrammar releases the GIL); the engine keeps stepping everything else meanwhile,
 and hands the request to the scheduler once its matcher exists. A compile that fails or
-runs over a limit finishes its request as aborted, with `Request.error` saying why. The matcher then lives on the
-request (`Request.structured_output`), so it survives preemption as the tokens do. For
+runs over a limit finishes its request as aborted, with `Request.error` saying why.
+Compiles wait their turn smallest constraint first (compile_queue.py). The matcher then
+lives on the request (`Request.structured_output`), so it survives preemption as the
+tokens do. For
 each step, `fill_bitmask` writes the allowed tokens of the requests that sample in it into
 the SchedulerOutput (the runner applies them to the logits), and `accept_tokens` advances
 the matchers with the tokens that come back.
@@ -18,23 +20,25 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedllm.engine.compile_queue import SmallestFirstExecutor
 from pagedllm.request import Request
 from pagedllm.sample.grammar_process import COMPILE_NICE, GrammarCompileError
 from pagedllm.sample.structured_output import GrammarManager, fill_bitmask
+from pagedllm.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
 
 class StructuredOutputManager:
     def __init__(self, grammar: GrammarManager) -> None:
         self.grammar = grammar
         # One thread: compiles run one at a time, so a burst of big grammars holds one
         # core, not the engine's.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile",
-                                        initializer=_lower_priority)
+        self._pool = SmallestFirstExecutor("grammar-compile", initializer=_lower_priority)
         # Requests whose grammar is compiling, in arrival order.
         self._pending: dict[str, tuple[Request, Future]] = {}
         # Requests with a matcher, until they finish (pruned by fill_bitmask): a step
@@ -44,14 +48,14 @@ class StructuredOutputManager:
     def warm_up(self) -> None:
         """Prepare the grammar compiler in the background (the compile thread), so the
         first grammar request does not wait for it; compiles queue behind it."""
-        self._pool.submit(_log_failure, self.grammar.warm_up)
+        self._pool.submit(-1, _log_failure, self.grammar.warm_up)
 
     def submit(self, request: Request) -> None:
         """Start compiling the request's grammar; it waits here until `pop_ready`."""
         params = request.sampling_params.structured_outputs
         assert params is not None
-        self._pending[request.req_id] = (request,
-                                         self._pool.submit(self.grammar.compile, params))
+        self._pending[request.req_id] = (request, self._pool.submit(
+            constraint_size(params), self.grammar.compile, params))
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._pending
@@ -139,8 +143,18 @@ class StructuredOutputManager:
                                    req_id, token_id)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         self.grammar.shutdown()
+
+
+def constraint_size(params: StructuredOutputsParams) -> int:
+    """Characters in the constraint: what its compile is queued by."""
+    value = params.cache_key()[1]
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, tuple):  # choices
+        return sum(len(choice) for choice in value)
+    return 0  # json_object
 
 
 def _log_failure(fn: Any) -> None:

@@ -69,6 +69,36 @@ def test_a_compiling_grammar_holds_back_only_its_own_request(default_llm, gated_
     assert re.fullmatch(r"\d{3}-\d{4}", out.text) and out.finish_reason == "stop"
 
 
+def test_small_grammars_compile_before_big_ones_that_arrived_first(default_llm,
+                                                                  gated_compile):
+    """While one compile runs, a short regex sent after two long ones compiles first."""
+    engine = default_llm.llm_engine
+    grammar = engine.engine_core.structured_output.grammar
+    order = []
+    gated = grammar.compile
+
+    def recording(params):
+        order.append(params.regex)
+        return gated(params)
+
+    grammar.compile = recording  # undone with gated_compile's monkeypatch
+    long_a, long_b = "a" * 50 + r"\d+", "b" * 60 + r"\d+"
+    for req_id, regex in [("running", long_a), ("long", long_b), ("short", r"\d{3}")]:
+        engine.add_request(req_id, "Numbers:", SamplingParams(
+            temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(
+                regex=regex)))
+        deadline = time.monotonic() + 30
+        while not order:  # the first one is running before the others queue
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    gated_compile.set()
+    finished: dict = {}
+    _run(engine, lambda: not engine.has_unfinished_requests(), finished)
+    assert order == [long_a, r"\d{3}", long_b]
+    assert re.fullmatch(r"\d{3}", finished["short"].outputs[0].text)
+    assert set(finished) == {"running", "long", "short"}
+
+
 def test_abort_while_compiling(default_llm, gated_compile):
     engine = default_llm.llm_engine
     engine.add_request("aborted", "My phone number is",
@@ -137,7 +167,7 @@ def test_warm_up_starts_the_compiler_process_before_any_request(smollm2_tokenize
         lambda: smollm2_tokenizer, 49152, compile_cpu_limit_s=60.0))
     try:
         manager.warm_up()
-        manager._pool.submit(lambda: None).result(120)  # the warm-up ran before this
+        manager._pool.submit(0, lambda: None).result(120)  # the warm-up ran before this
         pid = manager.grammar._compiler.pid
         assert pid is not None and pid != os.getpid()
         manager.grammar.compile(PHONE)
