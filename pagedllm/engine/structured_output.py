@@ -167,9 +167,9 @@ def _log_failure(fn: Any) -> None:
 def _lower_priority() -> None:
     """Nice the compile thread (and the threads xgrammar starts from it, which inherit
     it; with compile limits the compiles run in a process niced alike and this thread
-    only deserializes their results): on a CPU the engine's OpenMP threads wait for each other at every parallel
-    region, so a compile competing with them as an equal slows every step many times
-    over, while a niced one mostly runs in their gaps."""
+    only deserializes their results): on a CPU the engine's OpenMP threads wait for each
+    other at every parallel region, so a compile competing with them as an equal slows
+    every step many times over, while a niced one mostly runs in their gaps."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
     except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority

@@ -57,7 +57,13 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class GrammarCompileError(Exception):
-    """A compile failed, ran over a limit, or its process died; the message says which."""
+    """A compile failed, ran over a limit, or its process died; the message says which.
+    `lasting`: the same constraint would fail again (not so when the process died or
+    did not start: something else may have killed it)."""
+
+    def __init__(self, message: str, lasting: bool = True) -> None:
+        super().__init__(message)
+        self.lasting = lasting
 
 
 class GrammarCompileProcess:
@@ -83,7 +89,8 @@ class GrammarCompileProcess:
             conn.send((kind, spec, any_whitespace))
         except OSError:  # it died after start() looked (the OOM killer, say)
             self._stop()
-            raise GrammarCompileError("the grammar compiler process died") from None
+            raise GrammarCompileError("the grammar compiler process died",
+                                     lasting=False) from None
         start = time.monotonic()
         cpu_start = _cpu_seconds(proc.pid)
         while not conn.poll(POLL_S):
@@ -110,7 +117,8 @@ class GrammarCompileProcess:
             code = proc.wait()
             self._stop()
             raise GrammarCompileError(
-                f"the grammar compiler process died (exit code {code})") from None
+                f"the grammar compiler process died (exit code {code})", lasting=False,
+            ) from None
         if status == "error":
             raise GrammarCompileError(payload)
         return payload
@@ -133,16 +141,18 @@ class GrammarCompileProcess:
         parent.send(self.tokenizer_info_json)
         if not parent.poll(START_TIMEOUT_S):
             self._stop()
-            raise GrammarCompileError("the grammar compiler process did not start")
+            raise GrammarCompileError("the grammar compiler process did not start",
+                                      lasting=False)
         try:
             status, payload = parent.recv()
         except (EOFError, OSError):
             self._stop()
             raise GrammarCompileError("the grammar compiler process failed to start "
-                                      f"(exit code {proc.wait()})") from None
+                                      f"(exit code {proc.wait()})", lasting=False) from None
         if status != "ready":
             self._stop()
-            raise GrammarCompileError(f"the grammar compiler failed to start: {payload}")
+            raise GrammarCompileError(f"the grammar compiler failed to start: {payload}",
+                                      lasting=False)
         logger.info("grammar compiler process started (pid %d)", proc.pid)
         return proc, parent
 

@@ -15,6 +15,7 @@ scheduler's ordinary EOS check. xgrammar is imported lazily (only when used).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 from collections import OrderedDict
@@ -76,6 +77,8 @@ def _validate_constraint(key: tuple) -> None:
 # Compiled grammars kept for reuse: a big enum or schema compiles to tens of MB, and a
 # stream of distinct ones must not grow the cache without bound.
 MAX_CACHE_BYTES = 256 << 20
+# Constraints remembered as failed to compile.
+MAX_FAILED = 256
 
 
 class GrammarManager:
@@ -101,6 +104,11 @@ class GrammarManager:
         # cache_key -> (compiled grammar, its size), least recently used first.
         self._compiled: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
         self._cache_bytes = 0
+        # sha256 of a cache_key -> why it did not compile, for the latest MAX_FAILED
+        # failures: the limits are in CPU time and memory, not wall time, so a retry (a
+        # sample of the same request, the same client again) would fail alike, a minute
+        # later.
+        self._failed: OrderedDict[bytes, str] = OrderedDict()
 
     @property
     def uses_process(self) -> bool:
@@ -138,6 +146,26 @@ class GrammarManager:
         if key in self._compiled:
             self._compiled.move_to_end(key)
             return self._compiled[key][0]
+        digest = hashlib.sha256(repr(key).encode()).digest()
+        if digest in self._failed:
+            raise GrammarCompileError(self._failed[digest])
+        try:
+            compiled = self._compile(params)
+        except GrammarCompileError as e:
+            if e.lasting:
+                self._failed[digest] = str(e)
+                if len(self._failed) > MAX_FAILED:
+                    self._failed.popitem(last=False)
+            raise
+        size = compiled.memory_size_bytes
+        self._compiled[key] = (compiled, size)
+        self._cache_bytes += size
+        while self._cache_bytes > self.max_cache_bytes and len(self._compiled) > 1:
+            _, (_, dropped) = self._compiled.popitem(last=False)
+            self._cache_bytes -= dropped
+        return compiled
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
         compiler = self._get_compiler()
         kind, spec = params.kind, ""
         if kind == "json":
@@ -159,12 +187,6 @@ class GrammarManager:
                 compiled = compile_constraint(compiler, kind, spec, any_whitespace)
             except RuntimeError as e:
                 raise GrammarCompileError(xgrammar_message(e)) from e
-        size = compiled.memory_size_bytes
-        self._compiled[key] = (compiled, size)
-        self._cache_bytes += size
-        while self._cache_bytes > self.max_cache_bytes and len(self._compiled) > 1:
-            _, (_, dropped) = self._compiled.popitem(last=False)
-            self._cache_bytes -= dropped
         return compiled
 
     def shutdown(self) -> None:

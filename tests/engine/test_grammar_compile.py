@@ -210,3 +210,21 @@ def test_compiled_grammar_cache_drops_least_recently_used(smollm2_tokenizer):
     for p in (a, b):
         big.compile(p)
     assert big.num_cached == 2 and big.cache_bytes > 0
+
+
+def test_a_grammar_that_failed_a_limit_fails_again_at_once(smollm2_tokenizer, monkeypatch):
+    """Limits are in CPU time and memory, so a retry would fail alike: the failure is
+    remembered (a dead compiler process is not: something else may have killed it)."""
+    manager = GrammarManager(lambda: smollm2_tokenizer, 49152)
+    calls = []
+
+    def over_limit(params):
+        calls.append(params.regex)
+        lasting = params.regex != "killed"
+        raise GrammarCompileError(f"{params.regex} failed", lasting=lasting)
+
+    monkeypatch.setattr(manager, "_compile", over_limit)
+    for regex in ["slow", "slow", "killed", "killed"]:
+        with pytest.raises(GrammarCompileError, match=f"{regex} failed"):
+            manager.compile(StructuredOutputsParams(regex=regex))
+    assert calls == ["slow", "killed", "killed"]
