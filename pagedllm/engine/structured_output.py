@@ -9,10 +9,9 @@ and hands the request to the scheduler once its matcher exists. A compile that f
 runs over a limit finishes its request as aborted, with `Request.error` saying why.
 Compiles wait their turn smallest constraint first (compile_queue.py). The matcher then
 lives on the request (`Request.structured_output`), so it survives preemption as the
-tokens do. For
-each step, `fill_bitmask` writes the allowed tokens of the requests that sample in it into
-the SchedulerOutput (the runner applies them to the logits), and `accept_tokens` advances
-the matchers with the tokens that come back.
+tokens do. For each step, `fill_bitmask` writes the allowed tokens of the requests that
+sample in it into the SchedulerOutput (the runner applies them to the logits), and
+`accept_tokens` advances the matchers with the tokens that come back.
 """
 
 from __future__ import annotations
