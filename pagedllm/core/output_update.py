@@ -19,7 +19,8 @@ from pagedllm.request import Request, RequestStatus
 class OutputUpdate:
     """What applying one `ModelRunnerOutput` did."""
 
-    # Requests that got new tokens or finished, in the runner's order (pooled first).
+    # Requests that got new tokens or finished, in the runner's order (pooled first),
+    # then those that only got prompt logprobs (a prefill chunk).
     updated: list[Request] = field(default_factory=list)
     # The updated requests that finished, in the same order (their blocks to free).
     finished: list[Request] = field(default_factory=list)
@@ -38,7 +39,7 @@ def apply_runner_output(requests: Mapping[str, Request], scheduler_output: Sched
     Finished requests get their FINISHED_* status here; freeing them is the caller's.
     """
     update = OutputUpdate()
-    _record_prompt_logprobs(requests, model_runner_output)
+    scored = _record_prompt_logprobs(requests, model_runner_output)
     _finish_pooled(requests, model_runner_output, update)
     all_logprobs = model_runner_output.logprobs
     spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
@@ -65,6 +66,11 @@ def apply_runner_output(requests: Mapping[str, Request], scheduler_output: Sched
         update.updated.append(request)
         if request.is_finished:
             update.finished.append(request)
+    # A prefill chunk that scored prompt logprobs: the front end converts them as they
+    # come (a long prompt's all at once would stall it), so they are reported now.
+    if scored:
+        reported = {request.req_id for request in update.updated}
+        update.updated += [request for request in scored if request.req_id not in reported]
     for req_id, spec in (model_runner_output.spec_token_ids or {}).items():
         request = requests.get(req_id)
         if request is not None and request.status == RequestStatus.RUNNING:
@@ -108,8 +114,12 @@ def _finish_pooled(requests: Mapping[str, Request], model_runner_output: ModelRu
 
 
 def _record_prompt_logprobs(requests: Mapping[str, Request],
-                            model_runner_output: ModelRunnerOutput) -> None:
+                            model_runner_output: ModelRunnerOutput) -> list[Request]:
+    """Add each chunk to its request; the requests that got one."""
+    scored = []
     for req_id, chunk in (model_runner_output.prompt_logprobs or {}).items():
         request = requests.get(req_id)
         if request is not None and request.status == RequestStatus.RUNNING:
             request.add_prompt_logprobs(chunk)
+            scored.append(request)
+    return scored

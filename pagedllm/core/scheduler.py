@@ -520,7 +520,8 @@ class Scheduler:
         (core/output_update.py).
 
         Returns the requests that got new tokens or finished in this step, in the
-        runner's order. Requests finished or aborted meanwhile are skipped.
+        runner's order, then those that only got prompt logprobs. Requests finished or
+        aborted meanwhile are skipped.
         """
         # Counter subtraction drops the ids whose count reaches 0.
         self.in_flight -= Counter(scheduler_output.num_scheduled_tokens.keys())

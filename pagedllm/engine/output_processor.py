@@ -84,6 +84,11 @@ class ParentRequest:
     arrival_time: float
     children: list[ChildState]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # prompt_logprobs as they are built, chunk by chunk while the prompt is prefilled
+    # (one 8,000-token prompt at k = 20 is ~0.6 s of Python: the server's event loop
+    # gets it in steps); published as prompt_logprobs once whole.
+    prompt_logprobs_so_far: list[dict[int, Logprob] | None] = field(
+        default_factory=lambda: [None])
     first_token_time: float | None = None
     sent_prompt_logprobs: bool = False
     # An embedding request (one child, never samples) and its pooled vector once back.
@@ -163,8 +168,8 @@ class OutputProcessor:
             parent, child = entry
             if req.is_pooling and req.pooler_output:
                 parent.embedding = req.pooler_output
-            self._update_child(parent, child, req, now)
-            touched[parent.request_id] = parent
+            if self._update_child(parent, child, req, now):
+                touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
             out = self._make_output(parent, now)
@@ -179,8 +184,14 @@ class OutputProcessor:
     # ------------------------------------------------------------------ per child
 
     def _update_child(self, parent: ParentRequest, child: ChildState, req: Request,
-                      now: float) -> None:
+                      now: float) -> bool:
+        """Apply what `req` gained; False when that was only a part of its prompt
+        logprobs (nothing to show the user yet)."""
         new_ids = req.output_token_ids[len(child.token_ids):]
+        if parent.prompt_logprobs is None and req.sampling_params.prompt_logprobs is not None:
+            self._add_prompt_logprobs(parent, req)
+            if parent.prompt_logprobs is None and not new_ids and not req.is_finished:
+                return False
         child.is_updated = True
         child.num_cached_tokens = req.num_cached_tokens
         if new_ids and parent.first_token_time is None:
@@ -188,17 +199,16 @@ class OutputProcessor:
         if child.params.logprobs is not None:
             self._add_logprobs(child, req.output_logprobs[len(child.token_ids):])
         child.token_ids.extend(new_ids)
-        if parent.prompt_logprobs is None and req.sampling_params.prompt_logprobs is not None:
-            parent.prompt_logprobs = self._prompt_logprobs(req)
         if child.detokenizer is not None and new_ids:
             delta = child.detokenizer.add_tokens(new_ids)
             child.text = child.detokenizer.text
             if self._check_stop_strings(child, len(delta)):
                 self.reqs_to_stop.append(child.req_id)
-                return
+                return True
         if req.is_finished:
             child.finish_reason = req.status.finish_reason
             child.stop_reason = req.stop_reason
+        return True
 
     def _check_stop_strings(self, child: ChildState, num_new_chars: int) -> bool:
         sp = child.params
@@ -236,12 +246,16 @@ class OutputProcessor:
             self._token_text[token_id] = text
         return text
 
-    def _prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
-        """Built once the whole prompt is scored; the first token has no logprob."""
-        if len(req.prompt_logprobs) < req.num_prompt_tokens - 1:
-            return None
+    def _add_prompt_logprobs(self, parent: ParentRequest, req: Request) -> None:
+        """Convert the prompt logprobs scored since the last call; publish them once the
+        whole prompt is scored (the first token has no logprob)."""
+        so_far = parent.prompt_logprobs_so_far
         decode = self.tokenizer is not None and req.sampling_params.detokenize
-        return [None] + [self._logprob_dict(e, decode) for e in req.prompt_logprobs]
+        # Entry i of req.prompt_logprobs scores prompt token i + 1 (append-only).
+        so_far.extend(self._logprob_dict(e, decode)
+                      for e in req.prompt_logprobs[len(so_far) - 1:])
+        if len(so_far) >= req.num_prompt_tokens:
+            parent.prompt_logprobs, parent.prompt_logprobs_so_far = so_far, []
 
     # ------------------------------------------------------------------ outputs
 

@@ -139,3 +139,26 @@ def test_prompt_logprobs_scored_in_pieces(llm, hf_model, monkeypatch):
     assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
     for i in range(1, len(prompt)):
         check_entry(out.prompt_logprobs[i], ref[i - 1], prompt[i], 2)
+
+
+def test_prompt_logprobs_are_converted_chunk_by_chunk(llm, hf_model):
+    """The output processor converts each prefill chunk's prompt logprobs as it arrives
+    (a long prompt's would otherwise be one long stall of the server's event loop) and
+    publishes them once the whole prompt is scored."""
+    engine = llm.llm_engine
+    prompt = random_prompts(1, VOCAB, 40, 40, seed=17)[0]
+    engine.add_request("chunked", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))
+    parent = engine.output_processor.parents["chunked"]
+    sizes, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+        if final is None:
+            sizes.append(len(parent.prompt_logprobs_so_far))
+            assert parent.prompt_logprobs is None  # nothing published before the end
+    assert sizes[0] > 1 and sizes == sorted(sizes) and sizes[-1] < len(prompt)
+    ref = reference(hf_model, prompt)
+    assert len(final.prompt_logprobs) == len(prompt) and final.prompt_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        check_entry(final.prompt_logprobs[i], ref[i - 1], prompt[i], 2)
