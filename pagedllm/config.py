@@ -123,7 +123,14 @@ class ModelConfig:
     quantized GEMM (CPU; other tensor types are dequantized); None: dequantize every
     weight to `dtype` on load. `dtype` names the activations either way."""
 
+    max_logprobs: int = 20
+    """Most logprobs / prompt_logprobs one request may ask for per position (vLLM's
+    max_logprobs); -1: the whole vocabulary."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary; "
+                             f"got {self.max_logprobs!r}")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, "
                              f"got {self.quantization!r}")

@@ -98,6 +98,9 @@ class EngineArgs:
                                                "(default: cpu on CPU, triton on CUDA; triton "
                                                "runs on CPU under TRITON_INTERPRET=1, slowly)")
     seed: int = _arg(0, "random seed for sampling of requests without their own seed")
+    max_logprobs: int = _arg(20, "most logprobs / top_logprobs / prompt_logprobs a request "
+                                 "may ask for per position (vLLM's max_logprobs; -1: the "
+                                 "whole vocabulary)")
     num_threads: int | None = _arg(None, "intra-op threads (default: the physical cores this "
                                          "process may run on, or env PAGEDLLM_NUM_THREADS)")
     compile: bool = _arg(False, "compile the model with torch.compile (inductor; graphs "
@@ -151,7 +154,7 @@ class EngineArgs:
         max_model_len = _resolve_max_model_len(self.max_model_len, hf_config)
         model = ModelConfig(path=path, hf_config=hf_config, dtype=dtype,
                             max_model_len=max_model_len, tokenizer=self.tokenizer,
-                            seed=self.seed,
+                            seed=self.seed, max_logprobs=self.max_logprobs,
                             quantization=self._resolve_quantization(path, device, dtype))
         _set_embedding_traits(model, self.compile)
         space = self.kv_cache_space

@@ -19,6 +19,7 @@ class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.hf_config.vocab_size
+        self.max_logprobs = model_config.max_logprobs
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id_of(tokenizer, model_config.hf_config)
         self.architecture = model_config.architecture
@@ -100,6 +101,9 @@ class InputProcessor:
 
     def validate_params(self, params: SamplingParams) -> None:
         """Checks that need the vocabulary or the tokenizer; tokenizes bad_words."""
+        for name in ("logprobs", "prompt_logprobs"):
+            check_num_logprobs(name, getattr(params, name), self.max_logprobs,
+                               self.vocab_size)
         for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             ids = getattr(params, name) or ()
             bad = [t for t in ids if t >= self.vocab_size]
@@ -130,6 +134,17 @@ class InputProcessor:
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 token_ids.append(spaced)
         return token_ids
+
+
+def check_num_logprobs(name: str, value: int | None, max_logprobs: int,
+                       vocab_size: int) -> None:
+    """InvalidRequestError if `value` logprobs per position is over the engine's cap (its
+    max_logprobs; -1 = the vocabulary's size)."""
+    cap = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+    if value is not None and value > cap:
+        raise InvalidRequestError(
+            f"Requested {name} of {value}, which is greater than max allowed: {cap} "
+            f"(max_logprobs {max_logprobs}, --max-logprobs)")
 
 
 def eos_token_id_of(tokenizer: Any | None, hf_config: Any) -> int | None:

@@ -162,3 +162,23 @@ def test_prompt_logprobs_are_converted_chunk_by_chunk(llm, hf_model):
     assert len(final.prompt_logprobs) == len(prompt) and final.prompt_logprobs[0] is None
     for i in range(1, len(prompt)):
         check_entry(final.prompt_logprobs[i], ref[i - 1], prompt[i], 2)
+
+
+def test_logprobs_over_max_logprobs_are_refused(tiny_path):
+    """As vLLM's max_logprobs (default 20; -1: the whole vocabulary, never more)."""
+    default = LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True, block_size=4)
+    prompt = [{"prompt_token_ids": [1, 2, 3]}]
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"Requested {name} of 21, which is greater "
+                                             f"than max allowed: 20"):
+            default.generate(prompt, SamplingParams(max_tokens=1, **{name: 21}))
+    out = default.generate(prompt, SamplingParams(max_tokens=1, logprobs=20,
+                                                  prompt_logprobs=20), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) >= 20 and len(out.prompt_logprobs[1]) >= 20
+    everything = LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True,
+                     block_size=4, max_logprobs=-1)
+    out = everything.generate(prompt, SamplingParams(max_tokens=1, logprobs=VOCAB),
+                              use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) == VOCAB
+    with pytest.raises(ValueError, match=f"greater than max allowed: {VOCAB}"):
+        everything.generate(prompt, SamplingParams(max_tokens=1, logprobs=VOCAB + 1))

@@ -26,8 +26,6 @@ class ServeConfig:
 
     max_n: int = _flag(128, "most sequences one request generates: n (and best_of), "
                             "times the number of prompts of a completions request")
-    max_logprobs: int = _flag(20, "most logprobs / top_logprobs / prompt_logprobs per "
-                                  "position (vLLM's max_logprobs)")
     max_stop: int = _flag(64, "most entries in each of stop, stop_token_ids and bad_words")
     max_prompt_bytes: int = _flag(1 << 20, "most UTF-8 bytes of one prompt text, or of all "
                                            "message contents of a chat together")
@@ -60,8 +58,6 @@ class ServeConfig:
         for name in ("max_n", "max_stop", "max_prompt_bytes", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         for name in ("render_timeout", "request_timeout"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):

@@ -21,6 +21,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
+from pagedllm.engine.input_processor import check_num_logprobs
 from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
 from pagedllm.entrypoints.openai.protocol import (  # noqa: F401  (clamp_logprob: re-exported)
     ErrorInfo, ErrorResponse, OpenAIBaseModel, SamplingFields, clamp_logprob)
@@ -112,20 +113,19 @@ class OpenAIServing:
 
     def check_limits(self, request: SamplingFields, num_logprobs: int | None,
                      logprobs_field: str = "logprobs") -> None:
-        """The per-request maxima of ServeConfig (n, best_of, logprobs, stop lists);
-        `logprobs_field` names the request's logprobs count (chat: top_logprobs)."""
+        """The per-request maxima (ServeConfig's n, best_of, stop lists; the engine's
+        logprobs); `logprobs_field` names the request's logprobs count (chat:
+        top_logprobs)."""
         cfg = self.serve_config
         for name in ("n", "best_of"):
             value = getattr(request, name)
             if value is not None and value > cfg.max_n:
                 raise InvalidRequestError(f"{name} must be at most {cfg.max_n} (--max-n), "
                                           f"got {value}.")
+        model = self.engine.config.model
         for name, value in ((logprobs_field, num_logprobs),
                             ("prompt_logprobs", request.prompt_logprobs)):
-            if value is not None and value > cfg.max_logprobs:
-                raise InvalidRequestError(
-                    f"Requested {name} of {value}, which is greater than max allowed: "
-                    f"{cfg.max_logprobs} (--max-logprobs)")
+            check_num_logprobs(name, value, model.max_logprobs, model.hf_config.vocab_size)
         if request.prompt_logprobs is not None and request.stream:
             raise InvalidRequestError("prompt_logprobs is not available with stream=true; "
                                       "ask without streaming")
