@@ -16,6 +16,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedllm.engine.input_processor import logprobs_cap
+from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -46,6 +48,11 @@ def beam_search(engine: LLMEngine, prompts: Sequence[PromptType], params: BeamSe
     counter = counter if counter is not None else itertools.count()
     eos = engine.input_processor.eos_token_id
     width = params.beam_width
+    cap = logprobs_cap(engine.input_processor.max_logprobs,
+                       engine.input_processor.vocab_size)
+    if 2 * width > cap:  # what each step asks for
+        raise InvalidRequestError(f"beam_width {width} needs {2 * width} logprobs per step, "
+                                  f"more than the {cap} max_logprobs allows")
     step_params = SamplingParams(
         logprobs=2 * width, max_tokens=1, temperature=params.temperature, ignore_eos=True,
         detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)

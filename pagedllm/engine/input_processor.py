@@ -136,11 +136,15 @@ class InputProcessor:
         return token_ids
 
 
+def logprobs_cap(max_logprobs: int, vocab_size: int) -> int:
+    """Most logprobs per position: max_logprobs, or the vocabulary's size (-1, and at most)."""
+    return vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+
+
 def check_num_logprobs(name: str, value: int | None, max_logprobs: int,
                        vocab_size: int) -> None:
-    """InvalidRequestError if `value` logprobs per position is over the engine's cap (its
-    max_logprobs; -1 = the vocabulary's size)."""
-    cap = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+    """InvalidRequestError if `value` logprobs per position is over logprobs_cap."""
+    cap = logprobs_cap(max_logprobs, vocab_size)
     if value is not None and value > cap:
         raise InvalidRequestError(
             f"Requested {name} of {value}, which is greater than max allowed: {cap} "

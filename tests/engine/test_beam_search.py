@@ -70,3 +70,17 @@ def test_beam_search_matches_reference(tiny_path, width, length_penalty, ignore_
     # Every step's requests are finished and their blocks free again.
     kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
     assert kv.get_num_free_blocks() == llm.llm_engine.engine_core.num_blocks - 1
+
+
+def test_a_beam_wider_than_max_logprobs_allows_is_refused(tiny_path):
+    """Each step asks for 2 * beam_width logprobs: past max_logprobs (default 20) the
+    search is refused up front, naming both; a larger max_logprobs allows it."""
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    llm = LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True, block_size=4)
+    with pytest.raises(ValueError, match="beam_width 11 needs 22 logprobs per step, more "
+                                         "than the 20 max_logprobs allows"):
+        llm.beam_search(prompt, BeamSearchParams(beam_width=11, max_tokens=2))
+    wide = LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True, block_size=4,
+               max_logprobs=22)
+    out = wide.beam_search(prompt, BeamSearchParams(beam_width=11, max_tokens=2))[0]
+    assert len(out.sequences) == 11
