@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.errors import InvalidRequestError
+from pagedllm.sampling_params import check_truncate_prompt_tokens
 
 POOLING_TYPES = ("last", "mean", "cls")
 
@@ -31,8 +32,11 @@ class PoolingParams:
     """L2-normalize the pooled vector."""
     dimensions: int | None = None
     """Matryoshka truncation: not supported (a model must declare it), so only None."""
+    truncate_prompt_tokens: int | None = None
+    """Embed only the prompt's last k tokens; -1: its last max_model_len; None: all."""
 
     def __post_init__(self) -> None:
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise InvalidRequestError(f"pooling_type must be one of {POOLING_TYPES}, got "
                                       f"{self.pooling_type!r}")

@@ -87,6 +87,14 @@ class StructuredOutputsParams:
         return (self.kind, value, self.disable_any_whitespace)
 
 
+def check_truncate_prompt_tokens(value: int | None) -> None:
+    """None, -1 (max_model_len) or a count >= 1 (vLLM's truncate_prompt_tokens)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or (value < 1 and value != -1)):
+        raise InvalidRequestError(f"truncate_prompt_tokens must be an integer >= 1, or -1 "
+                                  f"for max_model_len, got {value!r}.")
+
+
 def _check_range(name: str, value: float, low: float, high: float) -> None:
     if not (isinstance(value, (int, float)) and low <= value <= high):
         raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value}.")
@@ -161,6 +169,9 @@ class SamplingParams:
     """What streamed outputs carry (LLM.generate always returns final outputs)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Grammar constraint (JSON schema, regex, choice, EBNF, any JSON object)."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last k tokens (left truncation); -1: its last
+    max_model_len; None: the whole prompt."""
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     """Set by the input processor: bad_words tokenized (with and without leading space)."""
 
@@ -234,6 +245,7 @@ class SamplingParams:
                                       or not 0 <= value <= _MAX_INT32):
                 raise InvalidRequestError(f"{name} must be a non-negative integer, "
                                           f"got {value}.")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.seed is not None and (not isinstance(self.seed, int)
                                       or not -2**63 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be a 64-bit integer, got {self.seed!r}.")

@@ -55,7 +55,7 @@ class InputProcessor:
         make an embedding request (prefill only, see request.py).
         """
         if isinstance(params, PoolingParams):
-            text, ids = self.tokenize(prompt)
+            text, ids = self._truncated(*self.tokenize(prompt), params.truncate_prompt_tokens)
             self.validate_prompt(ids)
             if params.pooling_type is None:
                 # A copy: one PoolingParams may be shared by many prompts.
@@ -69,7 +69,7 @@ class InputProcessor:
             raise InvalidRequestError(f"sampling params must be SamplingParams, got "
                                       f"{type(params).__name__}")
         self.check_generation()
-        text, ids = self.tokenize(prompt)
+        text, ids = self._truncated(*self.tokenize(prompt), params.truncate_prompt_tokens)
         self.validate_prompt(ids)
         self.validate_params(params)
         # Room left for output; generation also stops at max_model_len in the scheduler.
@@ -77,6 +77,15 @@ class InputProcessor:
         request = Request(req_id, ids, params, self.eos_token_id, arrival_time,
                           priority=priority, max_tokens=max_tokens, deadline=deadline)
         return request, text
+
+    def _truncated(self, text: str | None, ids: list[int], truncate_prompt_tokens: int | None,
+                   ) -> tuple[str | None, list[int]]:
+        """(text, ids) of the prompt as truncate_prompt_tokens leaves it; the text of a
+        truncated prompt is its kept tokens' (None without a tokenizer)."""
+        kept = truncate_prompt(ids, truncate_prompt_tokens, self.max_model_len)
+        if len(kept) == len(ids):
+            return text, ids
+        return (self.tokenizer.decode(kept) if self.tokenizer is not None else None), kept
 
     def check_generation(self) -> None:
         """Encoder-only models embed; they have no LM head to generate with."""
@@ -134,6 +143,19 @@ class InputProcessor:
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 token_ids.append(spaced)
         return token_ids
+
+
+def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None,
+                    max_model_len: int) -> list[int]:
+    """The prompt's last truncate_prompt_tokens ids (-1: max_model_len; None: all)."""
+    if truncate_prompt_tokens is None:
+        return ids
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if keep > max_model_len:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+            f"({max_model_len}). Please, select a smaller truncation size.")
+    return ids[-keep:]
 
 
 def logprobs_cap(max_logprobs: int, vocab_size: int) -> int:

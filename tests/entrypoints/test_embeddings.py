@@ -125,3 +125,15 @@ def test_metrics_count_prompt_tokens(server):
     r = _post(server, {"input": [[5, 6, 7, 8]]})
     assert r.status_code == 200
     assert prompt_tokens() - before == 4
+
+
+def test_truncate_prompt_tokens_embeds_the_inputs_last_tokens(server, offline):
+    want, prompt_ids = offline
+    ids = prompt_ids[1]
+    by_text = _post(server, {"input": TEXTS[1], "truncate_prompt_tokens": 3})
+    assert by_text.status_code == 200, by_text.text
+    assert by_text.json()["usage"]["prompt_tokens"] == 3
+    last = _post(server, {"input": ids[-3:]}).json()
+    cut = embedding_vectors(by_text.json())[0]
+    np.testing.assert_allclose(cut, embedding_vectors(last)[0], atol=TOL, rtol=0)
+    assert np.abs(cut - want[1]).max() > 1e-3  # not the whole input's vector

@@ -581,3 +581,38 @@ def test_stats_log_line(server):
     """The periodic throughput line appears in the server log while it is busy."""
     log = server.read_log()
     assert "Avg prompt throughput" in log and "Prefix cache hit rate" in log
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, client):
+    """vLLM's truncate_prompt_tokens: completions and chat keep the prompt's last k tokens
+    (-1: max_model_len) before the length checks; echo shows the kept text."""
+    ids = httpx.post(server.url + "/tokenize", headers=server.headers,
+                     json={"prompt": "One, two, three, four, five, six,"}).json()["tokens"]
+    k = 5
+    cut = client.completions.create(model=MODEL_NAME, prompt="One, two, three, four, five, six,",
+                                    max_tokens=4, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": k})
+    last = client.completions.create(model=MODEL_NAME, prompt=ids[-k:], max_tokens=4,
+                                     temperature=0, echo=True)
+    assert cut.usage.prompt_tokens == k
+    assert cut.choices[0].text == last.choices[0].text  # the kept tokens' text, then the same
+    # A prompt longer than the context is refused, unless truncated to it.
+    long_ids = (ids * (MAX_MODEL_LEN // len(ids) + 1))[:MAX_MODEL_LEN + 50]
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, json={
+        "model": MODEL_NAME, "prompt": long_ids, "max_tokens": 2})
+    assert r.status_code == 400
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, json={
+        "model": MODEL_NAME, "prompt": long_ids, "max_tokens": 2,
+        "truncate_prompt_tokens": MAX_MODEL_LEN - 2}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 2
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Count: one, two, three"}],
+        max_tokens=2, extra_body={"truncate_prompt_tokens": 3})
+    assert chat.usage.prompt_tokens == 3
+    for value, message in [(0, "must be an integer >= 1, or -1"),
+                           (MAX_MODEL_LEN + 1, "greater than max_model_len")]:
+        r = httpx.post(server.url + "/v1/completions", headers=server.headers, json={
+            "model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2,
+            "truncate_prompt_tokens": value})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text

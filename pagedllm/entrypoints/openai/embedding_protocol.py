@@ -22,6 +22,8 @@ class EmbeddingRequest(RequestModel):
     # vLLM extras
     add_special_tokens: bool = True
     normalize: bool = True
+    truncate_prompt_tokens: int | None = None
+    """Embed each input's last k tokens (-1: max_model_len), before the length check."""
     priority: int = 0
     timeout: float | None = Field(default=None, gt=0)
 

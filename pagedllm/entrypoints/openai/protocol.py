@@ -113,6 +113,8 @@ class SamplingFields(RequestModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    """Keep the prompt's last k tokens (-1: max_model_len), before the length checks."""
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict | None = None
     guided_regex: str | None = None

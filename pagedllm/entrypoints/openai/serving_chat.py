@@ -70,6 +70,7 @@ class OpenAIServingChat(OpenAIServing):
                                            request.continue_final_message,
                                            request.chat_template, request.chat_template_kwargs,
                                            tools=plan.template_tools)
+        text, ids = self.truncate(text, ids, request.truncate_prompt_tokens)
         requested = (request.max_completion_tokens if request.max_completion_tokens is not None
                      else request.max_tokens)
         if requested is not None and requested < 1:

@@ -21,14 +21,14 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
-from pagedllm.engine.input_processor import check_num_logprobs
+from pagedllm.engine.input_processor import check_num_logprobs, truncate_prompt
 from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
 from pagedllm.entrypoints.openai.protocol import (  # noqa: F401  (clamp_logprob: re-exported)
     ErrorInfo, ErrorResponse, OpenAIBaseModel, SamplingFields, clamp_logprob)
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, check_truncate_prompt_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,14 @@ class OpenAIServing:
         await self.offloader.run("checking the structured output constraint",
                                  INLINE_BYTES, validate_structured_outputs,
                                  params.structured_outputs)
+
+    def truncate(self, text: str | None, ids: list[int], truncate_prompt_tokens: int | None,
+                 ) -> tuple[str | None, list[int]]:
+        """The prompt as the request's truncate_prompt_tokens leaves it (a truncated one
+        loses its text: what is echoed is then its kept tokens' text)."""
+        check_truncate_prompt_tokens(truncate_prompt_tokens)
+        kept = truncate_prompt(ids, truncate_prompt_tokens, self.max_model_len)
+        return (text, ids) if len(kept) == len(ids) else (None, kept)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None,
                      kind: str = "messages") -> int:

@@ -100,9 +100,10 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts: list[Prompt] = []
         for p in prompt:
             if isinstance(p, str):
-                prompts.append((p, await self.encode(p, request.add_special_tokens)))
+                ids = await self.encode(p, request.add_special_tokens)
+                prompts.append(self.truncate(p, ids, request.truncate_prompt_tokens))
             else:
-                prompts.append((None, list(p)))
+                prompts.append(self.truncate(None, list(p), request.truncate_prompt_tokens))
         return prompts
 
     # ------------------------------------------------------------------ full response

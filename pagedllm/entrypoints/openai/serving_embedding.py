@@ -72,9 +72,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         for i, item in enumerate(inputs):
             if isinstance(item, str):
                 ids = await self.encode(item, request.add_special_tokens) if item else []
-                prompts.append((item, ids))
+                prompts.append(self.truncate(item, ids, request.truncate_prompt_tokens))
             else:
-                prompts.append((None, list(item)))
+                prompts.append(self.truncate(None, list(item), request.truncate_prompt_tokens))
             self._check_input_length(len(prompts[-1][1]), i)
         return prompts
 
