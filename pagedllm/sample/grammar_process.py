@@ -84,6 +84,18 @@ class GrammarCompileProcess:
         self._finalizer = weakref.finalize(self, _stop, self._child)
 
     def compile(self, kind: str, spec: str, any_whitespace: bool) -> str:
+        reused = bool(self._child)
+        try:
+            return self._compile(kind, spec, any_whitespace)
+        except GrammarCompileError as e:
+            if e.lasting or not reused:
+                raise
+            # A child killed from outside between compiles can still look alive to
+            # start() (its threads are still exiting): once more, on a new child.
+            logger.warning("grammar compiler process lost (%s); compiling again", e)
+            return self._compile(kind, spec, any_whitespace)
+
+    def _compile(self, kind: str, spec: str, any_whitespace: bool) -> str:
         proc, conn = self.start()
         try:
             conn.send((kind, spec, any_whitespace))
