@@ -27,7 +27,6 @@ from pagedllm.engine.compile_queue import SmallestFirstExecutor
 from pagedllm.request import Request
 from pagedllm.sample.grammar_process import COMPILE_NICE, GrammarCompileError
 from pagedllm.sample.structured_output import GrammarManager, fill_bitmask
-from pagedllm.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +52,9 @@ class StructuredOutputManager:
         """Start compiling the request's grammar; it waits here until `pop_ready`."""
         params = request.sampling_params.structured_outputs
         assert params is not None
+        key = params.cache_key()  # once: the queue orders by it, the cache keys by it
         self._pending[request.req_id] = (request, self._pool.submit(
-            constraint_size(params), self.grammar.compile, params))
+            constraint_size(key), self.grammar.compile, params, key))
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._pending
@@ -146,9 +146,10 @@ class StructuredOutputManager:
         self.grammar.shutdown()
 
 
-def constraint_size(params: StructuredOutputsParams) -> int:
-    """Characters in the constraint: what its compile is queued by."""
-    value = params.cache_key()[1]
+def constraint_size(key: tuple) -> int:
+    """Characters in a constraint (its StructuredOutputsParams.cache_key()): what its
+    compile is queued by."""
+    value = key[1]
     if isinstance(value, str):
         return len(value)
     if isinstance(value, tuple):  # choices

@@ -139,10 +139,11 @@ class GrammarManager:
         if isinstance(compiler, GrammarCompileProcess):
             compiler.start()
 
-    def compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar of `params`; GrammarCompileError if it failed or ran
-        over a limit."""
-        key = params.cache_key()
+    def compile(self, params: StructuredOutputsParams, key: tuple | None = None) -> Any:
+        """The compiled grammar of `params` (`key`: its cache_key(), when the caller has
+        it: a big schema's takes ~15 ms); GrammarCompileError if it failed or ran over a
+        limit."""
+        key = key if key is not None else params.cache_key()
         if key in self._compiled:
             self._compiled.move_to_end(key)
             return self._compiled[key][0]

@@ -31,9 +31,9 @@ def gated_compile(default_llm, monkeypatch):
     release = threading.Event()
     real = grammar.compile
 
-    def compile_when_released(params):
+    def compile_when_released(params, key=None):
         assert release.wait(60), "the test never released the compile"
-        return real(params)
+        return real(params, key)
 
     monkeypatch.setattr(grammar, "compile", compile_when_released)
     yield release
@@ -77,9 +77,9 @@ def test_small_grammars_compile_before_big_ones_that_arrived_first(default_llm,
     order = []
     gated = grammar.compile
 
-    def recording(params):
+    def recording(params, key=None):
         order.append(params.regex)
-        return gated(params)
+        return gated(params, key)
 
     grammar.compile = recording  # undone with gated_compile's monkeypatch
     long_a, long_b = "a" * 50 + r"\d+", "b" * 60 + r"\d+"
@@ -127,7 +127,7 @@ def test_a_failed_compile_aborts_its_request_only(default_llm, monkeypatch):
     engine = default_llm.llm_engine
     grammar = engine.engine_core.structured_output.grammar
 
-    def fail(params):
+    def fail(params, key=None):
         raise RuntimeError("out of grammar memory")
 
     monkeypatch.setattr(grammar, "compile", fail)
@@ -147,7 +147,7 @@ def test_a_grammar_over_a_compile_limit_finishes_its_request_saying_why(default_
     engine = default_llm.llm_engine
     grammar = engine.engine_core.structured_output.grammar
 
-    def over_limit(params):
+    def over_limit(params, key=None):
         raise GrammarCompileError("compiling the grammar took more than 1 s "
                                   "(grammar_compile_timeout)")
 
