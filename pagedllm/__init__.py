@@ -4,6 +4,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm import LLM
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidRequestError, ModelLoadError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
                               EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput)
 from pagedllm.pooling_params import PoolingParams
@@ -16,4 +17,4 @@ __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "CompletionOutput", "Logprob", "InvalidRequestError", "ModelLoadError",
            "RequestOutputKind", "StructuredOutputsParams", "BeamSearchParams",
            "BeamSearchOutput", "BeamSearchSequence", "PoolingParams",
-           "EmbeddingOutput", "EmbeddingRequestOutput", "__version__"]
+           "EmbeddingOutput", "EmbeddingRequestOutput", "LoRARequest", "__version__"]

@@ -232,6 +232,9 @@ class SchedulerConfig:
     a step's chunks may cost what max_num_batched_tokens fresh prompt tokens cost: deep
     into a long prompt the chunks shrink, so its steps (the other requests' time between
     tokens) do not grow with it. 0: the budget counts tokens only."""
+    max_loras: int | None = None
+    """Most distinct LoRA adapters among the running requests (LoRAConfig.max_loras; a
+    waiting request with another adapter waits); None: LoRA is off."""
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -414,6 +417,30 @@ class StructuredOutputsConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters per request (lora_request; lora/adapter.py says which)."""
+
+    max_loras: int = 1
+    """Most distinct adapters among the requests running at once."""
+    max_lora_rank: int = 16
+    """Largest rank r an adapter may have."""
+    max_cpu_loras: int | None = None
+    """Adapters a worker keeps loaded (least recently used dropped first; None:
+    max_loras); at least max_loras."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer "
+                             f">= max_loras ({self.max_loras})")
+
+
+@dataclass
 class EngineConfig:
     """Everything an engine needs, composed from the per-concern configs."""
 
@@ -425,6 +452,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     structured_outputs: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig)
+    # None: LoRA off (requests with a lora_request are refused).
+    lora: LoRAConfig | None = None
 
     @property
     def kv_cache_dtype(self) -> str:

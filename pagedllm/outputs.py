@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.lora_request import LoRARequest
+
 
 @dataclass
 class Logprob:
@@ -58,6 +60,8 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Timestamps (arrival, first token, finish) for latency reporting."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter it ran with (None: the base model)."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -87,7 +88,8 @@ class Request:
                  sampling_params: SamplingParams, eos_token_id: int | None,
                  arrival_time: float | None = None, priority: int = 0,
                  max_tokens: int | None = None, deadline: float | None = None,
-                 pooling_params: PoolingParams | None = None) -> None:
+                 pooling_params: PoolingParams | None = None,
+                 lora_request: LoRARequest | None = None) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -114,6 +116,8 @@ class Request:
         # prompt token i + 1. Filled chunk by chunk as the prompt is prefilled.
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.pooling_params = pooling_params
+        # The LoRA adapter the model runs with for this request (None: the base model).
+        self.lora_request = lora_request
         # The pooled vector (embedding requests only): [] until the pooling step.
         self.pooler_output: list[float] = []
         # Speculative decoding: tokens proposed to follow all_token_ids, to be verified
@@ -129,6 +133,17 @@ class Request:
         # grammar did not compile within the limits): the front end answers it as a bad
         # request. None otherwise.
         self.error: str | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 without one."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def block_hash_extra_keys(self) -> tuple[int, ...] | None:
+        """What its prefix-cache block hashes add to the tokens: the adapter's id (KV
+        computed under one adapter is not another's, nor the base model's)."""
+        return (self.lora_int_id,) if self.lora_request is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

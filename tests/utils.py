@@ -182,3 +182,67 @@ def save_tiny_bert(path: Path, seed: int = 0, **overrides) -> Path:
     model.save_pretrained(path)
     BertTokenizer(vocab={w: i for i, w in enumerate(TINY_BERT_VOCAB)}).save_pretrained(path)
     return path
+
+
+LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                      "down_proj")
+
+
+def save_tiny_lora(path: Path, model, rank: int = 4, alpha: float = 8.0,
+                   targets: tuple[str, ...] = LLAMA_LORA_TARGETS, seed: int = 0,
+                   std: float = 0.2, **config_extra) -> Path:
+    """A random PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) for
+    every linear named in `targets` of `model` (a saved model's directory, or its HF
+    config). B is random too (PEFT starts it at zero), so the adapter changes the
+    outputs."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = model if not isinstance(model, (str, Path)) else AutoConfig.from_pretrained(model)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in targets:
+            prefix = f"base_model.model.{name}.lora_"
+            tensors[prefix + "A.weight"] = torch.randn(rank, module.in_features,
+                                                       generator=gen) * std
+            tensors[prefix + "B.weight"] = torch.randn(module.out_features, rank,
+                                                       generator=gen) * std
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+              "target_modules": list(targets), "bias": "none", "lora_dropout": 0.0,
+              **config_extra}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+def apply_lora_hooks(model, adapter_path: Path) -> list:
+    """Make a transformers model compute as PEFT's unmerged LoRA does: each adapted
+    Linear's output += scale * (x A^T) B^T. Returns the hook handles."""
+    import json
+    import math
+
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(adapter_path) / "adapter_config.json").read_text())
+    rank, alpha = config["r"], config["lora_alpha"]
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    tensors = load_file(Path(adapter_path) / "adapter_model.safetensors")
+    modules = dict(model.named_modules())
+    handles = []
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        name = key[len("base_model.model."):-len(".lora_A.weight")]
+        b = tensors[key.replace("lora_A", "lora_B")]
+
+        def hook(mod, inputs, out, a=a.float(), b=b.float()):
+            return out + scale * (inputs[0].float() @ a.T) @ b.T
+        handles.append(modules[name].register_forward_hook(hook))
+    return handles

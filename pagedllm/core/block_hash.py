@@ -52,7 +52,10 @@ def update_block_hashes(request: Request, block_size: int,
     blocks whose every token is known are hashed (num_full_blocks = num_tokens //
     block_size). Tokens are only ever appended, so hashes already computed stay valid,
     including across preemption. Returns `request.block_hashes` (the same list).
+    `extra_keys` default to the request's own (its LoRA adapter, if any).
     """
+    if extra_keys is None:
+        extra_keys = request.block_hash_extra_keys
     hashes = request.block_hashes
     token_ids = request.all_token_ids
     num_full_blocks = len(token_ids) // block_size

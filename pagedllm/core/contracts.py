@@ -15,6 +15,7 @@ from typing import Any
 
 # The logprob records are defined beside Request, which stores them, so that request.py
 # never imports core/; the runner returns them through ModelRunnerOutput.
+from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import PromptLogprobsChunk, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
@@ -45,6 +46,8 @@ class NewRequestData:
     # Embedding requests only: how to pool the final hidden states of the prompt (its
     # whole prompt is scheduled in this one step; nothing is sampled for it).
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter it runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -122,6 +122,7 @@ class Scheduler:
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.attention_pairs_per_token = scheduler_config.attention_pairs_per_token
         self.policy = scheduler_config.policy
+        self.max_loras = scheduler_config.max_loras
         self.clock = clock
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
@@ -391,6 +392,8 @@ class Scheduler:
             if queue is None:
                 return
             request = queue.peek()
+            if not self._lora_fits(request):
+                return  # its adapter waits for one of the running ones to finish
             if queue is self.swapped:
                 if request.req_id in step.preempted_req_ids:
                     return  # swapped out by this very step: no round trip
@@ -399,6 +402,15 @@ class Scheduler:
             elif not self._admit(request, step):
                 return
             queue.pop()
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether `request` may start running beside the running requests: its LoRA
+        adapter, if any, is one of theirs or a new one within max_loras."""
+        lora_id = request.lora_int_id
+        if not lora_id or self.max_loras is None:
+            return True
+        running = {r.lora_int_id for r in self.running} - {0}
+        return lora_id in running or len(running) < self.max_loras
 
     def _next_queue(self) -> RequestQueue | None:
         """The queue whose head goes next: swapped before waiting (fcfs), or the better
@@ -479,8 +491,8 @@ class Scheduler:
         """
         while self.waiting and self.running:
             head = self.waiting.peek()
-            if self.running[-1].priority <= head.priority:
-                return
+            if self.running[-1].priority <= head.priority or not self._lora_fits(head):
+                return  # (not preempted for a LoRA adapter: it waits for a free one)
             if (len(self.running) < self.max_num_seqs
                     and self._fits_after_preempting(head, ())):
                 return  # admissible as is

@@ -83,7 +83,8 @@ class StepState:
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=request.eos_token_id,
-            pooling_params=request.pooling_params))
+            pooling_params=request.pooling_params,
+            lora_request=request.lora_request))
         self.add(request, num_new_tokens)
 
     def add_cached(self, request: Request, num_new_tokens: int,

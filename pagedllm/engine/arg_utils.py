@@ -16,8 +16,9 @@ from typing import Any
 
 from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES,
                              PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig,
-                             DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig,
+                             DeviceConfig, EngineConfig, LoRAConfig, ModelConfig,
+                             ParallelConfig, SchedulerConfig, SpeculativeConfig,
+                             StructuredOutputsConfig,
                              cache_root, default_model_path, env_kv_cache_space,
                              env_num_threads)
 from pagedllm.errors import ModelLoadError
@@ -129,6 +130,15 @@ class EngineArgs:
               "'{\"model\": \"/path/draft\", \"num_speculative_tokens\": 4}' (a draft "
               "model of the same vocabulary); outputs equal those without it")
 
+    enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT directories) per request: "
+                                    "LLM.generate(lora_request=...), the server's "
+                                    "--lora-modules")
+    max_loras: int = _arg(1, "most distinct LoRA adapters among the requests running at "
+                             "once")
+    max_lora_rank: int = _arg(16, "largest LoRA rank r an adapter may have")
+    max_cpu_loras: int | None = _arg(None, "LoRA adapters each worker keeps loaded (least "
+                                           "recently used dropped first; default: "
+                                           "max_loras)")
     grammar_compile_timeout: float = _arg(
         60.0, "CPU seconds the grammar of one structured-output request may take to "
               "compile; past it the compile is killed and the request fails as invalid "
@@ -194,9 +204,26 @@ class EngineArgs:
         structured_outputs = StructuredOutputsConfig(
             compile_timeout_s=self.grammar_compile_timeout,
             compile_memory_gib=self.grammar_compile_memory)
+        lora = self._lora_config(parallel, model)
+        sched.max_loras = lora.max_loras if lora is not None else None
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device_config,
                             parallel=parallel, speculative=speculative,
-                            structured_outputs=structured_outputs)
+                            structured_outputs=structured_outputs, lora=lora)
+
+    def _lora_config(self, parallel: ParallelConfig, model: ModelConfig) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        reasons = [why for why, applies in (
+            ("compile=True", self.compile),
+            ("more than one worker (the adapters are not sharded)", parallel.world_size > 1),
+            ("an encoder-only model", model.is_encoder_only)) if applies]
+        if reasons:
+            raise ValueError(f"enable_lora is not supported with {reasons[0]}")
+        from pagedllm.lora.adapter import lora_targets
+
+        lora_targets(model.hf_config)  # raises for an architecture without LoRA support
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras)
 
     def _resolve_async_scheduling(self, parallel: ParallelConfig,
                                   speculative: SpeculativeConfig | None, device: str) -> bool:

@@ -27,6 +27,7 @@ from pagedllm.engine.core_proc import EngineCoreOutputs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import EngineDeadError, InvalidRequestError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -126,11 +127,13 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     priority: int = 0, timeout: float | None = None,
+                    lora_request: LoRARequest | None = None,
                     ) -> AsyncIterator[RequestOutput]:
         """Submit a request now; return the stream of its outputs (the last `finished`).
 
         `priority` (lower first) needs the "priority" scheduling policy; past `timeout`
-        seconds the core aborts the request (finish_reason "timeout").
+        seconds the core aborts the request (finish_reason "timeout"); `lora_request`
+        runs it with that LoRA adapter.
         Raises InvalidRequestError for a bad prompt or parameters and EngineDeadError
         when the engine process is gone. Closing the stream early aborts the request
         (its KV blocks are freed), which is what a client disconnect does; a stream
@@ -143,7 +146,7 @@ class AsyncLLM:
         self._queues[request_id] = queue
         try:
             self.engine.add_request(request_id, prompt, params, priority=priority,
-                                    timeout=timeout)
+                                    timeout=timeout, lora_request=lora_request)
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -166,9 +169,10 @@ class AsyncLLM:
                 self.abort(request_id)
 
     async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, lora_request: LoRARequest | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """`add_request` and iterate its stream (closing this closes the stream)."""
-        stream = self.add_request(request_id, prompt, params)
+        stream = self.add_request(request_id, prompt, params, lora_request=lora_request)
         try:
             async for out in stream:
                 yield out

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Union
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import LoRAConfig, ModelConfig
 from pagedllm.errors import InvalidRequestError
+from pagedllm.lora.adapter import AdapterChecks
+from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -16,7 +18,8 @@ PromptType = Union[str, dict, list]
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None,
+                 lora_config: LoRAConfig | None = None) -> None:
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.hf_config.vocab_size
         self.max_logprobs = model_config.max_logprobs
@@ -25,6 +28,9 @@ class InputProcessor:
         self.architecture = model_config.architecture
         self.is_encoder_only = model_config.is_encoder_only
         self.default_pooling_type = model_config.default_pooling_type
+        # None: LoRA is off and a request naming an adapter is refused.
+        self.adapters = (AdapterChecks(model_config.hf_config, lora_config.max_lora_rank)
+                         if lora_config is not None else None)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids)."""
@@ -47,13 +53,16 @@ class InputProcessor:
     def process(self, req_id: str, prompt: PromptType,
                 params: SamplingParams | PoolingParams,
                 arrival_time: float | None = None, priority: int = 0,
-                deadline: float | None = None) -> tuple[Request, str | None]:
+                deadline: float | None = None, lora_request: LoRARequest | None = None,
+                ) -> tuple[Request, str | None]:
         """A validated Request and the prompt text (None for token-id prompts).
 
         `priority` and `deadline` (absolute `time.monotonic()` time) go to the scheduler
         as they are; the caller checks them against the scheduling policy. PoolingParams
-        make an embedding request (prefill only, see request.py).
+        make an embedding request (prefill only, see request.py). `lora_request` runs it
+        with that adapter (checked here: LoRA on, the adapter's files fit the model).
         """
+        self.check_lora(lora_request)
         if isinstance(params, PoolingParams):
             text, ids = self._truncated(*self.tokenize(prompt), params.truncate_prompt_tokens)
             self.validate_prompt(ids)
@@ -63,7 +72,8 @@ class InputProcessor:
             # Placeholder sampling params: nothing samples for an embedding request.
             request = Request(req_id, ids, SamplingParams(max_tokens=1), self.eos_token_id,
                               arrival_time, priority=priority, max_tokens=1,
-                              deadline=deadline, pooling_params=params)
+                              deadline=deadline, pooling_params=params,
+                              lora_request=lora_request)
             return request, text
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got "
@@ -75,7 +85,8 @@ class InputProcessor:
         # Room left for output; generation also stops at max_model_len in the scheduler.
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         request = Request(req_id, ids, params, self.eos_token_id, arrival_time,
-                          priority=priority, max_tokens=max_tokens, deadline=deadline)
+                          priority=priority, max_tokens=max_tokens, deadline=deadline,
+                          lora_request=lora_request)
         return request, text
 
     def _truncated(self, text: str | None, ids: list[int], truncate_prompt_tokens: int | None,
@@ -86,6 +97,18 @@ class InputProcessor:
         if len(kept) == len(ids):
             return text, ids
         return (self.tokenizer.decode(kept) if self.tokenizer is not None else None), kept
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got "
+                                      f"{type(lora_request).__name__}")
+        if self.adapters is None:
+            raise InvalidRequestError(f"lora_request {lora_request.lora_name!r} needs LoRA "
+                                      f"enabled: start the engine with enable_lora=True "
+                                      f"(--enable-lora)")
+        self.adapters.check(lora_request)
 
     def check_generation(self) -> None:
         """Encoder-only models embed; they have no LM head to generate with."""

@@ -11,6 +11,7 @@ from pagedllm.engine.beam_search import beam_search
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidRequestError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import BeamSearchOutput, EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -45,11 +46,13 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         `priority`: one per prompt (lower runs first); needs scheduling_policy="priority"
-        unless every value is 0.
+        unless every value is 0. `lora_request`: a LoRA adapter for every prompt, or one
+        per prompt (None: the base model); needs enable_lora=True.
         """
         prompts, params = _one_per_prompt(prompts, sampling_params, SamplingParams(),
                                           "sampling params")
@@ -64,12 +67,14 @@ class LLM:
         # Offline: only the final output of each request is wanted (as vLLM's LLM).
         final = {id(p): _final_only(p) for p in params}
         params = [final[id(p)] for p in params]
-        req_ids = self._add_all(prompts, params, priority)
+        req_ids = self._add_all(prompts, params, priority, _loras(lora_request, len(prompts)))
         return self._run(req_ids, use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              ) -> list[EmbeddingRequestOutput]:
         """The embedding of every prompt (strings or {"prompt_token_ids": [...]}), in
         input order: the model's final hidden states, pooled (default: the model's,
         last token for decoders, mean for BERT unless its sentence-transformers config
@@ -81,7 +86,8 @@ class LLM:
         if bad:
             raise InvalidRequestError(f"pooling_params must be PoolingParams, got "
                                       f"{type(bad[0]).__name__}")
-        req_ids = self._add_all(prompts, params, [0] * len(prompts))
+        req_ids = self._add_all(prompts, params, [0] * len(prompts),
+                                _loras(lora_request, len(prompts)))
         return self._run(req_ids, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
@@ -97,7 +103,9 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate.
 
         `tools`: OpenAI-style tool definitions ({"type": "function", "function": {...}})
@@ -116,17 +124,17 @@ class LLM:
                 chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _add_all(self, prompts: Sequence[PromptType],
                  params: Sequence[SamplingParams | PoolingParams],
-                 priority: Sequence[int]) -> list[str]:
+                 priority: Sequence[int], loras: Sequence[LoRARequest | None]) -> list[str]:
         engine = self.llm_engine
         req_ids: list[str] = []
         try:
-            for prompt, sp, prio in zip(prompts, params, priority):
+            for prompt, sp, prio, lora in zip(prompts, params, priority, loras):
                 req_id = str(next(self._counter))
-                engine.add_request(req_id, prompt, sp, priority=prio)
+                engine.add_request(req_id, prompt, sp, priority=prio, lora_request=lora)
                 req_ids.append(req_id)
         except Exception:
             # All or nothing: a bad prompt must not leave its batch-mates queued.
@@ -161,6 +169,20 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     params = params.clone()
     params.output_kind = RequestOutputKind.FINAL_ONLY
     return params
+
+
+def _loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+           num_prompts: int) -> list[LoRARequest | None]:
+    """One LoRA adapter (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if isinstance(lora_request, (str, bytes)) or not isinstance(lora_request, Sequence):
+        raise InvalidRequestError(f"lora_request must be a LoRARequest or a list of them, "
+                                  f"got {type(lora_request).__name__}")
+    if len(lora_request) != num_prompts:
+        raise InvalidRequestError(f"got {num_prompts} prompts but {len(lora_request)} "
+                                  f"lora requests")
+    return list(lora_request)
 
 
 def _one_per_prompt(prompts: PromptType | Sequence[PromptType], params: Any, default: Any,

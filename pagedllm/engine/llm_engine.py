@@ -15,6 +15,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import DeferredSiblings, fan_out
 from pagedllm.errors import InvalidRequestError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -39,7 +40,7 @@ class LLMEngine:
             from pagedllm.loader import load_tokenizer
 
             self.tokenizer = load_tokenizer(config.model.path, config.model.tokenizer)
-        self.input_processor = InputProcessor(config.model, self.tokenizer)
+        self.input_processor = InputProcessor(config.model, self.tokenizer, config.lora)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Samples 2..n of n > 1 requests, waiting for sample 1 to fill the prefix cache.
         self.deferred = DeferredSiblings()
@@ -53,7 +54,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
-                    timeout: float | None = None) -> None:
+                    timeout: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate and queue a request; n > 1 / best_of fan out into child requests
         "{request_id}_{i}" that share the prompt's KV blocks (see parallel_sampling).
 
@@ -61,7 +63,8 @@ class LLMEngine:
         (seconds after `arrival_time`, a `time.monotonic()` time, default now) sets a
         deadline: a request still unfinished then ends with finish_reason "timeout".
         PoolingParams make an embedding request: its one output is an
-        EmbeddingRequestOutput.
+        EmbeddingRequestOutput. `lora_request` runs it with that LoRA adapter (needs
+        enable_lora).
         """
         if self.output_processor.has_request(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -71,7 +74,7 @@ class LLMEngine:
         deadline = None if timeout is None else arrival_time + _check_timeout(timeout)
         request, text = self.input_processor.process(
             request_id, prompt, params or SamplingParams(), arrival_time, priority=priority,
-            deadline=deadline)
+            deadline=deadline, lora_request=lora_request)
         requests = fan_out(request)
         if len(requests) > 1:
             taken = [r.req_id for r in requests if self.output_processor.has_request(r.req_id)]

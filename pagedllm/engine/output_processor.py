@@ -19,6 +19,7 @@ from typing import Any
 
 from pagedllm.core.contracts import TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
                               Logprob, RequestOutput)
 from pagedllm.request import Request
@@ -94,6 +95,7 @@ class ParentRequest:
     # An embedding request (one child, never samples) and its pooled vector once back.
     is_pooling: bool = False
     embedding: list[float] | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def finished(self) -> bool:
@@ -124,7 +126,7 @@ class OutputProcessor:
                     for i, r in enumerate(requests)]
         parent = ParentRequest(request_id or first.req_id, prompt, first.prompt_token_ids,
                                params, first.arrival_time, children,
-                               is_pooling=first.is_pooling)
+                               is_pooling=first.is_pooling, lora_request=first.lora_request)
         self.parents[parent.request_id] = parent
         for child in children:
             self.children[child.req_id] = (parent, child)
@@ -293,7 +295,7 @@ class OutputProcessor:
             prompt_token_ids=parent.prompt_token_ids, outputs=completions,
             finished=parent.finished, prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(c.num_cached_tokens for c in parent.children),
-            metrics=metrics)
+            metrics=metrics, lora_request=parent.lora_request)
 
     @staticmethod
     def _embedding_output(parent: ParentRequest) -> EmbeddingRequestOutput:

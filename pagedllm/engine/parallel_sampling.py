@@ -41,7 +41,8 @@ def fan_out(request: Request) -> list[Request]:
         children.append(Request(child_request_id(request.req_id, i), request.prompt_token_ids,
                                 params, request.eos_token_id, request.arrival_time,
                                 request.priority, max_tokens=request.max_tokens,
-                                deadline=request.deadline))
+                                deadline=request.deadline,
+                                lora_request=request.lora_request))
     return children
 
 

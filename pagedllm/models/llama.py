@@ -204,6 +204,10 @@ class LlamaModel(Module):
     # False keeps the Python layers (tests compare the two).
     use_native_layers = True
     _native: NativeLlamaLayers | None = None
+    # The LoRA adapters of the running step (lora/layers.py LoRABatch, set by the worker's
+    # LoRA manager): the native stack runs them itself, the Python layers' linears apply
+    # them (the same operations).
+    lora_batch: Any = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,
@@ -216,7 +220,8 @@ class LlamaModel(Module):
             x = hidden_states
         native = self._native_layers(x, attn_metadata)
         if native is not None:
-            return native(positions, x, attn_metadata, final_norm=self.norm)
+            return native(positions, x, attn_metadata, final_norm=self.norm,
+                          lora=self.lora_batch)
         for layer in self.layers[self.start_layer:self.end_layer]:
             x = layer(positions, x, attn_metadata)
         return self.norm(x) if self.parallel.is_last_stage else x

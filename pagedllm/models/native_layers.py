@@ -79,6 +79,9 @@ class NativeLlamaLayers:
         # The attention modules themselves: reaching them through the layers costs three
         # nn.Module lookups each, ~0.15 ms a step over 30 layers (is_current runs per step).
         self.attns = [layer.self_attn.attn for layer in layers]
+        # Each layer's linears in the native stack's LoRA order (cpu_decoder.cpp).
+        self.linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                         layer.mlp.gate_up_proj, layer.mlp.down_proj) for layer in layers]
         self.kv_caches = [attn.kv_cache for attn in self.attns]
         # The model's side of the call, bound once: passing the ~1000 weight slots and
         # the per-layer lists with every step's call cost ~0.07 ms on its cold caches.
@@ -114,14 +117,29 @@ class NativeLlamaLayers:
         return all(attn.kv_cache is cache for attn, cache in zip(self.attns, self.kv_caches))
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata,
-                 final_norm: Any = None) -> torch.Tensor:
+                 final_norm: Any = None, lora: Any = None) -> torch.Tensor:
         """x [T, hidden] (the embedded tokens; updated in place) -> the residual stream
         after the last layer, through `final_norm` if given (an RMSNorm runs inside the
-        native call)."""
+        native call). `lora`: the step's LoRA adapters (lora/layers.py LoRABatch), run
+        inside the call from the weights each linear's LinearLoRA holds."""
         cos, sin = self.rotary.tables(x.device, x.dtype)
         inside = isinstance(final_norm, RMSNorm)
+        weights, rows = self._lora_args(lora)
         cpu_ops.llama_decoder_stack(
             self.bound, x, positions, md.slot_mapping, md.block_table, md.seq_lens,
             md.query_start_loc, cos, sin, final_norm.weight if inside else None,
-            final_norm.eps if inside else 0.0, final_norm.offset if inside else 0.0)
+            final_norm.eps if inside else 0.0, final_norm.offset if inside else 0.0,
+            weights, rows)
         return x if inside or final_norm is None else final_norm(x)
+
+    def _lora_args(self, lora: Any) -> tuple[list[torch.Tensor | None], list]:
+        """(weights, rows) of llama_decoder_stack for the step's adapters."""
+        if lora is None or not lora.active:
+            return [], []
+        weights: list[torch.Tensor | None] = []
+        for lora_id, _ in lora.segments:
+            for linears in self.linears:
+                for linear in linears:
+                    adapter = linear.lora.adapters.get(lora_id) if linear.lora else None
+                    weights += adapter if adapter is not None else (None, None)
+        return weights, [rows for _, rows in lora.segments]

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.contracts import NewRequestData
+from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.worker.sampling_state import SamplingState
@@ -44,6 +45,9 @@ class InputBatch:
         # Embedding rows (pooled, never sampled) and their pooling, by req_id.
         self.is_pooling = np.zeros(max_num_reqs, dtype=bool)
         self.pooling_params: dict[str, PoolingParams] = {}
+        # Each row's LoRA adapter id (0: none), and the adapters of the rows with one.
+        self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)
+        self.loras: dict[int, LoRARequest] = {}
         self.req_id_to_row: dict[str, int] = {}
         # Bumped when a row is taken or freed: work launched for a row's request
         # (a deferred sample) checks that the row still holds it.
@@ -63,6 +67,10 @@ class InputBatch:
         self.append_blocks(row, new.block_ids)
         self.sampling.add(row, new)
         self.is_pooling[row] = new.pooling_params is not None
+        self.lora_ids[row] = 0
+        if new.lora_request is not None:
+            self.lora_ids[row] = new.lora_request.lora_int_id
+            self.loras[row] = new.lora_request
         if new.pooling_params is not None:
             self.pooling_params[new.req_id] = new.pooling_params
         return row
@@ -74,6 +82,8 @@ class InputBatch:
         self.generation[row] += 1
         self.sampling.remove(row)
         self.is_pooling[row] = False
+        self.lora_ids[row] = 0
+        self.loras.pop(row, None)
         self.pooling_params.pop(req_id, None)
         # A reused row must pad with the null block again, not with this request's blocks.
         for table, num_blocks in zip(self.block_tables, self.num_blocks):

@@ -18,6 +18,7 @@ from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput, TokenLog
 from pagedllm.distributed.comm import broadcast, recv_from_prev_stage, send_to_next_stage
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.kernels.cpu.ops import cpu_ops_available
+from pagedllm.lora_request import LoRARequest
 from pagedllm.models.layers.linear import pack_linear_weights
 from pagedllm.sample.logprobs import LogprobsTensors
 from pagedllm.sample.metadata import SamplingMetadata
@@ -26,6 +27,7 @@ from pagedllm.sample.sampler import Sampler
 from pagedllm.models.pipeline import layer_range
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_layout import check_layer_windows, kv_cache_layout
+from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.invariance import batch_invariance_caveat
 from pagedllm.worker.memory import (allocate_kv_cache, attention_layers,
                                     determine_num_blocks, determine_num_swap_blocks,
@@ -73,6 +75,10 @@ class StepInputs:
     # Structured output: the grammar bitmask rows of the step (SchedulerOutput's) and
     # the logits row each applies to; None when no request samples under a grammar.
     grammar: tuple[np.ndarray, list[int]] | None = None
+    # LoRA: each token's adapter id (0: none), and the step's adapters by id; None when
+    # no token of the step has one.
+    lora_ids: np.ndarray | None = None
+    loras: dict[int, LoRARequest] | None = None
 
 
 class StepOutput:
@@ -140,6 +146,11 @@ class ModelRunner:
             logger.info("outputs may differ with batching, chunked prefill and prefix "
                         "caching: %s", caveat)
         self.sampler = Sampler()
+        # LoRA adapters per request (None: LoRA off).
+        self.lora = None
+        if config.lora is not None:
+            self.lora = LoRAManager(self.model, config.lora, config.model.hf_config,
+                                    self.device)
         self.proposer = _make_proposer(config, self.device, self.dtype)
         # KV cache groups (sliding-window layers get their own block tables): the same
         # layout on every worker and in the scheduler; this worker's layers start at
@@ -294,6 +305,13 @@ class ModelRunner:
         inputs = self._prepare_inputs(so)
         if inputs.graph_bucket is not None:
             hidden = self.graphs.replay(inputs.graph_bucket, inputs.attn_metadata.num_reqs)
+        elif inputs.lora_ids is not None:
+            self.lora.begin_step(inputs.lora_ids, inputs.loras)
+            try:
+                hidden = self._forward(inputs.input_ids, inputs.positions,
+                                       inputs.attn_metadata)
+            finally:
+                self.lora.end_step()
         elif self.parallel.pp_size == 1:
             hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         else:
@@ -533,6 +551,11 @@ class ModelRunner:
         req_of = np.repeat(np.arange(len(req_ids)), num_sched)
         positions = computed[req_of] + (np.arange(total) - query_start_loc[req_of])
         token_rows = rows[req_of]
+        lora_ids = loras = None
+        if self.lora is not None and batch.lora_ids[rows].any():
+            lora_ids = batch.lora_ids[token_rows]
+            loras = {batch.loras[row].lora_int_id: batch.loras[row]
+                     for row in rows.tolist() if row in batch.loras}
         spec = so.scheduled_spec_decode_tokens
         for req_id, drafts in spec.items():
             # Proposed tokens follow the request's tokens in its row (not counted in
@@ -570,7 +593,7 @@ class ModelRunner:
                 block_table[np.arange(num_blocks) < skip[:, None]] = 0
             tables.append((block_table, slot_mapping))
         bucket = None
-        if self.graphs is not None and not spec:
+        if self.graphs is not None and not spec and lora_ids is None:
             bucket = self.graphs.bucket_for(len(req_ids), int(num_sched.max()))
         if bucket is not None:
             # A decode step of a captured size: straight into the graph's buffers.
@@ -621,7 +644,8 @@ class ModelRunner:
                             else host_to_device(logits_indices, dev)),
             sample_rows=rows[samples], sample_positions=sample_positions, rows=rows,
             num_logits=num_logits, drafts=drafts, num_computed=computed,
-            num_scheduled=num_sched, graph_bucket=bucket, grammar=grammar)
+            num_scheduled=num_sched, graph_bucket=bucket, grammar=grammar,
+            lora_ids=lora_ids, loras=loras)
 
     def _placeholders(self, token_rows: np.ndarray, positions: np.ndarray,
                       rows: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:

@@ -32,6 +32,7 @@ def make_runner(batch: InputBatch) -> ModelRunner:
     runner.device = torch.device("cpu")
     runner.graphs = None  # CUDA graphs: none on CPU
     runner._unread = []  # async scheduling: no step launched and unread
+    runner.lora = None  # LoRA off
     runner.kv_layout = build_kv_cache_layout([None], MAX_MODEL_LEN)
     return runner
 
@@ -267,3 +268,30 @@ def test_prepare_inputs_with_a_sliding_window_group():
     batch.append_sampled(np.array([0]), np.array([14]))
     window = runner._prepare_inputs(so).attn_metadata.for_group(1)
     assert window.block_table.tolist() == [[0, 0, 7, 8]]
+
+
+def test_prepare_inputs_gives_each_token_its_lora_adapter():
+    """With LoRA on: each token's adapter id (0 for the base model), rows freed and
+    reused lose theirs; a step whose requests have none gets None (no LoRA pass)."""
+    from dataclasses import replace
+
+    from pagedllm.lora_request import LoRARequest
+
+    batch = make_batch()
+    runner = make_runner(batch)
+    runner.lora = object()  # LoRA on (the manager itself is not used here)
+    lora = LoRARequest("a", 7, "/adapters/a")
+    so = first_step()
+    so.scheduled_new_reqs[1] = replace(so.scheduled_new_reqs[1], lora_request=lora)
+    runner._update_states(so)
+    inputs = runner._prepare_inputs(so)
+    # x: 2 tokens, b (adapter 7): 6, c: 8.
+    assert inputs.lora_ids.tolist() == [0] * 2 + [7] * 6 + [0] * 8
+    assert inputs.loras == {7: lora}
+    base_only = step([], [CachedRequestData("c", new_block_ids=[[8, 11]],
+                                            num_computed_tokens=8)], {"c": 5},
+                     finished=("x", "b"))
+    runner._update_states(base_only)
+    base_inputs = runner._prepare_inputs(base_only)
+    assert base_inputs.lora_ids is None and base_inputs.loras is None
+    assert not batch.lora_ids.any() and not batch.loras

@@ -11,7 +11,8 @@ import torch
 from pagedllm.kernels.cpu.build import load_cpu_kernels
 
 __all__ = ["argmax", "cpu_ops_available", "gemm_bf16", "gemm_f32", "gemm_quant",
-           "llama_decoder_stack", "llama_layers", "load_cpu_kernels", "paged_attention",
+           "llama_decoder_stack", "llama_layers", "load_cpu_kernels", "lora_apply",
+           "paged_attention",
            "quant_rows", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
 
@@ -125,9 +126,26 @@ def llama_decoder_stack(layers: torch.ScriptObject, x: torch.Tensor, positions: 
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                         cos: torch.Tensor, sin: torch.Tensor,
                         final_norm: torch.Tensor | None = None, final_eps: float = 0.0,
-                        final_offset: float = 0.0) -> None:
+                        final_offset: float = 0.0,
+                        lora_weights: list[torch.Tensor | None] | None = None,
+                        lora_rows: list[torch.Tensor | None] | None = None) -> None:
     """Run every decoder layer of `layers` (llama_layers) over x [T, hidden] in place,
-    then the RMSNorm of weight `final_norm` (eps, offset) over x if given."""
+    then the RMSNorm of weight `final_norm` (eps, offset) over x if given.
+
+    LoRA adapters of the step (none by default), per adapter a: lora_rows[a] its token
+    rows (int64; None: every row); per adapter, layer and linear (qkv, o, gate_up, down)
+    in that nesting, two lora_weights: A^T and B^T as lora_apply takes them, or None and
+    None where the adapter leaves the linear alone."""
     torch.ops.pagedllm_cpu.llama_decoder_stack.default(
         layers, x, positions, slot_mapping, block_table, seq_lens, query_start_loc, cos, sin,
-        final_norm, final_eps, final_offset)
+        final_norm, final_eps, final_offset, lora_weights or [], lora_rows or [])
+
+
+def lora_apply(out: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
+               rows: torch.Tensor | None = None) -> None:
+    """out[i] = round(out[i] + (x[i] A^T) B^T) for each row i of `rows` (int64; None:
+    every row) of x [T, K] and out [T, N] (float32, bfloat16 or float16, rows
+    contiguous), A^T [K, R] and B^T [R, N] contiguous float32. One fused multiply-add
+    chain per output (over K, then over R), in float32; a row's result depends on that
+    row alone."""
+    torch.ops.pagedllm_cpu.lora_apply.default(out, x, a_t, b_t, rows)

@@ -9,6 +9,8 @@ whole (one rank) and never communicate. A row-parallel layer all-reduces its out
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,9 +47,23 @@ class LinearBase(Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_shards is not None:
-            return quantized_shards_linear(x, self.native_shards)
-        return cpu_linear(x, self.weight, self.bias, self.packed_weight, self.native_weight,
-                          self.native_bias)
+            y = quantized_shards_linear(x, self.native_shards)
+        else:
+            y = cpu_linear(x, self.weight, self.bias, self.packed_weight, self.native_weight,
+                           self.native_bias)
+        if self.lora is not None and self.lora.batch.active:
+            self.lora.apply(x, y)
+        return y
+
+    # The LoRA adapters loaded for this layer (lora/layers.py LinearLoRA; set by the
+    # worker's LoRA manager when an adapter targets it), applied to the rows of a step
+    # that run one; None: never adapted.
+    lora: Any = None
+
+    def output_range(self, shard_id: str | int | None) -> tuple[int, int]:
+        """(first row, rows) of a shard of the weight (None: all of it)."""
+        assert shard_id is None, shard_id
+        return 0, self.output_size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
@@ -376,10 +392,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             for j, part in enumerate(loaded.split(self.output_sizes, dim=0)):
                 self.weight_loader(param, part, j)
             return None
-        sizes = [s // self.tp_size for s in self.output_sizes]
-        offset = sum(sizes[:shard_id])
+        offset, size = self.output_range(shard_id)
         src = _rank_slice(loaded, 0, self.tp_rank, self.tp_size)
-        _copy_checked(param.data.narrow(0, offset, sizes[shard_id]), src)
+        _copy_checked(param.data.narrow(0, offset, size), src)
+
+    def output_range(self, shard_id: str | int | None) -> tuple[int, int]:
+        if shard_id is None:
+            return super().output_range(None)
+        sizes = [s // self.tp_size for s in self.output_sizes]
+        return sum(sizes[:shard_id]), sizes[shard_id]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -414,10 +435,14 @@ class QKVParallelLinear(ColumnParallelLinear):
             for part, sid in zip(loaded.split([q_rows, kv_rows, kv_rows], dim=0), "qkv"):
                 self.weight_loader(param, part, sid)
             return None
-        offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
-                   "v": (self.q_size + self.kv_size, self.kv_size)}
-        offset, size = offsets[shard_id]
+        offset, size = self.output_range(shard_id)
         # This rank's slice index: its q heads, or the KV head group it reads.
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
         src = loaded if self.tp_size == 1 else loaded.narrow(0, rank * size, size)
         _copy_checked(param.data.narrow(0, offset, size), src)
+
+    def output_range(self, shard_id: str | int | None) -> tuple[int, int]:
+        if shard_id is None:
+            return super().output_range(None)
+        return {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
+                "v": (self.q_size + self.kv_size, self.kv_size)}[shard_id]

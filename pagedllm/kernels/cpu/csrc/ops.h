@@ -31,6 +31,10 @@ void gemm_f32(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
 void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias, bool accumulate = false,
                 c10::string_view path = "auto");
+// LoRA (cpu_lora.cpp): out[i] = round(out[i] + (x[i] A^T) B^T) for each row i of `rows`
+// (none: every row), A^T [K, R] and B^T [R, N] float32.
+void lora_apply(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t,
+                const at::Tensor& b_t, const std::optional<at::Tensor>& rows);
 void paged_attention(const at::Tensor& out, const at::Tensor& query,
                      const std::optional<at::Tensor>& key,
                      const std::optional<at::Tensor>& value, const at::Tensor& kv_cache,

@@ -1,0 +1,107 @@
+"""The worker's LoRA adapters: loaded on first use, attached to the model's linears, and
+selected per token row for each step (lora/layers.py applies them).
+
+A PEFT module name maps to the model's linear of that name, or to its shard of a fused
+linear by the model's stacked parameters (q_proj -> qkv_proj shard "q", gate_proj ->
+gate_up_proj shard 0; the table the weight loader fills them by). Up to max_cpu_loras
+adapters stay loaded; the least recently used one not in the step is dropped for a new
+one (the scheduler keeps a step's adapters within max_loras <= max_cpu_loras).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.config import LoRAConfig
+from pagedllm.lora.adapter import read_adapter
+from pagedllm.lora.layers import LinearLoRA, LoRABatch
+from pagedllm.lora_request import LoRARequest
+from pagedllm.models.layers.linear import LinearBase
+from pagedllm.models.utils import LLAMA_STACKED_PARAMS
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, config: LoRAConfig, hf_config: Any,
+                 device: torch.device) -> None:
+        self.config, self.hf_config, self.device = config, hf_config, device
+        self.batch = LoRABatch()
+        self.linears = {name: m for name, m in model.named_modules()
+                        if isinstance(m, LinearBase)}
+        variant = getattr(model, "variant", None)
+        self.stacked = getattr(variant, "stacked_params", LLAMA_STACKED_PARAMS)
+        # The models whose forward picks a path by it (LlamaModel: the native stack
+        # runs only steps without adapters).
+        for module in model.modules():
+            if hasattr(type(module), "lora_batch"):
+                module.lora_batch = self.batch
+        # lora_int_id -> the layers it was added to, least recently used first.
+        self.loaded: OrderedDict[int, list[LinearLoRA]] = OrderedDict()
+
+    def begin_step(self, token_lora_ids: np.ndarray,
+                   requests: dict[int, LoRARequest]) -> bool:
+        """Select each token row's adapter (`token_lora_ids`: one id per token, 0 for
+        none) for the next forward, loading adapters not loaded yet; False when no row
+        runs one (the batch stays inactive)."""
+        ids = np.unique(token_lora_ids)
+        ids = [int(i) for i in ids if i]
+        if not ids:
+            return False
+        for lora_id in ids:
+            self._use(requests[lora_id], keep=ids)
+        if len(ids) == 1 and (token_lora_ids == ids[0]).all():
+            self.batch.segments = ((ids[0], None),)
+        else:
+            self.batch.segments = tuple(
+                (i, torch.from_numpy(np.nonzero(token_lora_ids == i)[0]).to(self.device))
+                for i in ids)
+        return True
+
+    def end_step(self) -> None:
+        self.batch.segments = ()
+
+    def _use(self, lora: LoRARequest, keep: list[int]) -> None:
+        if lora.lora_int_id in self.loaded:
+            self.loaded.move_to_end(lora.lora_int_id)
+            return
+        while len(self.loaded) >= self.config.max_cpu_loras:
+            old = next(i for i in self.loaded if i not in keep)
+            for layer in self.loaded.pop(old):
+                layer.remove(old)
+        self.loaded[lora.lora_int_id] = self._load(lora)
+
+    def _load(self, lora: LoRARequest) -> list[LinearLoRA]:
+        spec, weights = read_adapter(lora.lora_path, self.hf_config,
+                                     self.config.max_lora_rank)
+        shards: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}
+        for module, (a, b) in weights.items():
+            name, shard_id = self._target(module)
+            linear = self.linears[name]
+            start, rows = linear.output_range(shard_id)
+            if b.shape[0] != rows or a.shape[1] != linear.input_size:
+                raise ValueError(f"LoRA adapter {lora.lora_path}: {module} does not fit "
+                                 f"{name} ({rows} x {linear.input_size})")
+            shards.setdefault(name, []).append((start, a, b, spec.scale))
+        layers = []
+        for name, parts in shards.items():
+            linear = self.linears[name]
+            if linear.lora is None:
+                linear.lora = LinearLoRA(self.batch, linear.input_size, linear.output_size,
+                                         self.device)
+            linear.lora.add(lora.lora_int_id, parts)
+            layers.append(linear.lora)
+        return layers
+
+    def _target(self, module: str) -> tuple[str, str | int | None]:
+        """The model's linear (and shard) a PEFT module name adapts."""
+        if module in self.linears:
+            return module, None
+        parent, _, leaf = module.rpartition(".")
+        for fused, part, shard_id in self.stacked:
+            if leaf == part and f"{parent}.{fused}" in self.linears:
+                return f"{parent}.{fused}", shard_id
+        raise ValueError(f"LoRA: the model has no linear for {module}")

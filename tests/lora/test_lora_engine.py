@@ -1,0 +1,195 @@
+"""LoRA adapters per request: the engine against transformers computing PEFT's unmerged
+LoRA (forward hooks: y += scale (x A^T) B^T), outputs independent of what shares the
+step, the prefix cache kept per adapter, adapters dropped and reloaded, n > 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, LoRARequest, SamplingParams
+from tests.utils import (apply_lora_hooks, hf_greedy_no_eos, random_prompts, save_tiny_lora,
+                         save_tiny_model, tiny_llama_config)
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    model = save_tiny_model(root / "model", tiny_llama_config())
+    # Every linear at rank 4; q and v only at rank 8 with rsLoRA scaling.
+    full = save_tiny_lora(root / "full", model, seed=1)
+    qv = save_tiny_lora(root / "qv", model, rank=8, alpha=4.0, targets=("q_proj", "v_proj"),
+                        seed=2, use_rslora=True)
+    return model, full, qv
+
+
+def _ids(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _hf_reference(model_path, adapter, prompts):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    handles = apply_lora_hooks(hf, adapter) if adapter is not None else []
+    try:
+        tokens = [hf_greedy_no_eos(hf, p, MAX_TOKENS) for p in prompts]
+        with torch.no_grad():
+            logprobs = [torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)
+                        for p in prompts]
+    finally:
+        for h in handles:
+            h.remove()
+    return tokens, logprobs
+
+
+def test_adapters_match_transformers_in_one_batch(tiny):
+    """Base, both adapters and each prompt in one generate call (mixed steps, float32):
+    transformers' greedy tokens, and prompt logprobs within 1e-4."""
+    model, full, qv = tiny
+    prompts = random_prompts(4, 256, 5, 20, seed=3)
+    llm = LLM(str(model), skip_tokenizer_init=True, dtype="float32", enable_lora=True,
+              max_loras=2)
+    loras = [None, LoRARequest("full", 1, str(full)), LoRARequest("qv", 2, str(qv))]
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                        prompt_logprobs=0)
+    outs = llm.generate(_ids(prompts * 3), sp, use_tqdm=False,
+                        lora_request=[lora for lora in loras for _ in prompts])
+    refs = {}
+    for k, (lora, adapter) in enumerate(zip(loras, (None, full, qv))):
+        tokens, logprobs = _hf_reference(model, adapter, prompts)
+        refs[k] = tokens
+        got = outs[k * len(prompts):(k + 1) * len(prompts)]
+        assert _tokens(got) == tokens, lora
+        for out, prompt, ref in zip(got, prompts, logprobs):
+            for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+                want = float(ref[pos - 1, prompt[pos]])
+                assert abs(entry[prompt[pos]].logprob - want) < 1e-4, (lora, pos)
+    # Not vacuous: each adapter changes the greedy tokens.
+    assert refs[1] != refs[0] and refs[2] != refs[0] and refs[1] != refs[2]
+
+
+def test_outputs_do_not_depend_on_the_batch(tiny):
+    """Default dtype, native kernels: a request's tokens and logprobs are the same bits
+    alone and beside base and other-adapter requests, with chunked prefill (a small
+    token budget) and prefix-cache hits in play."""
+    model, full, qv = tiny
+    llm = LLM(str(model), skip_tokenizer_init=True, enable_lora=True, max_loras=2,
+              max_num_batched_tokens=24)
+    prompts = random_prompts(6, 256, 10, 40, seed=4)
+    loras = [LoRARequest("full", 1, str(full)), None, LoRARequest("qv", 2, str(qv))] * 2
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+    mixed = llm.generate(_ids(prompts), sp, use_tqdm=False, lora_request=loras)
+    for prompt, lora, out in zip(prompts, loras, mixed):
+        alone = llm.generate(_ids([prompt]), sp, use_tqdm=False, lora_request=lora)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids, lora
+        assert alone.outputs[0].logprobs == out.outputs[0].logprobs, lora
+
+
+def test_prefix_cache_is_kept_per_adapter(tiny):
+    model, full, qv = tiny
+    llm = LLM(str(model), skip_tokenizer_init=True, enable_lora=True, max_loras=2)
+    prompt = _ids(random_prompts(1, 256, 64, 64, seed=5))
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    a, b = LoRARequest("full", 1, str(full)), LoRARequest("qv", 2, str(qv))
+    assert llm.generate(prompt, sp, use_tqdm=False, lora_request=a)[0].num_cached_tokens == 0
+    # The same adapter hits its blocks; another adapter and the base model do not.
+    assert llm.generate(prompt, sp, use_tqdm=False, lora_request=a)[0].num_cached_tokens > 0
+    assert llm.generate(prompt, sp, use_tqdm=False, lora_request=b)[0].num_cached_tokens == 0
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_adapters_are_dropped_and_reloaded(tiny):
+    """max_cpu_loras=1: each switch drops the loaded adapter; the outputs stay the same."""
+    model, full, qv = tiny
+    llm = LLM(str(model), skip_tokenizer_init=True, enable_lora=True, max_loras=1,
+              max_cpu_loras=1, enable_prefix_caching=False)
+    prompts = _ids(random_prompts(2, 256, 5, 15, seed=6))
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    a, b = LoRARequest("full", 1, str(full)), LoRARequest("qv", 2, str(qv))
+    first = _tokens(llm.generate(prompts, sp, use_tqdm=False, lora_request=a))
+    other = _tokens(llm.generate(prompts, sp, use_tqdm=False, lora_request=b))
+    again = _tokens(llm.generate(prompts, sp, use_tqdm=False, lora_request=a))
+    manager = llm.llm_engine.engine_core.executor.runner.lora
+    assert list(manager.loaded) == [1]
+    assert first == again and first != other
+    # Both adapters in one call with max_loras=1: run one adapter at a time, same tokens.
+    both = _tokens(llm.generate(prompts * 2, sp, use_tqdm=False, lora_request=[a, a, b, b]))
+    assert both == first + other
+    outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=[a, None])
+    assert [o.lora_request for o in outs] == [a, None]
+
+
+def test_parallel_samples_keep_the_adapter(tiny):
+    model, full, _ = tiny
+    llm = LLM(str(model), skip_tokenizer_init=True, enable_lora=True)
+    lora = LoRARequest("full", 1, str(full))
+    prompt = _ids(random_prompts(1, 256, 8, 8, seed=7))
+    one = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                              ignore_eos=True),
+                       use_tqdm=False, lora_request=lora)[0]
+    two = llm.generate(prompt, SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0,
+                                              ignore_eos=True),
+                       use_tqdm=False, lora_request=lora)[0]
+    assert [c.token_ids for c in two.outputs] == [one.outputs[0].token_ids] * 2
+
+
+def test_bundled_gguf_with_an_adapter(tmp_path):
+    """The bundled SmolLM2 on its Q4_1 blocks (the native quantized GEMM and the native
+    layer stack for base steps): an adapter changes the tokens, and base and adapter
+    requests give the same tokens alone and sharing steps."""
+    llm = LLM(enable_lora=True, max_lora_rank=8, kv_cache_space=0.05)
+    hf_config = llm.llm_engine.config.model.hf_config
+    adapter = save_tiny_lora(tmp_path / "smol", hf_config, rank=8, std=0.05,
+                             targets=("q_proj", "v_proj", "down_proj"))
+    lora = LoRARequest("smol", 1, str(adapter))
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    mixed = _tokens(llm.generate(prompts * 2, sp, use_tqdm=False,
+                                 lora_request=[None, None, lora, lora]))
+    base = _tokens(llm.generate(prompts, sp, use_tqdm=False))
+    adapted = _tokens(llm.generate(prompts, sp, use_tqdm=False, lora_request=lora))
+    assert mixed == base + adapted
+    assert adapted != base
+
+
+def test_native_stack_equals_python_layers(tiny):
+    """The native decoder stack runs a step's adapters itself (cpu_decoder.cpp); the
+    Python layers' linears apply them through the same op: the same bits."""
+    model, full, qv = tiny
+    llm = LLM(str(model), skip_tokenizer_init=True, enable_lora=True, max_loras=2,
+              enable_prefix_caching=False)
+    inner = llm.llm_engine.engine_core.executor.runner.model.model
+    prompts = _ids(random_prompts(4, 256, 5, 30, seed=8))
+    loras = [LoRARequest("full", 1, str(full)), None, LoRARequest("qv", 2, str(qv)), None]
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
+    native = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)
+    assert inner._native is not None  # the stack ran
+    inner.use_native_layers = False
+    python = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)
+    for a, b in zip(native, python):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_speculative_decoding_keeps_the_adapter(tiny):
+    """Prompt-lookup proposals are verified by the adapted model: the tokens of plain
+    decoding with the adapter."""
+    model, full, _ = tiny
+    lora = LoRARequest("full", 1, str(full))
+    # Repetitive prompts, so that prompt lookup proposes (and some proposals hold).
+    prompts = _ids([[5, 6, 7, 8] * 6, [9, 10, 11] * 8])
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    plain = LLM(str(model), skip_tokenizer_init=True, enable_lora=True)
+    spec = LLM(str(model), skip_tokenizer_init=True, enable_lora=True,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    want = _tokens(plain.generate(prompts, sp, use_tqdm=False, lora_request=lora))
+    assert _tokens(spec.generate(prompts, sp, use_tqdm=False, lora_request=lora)) == want
+    assert spec.llm_engine.engine_core.scheduler.num_draft_tokens > 0
