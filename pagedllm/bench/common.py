@@ -50,6 +50,20 @@ def add_engine_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-tokenizer-init", action="store_true",
                         help="run without a tokenizer (prompts are token ids; outputs are "
                              "not detokenized)")
+    parser.add_argument("--lora-path", default=None,
+                        help="a PEFT LoRA adapter directory every request runs with (turns "
+                             "on --enable-lora)")
+
+
+def lora_setup(ns: argparse.Namespace, engine_args: Any) -> tuple[Any, Any]:
+    """(engine args, LoRARequest or None) for --lora-path."""
+    if not ns.lora_path:
+        return engine_args, None
+    from dataclasses import replace
+
+    from pagedllm.lora_request import LoRARequest
+
+    return replace(engine_args, enable_lora=True), LoRARequest("bench", 1, ns.lora_path)
 
 
 def load_dataset(path: str) -> list[BenchRequest]:

@@ -17,8 +17,9 @@ from typing import Any
 import psutil
 
 from pagedllm.bench.common import (BenchRequest, add_engine_bench_args, add_workload_args,
-                                   emit, load_dataset, peak_rss_mb, random_requests,
-                                   spec_decode_line, spec_decode_stats, summarize)
+                                   emit, load_dataset, lora_setup, peak_rss_mb,
+                                   random_requests, spec_decode_line, spec_decode_stats,
+                                   summarize)
 from pagedllm.engine.arg_utils import EngineArgs
 
 
@@ -35,14 +36,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def time_request(engine: Any, req_id: str, request: BenchRequest,
-                 detokenize: bool = True) -> tuple[float, float, int]:
-    """(ttft_s, e2e_s, output tokens) of one request run alone on `engine`."""
+                 detokenize: bool = True, lora: Any = None) -> tuple[float, float, int]:
+    """(ttft_s, e2e_s, output tokens) of one request run alone on `engine` (with the
+    LoRA adapter `lora`, if given)."""
     from pagedllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True,
                             detokenize=detokenize)
     start = time.perf_counter()
-    engine.add_request(req_id, {"prompt_token_ids": request.prompt_token_ids}, params)
+    engine.add_request(req_id, {"prompt_token_ids": request.prompt_token_ids}, params,
+                       lora_request=lora)
     ttft, num_tokens = None, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -56,6 +59,7 @@ def run(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
     from pagedllm import LLM
 
     process_start = psutil.Process().create_time()  # epoch seconds
+    engine_args, lora = lora_setup(ns, engine_args)
     llm = LLM(skip_tokenizer_init=ns.skip_tokenizer_init, **dataclasses.asdict(engine_args))
     engine, config = llm.llm_engine, llm.llm_engine.config
     if ns.dataset:
@@ -72,7 +76,7 @@ def run(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
             spec_before = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens)
         request = requests[i % len(requests)]
         ttft, e2e, num_tokens = time_request(engine, f"latency-{i}", request,
-                                             not ns.skip_tokenizer_init)
+                                             not ns.skip_tokenizer_init, lora)
         if startup_s is None:
             # Wall clock since the process began, at this first request's first token.
             startup_s = time.time() - process_start - (e2e - ttft)
@@ -84,6 +88,7 @@ def run(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
             decode_rates.append((num_tokens - 1) / (e2e - ttft))
     result = {"model": config.model.path, "dtype": config.model.dtype,
               "num_iters": ns.num_iters, "num_threads": config.device.num_threads,
+              "lora_path": ns.lora_path,
               "input_len": len(requests[0].prompt_token_ids),
               "output_len": requests[0].max_tokens,
               **summarize(ttfts, "ttft_s"), **summarize(decode_rates, "decode_tokens_per_s"),

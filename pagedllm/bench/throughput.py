@@ -13,8 +13,9 @@ import gc
 import time
 from typing import Any
 
-from pagedllm.bench.common import (add_engine_bench_args, add_workload_args, emit, result_of,
-                                   spec_decode_line, spec_decode_stats, workload_from_args)
+from pagedllm.bench.common import (add_engine_bench_args, add_workload_args, emit, lora_setup,
+                                   result_of, spec_decode_line, spec_decode_stats,
+                                   workload_from_args)
 from pagedllm.engine.arg_utils import EngineArgs
 
 
@@ -33,6 +34,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
     from pagedllm import LLM, SamplingParams
 
+    engine_args, lora = lora_setup(ns, engine_args)
     llm = LLM(skip_tokenizer_init=ns.skip_tokenizer_init, **dataclasses.asdict(engine_args))
     config = llm.llm_engine.config
     requests = workload_from_args(ns, config.model.hf_config.vocab_size)
@@ -46,13 +48,14 @@ def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, A
         warm = [int(t) % config.model.hf_config.vocab_size for t in range(7, 7 + 32)]
         llm.generate([{"prompt_token_ids": warm}],
                      SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
-                                    detokenize=detokenize), use_tqdm=False)
+                                    detokenize=detokenize), use_tqdm=False,
+                     lora_request=lora)
     scheduler = llm.llm_engine.engine_core.scheduler
     counters = (scheduler.num_preemptions, scheduler.num_swaps_out,
                 scheduler.num_scheduled_tokens_total)
     spec_before = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens)
     start, cpu_start = time.perf_counter(), time.process_time()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_preemptions, num_swaps_out, num_scheduled = (
@@ -66,7 +69,7 @@ def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, A
     num_needed = sum(len(r.prompt_token_ids) + r.max_tokens - 1 for r in requests)
     extra = {"model": config.model.path, "dtype": config.model.dtype,
              "enable_prefix_caching": config.cache.enable_prefix_caching,
-             "num_threads": config.device.num_threads,
+             "num_threads": config.device.num_threads, "lora_path": ns.lora_path,
              # CPU seconds of this process per wall second: ~num_threads when the machine
              # is ours; lower means other processes took cores from the run.
              "cpu_utilization": cpu / elapsed,
@@ -82,6 +85,8 @@ def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, A
 
 
 def run(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
+    if ns.lora_path and ns.backend != "pagedllm":
+        raise ValueError("--lora-path runs with --backend pagedllm only")
     if ns.backend == "hf":
         from pagedllm.bench.hf_backend import run_hf
 

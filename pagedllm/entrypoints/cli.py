@@ -74,6 +74,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "(default: env PAGEDLLM_API_KEY, which `ps` does not show)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) clients use (default: the model argument)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) clients select by giving "
+                             "NAME as `model`: name=path or a JSON object {\"name\": ..., "
+                             "\"path\": ...} each (needs --enable-lora)")
     parser.add_argument("--log-stats-interval", type=float, default=5.0,
                         help="seconds between throughput log lines while busy (0: off)")
     parser.add_argument("--uvicorn-log-level", default="warning",

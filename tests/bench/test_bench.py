@@ -81,6 +81,21 @@ def test_latency(capsys, tiny_model):
     assert 0 < r["ttft_s"] <= r["e2e_s"] < r["startup_s"] + r["e2e_s"]
 
 
+def test_lora_path(capsys, tiny_model, dataset, tmp_path):
+    """--lora-path: every request runs with the adapter (enable_lora turned on)."""
+    from tests.utils import save_tiny_lora
+
+    adapter = str(save_tiny_lora(tmp_path / "adapter", tiny_model))
+    r = run_cli(capsys, ["bench", "throughput", "--model", tiny_model, "--dataset", dataset,
+                         "--lora-path", adapter, *ENGINE])
+    assert r["lora_path"] == adapter and r["num_output_tokens"] == sum(4 + i for i in range(6))
+    r = run_cli(capsys, ["bench", "latency", "--model", tiny_model, "--input-len", "12",
+                         "--output-len", "6", "--num-iters", "2", "--lora-path", adapter,
+                         *ENGINE])
+    assert r["lora_path"] == adapter
+    assert_finite(r, ["ttft_s", "decode_tokens_per_s"])
+
+
 class FakeOpenAI(BaseHTTPRequestHandler):
     """Streams max_tokens one-token chunks per /v1/completions call (SSE), like a server."""
 

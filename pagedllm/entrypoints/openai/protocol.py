@@ -53,7 +53,19 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     root: str | None = None
+    # A LoRA adapter's base model (None for the base model itself).
+    parent: str | None = None
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str
+    lora_int_id: int | None = None  # accepted for vLLM clients; the name decides
 
 
 class ModelList(OpenAIBaseModel):

@@ -54,6 +54,11 @@ class ServeConfig:
                 "llama3_json ({\"name\": ..., \"parameters\": ...}); needed by "
                 "--enable-auto-tool-choice", "choices": TOOL_PARSER_NAMES})
 
+    allow_runtime_lora_updating: bool = _flag(
+        False, "serve /v1/load_lora_adapter and /v1/unload_lora_adapter, which add and "
+               "remove LoRA adapters while serving (vLLM's "
+               "VLLM_ALLOW_RUNTIME_LORA_UPDATING; needs --enable-lora)")
+
     def __post_init__(self) -> None:
         for name in ("max_n", "max_stop", "max_prompt_bytes", "max_body_bytes"):
             if getattr(self, name) < 1:

@@ -38,8 +38,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, DetokenizeResponse,
-                                                  ModelCard, ModelList, TokenizeRequest,
-                                                  TokenizeResponse)
+                                                  LoadLoRAAdapterRequest, ModelCard,
+                                                  ModelList, TokenizeRequest,
+                                                  TokenizeResponse, UnloadLoRAAdapterRequest)
 from pagedllm.engine.async_llm import QueueFullError
 from pagedllm.entrypoints.openai.dashboard import (PAGE_PATHS, STATE_PATH, DashboardFeed,
                                                    add_dashboard_routes)
@@ -47,8 +48,9 @@ from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from pagedllm.entrypoints.openai.offload import Offloader
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_common import (ModelNotFoundError,
-                                                        RequestTimeoutError, error_body,
+from pagedllm.entrypoints.openai.served_models import (ModelNotFoundError, ServedModels,
+                                                       parse_lora_module)
+from pagedllm.entrypoints.openai.serving_common import (RequestTimeoutError, error_body,
                                                         error_status, exception_message)
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
@@ -112,11 +114,22 @@ async def _cancel_on_disconnect(raw_request: Request, work: Awaitable[Any]) -> A
 
 def build_app(engine: AsyncLLM, served_model_names: list[str],
               api_key: str | None = None, shutdown_engine: bool = False,
-              serve_config: ServeConfig | None = None) -> FastAPI:
-    """The FastAPI app; with `shutdown_engine` the app's shutdown stops the engine."""
+              serve_config: ServeConfig | None = None,
+              lora_modules: list[tuple[str, str]] = ()) -> FastAPI:
+    """The FastAPI app; with `shutdown_engine` the app's shutdown stops the engine.
+    `lora_modules`: (name, path) of the LoRA adapters served from the start (checked
+    now: InvalidRequestError for one that cannot run)."""
     from pagedllm import __version__
 
     serve_config = serve_config or ServeConfig()
+    lora_on = engine.config.lora is not None
+    if (lora_modules or serve_config.allow_runtime_lora_updating) and not lora_on:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need "
+                         "--enable-lora")
+    models = ServedModels(served_model_names,
+                          engine.engine.input_processor.check_lora if lora_on else None)
+    for name, path in lora_modules:
+        models.add(name, path)
     offloader = Offloader(serve_config.render_timeout)
     dashboard = DashboardFeed(engine, served_model_names[0])
 
@@ -142,7 +155,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.add_middleware(BodyLimitMiddleware, max_bytes=serve_config.max_body_bytes)
     _add_engine_routes(app, engine, __version__)
-    _add_openai_routes(app, engine, served_model_names, serve_config, offloader)
+    _add_openai_routes(app, engine, models, serve_config, offloader)
     add_dashboard_routes(app, dashboard)
     return app
 
@@ -176,17 +189,33 @@ def _add_engine_routes(app: FastAPI, engine: AsyncLLM, version_str: str) -> None
                         "api_rss_bytes": psutil.Process().memory_info().rss}
 
 
-def _add_openai_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[str],
+def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
                        serve_config: ServeConfig, offloader: Offloader) -> None:
-    completions = OpenAIServingCompletion(engine, served_model_names, serve_config, offloader)
-    chat = OpenAIServingChat(engine, served_model_names, serve_config, offloader)
-    embeddings = OpenAIServingEmbedding(engine, served_model_names, serve_config, offloader)
+    completions = OpenAIServingCompletion(engine, models, serve_config, offloader)
+    chat = OpenAIServingChat(engine, models, serve_config, offloader)
+    embeddings = OpenAIServingEmbedding(engine, models, serve_config, offloader)
 
     @app.get("/v1/models")
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=engine.config.model.path,
-                                         max_model_len=engine.max_model_len)
-                               for name in served_model_names])
+    async def list_models() -> ModelList:
+        cards = [ModelCard(id=name, root=engine.config.model.path,
+                           max_model_len=engine.max_model_len) for name in models.base_names]
+        cards += [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=models.model_name,
+                            max_model_len=engine.max_model_len) for lora in models]
+        return ModelList(data=cards)
+
+    if serve_config.allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            # The check reads the adapter's files: off the event loop.
+            await asyncio.to_thread(models.add, request.lora_name, request.lora_path)
+            return Response(f"Success: LoRA adapter '{request.lora_name}' added "
+                            f"successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            models.remove(request.lora_name)
+            return Response(f"Success: LoRA adapter '{request.lora_name}' removed "
+                            f"successfully.", media_type="text/plain")
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
@@ -419,8 +448,10 @@ async def serve(args: argparse.Namespace, engine_args: Any,
         # them out of the collector so a full collection cannot stall /health.
         gc.collect()
         gc.freeze()
+        lora_modules = [parse_lora_module(m) for m in args.lora_modules or ()]
         app = build_app(engine, names, api_key=args.api_key or env_api_key(),
-                        shutdown_engine=True, serve_config=serve_config)
+                        shutdown_engine=True, serve_config=serve_config,
+                        lora_modules=lora_modules)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                    log_level=args.uvicorn_log_level,
                                    timeout_graceful_shutdown=3, access_log=False)

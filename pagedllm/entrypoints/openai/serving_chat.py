@@ -117,7 +117,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def build() -> ChatCompletionResponse:
             field = prompt_logprobs_field(final.prompt_logprobs) if k is not None else None
-            return ChatCompletionResponse(id=request_id, model=self.model_name,
+            return ChatCompletionResponse(id=request_id, model=self.response_model(request.model),
                                           choices=choices, usage=usage, prompt_logprobs=field)
 
         return await self.json_response(
@@ -215,7 +215,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choice: ChatStreamChoice) -> str:
             return sse(ChatCompletionStreamResponse(
-                id=request_id, model=self.model_name, choices=[choice]).model_dump_json())
+                id=request_id, model=self.response_model(request.model), choices=[choice]).model_dump_json())
 
         try:
             # OpenAI's first chunk per choice carries the role.
@@ -251,7 +251,7 @@ class OpenAIServingChat(OpenAIServing):
                                   completion_tokens=num_completion,
                                   total_tokens=num_prompt_tokens + num_completion)
                 yield sse(ChatCompletionStreamResponse(
-                    id=request_id, model=self.model_name, choices=[],
+                    id=request_id, model=self.response_model(request.model), choices=[],
                     usage=usage).model_dump_json())
         except Exception as e:
             yield sse_error(e)

@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
 from pagedllm.entrypoints.openai.protocol import (  # noqa: F401  (clamp_logprob: re-exported)
     ErrorInfo, ErrorResponse, OpenAIBaseModel, SamplingFields, clamp_logprob)
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
+from pagedllm.entrypoints.openai.served_models import ModelNotFoundError, ServedModels
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams, check_truncate_prompt_tokens
@@ -33,10 +34,6 @@ from pagedllm.sampling_params import SamplingParams, check_truncate_prompt_token
 logger = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-
-
-class ModelNotFoundError(LookupError):
-    """The request names a model this server does not serve (404)."""
 
 
 class RequestTimeoutError(Exception):
@@ -77,10 +74,10 @@ def exception_message(exc: BaseException) -> str:
 class OpenAIServing:
     """What every handler needs: the engine, the served names, checks and conversions."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+    def __init__(self, engine: AsyncLLM, models: ServedModels,
                  serve_config: ServeConfig, offloader: Offloader) -> None:
         self.engine = engine
-        self.served_model_names = served_model_names
+        self.models = models
         self.serve_config = serve_config
         self.offloader = offloader
         self.tokenizer = engine.tokenizer
@@ -88,11 +85,19 @@ class OpenAIServing:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_names[0]
+        return self.models.model_name
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            raise ModelNotFoundError(f"The model `{model}` does not exist.")
+        """404 unless `model` (if given) is the base model's or a LoRA adapter's name."""
+        self.models.resolve(model)
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response carries: the adapter's name for an adapter's request
+        (as vLLM; check_model passed it, and it stays its name if the adapter is unloaded
+        meanwhile), else the base model's first name."""
+        if model is None or model in self.models.base_names:
+            return self.model_name
+        return model
 
     def check_generation(self) -> None:
         """400 for completions and chat on an encoder-only (embedding) model."""
@@ -247,13 +252,14 @@ class OpenAIServing:
                                  f"already waiting (--max-queued-requests {limit}). "
                                  f"Retry later.")
         timeout = request.timeout or self.serve_config.request_timeout
+        lora = self.models.resolve(request.model)
         streams = []
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 prompt = {"prompt": text, "prompt_token_ids": ids}
                 streams.append(self.engine.add_request(
                     f"{request_id}-{i}", prompt, sp, priority=request.priority,
-                    timeout=timeout))
+                    timeout=timeout, lora_request=lora))
         except BaseException:
             self.abort_all(request_id, len(streams))
             raise

@@ -136,7 +136,7 @@ class OpenAIServingCompletion(OpenAIServing):
         usage = UsageInfo(prompt_tokens=num_prompt_tokens,
                           completion_tokens=num_completion_tokens,
                           total_tokens=num_prompt_tokens + num_completion_tokens)
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return CompletionResponse(id=request_id, model=self.response_model(request.model), choices=choices,
                                   usage=usage)
 
     def _prompt_text(self, prompt: Prompt) -> str:
@@ -188,7 +188,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_completion = sum(c.num_tokens for c in state.choices.values())
                 usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                                   total_tokens=num_prompt + num_completion)
-                final = CompletionResponse(id=request_id, model=self.model_name, choices=[],
+                final = CompletionResponse(id=request_id, model=self.response_model(request.model), choices=[],
                                            usage=usage)
                 yield sse(final.model_dump_json())
         except Exception as e:
@@ -229,7 +229,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choice = CompletionResponseChoice(index=index, text=prefix + delta_text,
                                           logprobs=logprobs, finish_reason=out.finish_reason,
                                           stop_reason=out.stop_reason)
-        chunk = CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
+        chunk = CompletionResponse(id=request_id, model=self.response_model(request.model), choices=[choice])
         if request.stream_options and request.stream_options.continuous_usage_stats:
             num_completion = sum(c.num_tokens for c in state.choices.values())
             num_prompt = sum(state.num_prompt_tokens.values())

@@ -54,7 +54,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             data.append(EmbeddingData(index=i, embedding=_encode(out.outputs.embedding,
                                                                  request.encoding_format)))
         num_tokens = sum(len(ids) for _, ids in prompts)
-        return EmbeddingResponse(data=data, model=self.model_name,
+        return EmbeddingResponse(data=data, model=self.response_model(request.model),
                                  usage=EmbeddingUsage(prompt_tokens=num_tokens,
                                                       total_tokens=num_tokens))
 
