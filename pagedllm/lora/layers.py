@@ -9,9 +9,9 @@ A fused linear (qkv_proj, gate_up_proj) takes each shard's adapter at once: A of
 shards stacked [R, K] and B placed block-diagonally [N, R] (zeros elsewhere, which add
 exact zeros), so one pass serves all its shards. The delta is computed in float32 and
 added to the output with one rounding. On CPU the native `lora_apply` computes it (the
-native decoder stack calls the same op, so both paths give the same bits): each output
-is one chain over K, then over R, row by row, so a row's result does not depend on which
-other rows share the step (DESIGN.md §10). Elsewhere (CUDA) torch's matmuls do.
+native decoder stack calls the same op, so both paths give the same bits): row by row,
+in an order fixed by the shapes alone, so a row's result does not depend on which other
+rows share the step (DESIGN.md §10). Elsewhere (CUDA) torch's matmuls do.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """lora_apply (cpu_lora.cpp) against a float64 reference, row selection, and row results
 independent of how many rows share the call (decode splits a row across threads,
-prefills give each thread rows: the same bits)."""
+prefills give each thread tiles of rows, and the rows left over one by one: the same
+bits)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,10 @@ def test_matches_reference(dtype, shape):
 
 
 def test_rows_are_independent_of_the_batch():
-    x, out, a_t, b_t = _case(40, 300, 24, 200, torch.bfloat16, seed=1)
+    x, out, a_t, b_t = _case(42, 300, 40, 200, torch.bfloat16, seed=1)
     whole = out.clone()
-    ops.lora_apply(whole, x, a_t, b_t)  # 40 rows: a thread per row
-    for i in (0, 7, 39):
+    ops.lora_apply(whole, x, a_t, b_t)  # 42 rows: tiles of 4 rows per thread, 2 alone
+    for i in (0, 7, 39, 41):
         one = out[i:i + 1].clone()
         ops.lora_apply(one, x[i:i + 1], a_t, b_t)  # one row: split across threads
         assert torch.equal(one[0], whole[i])
@@ -47,7 +48,7 @@ def test_rows_are_independent_of_the_batch():
     part = out.clone()
     ops.lora_apply(part, x, a_t, b_t, rows)
     assert torch.equal(part[rows], whole[rows])
-    others = torch.ones(40, dtype=torch.bool)
+    others = torch.ones(42, dtype=torch.bool)
     others[rows] = False
     assert torch.equal(part[others], out[others])
 

@@ -145,7 +145,7 @@ def lora_apply(out: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch
                rows: torch.Tensor | None = None) -> None:
     """out[i] = round(out[i] + (x[i] A^T) B^T) for each row i of `rows` (int64; None:
     every row) of x [T, K] and out [T, N] (float32, bfloat16 or float16, rows
-    contiguous), A^T [K, R] and B^T [R, N] contiguous float32. One fused multiply-add
-    chain per output (over K, then over R), in float32; a row's result depends on that
-    row alone."""
+    contiguous), A^T [K, R] and B^T [R, N] contiguous float32. In float32: x A^T as four
+    partial chains over fixed quarters of K added in order, then one chain over R per
+    output; a row's result depends on that row alone (cpu_lora.cpp)."""
     torch.ops.pagedllm_cpu.lora_apply.default(out, x, a_t, b_t, rows)

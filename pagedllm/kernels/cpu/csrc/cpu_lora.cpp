@@ -11,7 +11,8 @@
 //
 // A decode step's adapter weights come from memory, not cache (the step has just
 // streamed the base weights through it): few rows are split across the threads inside
-// the row (the K parts, then the output columns), more rows one row per thread.
+// the row (the K parts, then the output columns); more rows go to the threads in tiles
+// of kTile rows that share each weight load (AVX-512), the rest one by one.
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
@@ -97,6 +98,70 @@ void expand_columns(T* out, const float* t, const float* b_t, int64_t r, int64_t
 #endif
 }
 
+// Rows that share each weight load when a thread takes whole rows (AVX-512).
+constexpr int kTile = 4;
+
+#if defined(__AVX512F__)
+// shrink_part and expand_columns for kTile rows at once (t rows `ts` apart): each
+// weight vector loaded once serves every row of the tile; every output's chain is the
+// one the single-row functions compute (same order, same start), so the bits do not
+// depend on the tiling.
+template <typename T>
+void shrink_part_tile(const T* const* x, const float* a_t, int64_t r, int64_t i0, int64_t i1,
+                      float* t, int64_t ts) {
+  using namespace pagedllm_simd;
+  for (int64_t j0 = 0; j0 < r; j0 += 32) {
+    __m512 acc[kTile][2];
+    for (int q = 0; q < kTile; ++q) acc[q][0] = acc[q][1] = _mm512_setzero_ps();
+    const __mmask16 m0 = first_lanes(std::max<int64_t>(r - j0, 0));
+    const __mmask16 m1 = first_lanes(std::max<int64_t>(r - j0 - 16, 0));
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* row = a_t + i * r + j0;
+      const __m512 w0 = _mm512_maskz_loadu_ps(m0, row);
+      const __m512 w1 = _mm512_maskz_loadu_ps(m1, row + 16);
+#pragma GCC unroll 4
+      for (int q = 0; q < kTile; ++q) {
+        const __m512 xq = _mm512_set1_ps(static_cast<float>(x[q][i]));
+        acc[q][0] = _mm512_fmadd_ps(xq, w0, acc[q][0]);
+        if (m1) acc[q][1] = _mm512_fmadd_ps(xq, w1, acc[q][1]);
+      }
+    }
+    for (int q = 0; q < kTile; ++q) {
+      _mm512_mask_storeu_ps(t + q * ts + j0, m0, acc[q][0]);
+      _mm512_mask_storeu_ps(t + q * ts + j0 + 16, m1, acc[q][1]);
+    }
+  }
+}
+
+template <typename T>
+void expand_columns_tile(T* const* out, const float* t, int64_t ts, const float* b_t,
+                         int64_t r, int64_t n) {
+  using namespace pagedllm_simd;
+  for (int64_t c = 0; c < n; c += 32) {
+    __m512 acc[kTile][2];
+    for (int q = 0; q < kTile; ++q) acc[q][0] = acc[q][1] = _mm512_setzero_ps();
+    const __mmask16 m0 = first_lanes(std::max<int64_t>(n - c, 0));
+    const __mmask16 m1 = first_lanes(std::max<int64_t>(n - c - 16, 0));
+    for (int64_t j = 0; j < r; ++j) {
+      const float* row = b_t + j * n + c;
+      const __m512 w0 = _mm512_maskz_loadu_ps(m0, row);
+      const __m512 w1 = _mm512_maskz_loadu_ps(m1, row + 16);
+#pragma GCC unroll 4
+      for (int q = 0; q < kTile; ++q) {
+        const __m512 tq = _mm512_set1_ps(t[q * ts + j]);
+        acc[q][0] = _mm512_fmadd_ps(tq, w0, acc[q][0]);
+        if (m1) acc[q][1] = _mm512_fmadd_ps(tq, w1, acc[q][1]);
+      }
+    }
+    for (int q = 0; q < kTile; ++q) {
+      T* o = out[q] + c;
+      store16(o, _mm512_add_ps(load16(o, m0), acc[q][0]), m0);
+      if (m1) store16(o + 16, _mm512_add_ps(load16(o + 16, m1), acc[q][1]), m1);
+    }
+  }
+}
+#endif
+
 // t = the parts' sums added in part order.
 void sum_parts(const float* parts, int64_t r, float* t) {
   for (int64_t j = 0; j < r; ++j) {
@@ -117,13 +182,44 @@ void lora_apply_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   const float* bp = b_t.data_ptr<float>();
   auto part = [&](int64_t p) { return std::make_pair(k * p / kParts, k * (p + 1) / kParts); };
   std::vector<float> parts(kParts * r), t(r);
+  auto row_of = [&](int64_t i) { return rows != nullptr ? rows[i] : i; };
   if (num_rows >= kRowsPerThread * omp_get_max_threads()) {
+#if defined(__AVX512F__)
+    const int64_t tiles = num_rows / kTile;
+#else
+    const int64_t tiles = 0;
+#endif
 #pragma omp parallel
     {
-      std::vector<float> my_parts(kParts * r), my_t(r);
+      std::vector<float> my_parts(kParts * r * kTile), my_t(r * kTile);
+#if defined(__AVX512F__)
+      // Whole tiles of kTile rows, then the rows left one by one.
 #pragma omp for
-      for (int64_t i = 0; i < num_rows; ++i) {
-        const int64_t row = rows != nullptr ? rows[i] : i;
+      for (int64_t g = 0; g < tiles; ++g) {
+        const T* x4[kTile];
+        T* o4[kTile];
+        for (int q = 0; q < kTile; ++q) {
+          x4[q] = xp + row_of(g * kTile + q) * xs;
+          o4[q] = op + row_of(g * kTile + q) * os;
+        }
+        for (int64_t p = 0; p < kParts; ++p) {
+          const auto [i0, i1] = part(p);
+          shrink_part_tile(x4, ap, r, i0, i1, my_parts.data() + p * r * kTile, r);
+        }
+        for (int q = 0; q < kTile; ++q) {
+          // Row q's parts, in part order, as sum_parts adds them.
+          for (int64_t j = 0; j < r; ++j) {
+            float sum = my_parts[q * r + j];
+            for (int64_t p = 1; p < kParts; ++p) sum += my_parts[(p * kTile + q) * r + j];
+            my_t[q * r + j] = sum;
+          }
+        }
+        expand_columns_tile(o4, my_t.data(), r, bp, r, n);
+      }
+#endif
+#pragma omp for
+      for (int64_t i = tiles * kTile; i < num_rows; ++i) {
+        const int64_t row = row_of(i);
         for (int64_t p = 0; p < kParts; ++p) {
           const auto [i0, i1] = part(p);
           shrink_part(xp + row * xs, ap, r, i0, i1, my_parts.data() + p * r);
