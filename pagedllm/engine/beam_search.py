@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.engine.input_processor import logprobs_cap
 from pagedllm.errors import InvalidRequestError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -41,10 +42,13 @@ class _Instance:
     num_prompt_tokens: int
     beams: list[BeamSearchSequence]
     completed: list[BeamSearchSequence] = field(default_factory=list)
+    lora: LoRARequest | None = None  # its LoRA adapter (None: the base model)
 
 
 def beam_search(engine: LLMEngine, prompts: Sequence[PromptType], params: BeamSearchParams,
-                counter: Iterator[int] | None = None) -> list[BeamSearchOutput]:
+                counter: Iterator[int] | None = None,
+                loras: Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
+    """`loras`: each prompt's LoRA adapter (None: the base model)."""
     counter = counter if counter is not None else itertools.count()
     eos = engine.input_processor.eos_token_id
     width = params.beam_width
@@ -61,16 +65,17 @@ def beam_search(engine: LLMEngine, prompts: Sequence[PromptType], params: BeamSe
         return beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
 
     instances = []
-    for prompt in prompts:
+    for prompt, lora in zip(prompts, loras or [None] * len(prompts), strict=True):
         _, ids = engine.input_processor.tokenize(prompt)
         engine.input_processor.validate_prompt(ids)
-        instances.append(_Instance(len(ids), [BeamSearchSequence(tokens=ids)]))
+        engine.input_processor.check_lora(lora)
+        instances.append(_Instance(len(ids), [BeamSearchSequence(tokens=ids)], lora=lora))
     for _ in range(params.max_tokens):
         live = [(inst, beam) for inst in instances for beam in inst.beams]
         if not live:
             break
-        outputs = _run_one_step(engine, [beam.tokens for _, beam in live], step_params,
-                                counter)
+        outputs = _run_one_step(engine, [(beam.tokens, inst.lora) for inst, beam in live],
+                                step_params, counter)
         candidates: dict[int, list[BeamSearchSequence]] = {id(i): [] for i in instances}
         for (inst, beam), out in zip(live, outputs):
             logprobs = out.outputs[0].logprobs[0]
@@ -87,14 +92,16 @@ def beam_search(engine: LLMEngine, prompts: Sequence[PromptType], params: BeamSe
     return [_finish(inst, engine, params, eos, score) for inst in instances]
 
 
-def _run_one_step(engine: LLMEngine, sequences: list[list[int]], params: SamplingParams,
-                  counter: Iterator[int]) -> list[RequestOutput]:
-    """One token (with logprobs) for every sequence; outputs in input order."""
+def _run_one_step(engine: LLMEngine, sequences: list[tuple[list[int], LoRARequest | None]],
+                  params: SamplingParams, counter: Iterator[int]) -> list[RequestOutput]:
+    """One token (with logprobs) for every (sequence, its adapter); outputs in input
+    order."""
     req_ids = []
     try:
-        for tokens in sequences:
+        for tokens, lora in sequences:
             req_id = f"beam-{next(counter)}"
-            engine.add_request(req_id, {"prompt_token_ids": tokens}, params)
+            engine.add_request(req_id, {"prompt_token_ids": tokens}, params,
+                               lora_request=lora)
             req_ids.append(req_id)
     except Exception:
         engine.abort_request(req_ids)

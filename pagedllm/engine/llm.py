@@ -91,12 +91,16 @@ class LLM:
         return self._run(req_ids, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+                    params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    ) -> list[BeamSearchOutput]:
         """Beam search over the engine (each step runs every live beam as a one-token
-        request with 2 * beam_width logprobs; the prefix cache keeps that cheap)."""
+        request with 2 * beam_width logprobs; the prefix cache keeps that cheap);
+        `lora_request` as for generate."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        return beam_search(self.llm_engine, prompts, params, self._counter)
+        return beam_search(self.llm_engine, prompts, params, self._counter,
+                           _loras(lora_request, len(prompts)))
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -69,7 +69,10 @@ class LoRAManager:
             self.loaded.move_to_end(lora.lora_int_id)
             return
         while len(self.loaded) >= self.config.max_cpu_loras:
-            old = next(i for i in self.loaded if i not in keep)
+            # The scheduler keeps a step's adapters within max_loras <= max_cpu_loras,
+            # so one loaded adapter is always outside the step.
+            old = next((i for i in self.loaded if i not in keep), None)
+            assert old is not None, "a step has more adapters than max_cpu_loras"
             for layer in self.loaded.pop(old):
                 layer.remove(old)
         self.loaded[lora.lora_int_id] = self._load(lora)

@@ -193,3 +193,25 @@ def test_speculative_decoding_keeps_the_adapter(tiny):
     want = _tokens(plain.generate(prompts, sp, use_tqdm=False, lora_request=lora))
     assert _tokens(spec.generate(prompts, sp, use_tqdm=False, lora_request=lora)) == want
     assert spec.llm_engine.engine_core.scheduler.num_draft_tokens > 0
+
+
+def test_beam_search_with_an_adapter(tiny):
+    """Beam search runs each beam's steps with the prompt's adapter: width 1 is the
+    adapter's greedy run, and the adapter changes the beams."""
+    from pagedllm import BeamSearchParams
+
+    model, full, _ = tiny
+    llm = LLM(str(model), skip_tokenizer_init=True, dtype="float32", enable_lora=True)
+    lora = LoRARequest("full", 1, str(full))
+    prompts = random_prompts(2, 256, 6, 12, seed=12)
+    greedy = _tokens(llm.generate(_ids(prompts), SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False, lora_request=lora))
+    one = llm.beam_search(_ids(prompts), BeamSearchParams(beam_width=1, max_tokens=6,
+                                                          ignore_eos=True),
+                          lora_request=lora)
+    assert [o.sequences[0].tokens[len(p):] for o, p in zip(one, prompts)] == greedy
+    wide = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    adapted = llm.beam_search(_ids(prompts), wide, lora_request=[lora, lora])
+    base = llm.beam_search(_ids(prompts), wide)
+    assert [s.tokens for o in adapted for s in o.sequences] != \
+        [s.tokens for o in base for s in o.sequences]
