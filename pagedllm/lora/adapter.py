@@ -37,6 +37,7 @@ _KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
 _MODULE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
 _DENSE = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                     "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+_SUPPORTED = _DENSE | {"Phi3ForCausalLM", "MixtralForCausalLM"}
 _FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})
 
 
@@ -70,7 +71,7 @@ def lora_targets(hf_config: Any) -> dict[str, tuple[str, int, int]]:
                 "o_proj": ("self_attn", q, hidden),
                 "gate_up_proj": ("mlp", hidden, 2 * inter), "down_proj": ("mlp", inter, hidden)}
     raise InvalidRequestError(f"LoRA adapters are not supported for {arch} (supported: "
-                              f"{', '.join(sorted(_DENSE | {'Phi3ForCausalLM', 'MixtralForCausalLM'}))})")
+                              f"{', '.join(sorted(_SUPPORTED))})")
 
 
 def check_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterSpec:
