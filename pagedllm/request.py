@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.lora_request import LoRARequest
+from pagedllm.reasoning import ReasoningGate
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -129,6 +130,9 @@ class Request:
         # Structured output: the xgrammar matcher of its grammar, advanced by each output
         # token (set by the engine core once the grammar compiled; None otherwise).
         self.structured_output: Any = None
+        # With a reasoning parser: where its output stands (reasoning or answer), read
+        # token by token; its grammar constrains only the answer. None otherwise.
+        self.reasoning_gate: ReasoningGate | None = None
         # Why the engine finished it as aborted when the request itself was at fault (its
         # grammar did not compile within the limits): the front end answers it as a bad
         # request. None otherwise.

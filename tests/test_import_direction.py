@@ -23,7 +23,7 @@ The top-level modules and subpackages of pagedllm/, by rank (higher imports lowe
                    distributed: tensor-parallel groups and collectives the layers call
   0  core          scheduler and KV block accounting: pure Python (tests/core/test_no_torch.py)
   -1 config, errors, sampling_params, pooling_params, lora_request, request, outputs,
-     metrics
+     metrics, reasoning
                    leaf modules, importing only each other: core/ and everything above use
                    them (metrics reads the engine core's messages through Protocols)
 
@@ -52,7 +52,7 @@ RANKS: dict[str, int] = {
     "nn": 1, "kernels": 1, "distributed": 1,
     "core": 0,
     "config": -1, "errors": -1, "sampling_params": -1, "pooling_params": -1,
-    "lora_request": -1,
+    "lora_request": -1, "reasoning": -1,
     "request": -1, "outputs": -1, "metrics": -1,
 }
 NEVER_IMPORT_MODELS = ("attention", "loader")

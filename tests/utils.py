@@ -246,3 +246,52 @@ def apply_lora_hooks(model, adapter_path: Path) -> list:
             return out + scale * (inputs[0].float() @ a.T) @ b.T
         handles.append(modules[name].register_forward_hook(hook))
     return handles
+
+
+def save_scripted_llama(path: Path, successors: dict[str, str],
+                        chat_template: str | None = None) -> Path:
+    """A Llama that recites: greedy decoding after word w writes successors[w] (words
+    without one are followed by the EOS word "</s>"), and a whitespace word-level
+    tokenizer over those words, saved as an HF directory (float32).
+
+    How: the embedding of word t is one-hot at t, every layer writes zero into the
+    residual stream (o_proj and down_proj are zero), so the final norm sees word t alone,
+    and the LM head maps it to its successor's logit (80, every other logit 0). Tests
+    script exact outputs with it (tags, calls) that a random model would never write.
+    """
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    words = ["</s>", "<unk>"]
+    for pair in successors.items():
+        words += [w for w in pair if w not in words]
+    vocab = {w: i for i, w in enumerate(words)}
+    hidden = 64
+    assert len(words) <= hidden, "one-hot embeddings need hidden_size >= vocabulary"
+    config = tiny_llama_config(vocab_size=len(words), hidden_size=hidden,
+                               eos_token_id=vocab["</s>"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = {name: p.detach().clone() for name, p in model.state_dict().items()}
+    for name, tensor in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.zero_()
+        elif "norm" in name:
+            tensor.fill_(1.0)
+    embed = torch.zeros(len(words), hidden)
+    embed[range(len(words)), range(len(words))] = 1.0
+    head = torch.zeros(len(words), hidden)
+    for w, i in vocab.items():
+        head[vocab[successors.get(w, "</s>")], i] = 10.0
+    tensors["model.embed_tokens.weight"] = embed
+    tensors["lm_head.weight"] = head
+    model.config.save_pretrained(path)
+    save_file(tensors, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                        eos_token="</s>")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
+    return Path(path)

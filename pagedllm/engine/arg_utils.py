@@ -23,6 +23,7 @@ from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES,
                              env_num_threads)
 from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu.features import has_avx512_bf16, has_quant_simd
+from pagedllm.reasoning import REASONING_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,13 @@ class EngineArgs:
     max_cpu_loras: int | None = _arg(None, "LoRA adapters each worker keeps loaded (least "
                                            "recently used dropped first; default: "
                                            "max_loras)")
+    reasoning_parser: str | None = _arg(
+        None, "the model's reasoning format (<think> ... </think>): deepseek_r1 (DeepSeek-R1, "
+              "QwQ: reasoning until </think>) or qwen3 (Qwen3: reasoning when the output "
+              "opens with <think>). Structured outputs then constrain only the answer after "
+              "the reasoning, and the server's chat replies carry the reasoning in "
+              "`reasoning` (and `reasoning_content`)",
+        choices=tuple(REASONING_FORMATS))
     grammar_compile_timeout: float = _arg(
         60.0, "CPU seconds the grammar of one structured-output request may take to "
               "compile; past it the compile is killed and the request fails as invalid "
@@ -203,7 +211,8 @@ class EngineArgs:
                                                                 device)
         structured_outputs = StructuredOutputsConfig(
             compile_timeout_s=self.grammar_compile_timeout,
-            compile_memory_gib=self.grammar_compile_memory)
+            compile_memory_gib=self.grammar_compile_memory,
+            reasoning_parser=self.reasoning_parser)
         lora = self._lora_config(parallel, model)
         sched.max_loras = lora.max_loras if lora is not None else None
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device_config,

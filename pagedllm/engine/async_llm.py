@@ -30,6 +30,7 @@ from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import RequestOutput
+from pagedllm.reasoning import ReasoningTokens
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,11 @@ class AsyncLLM:
     def num_kv_cache_tokens(self) -> int:
         """Tokens the whole KV cache holds (block 0 is the null block)."""
         return (self.core_client.num_blocks - 1) * self.core_client.block_size
+
+    @property
+    def reasoning_tokens(self) -> ReasoningTokens | None:
+        """The reasoning parser's format and tag ids (None without one)."""
+        return self.engine.input_processor.reasoning
 
     # ------------------------------------------------------------------ requests
 

@@ -10,6 +10,8 @@ from pagedllm.errors import InvalidRequestError
 from pagedllm.lora.adapter import AdapterChecks
 from pagedllm.lora_request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.reasoning import (ReasoningGate, ReasoningTokens, get_reasoning_format,
+                                tokens_of)
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -19,7 +21,8 @@ PromptType = Union[str, dict, list]
 
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any | None,
-                 lora_config: LoRAConfig | None = None) -> None:
+                 lora_config: LoRAConfig | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.hf_config.vocab_size
         self.max_logprobs = model_config.max_logprobs
@@ -31,6 +34,7 @@ class InputProcessor:
         # None: LoRA is off and a request naming an adapter is refused.
         self.adapters = (AdapterChecks(model_config.hf_config, lora_config.max_lora_rank)
                          if lora_config is not None else None)
+        self.reasoning = _reasoning_tokens(reasoning_parser, tokenizer)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids)."""
@@ -87,6 +91,9 @@ class InputProcessor:
         request = Request(req_id, ids, params, self.eos_token_id, arrival_time,
                           priority=priority, max_tokens=max_tokens, deadline=deadline,
                           lora_request=lora_request)
+        if self.reasoning is not None and params.structured_outputs is not None:
+            request.reasoning_gate = ReasoningGate(self.reasoning,
+                                                   self.reasoning.initial_phase(ids))
         return request, text
 
     def _truncated(self, text: str | None, ids: list[int], truncate_prompt_tokens: int | None,
@@ -166,6 +173,17 @@ class InputProcessor:
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 token_ids.append(spaced)
         return token_ids
+
+
+def _reasoning_tokens(name: str | None, tokenizer: Any | None) -> ReasoningTokens | None:
+    """The reasoning format's tags in this tokenizer (None without a parser); ValueError
+    when the model has no such tags, or no tokenizer to find them in."""
+    if name is None:
+        return None
+    if tokenizer is None:
+        raise ValueError(f"reasoning parser {name!r} needs the tokenizer (it finds the "
+                         f"reasoning tags there): do not skip its initialization")
+    return tokens_of(get_reasoning_format(name), tokenizer)
 
 
 def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None,

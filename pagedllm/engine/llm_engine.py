@@ -40,7 +40,9 @@ class LLMEngine:
             from pagedllm.loader import load_tokenizer
 
             self.tokenizer = load_tokenizer(config.model.path, config.model.tokenizer)
-        self.input_processor = InputProcessor(config.model, self.tokenizer, config.lora)
+        self.input_processor = InputProcessor(
+            config.model, self.tokenizer, config.lora,
+            reasoning_parser=config.structured_outputs.reasoning_parser)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Samples 2..n of n > 1 requests, waiting for sample 1 to fill the prefix cache.
         self.deferred = DeferredSiblings()

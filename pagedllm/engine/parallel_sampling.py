@@ -8,6 +8,8 @@ them back into one RequestOutput.
 
 from __future__ import annotations
 
+import copy
+
 from pagedllm.request import Request, RequestStatus
 
 
@@ -38,11 +40,13 @@ def fan_out(request: Request) -> list[Request]:
             params.prompt_logprobs = None
         if num_samples > sp.n and params.logprobs is None:
             params.logprobs = 0
-        children.append(Request(child_request_id(request.req_id, i), request.prompt_token_ids,
-                                params, request.eos_token_id, request.arrival_time,
-                                request.priority, max_tokens=request.max_tokens,
-                                deadline=request.deadline,
-                                lora_request=request.lora_request))
+        child = Request(child_request_id(request.req_id, i), request.prompt_token_ids,
+                        params, request.eos_token_id, request.arrival_time,
+                        request.priority, max_tokens=request.max_tokens,
+                        deadline=request.deadline, lora_request=request.lora_request)
+        # Each sample reads its own output: a gate of its own, at the prompt's phase.
+        child.reasoning_gate = copy.copy(request.reasoning_gate)
+        children.append(child)
     return children
 
 

@@ -11,7 +11,9 @@ Compiles wait their turn smallest constraint first (compile_queue.py). The match
 lives on the request (`Request.structured_output`), so it survives preemption as the
 tokens do. For each step, `fill_bitmask` writes the allowed tokens of the requests that
 sample in it into the SchedulerOutput (the runner applies them to the logits), and
-`accept_tokens` advances the matchers with the tokens that come back.
+`accept_tokens` advances the matchers with the tokens that come back. With a reasoning
+parser (pagedllm/reasoning.py) a request's grammar starts after its reasoning: the
+request's `ReasoningGate` reads its tokens, and while it reasons no mask is sent for it.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from typing import Any
 
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.compile_queue import SmallestFirstExecutor
+from pagedllm.reasoning import Phase
 from pagedllm.request import Request
 from pagedllm.sample.grammar_process import COMPILE_NICE, GrammarCompileError
-from pagedllm.sample.structured_output import GrammarManager, fill_bitmask
+from pagedllm.sample.structured_output import GrammarManager, allow_token, fill_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -117,13 +120,19 @@ class StructuredOutputManager:
         if not self._live:
             return
         self._live = {req_id: r for req_id, r in self._live.items() if not r.is_finished}
+        # A request still reasoning samples freely (no row): its grammar waits for the
+        # answer. One whose output may yet open a reasoning may also take the start tag.
         sampling = [request for req_id, request in self._live.items()
                     if req_id in so.num_scheduled_tokens
-                    and request.num_computed_tokens >= request.num_tokens]
+                    and request.num_computed_tokens >= request.num_tokens
+                    and _phase(request) is not Phase.REASONING]
         if not sampling:
             return
         bitmask = self.grammar.allocate_bitmask(len(sampling))
         fill_bitmask([request.structured_output for request in sampling], bitmask)
+        for row, request in enumerate(sampling):
+            if _phase(request) is Phase.OPENING:
+                allow_token(bitmask, row, request.reasoning_gate.start_id)
         so.grammar_bitmask = bitmask.numpy()
         so.structured_output_rows = {request.req_id: i for i, request in enumerate(sampling)}
 
@@ -136,7 +145,10 @@ class StructuredOutputManager:
             if not token_ids or request is None or request.is_finished:
                 continue
             matcher: Any = request.structured_output
+            gate = request.reasoning_gate
             for token_id in token_ids:
+                if gate is not None and not gate.accept(token_id):
+                    continue  # reasoning, or its tags: not the grammar's
                 if not matcher.is_terminated() and not matcher.accept_token(token_id):
                     logger.warning("request %s: grammar rejected sampled token %d",
                                    req_id, token_id)
@@ -144,6 +156,13 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._pool.shutdown()
         self.grammar.shutdown()
+
+
+def _phase(request: Request) -> Phase:
+    """Where the request's output stands for its grammar (the answer without a
+    reasoning parser)."""
+    gate = request.reasoning_gate
+    return gate.phase if gate is not None else Phase.CONTENT
 
 
 def constraint_size(key: tuple) -> int:

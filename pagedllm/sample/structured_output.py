@@ -225,6 +225,16 @@ def fill_bitmask(matchers: list[Any], bitmask: torch.Tensor) -> None:
             matcher.fill_next_token_bitmask(bitmask, row)
 
 
+def allow_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Set token_id's bit in bitmask[row] (xgrammar's layout: 32 tokens per int32 word,
+    token k at bit k % 32; bit 31 is the word's sign)."""
+    bit = 1 << (token_id & 31)
+    if bit >= 1 << 31:
+        bit -= 1 << 32
+    word = int(bitmask[row, token_id >> 5])
+    bitmask[row, token_id >> 5] = word | bit
+
+
 def accept_tokens(matchers: list[Any], token_ids: list[int]) -> None:
     for matcher, token_id in zip(matchers, token_ids):
         if not matcher.is_terminated() and not matcher.accept_token(token_id):

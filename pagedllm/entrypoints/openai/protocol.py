@@ -245,6 +245,11 @@ class ChatMessage(RequestModel):
     """An assistant message's calls (its content may then be null)."""
     tool_call_id: str | None = None
     """A tool message's answer to this call id."""
+    reasoning: str | None = None
+    """An assistant message's reasoning, as replies carry it (vLLM's); templates that
+    show past reasoning (Qwen3's) read it as `reasoning_content`."""
+    reasoning_content: str | None = None
+    """The older name of `reasoning` (either may be given)."""
     # Fields without an implementation (UNSUPPORTED_FIELDS).
     refusal: str | None = None
     annotations: list[Any] | None = None
@@ -255,6 +260,10 @@ class ChatMessage(RequestModel):
     def _tool_fields(self) -> ChatMessage:
         check_message_tool_fields(self.role, self.content, self.tool_calls,
                                   self.tool_call_id)
+        if self.role != "assistant" and (self.reasoning is not None
+                                         or self.reasoning_content is not None):
+            raise InvalidRequestError(f"`reasoning` is only allowed in assistant messages, "
+                                      f"not in a {self.role!r} message")
         return self
 
     def template_dict(self) -> dict[str, Any]:
@@ -267,6 +276,9 @@ class ChatMessage(RequestModel):
             message["tool_calls"] = [c.template_dict() for c in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = reasoning
         return message
 
     def text(self) -> str | None:
@@ -305,6 +317,8 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    """With --reasoning-parser: False leaves the reasoning out of the reply."""
     # Tool calling (tool_protocol.py; serving: tool_calling.py)
     tools: list[ToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -385,19 +399,26 @@ class ChatLogprobs(OpenAIBaseModel):
 
 class _OmitsNoToolCalls(OpenAIBaseModel):
     """A message whose `tool_calls` is left out of the body when the model made no call
-    (as OpenAI)."""
+    (as OpenAI), and its reasoning fields when there is no reasoning (a server without
+    --reasoning-parser sends OpenAI's fields only)."""
 
     @model_serializer(mode="wrap")
     def _omit_no_calls(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
         if not data.get("tool_calls"):
             data.pop("tool_calls", None)
+        if data.get("reasoning") is None:
+            data.pop("reasoning", None)
+            data.pop("reasoning_content", None)
         return data
 
 
 class ChatResponseMessage(_OmitsNoToolCalls):
     role: str = "assistant"
     content: str | None = None
+    # The reasoning (--reasoning-parser) under vLLM's current name and its older one.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -423,6 +444,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(_OmitsNoToolCalls):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

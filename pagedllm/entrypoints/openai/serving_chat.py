@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the model's chat template (or --chat-template), n,
 logprobs + top_logprobs, max_tokens / max_completion_tokens, response_format
-(json_object, json_schema), tool calling (tool_calling.py), streaming."""
+(json_object, json_schema), tool calling (tool_calling.py), reasoning split off the
+answer (--reasoning-parser; pagedllm/reasoning.py), streaming."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from pagedllm.entrypoints.openai.tool_calling import (ToolCallReader, ToolPlan, 
                                                       stream_tool_calls)
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import CompletionOutput, Logprob
+from pagedllm.reasoning import Phase, ReasoningReader
 
 
 # Parameters of apply_chat_template itself: chat_template_kwargs may only add template
@@ -44,6 +46,7 @@ class _ChoiceState:
     num_chars: int = 0
     num_tokens: int = 0
     is_finished: bool = False
+    reasoning: ReasoningReader | None = None
     tools: ToolCallReader | None = None
 
 
@@ -53,6 +56,8 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         # --chat-template, read once at start-up (None: the tokenizer's own).
         self.chat_template = self.serve_config.load_chat_template()
+        # --reasoning-parser's format and tags (None: replies are all content).
+        self.reasoning = self.engine.reasoning_tokens
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      ) -> ChatCompletionResponse | Response | SSEResponse:
@@ -88,9 +93,11 @@ class OpenAIServingChat(OpenAIServing):
             raise InvalidRequestError(f"tools: cannot force tool calls with these "
                                       f"parameter schemas: {e}") from e
         request_id = request.request_id or random_id("chatcmpl")
+        # Where the reply starts: in a reasoning or not (the prompt may decide it).
+        phase = self.reasoning.initial_phase(ids) if self.reasoning is not None else None
         streams = self.add_requests(request_id, [(text, ids)], [params], request)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, streams, plan))
+            return SSEResponse(self._stream(request, request_id, streams, plan, phase))
         final = None
         try:
             async for _, out in merge_streams(streams):
@@ -103,7 +110,10 @@ class OpenAIServingChat(OpenAIServing):
         for out in sorted(final.outputs, key=lambda o: o.index):
             logprobs = (self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
                         if request.logprobs else None)
-            message, finish_reason = self._message(out, plan.new_reader())
+            message, finish_reason = self._message(out, self._reasoning_reader(phase),
+                                                   plan.new_reader())
+            if not request.include_reasoning:
+                message.reasoning = message.reasoning_content = None
             if echo:
                 message.content = echo + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
@@ -123,16 +133,30 @@ class OpenAIServingChat(OpenAIServing):
         return await self.json_response(
             build, prompt_logprobs_bytes(k, 1, len(final.prompt_token_ids)))
 
+    def _reasoning_reader(self, phase: Phase | None) -> ReasoningReader | None:
+        """A reader of one choice's reasoning (None: no reasoning parser)."""
+        if self.reasoning is None or phase is None:
+            return None
+        return ReasoningReader(self.reasoning.format, phase)
+
     @staticmethod
-    def _message(out: CompletionOutput, reader: ToolCallReader | None,
-                 ) -> tuple[ChatResponseMessage, str | None]:
-        """A choice's message (its calls read from the text) and finish reason."""
+    def _message(out: CompletionOutput, reasoner: ReasoningReader | None,
+                 reader: ToolCallReader | None) -> tuple[ChatResponseMessage, str | None]:
+        """A choice's message (its reasoning split off, its calls read from the rest)
+        and finish reason."""
+        text, reasoning = out.text, None
+        if reasoner is not None:
+            reasoning, text = _join(reasoner.feed(text), reasoner.finish())
+            # An answer that never came is null, as OpenAI's content beside calls.
+            reasoning, text = reasoning or None, text or (None if reasoning else text)
         if reader is None:
-            return ChatResponseMessage(content=out.text), out.finish_reason
-        parsed = reader.read_all(out.text)
+            return (ChatResponseMessage(content=text, reasoning=reasoning,
+                                        reasoning_content=reasoning), out.finish_reason)
+        parsed = reader.read_all(text or "")
         calls = response_tool_calls(parsed.tool_calls)
-        content = parsed.content if parsed.content or not calls else None
-        return (ChatResponseMessage(content=content, tool_calls=calls or None),
+        content = parsed.content if parsed.content or not (calls or reasoning) else None
+        return (ChatResponseMessage(content=content, reasoning=reasoning,
+                                    reasoning_content=reasoning, tool_calls=calls or None),
                 reader.finish_reason(out.finish_reason))
 
     async def render_chat(self, messages: list[ChatMessage],
@@ -161,6 +185,7 @@ class OpenAIServingChat(OpenAIServing):
         conversation = [m.template_dict() for m in messages]
         # Contents, plus the calls and tools the template will print (a JSON estimate).
         num_bytes = sum(len(m["content"].encode("utf-8")) + len(m["role"])
+                        + len(m.get("reasoning", "").encode("utf-8"))
                         for m in conversation)
         num_bytes += sum(len(json.dumps(m.get("tool_calls", ""))) for m in conversation)
         num_bytes += len(json.dumps(tools)) if tools else 0
@@ -209,8 +234,10 @@ class OpenAIServingChat(OpenAIServing):
     # ------------------------------------------------------------------ streaming
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
-                      streams: list, plan: ToolPlan) -> AsyncIterator[str]:
-        states = {i: _ChoiceState(tools=plan.new_reader()) for i in range(request.n)}
+                      streams: list, plan: ToolPlan, phase: Phase | None,
+                      ) -> AsyncIterator[str]:
+        states = {i: _ChoiceState(reasoning=self._reasoning_reader(phase),
+                                  tools=plan.new_reader()) for i in range(request.n)}
         num_prompt_tokens = 0
 
         def chunk(choice: ChatStreamChoice) -> str:
@@ -241,7 +268,10 @@ class OpenAIServingChat(OpenAIServing):
                     st.num_tokens = len(out.token_ids)
                     st.is_finished = out.finish_reason is not None
                     message, finish_reason = self._delta(st, delta, out.finish_reason)
-                    if message.content or message.tool_calls or logprobs or st.is_finished:
+                    if not request.include_reasoning:
+                        message.reasoning = message.reasoning_content = None
+                    if (message.content or message.reasoning or message.tool_calls
+                            or logprobs or st.is_finished):
                         yield chunk(ChatStreamChoice(
                             index=out.index, delta=message, logprobs=logprobs,
                             finish_reason=finish_reason, stop_reason=out.stop_reason))
@@ -262,17 +292,31 @@ class OpenAIServingChat(OpenAIServing):
     @staticmethod
     def _delta(st: _ChoiceState, text: str, finish_reason: str | None,
                ) -> tuple[DeltaMessage, str | None]:
-        """A chunk's message of new text (through the choice's tool-call reader, which
-        may hold text back until it knows whether it belongs to a call)."""
+        """A chunk's message of new text: its reasoning split off, the rest through the
+        choice's tool-call reader (both may hold text back until they know where it
+        belongs)."""
+        reasoning = ""
+        if st.reasoning is not None:
+            parts = st.reasoning.feed(text)
+            if st.is_finished:
+                parts = _join(parts, st.reasoning.finish())
+            reasoning, text = parts
         if st.tools is None:
-            return DeltaMessage(content=text or None), finish_reason
+            return (DeltaMessage(content=text or None, reasoning=reasoning or None,
+                                 reasoning_content=reasoning or None), finish_reason)
         parsed = st.tools.feed(text)
         if st.is_finished:
             parsed.extend(st.tools.finish())
             finish_reason = st.tools.finish_reason(finish_reason)
-        return (DeltaMessage(content=parsed.content or None,
+        return (DeltaMessage(content=parsed.content or None, reasoning=reasoning or None,
+                             reasoning_content=reasoning or None,
                              tool_calls=stream_tool_calls(parsed.tool_calls) or None),
                 finish_reason)
+
+
+def _join(first: tuple[str, str], second: tuple[str, str]) -> tuple[str, str]:
+    """Two (reasoning, content) releases as one."""
+    return first[0] + second[0], first[1] + second[1]
 
 
 def _echo_text(request: ChatCompletionRequest) -> str:
