@@ -184,6 +184,12 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
 
+    def forget(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop these blocks' hashes from the prefix cache (their contents are not what
+        the hashes say); references are untouched."""
+        for block in blocks:
+            self._evict(block)
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block (prefix hits); free ones leave the free queue."""
         for block in blocks:

@@ -127,6 +127,9 @@ class ModelRunnerOutput:
     # Speculative decoding: req_id -> tokens proposed to follow what it has now (verified
     # by the next step that schedules it); None when nothing was proposed.
     spec_token_ids: dict[str, list[int]] | None = None
+    # req_id -> why the runner could not run it as asked (its LoRA adapter failed to
+    # load); the engine fails these requests and drops what they sampled. None: none.
+    failed_requests: dict[str, str] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

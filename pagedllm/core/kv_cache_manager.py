@@ -327,12 +327,16 @@ class KVCacheManager:
             self.block_pool.cache_full_blocks(group, keys, num_cached, num_full_blocks)
         self.num_cached_blocks[request.req_id] = num_full_blocks
 
-    def free(self, request: Request) -> None:
-        """Release all of the request's blocks, last block first (evicted first)."""
+    def free(self, request: Request, forget: bool = False) -> None:
+        """Release all of the request's blocks, last block first (evicted first);
+        `forget`: and take them out of the prefix cache (KV computed wrongly)."""
         groups = self.req_to_blocks.pop(request.req_id, [])
         self.num_cached_blocks.pop(request.req_id, None)
         for blocks in groups:
-            self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
+            held = [b for b in reversed(blocks) if not b.is_null]
+            if forget:
+                self.block_pool.forget(held)
+            self.block_pool.free_blocks(held)
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached hashes when no block is in use; True if done."""

@@ -568,23 +568,41 @@ class Scheduler:
         finished: list[Request] = []
         for req_id in req_ids:
             request = self.requests.get(req_id)
-            if request is None or request.is_finished:
-                continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            elif request.status == RequestStatus.SWAPPED:
-                self.swapped.remove(request)
-            else:
-                self.waiting.remove(request)
-            request.status = status
-            self._free_request(request)
-            finished.append(request)
+            if request is not None and not request.is_finished:
+                finished += self._finish_one(request, status)
         return finished
 
-    def _free_request(self, request: Request) -> None:
+    def _finish_one(self, request: Request, status: RequestStatus,
+                    forget: bool = False) -> list[Request]:
+        """Take a live request out of its queue, set `status`, free it; [request]."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self._free_request(request, forget=forget)
+        return [request]
+
+    def fail_requests(self, failures: dict[str, str]) -> list[Request]:
+        """Finish live requests the runner could not run as asked (req_id -> why, in
+        `Request.error`) as aborted. Their blocks leave the prefix cache: the KV they
+        computed is not what their hashes promise (a LoRA adapter that failed to load ran
+        as the base model). Unknown or finished ids are ignored."""
+        failed = []
+        for req_id, why in failures.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            request.error = why
+            failed += self._finish_one(request, RequestStatus.FINISHED_ABORTED, forget=True)
+        return failed
+
+    def _free_request(self, request: Request, forget: bool = False) -> None:
         """Release a finished request's blocks, device and host, and forget it (status
-        already set)."""
-        self.kv_cache_manager.free(request)
+        already set); `forget`: its blocks leave the prefix cache too."""
+        self.kv_cache_manager.free(request, forget=forget)
         if self.swap_space is not None:
             self.swap_space.free(request)
         self._num_needing_host_tokens -= needs_host_tokens(request)

@@ -143,8 +143,12 @@ class EngineCore:
 
     def _update(self, scheduler_output: SchedulerOutput,
                 runner_output: ModelRunnerOutput) -> list[Request]:
+        # Requests the runner could not run as asked end here, with Request.error;
+        # what they sampled is dropped (the updates below skip finished requests).
+        failed = (self.scheduler.fail_requests(runner_output.failed_requests)
+                  if runner_output.failed_requests else [])
         self.structured_output.accept_tokens(runner_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return failed + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def step(self) -> list[Request]:
         """Run one forward pass; return the requests that got tokens or finished

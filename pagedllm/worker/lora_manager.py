@@ -10,6 +10,7 @@ one (the scheduler keeps a step's adapters within max_loras <= max_cpu_loras).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Any
 
@@ -23,6 +24,8 @@ from pagedllm.lora.layers import LinearLoRA, LoRABatch
 from pagedllm.lora_request import LoRARequest
 from pagedllm.models.layers.linear import LinearBase
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS
+
+logger = logging.getLogger(__name__)
 
 
 class LoRAManager:
@@ -43,23 +46,34 @@ class LoRAManager:
         self.loaded: OrderedDict[int, list[LinearLoRA]] = OrderedDict()
 
     def begin_step(self, token_lora_ids: np.ndarray,
-                   requests: dict[int, LoRARequest]) -> bool:
+                   requests: dict[int, LoRARequest]) -> dict[int, str]:
         """Select each token row's adapter (`token_lora_ids`: one id per token, 0 for
-        none) for the next forward, loading adapters not loaded yet; False when no row
-        runs one (the batch stays inactive)."""
-        ids = np.unique(token_lora_ids)
-        ids = [int(i) for i in ids if i]
-        if not ids:
-            return False
+        none) for the next forward, loading adapters not loaded yet.
+
+        Returns the adapters that failed to load (lora_int_id -> why): their rows run
+        without an adapter, and the caller fails their requests. The front end checked
+        each adapter when a request first named it, but its files may have changed or
+        gone since; that fails those requests, not the step.
+        """
+        ids = [int(i) for i in np.unique(token_lora_ids) if i]
+        failed: dict[int, str] = {}
         for lora_id in ids:
-            self._use(requests[lora_id], keep=ids)
+            try:
+                self._use(requests[lora_id], keep=ids)
+            except Exception as e:  # unreadable, malformed or changed files
+                lora = requests[lora_id]
+                logger.warning("LoRA adapter %r (%s) failed to load: %s", lora.lora_name,
+                               lora.lora_path, e)
+                failed[lora_id] = (f"LoRA adapter {lora.lora_name!r} could not be loaded "
+                                   f"from {lora.lora_path}: {e}")
+        ids = [i for i in ids if i not in failed]
         if len(ids) == 1 and (token_lora_ids == ids[0]).all():
             self.batch.segments = ((ids[0], None),)
         else:
             self.batch.segments = tuple(
                 (i, torch.from_numpy(np.nonzero(token_lora_ids == i)[0]).to(self.device))
                 for i in ids)
-        return True
+        return failed
 
     def end_step(self) -> None:
         self.batch.segments = ()
@@ -89,14 +103,19 @@ class LoRAManager:
                 raise ValueError(f"LoRA adapter {lora.lora_path}: {module} does not fit "
                                  f"{name} ({rows} x {linear.input_size})")
             shards.setdefault(name, []).append((start, a, b, spec.scale))
-        layers = []
-        for name, parts in shards.items():
-            linear = self.linears[name]
-            if linear.lora is None:
-                linear.lora = LinearLoRA(self.batch, linear.input_size, linear.output_size,
-                                         self.device)
-            linear.lora.add(lora.lora_int_id, parts)
-            layers.append(linear.lora)
+        layers: list[LinearLoRA] = []
+        try:
+            for name, parts in shards.items():
+                linear = self.linears[name]
+                if linear.lora is None:
+                    linear.lora = LinearLoRA(self.batch, linear.input_size,
+                                             linear.output_size, self.device)
+                linear.lora.add(lora.lora_int_id, parts)
+                layers.append(linear.lora)
+        except BaseException:  # out of memory: no layer keeps half an adapter
+            for layer in layers:
+                layer.remove(lora.lora_int_id)
+            raise
         return layers
 
     def _target(self, module: str) -> tuple[str, str | int | None]:

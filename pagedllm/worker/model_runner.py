@@ -303,10 +303,11 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return StepOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         inputs = self._prepare_inputs(so)
+        failed_loras: dict[int, str] = {}
         if inputs.graph_bucket is not None:
             hidden = self.graphs.replay(inputs.graph_bucket, inputs.attn_metadata.num_reqs)
         elif inputs.lora_ids is not None:
-            self.lora.begin_step(inputs.lora_ids, inputs.loras)
+            failed_loras = self.lora.begin_step(inputs.lora_ids, inputs.loras)
             try:
                 hidden = self._forward(inputs.input_ids, inputs.positions,
                                        inputs.attn_metadata)
@@ -320,6 +321,8 @@ class ModelRunner:
                 return StepOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         output = ModelRunnerOutput(req_ids=inputs.req_ids,
                                    sampled_token_ids=[[] for _ in inputs.req_ids])
+        if failed_loras:
+            output.failed_requests = self._requests_of_loras(inputs.req_ids, failed_loras)
         deferred = None
         if len(inputs.sample_rows):
             deferred = self._sample(inputs, hidden, output)
@@ -537,6 +540,13 @@ class ModelRunner:
                 tokens.append(cached.new_token_ids[0])
         if rows:
             batch.append_sampled(np.array(rows), np.array(tokens, dtype=np.int64))
+
+    def _requests_of_loras(self, req_ids: list[str], reasons: dict[int, str],
+                           ) -> dict[str, str]:
+        """req_id -> reason, for the step's requests whose adapter is in `reasons`."""
+        batch = self.input_batch
+        return {req_id: reasons[lora_id] for req_id in req_ids
+                if (lora_id := int(batch.lora_ids[batch.req_id_to_row[req_id]])) in reasons}
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch, block_size = self.input_batch, self.block_size

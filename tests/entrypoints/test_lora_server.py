@@ -93,6 +93,31 @@ def test_runtime_loading(server, adapters):
     assert "smol-b" in [c["id"] for c in httpx.get(f"{url}/v1/models").json()["data"]]
 
 
+def test_an_adapter_broken_after_loading_fails_its_requests_only(server, adapters,
+                                                                 tmp_path):
+    """An adapter loaded (checked) at runtime whose weights file is then overwritten:
+    its request gets a 400 naming the adapter, and the server keeps serving."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(adapters[1], broken)
+    load = httpx.post(f"{server.url}/v1/load_lora_adapter", timeout=60,
+                      json={"lora_name": "smol-broken", "lora_path": str(broken)})
+    assert load.status_code == 200, load.text
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    failed = _complete(server, "smol-broken")
+    assert failed.status_code == 400, failed.text
+    assert "LoRA adapter 'smol-broken' could not be loaded" in failed.json()["error"][
+        "message"]
+    streamed = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": "smol-broken", "prompt": PROMPT, "max_tokens": 4, "stream": True})
+    assert "could not be loaded" in streamed.text and streamed.text.endswith(
+        "data: [DONE]\n\n")
+    assert _complete(server, MODEL_NAME).status_code == 200
+    assert _complete(server, "smol-a").status_code == 200
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
 def test_lora_flags_need_enable_lora(adapters):
     with pytest.raises(RuntimeError, match="need --enable-lora"):
         RemoteServer(["--lora-modules", f"a={adapters[0]}"], startup_timeout_s=120)

@@ -215,3 +215,39 @@ def test_beam_search_with_an_adapter(tiny):
     base = llm.beam_search(_ids(prompts), wide)
     assert [s.tokens for o in adapted for s in o.sequences] != \
         [s.tokens for o in base for s in o.sequences]
+
+
+def test_an_adapter_that_fails_to_load_fails_only_its_requests(tiny, tmp_path):
+    """An adapter checked when its request arrived but unreadable when the worker loads
+    it (its file replaced meanwhile): its requests finish as aborted, saying why; the
+    others in the same steps get their usual tokens; the engine keeps running; the KV
+    the failed requests computed (as the base model) is not served later as theirs."""
+    import shutil
+
+    model, full, _ = tiny
+    broken = tmp_path / "broken"
+    shutil.copytree(full, broken)
+    weights = (broken / "adapter_model.safetensors").read_bytes()
+    llm = LLM(str(model), skip_tokenizer_init=True, dtype="float32", enable_lora=True,
+              max_loras=2)
+    prompts = random_prompts(3, 256, 40, 40, seed=9)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ok, bad = LoRARequest("full", 1, str(full)), LoRARequest("broken", 3, str(broken))
+    want = _tokens(llm.generate(_ids(prompts), sp, use_tqdm=False,
+                                lora_request=[None, ok, ok]))
+    engine = llm.llm_engine
+    engine.add_request("bad", _ids(prompts)[2], sp, lora_request=bad)  # checked here
+    (broken / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+    engine.add_request("base", _ids(prompts)[0], sp)
+    engine.add_request("ok", _ids(prompts)[1], sp, lora_request=ok)
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert done["bad"].outputs[0].finish_reason == "abort"
+    assert done["bad"].outputs[0].token_ids == []
+    assert _tokens([done["base"], done["ok"]]) == want[:2]
+    # Files back: the adapter loads now and computes its own KV (a copy of `full`: the
+    # same tokens), not the base model's blocks of the failed attempt from the cache.
+    (broken / "adapter_model.safetensors").write_bytes(weights)
+    again = llm.generate(_ids(prompts)[2:], sp, use_tqdm=False, lora_request=bad)[0]
+    assert again.num_cached_tokens == 0 and _tokens([again]) == want[2:]
