@@ -6,7 +6,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidRequestError, ModelLoadError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
-                              EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput)
+                              EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
+                              ScoringOutput, ScoringRequestOutput)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
                                       StructuredOutputsParams)
@@ -17,4 +18,5 @@ __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "CompletionOutput", "Logprob", "InvalidRequestError", "ModelLoadError",
            "RequestOutputKind", "StructuredOutputsParams", "BeamSearchParams",
            "BeamSearchOutput", "BeamSearchSequence", "PoolingParams",
-           "EmbeddingOutput", "EmbeddingRequestOutput", "LoRARequest", "__version__"]
+           "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
+           "ScoringRequestOutput", "LoRARequest", "__version__"]

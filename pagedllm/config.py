@@ -118,7 +118,11 @@ class ModelConfig:
     prefix caching, embeddings only (no generation). Set from the architecture."""
     default_pooling_type: str = "last"
     """The pooling of an embedding request that names none: the model directory's
-    sentence-transformers Pooling config, else "mean" for encoders, "last" otherwise."""
+    sentence-transformers Pooling config, else "mean" for encoders, "last" otherwise
+    ("cls" for cross-encoders: their head reads the [CLS] state)."""
+    is_cross_encoder: bool = False
+    """An encoder with a one-label classification head (BertForSequenceClassification):
+    it scores text pairs (pooling task "score") and neither embeds nor generates."""
     quantization: str | None = None
     """"gguf": run a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K weights as stored, via the native
     quantized GEMM (CPU; other tensor types are dequantized); None: dequantize every

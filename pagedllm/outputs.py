@@ -112,3 +112,24 @@ class EmbeddingRequestOutput:
     """Prompt tokens served from the prefix cache."""
     finish_reason: str = "stop"
     """"stop" once pooled; "abort" or "timeout" when it ended without an embedding."""
+
+
+@dataclass
+class ScoringOutput:
+    """The score of one pair of texts."""
+
+    score: float
+    """A cross-encoder's score (its head's output, through its activation), or the
+    cosine similarity of the two texts' embeddings for an embedding model."""
+
+
+@dataclass
+class ScoringRequestOutput:
+    """The result of scoring one pair (vLLM's name and fields)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    """The pair's prompt (a cross-encoder's); the two texts' prompts one after the
+    other for an embedding model."""
+    finished: bool = True

@@ -16,6 +16,7 @@ from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import check_truncate_prompt_tokens
 
 POOLING_TYPES = ("last", "mean", "cls")
+POOLING_TASKS = ("embed", "score")
 
 
 @dataclass
@@ -34,9 +35,23 @@ class PoolingParams:
     """Matryoshka truncation: not supported (a model must declare it), so only None."""
     truncate_prompt_tokens: int | None = None
     """Embed only the prompt's last k tokens; -1: its last max_model_len; None: all."""
+    task: str = "embed"
+    """"embed": a vector of the prompt (embedding models); "score": a cross-encoder's
+    score of the pair the prompt holds (LLM.score sets it, with token_type_start)."""
+    token_type_start: int | None = None
+    """Score requests: the prompt position where the pair's second text (token type 1)
+    starts; None: the whole prompt is type 0."""
 
     def __post_init__(self) -> None:
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.task not in POOLING_TASKS:
+            raise InvalidRequestError(f"task must be one of {POOLING_TASKS}, got "
+                                      f"{self.task!r}")
+        if self.token_type_start is not None and (
+                isinstance(self.token_type_start, bool)
+                or not isinstance(self.token_type_start, int) or self.token_type_start < 1):
+            raise InvalidRequestError(f"token_type_start must be a position >= 1, got "
+                                      f"{self.token_type_start!r}")
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise InvalidRequestError(f"pooling_type must be one of {POOLING_TYPES}, got "
                                       f"{self.pooling_type!r}")

@@ -184,6 +184,31 @@ def save_tiny_bert(path: Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def save_tiny_cross_encoder(path: Path, seed: int = 0, activation: str | None = None,
+                            **overrides) -> Path:
+    """A random `transformers` BertForSequenceClassification with one label (a
+    cross-encoder) and TINY_BERT_VOCAB's tokenizer, float32. `activation`: the
+    sentence-transformers activation its config names (None: the default, a sigmoid).
+    Weights perturbed by 0.2 (not 0.02) so that pairs get visibly different scores."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
+
+    kw = dict(vocab_size=len(TINY_BERT_VOCAB) + 8, hidden_size=64, num_hidden_layers=2,
+              num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
+              type_vocab_size=2, hidden_act="gelu", num_labels=1)
+    kw.update(overrides)
+    config = BertConfig(**kw)
+    if activation is not None:
+        config.sentence_transformers = {"activation_fn": activation}
+    torch.manual_seed(seed)
+    model = BertForSequenceClassification(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path)
+    BertTokenizer(vocab={w: i for i, w in enumerate(TINY_BERT_VOCAB)}).save_pretrained(path)
+    return Path(path)
+
+
 LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                       "down_proj")
 

@@ -31,6 +31,7 @@ class InputProcessor:
         self.architecture = model_config.architecture
         self.is_encoder_only = model_config.is_encoder_only
         self.default_pooling_type = model_config.default_pooling_type
+        self.is_cross_encoder = model_config.is_cross_encoder
         # None: LoRA is off and a request naming an adapter is refused.
         self.adapters = (AdapterChecks(model_config.hf_config, lora_config.max_lora_rank)
                          if lora_config is not None else None)
@@ -70,6 +71,7 @@ class InputProcessor:
         if isinstance(params, PoolingParams):
             text, ids = self._truncated(*self.tokenize(prompt), params.truncate_prompt_tokens)
             self.validate_prompt(ids)
+            self.check_pooling_task(params, len(ids))
             if params.pooling_type is None:
                 # A copy: one PoolingParams may be shared by many prompts.
                 params = replace(params, pooling_type=self.default_pooling_type)
@@ -116,6 +118,26 @@ class InputProcessor:
                                       f"enabled: start the engine with enable_lora=True "
                                       f"(--enable-lora)")
         self.adapters.check(lora_request)
+
+    def check_pooling_task(self, params: PoolingParams, num_tokens: int) -> None:
+        """A cross-encoder only scores pairs (its head reads the [CLS] state, raw); every
+        other model only embeds."""
+        if self.is_cross_encoder != (params.task == "score"):
+            if self.is_cross_encoder:
+                raise InvalidRequestError(
+                    f"{self.architecture} is a cross-encoder: it scores pairs of texts "
+                    f"(LLM.score, /v1/score, /v1/rerank) and does not embed")
+            raise InvalidRequestError(
+                f"task 'score' needs a cross-encoder model; {self.architecture} scores "
+                f"pairs by the cosine similarity of their embeddings (LLM.score does that)")
+        if params.task != "score":
+            return
+        if params.pooling_type not in (None, "cls") or params.normalize:
+            raise InvalidRequestError("a cross-encoder's score reads the [CLS] state as it "
+                                      "is: pooling_type 'cls' (or None), normalize False")
+        if params.token_type_start is not None and params.token_type_start >= num_tokens:
+            raise InvalidRequestError(f"token_type_start {params.token_type_start} is past "
+                                      f"the prompt's {num_tokens} tokens")
 
     def check_generation(self) -> None:
         """Encoder-only models embed; they have no LM head to generate with."""

@@ -1,4 +1,4 @@
-"""LLM: the offline entry point (generate, chat) over an LLMEngine."""
+"""LLM: the offline entry point (generate, chat, embed, score) over an LLMEngine."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import beam_search
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.scoring import (cosine_score, cross_encoder_params, encode_pair,
+                                     score_pairs)
 from pagedllm.errors import InvalidRequestError
 from pagedllm.lora_request import LoRARequest
-from pagedllm.outputs import BeamSearchOutput, EmbeddingRequestOutput, RequestOutput
+from pagedllm.outputs import (BeamSearchOutput, EmbeddingRequestOutput, RequestOutput,
+                              ScoringOutput, ScoringRequestOutput)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -89,6 +92,39 @@ class LLM:
         req_ids = self._add_all(prompts, params, [0] * len(prompts),
                                 _loras(lora_request, len(prompts)))
         return self._run(req_ids, use_tqdm)
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """Score pairs of texts (vLLM's LLM.score): `data_1` against each of `data_2`
+        (one text), or the two lists pairwise. A cross-encoder
+        (BertForSequenceClassification) reads each pair as one prompt and scores it
+        with its head; an embedding model scores the cosine similarity of the two
+        texts' embeddings. Outputs in pair order."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise InvalidRequestError("score needs a tokenizer (skip_tokenizer_init is set)")
+        pairs = score_pairs(data_1, data_2)
+        if self.llm_engine.config.model.is_cross_encoder:
+            max_len = self.llm_engine.config.model.max_model_len
+            encoded = [encode_pair(tokenizer, a, b, max_len, truncate_prompt_tokens)
+                       for a, b in pairs]
+            outs = self.embed([{"prompt_token_ids": ids} for ids, _ in encoded],
+                              [cross_encoder_params(start) for _, start in encoded],
+                              use_tqdm, lora_request)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.embedding[0]),
+                                         o.prompt_token_ids) for o in outs]
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        embedded = dict(zip(texts, self.embed(texts, params, use_tqdm, lora_request)))
+        outputs = []
+        for a, b in pairs:
+            u, v = embedded[a], embedded[b]
+            outputs.append(ScoringRequestOutput(
+                f"{u.request_id}+{v.request_id}",
+                ScoringOutput(cosine_score(u.outputs.embedding, v.outputs.embedding)),
+                u.prompt_token_ids + v.prompt_token_ids))
+        return outputs
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams,

@@ -1,11 +1,12 @@
-"""BERT encoder (`BertModel`, as sentence-transformers' all-MiniLM-L6-v2): embeddings only.
+"""BERT encoder (`BertModel`, as sentence-transformers' all-MiniLM-L6-v2): embeddings; and
+the cross-encoder `BertForSequenceClassification` (pair scores) at the end of the file.
 
 x = LayerNorm(word(ids) + position(positions) + token_type(0)); per layer (post-LN):
 x = LayerNorm(x + attn(x)); x = LayerNorm(x + W2 gelu(W1 x)). The attention is
 bidirectional within each request (attention/encoder.py) and keeps no KV cache; the
 model has no LM head: it returns the last layer's hidden states for the pooler
 (mean / cls / last). Every prompt is one segment of token type 0 (what an embedding of
-one text gets from the tokenizer).
+one text gets from the tokenizer); a cross-encoder's pair is two.
 
 Checkpoint names are HF's: `embeddings.*`, `encoder.layer.N.*`, with or without the
 `bert.` prefix of task checkpoints; the pooler (`pooler.dense`, a tanh head that
@@ -52,8 +53,11 @@ class BertEmbeddings(Module):
         self.token_type_embeddings = VocabEmbedding(cfg.type_vocab_size, hidden)
         self.LayerNorm = LayerNorm(hidden, cfg.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)  # [T, H]
+        if token_type_ids is not None:  # a cross-encoder's pair: type 1 on the second
+            return self.LayerNorm(x + self.token_type_embeddings(token_type_ids))
         # Token type 0 for every token: row 0, broadcast over the tokens.
         return self.LayerNorm(x + self.token_type_embeddings.weight[0])
 
@@ -132,14 +136,73 @@ class BertModel(nn.Module):
         self.encoder = BertEncoder(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.embeddings(input_ids, positions)  # [T, hidden]
+                attn_metadata: AttentionMetadata,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions, token_type_ids)  # [T, hidden]
         for layer in self.encoder.layer:
             x = layer(x, attn_metadata)
         return x
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_stacked_weights(self, _hf_names(weights), _STACKED_PARAMS, skip=_SKIP)
+
+
+class BertForSequenceClassification(BertModel):
+    """A cross-encoder (sentence-transformers' CrossEncoder, e.g. ms-marco-MiniLM-L-6-v2):
+    BertModel over the pair "[CLS] a [SEP] b [SEP]", token type 1 on b (the runner
+    passes `token_type_ids` from each request's PoolingParams.token_type_start), then
+    `score_head` on the [CLS] state: classifier(tanh(pooler.dense(h))), through the
+    model's activation. One label only (arg_utils refuses classifiers)."""
+
+    takes_token_type_ids = True
+
+    def __init__(self, cfg: Any, attn_backend: str) -> None:
+        super().__init__(cfg, attn_backend)
+        hidden = cfg.hidden_size
+        self.pooler = BertPooler(cfg)
+        self.classifier = ColumnParallelLinear(hidden, cfg.num_labels, bias=True)
+        self.activation = cross_encoder_activation(cfg)
+
+    def score_head(self, cls_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] pooled [CLS] states -> [N, num_labels] scores (float32)."""
+        x = self.pooler(cls_states.to(self.classifier.weight.dtype))
+        return self.activation(self.classifier(x).float())
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # Unlike an embedding model, the pooler is part of the scoring head here.
+        return load_stacked_weights(self, _hf_names(weights), _STACKED_PARAMS,
+                                    skip=("cls.", "embeddings.position_ids"))
+
+
+class BertPooler(Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.dense = ColumnParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(x))
+
+
+# sentence-transformers' names of a CrossEncoder's activation, as its config stores them.
+_ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "torch.nn.modules.linear.Identity": nn.Identity,
+    "torch.nn.modules.activation.Sigmoid": nn.Sigmoid}
+
+
+def cross_encoder_activation(cfg: Any) -> nn.Module:
+    """What turns a cross-encoder's logit into its score, as sentence-transformers'
+    CrossEncoder decides: the activation its config names (`sentence_transformers.
+    activation_fn`, or the older `sbert_ce_default_activation_function`; ms-marco
+    MiniLM names Identity: raw logits), else a sigmoid for one label."""
+    st = getattr(cfg, "sentence_transformers", None) or {}
+    name = (st.get("activation_fn") if isinstance(st, dict) else None) or getattr(
+        cfg, "sbert_ce_default_activation_function", None)
+    if name is None:
+        return nn.Sigmoid()
+    if name not in _ACTIVATIONS:
+        raise ModelLoadError(f"cross-encoder activation {name!r} is not supported "
+                             f"(supported: {', '.join(sorted(_ACTIVATIONS))})")
+    return _ACTIVATIONS[name]()
 
 
 def _hf_names(weights: Iterable[tuple[str, torch.Tensor]],

@@ -314,7 +314,8 @@ class ModelRunner:
             finally:
                 self.lora.end_step()
         elif self.parallel.pp_size == 1:
-            hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata,
+                                   **self._token_types(inputs))
         else:
             hidden = self._forward_stage(inputs)
             if not self.parallel.is_last_stage:
@@ -339,7 +340,8 @@ class ModelRunner:
             # Under TP every rank holds the full hidden states; only the driver reports.
             output.pooler_output = pool_hidden_states(
                 hidden, self.input_batch, inputs.req_ids, inputs.rows,
-                inputs.attn_metadata.query_start_loc_cpu)
+                inputs.attn_metadata.query_start_loc_cpu,
+                getattr(self.model, "score_head", None))
         if deferred is None:
             return StepOutput(output)
         return StepOutput(output, lambda out: self._read_sampled(deferred, out))
@@ -540,6 +542,22 @@ class ModelRunner:
                 tokens.append(cached.new_token_ids[0])
         if rows:
             batch.append_sampled(np.array(rows), np.array(tokens, dtype=np.int64))
+
+    def _token_types(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
+        """`token_type_ids` for a model that reads them (a cross-encoder): 1 on the
+        tokens at or past their request's PoolingParams.token_type_start, else 0; {} for
+        every other model."""
+        if not getattr(self.model, "takes_token_type_ids", False):
+            return {}
+        pooling = self.input_batch.pooling_params
+        no_pair = self.max_model_len  # a position no token reaches: all type 0
+        starts = np.array([getattr(pooling.get(r), "token_type_start", None) or no_pair
+                           for r in inputs.req_ids], dtype=np.int64)
+        query_start_loc = inputs.attn_metadata.query_start_loc_cpu
+        req_of = np.repeat(np.arange(len(inputs.req_ids)), np.diff(query_start_loc))
+        positions = inputs.positions.cpu().numpy()
+        types = torch.from_numpy((positions >= starts[req_of]).astype(np.int64))
+        return {"token_type_ids": types.to(inputs.positions.device)}
 
     def _requests_of_loras(self, req_ids: list[str], reasons: dict[int, str],
                            ) -> dict[str, str]:

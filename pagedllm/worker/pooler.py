@@ -9,6 +9,8 @@ model_runner.py like prompt_logprobs.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -17,9 +19,11 @@ from pagedllm.worker.input_batch import InputBatch
 
 def pool_hidden_states(hidden: torch.Tensor, batch: InputBatch, req_ids: list[str],
                        rows: np.ndarray, query_start_loc: np.ndarray,
+                       score_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
                        ) -> dict[str, list[float]] | None:
     """req_id -> pooled vector (float32, L2-normalized when asked) of each embedding
-    request of the step; None when the step has none.
+    request of the step; None when the step has none. A score request's vector is its
+    pooled state through the model's `score_head` (a cross-encoder's scores).
 
     `hidden` is [num_tokens, hidden_size] after the model's final norm, flattened in
     `req_ids` order: request i's tokens are hidden[query_start_loc[i]:query_start_loc[i+1]].
@@ -42,7 +46,10 @@ def pool_hidden_states(hidden: torch.Tensor, batch: InputBatch, req_ids: list[st
             vec = hidden[start].float()  # [H]: the first prompt token ([CLS])
         else:
             vec = hidden[end - 1].float()  # [H]: the last prompt token
-        if params.normalize:
+        if params.task == "score":
+            assert score_head is not None, "the input processor admits scores only here"
+            vec = score_head(vec[None])[0]  # [num_labels]
+        elif params.normalize:
             vec = torch.nn.functional.normalize(vec, p=2.0, dim=0)
         vectors.append(vec)
     values = torch.stack(vectors).cpu().tolist()  # one host sync for the step

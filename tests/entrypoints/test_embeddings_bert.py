@@ -88,3 +88,51 @@ def test_input_past_the_positions_is_400(server):
     assert f"maximum context length is {MAX_POSITIONS}" in r.text
     # Still serving.
     assert _post(server, "/v1/embeddings", {"model": NAME, "input": "Hello"}).status_code == 200
+
+
+def test_score_and_rerank_by_cosine(server, model_dir):
+    """An embedding model scores pairs by the cosine similarity of their embeddings
+    (LLM.score's numbers); /rerank orders the documents by it."""
+    from pagedllm import LLM
+
+    query, docs = TEXTS[0], TEXTS[1:]
+    r = _post(server, "/v1/score", {"model": NAME, "text_1": query, "text_2": docs})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1, 2]
+    scores = [d["score"] for d in body["data"]]
+    assert body["usage"]["prompt_tokens"] > 0
+    llm = LLM(str(model_dir), dtype="float32")
+    want = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    llm.shutdown()
+    assert scores == pytest.approx(want, abs=1e-6)
+    same = _post(server, "/score", {"queries": [query] * 3, "documents": docs}).json()
+    assert [d["score"] for d in same["data"]] == pytest.approx(scores, abs=1e-6)
+    ranked = _post(server, "/v1/rerank", {"query": query, "documents": docs, "top_n": 2})
+    assert ranked.status_code == 200, ranked.text
+    results = ranked.json()["results"]
+    order = sorted(range(3), key=lambda i: -scores[i])[:2]
+    assert [x["index"] for x in results] == order
+    assert [x["document"]["text"] for x in results] == [docs[i] for i in order]
+    assert [x["relevance_score"] for x in results] == pytest.approx(
+        [scores[i] for i in order], abs=1e-6)
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "give one text_1"),
+    ({"text_1": "a"}, "text_1 and text_2 are both required"),
+    ({"text_1": "a", "text_2": "b", "queries": "c", "documents": "d"}, "give text_1 and"),
+    ({"text_1": "a", "text_2": []}, "text_2 must not be empty"),
+    ({"text_1": 1, "text_2": "b"}, "text_1"),
+])
+def test_score_400s(server, body, fragment):
+    r = _post(server, "/v1/score", body)
+    assert r.status_code == 400 and fragment in r.text, r.text
+
+
+def test_rerank_400s(server):
+    for body, fragment in (({"query": "a", "documents": []}, "documents must not be empty"),
+                           ({"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+                           ({"documents": ["b"]}, "query")):
+        r = _post(server, "/v2/rerank", body)
+        assert r.status_code == 400 and fragment in r.text, r.text

@@ -70,3 +70,17 @@ def test_matches_transformers_mean_pooling(model_dir, outputs):
     vecs = torch.tensor([o.outputs.embedding for o in outputs[:3]])
     sims = vecs @ vecs.T
     assert sims[0, 1] > max(sims[0, 2], sims[1, 2]) + 0.3
+
+
+def test_score_is_sentence_transformers_cosine_similarity(model_dir):
+    from sentence_transformers import SentenceTransformer, util
+
+    query, docs = TEXTS[0], TEXTS[1:4]
+    llm = LLM(model_dir, dtype="float32")
+    got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    llm.shutdown()
+    st = SentenceTransformer(model_dir, device="cpu")
+    want = util.cos_sim(st.encode([query], convert_to_tensor=True),
+                        st.encode(docs, convert_to_tensor=True))[0].tolist()
+    assert got == pytest.approx(want, abs=1e-4)
+    assert got[0] == max(got)  # the paraphrase scores highest

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /v1/embeddings, POST /tokenize,
+POST /v1/embeddings, POST /score and /rerank (vLLM's; also under /v1, /v2/rerank),
+POST /tokenize,
 POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
 GET /debug/stats, GET /dashboard (a live page; its files need no key, its feed
 GET /dashboard/state is keyed like /metrics: dashboard/routes.py).
@@ -45,6 +46,7 @@ from pagedllm.engine.async_llm import QueueFullError
 from pagedllm.entrypoints.openai.dashboard import (PAGE_PATHS, STATE_PATH, DashboardFeed,
                                                    add_dashboard_routes)
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
+from pagedllm.entrypoints.openai.score_protocol import RerankRequest, ScoreRequest
 from pagedllm.entrypoints.openai.offload import Offloader
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -54,6 +56,7 @@ from pagedllm.entrypoints.openai.serving_common import (RequestTimeoutError, err
                                                         error_status, exception_message)
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -194,6 +197,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     completions = OpenAIServingCompletion(engine, models, serve_config, offloader)
     chat = OpenAIServingChat(engine, models, serve_config, offloader)
     embeddings = OpenAIServingEmbedding(engine, models, serve_config, offloader)
+    scores = OpenAIServingScore(engine, models, serve_config, offloader)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -234,6 +238,17 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Any:
         return await _cancel_on_disconnect(raw_request,
                                            embeddings.create_embedding(request))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(request: ScoreRequest, raw_request: Request) -> Any:
+        return await _cancel_on_disconnect(raw_request, scores.create_score(request))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def create_rerank(request: RerankRequest, raw_request: Request) -> Any:
+        return await _cancel_on_disconnect(raw_request, scores.create_rerank(request))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

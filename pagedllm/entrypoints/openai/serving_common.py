@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.served_models import ModelNotFoundError, ServedModels
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams, check_truncate_prompt_tokens
 
 logger = logging.getLogger(__name__)
@@ -264,6 +265,46 @@ class OpenAIServing:
             self.abort_all(request_id, len(streams))
             raise
         return streams
+
+    async def pool_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
+                       params: list[PoolingParams], request: Any) -> list[list[float]]:
+        """Run one pooling (embedding or score) request per prompt, all or none; their
+        vectors in prompt order. RequestTimeoutError when one ended without a result."""
+        streams = self.add_requests(request_id, prompts, params, request)
+        finals: list[EmbeddingRequestOutput | None] = [None] * len(prompts)
+        try:
+            async for i, out in merge_streams(streams):
+                finals[i] = out
+        finally:
+            self.abort_all(request_id, len(prompts))  # no-op unless one failed
+        vectors = []
+        for out in finals:
+            assert out is not None and out.finished, "every stream ends finished"
+            if out.finish_reason != "stop":
+                raise RequestTimeoutError(f"The request ended without a result "
+                                          f"({out.finish_reason}).")
+            vectors.append(out.outputs.embedding)
+        return vectors
+
+    def check_pooling_length(self, num_tokens: int, where: str) -> None:
+        """An embedding or score input fits one step and the KV cache; 400 naming it."""
+        if num_tokens == 0:
+            raise InvalidRequestError(f"{where} is empty: give at least one token")
+        if num_tokens > self.max_model_len:
+            # vLLM's message for embedding inputs.
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {num_tokens} tokens in the input for embedding "
+                f"generation ({where}). Please reduce the length of the input.")
+        max_batched = self.engine.config.scheduler.max_num_batched_tokens
+        if num_tokens > max_batched:
+            raise InvalidRequestError(
+                f"{where} has {num_tokens} tokens, but an embedding input is computed in "
+                f"one step of at most {max_batched} tokens (--max-num-batched-tokens).")
+        if num_tokens > self.engine.num_kv_cache_tokens:
+            raise InvalidRequestError(
+                f"{where} has {num_tokens} tokens but the KV cache holds only "
+                f"{self.engine.num_kv_cache_tokens}.")
 
     def abort_all(self, request_id: str, num_prompts: int) -> None:
         for i in range(num_prompts):

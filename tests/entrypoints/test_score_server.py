@@ -1,0 +1,87 @@
+"""/score and /rerank served by a tiny random cross-encoder (float32): the scores equal
+LLM.score's, rerank orders by them (top_n, return_documents), and long pairs are 400s
+unless truncated."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.entrypoints.utils import RemoteServer
+from tests.utils import save_tiny_cross_encoder
+
+NAME = "tiny-ce"
+QUERY = "the cat sat on the mat"
+DOCS = ["a dog is playing guitar", "the man is on the mat, the cat sat", "hello world",
+        "paris is the capital of france"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_cross_encoder(tmp_path_factory.mktemp("served_ce"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = RemoteServer([str(model_dir), "--dtype", "float32", "--served-model-name", NAME,
+                        "--log-stats-interval", "0"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    from pagedllm import LLM
+
+    llm = LLM(str(model_dir), dtype="float32")
+    scores = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+    llm.shutdown()
+    return scores
+
+
+def _post(server, route: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + route, json={"model": NAME, **body}, timeout=120)
+
+
+def test_score_matches_offline(server, offline):
+    for route in ("/score", "/v1/score"):
+        r = _post(server, route, {"text_1": QUERY, "text_2": DOCS})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model"] == NAME and body["id"].startswith("score")
+        assert [d["score"] for d in body["data"]] == pytest.approx(offline, abs=1e-6)
+    pairwise = _post(server, "/v1/score", {"text_1": [QUERY, DOCS[0]],
+                                           "text_2": [DOCS[1], DOCS[1]]}).json()
+    assert pairwise["data"][0]["score"] == pytest.approx(offline[1], abs=1e-6)
+
+
+def test_rerank_orders_by_score(server, offline):
+    order = sorted(range(len(DOCS)), key=lambda i: -offline[i])
+    for route in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = _post(server, route, {"query": QUERY, "documents": DOCS})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == order
+        assert [x["relevance_score"] for x in results] == pytest.approx(
+            [offline[i] for i in order], abs=1e-6)
+    top = _post(server, "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 1,
+                                      "return_documents": False}).json()
+    assert [x["index"] for x in top["results"]] == order[:1]
+    assert top["results"][0].get("document") is None and top["usage"]["total_tokens"] > 0
+
+
+def test_long_pairs_need_truncation(server):
+    long = " ".join(["the cat sat on the mat"] * 20)  # past the 64 positions
+    r = _post(server, "/v1/score", {"text_1": QUERY, "text_2": long})
+    assert r.status_code == 400 and "pair 0" in r.json()["error"]["message"]
+    r = _post(server, "/v1/score", {"text_1": QUERY, "text_2": long,
+                                    "truncate_prompt_tokens": 48})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 48
+
+
+def test_a_cross_encoder_does_not_embed_or_generate(server):
+    r = _post(server, "/v1/embeddings", {"input": "hello"})
+    assert r.status_code == 400 and "cross-encoder" in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {"prompt": "hello", "max_tokens": 2})
+    assert r.status_code == 400
