@@ -139,6 +139,11 @@ class LlamaMLP(Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+def dense_mlp(cfg: Any, parallel: ParallelState | None = None, layer: int = 0) -> LlamaMLP:
+    """Every layer's feed-forward block: the dense gated MLP."""
+    return LlamaMLP(cfg, parallel=parallel)
+
+
 class LlamaDecoderLayer(Module):
     def __init__(self, cfg: Any, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
@@ -161,9 +166,10 @@ class LlamaVariant:
     o_bias: bool | None = None
     # RMSNorm over each q and k head before RoPE (Qwen3).
     qk_norm: bool = False
-    # Builds the feed-forward block of a layer from the config and the worker's
-    # ParallelState, as make_mlp(cfg, parallel=...) (Mixtral: sparse MoE).
-    make_mlp: Callable[..., nn.Module] = LlamaMLP
+    # Builds the feed-forward block of layer `layer` from the config and the worker's
+    # ParallelState, as make_mlp(cfg, parallel=..., layer=...) (Mixtral: sparse MoE;
+    # Qwen3-MoE: sparse or dense by layer).
+    make_mlp: Callable[..., nn.Module] = dense_mlp
     # (fused param, checkpoint part, shard id); () for checkpoints stored fused (Phi-3).
     stacked_params: tuple[tuple[str, str, str | int], ...] = LLAMA_STACKED_PARAMS
 
@@ -193,7 +199,7 @@ class LlamaModel(Module):
                 cfg, attn_backend, rotary_emb, sliding_window=layer_sliding_window(cfg, i),
                 qkv_bias=qkv_bias, o_bias=o_bias, qk_norm_offset=qk_norm_offset,
                 parallel=parallel),
-                variant.make_mlp(cfg, parallel=parallel)), parallel)
+                variant.make_mlp(cfg, parallel=parallel, layer=i)), parallel)
         self.norm = stage_part(parallel.is_last_stage,
                                lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
         # The native stack runs whole (unsharded) models with no communication in them.

@@ -69,14 +69,20 @@ class ExpertLinear(nn.Module):
 
 
 class MixtralMoE(nn.Module):
-    """x [T, hidden] -> sum over its top-k experts of weight * expert_mlp(x) [T, hidden]."""
+    """x [T, hidden] -> sum over its top-k experts of weight * expert_mlp(x) [T, hidden].
 
-    def __init__(self, cfg: Any, parallel: ParallelState | None = None) -> None:
+    `intermediate_size` is each expert's (default: the config's intermediate_size);
+    `renormalize` divides the top-k probabilities by their sum (Mixtral; Qwen3-MoE's
+    norm_topk_prob), else they weight the experts as the softmax gave them."""
+
+    def __init__(self, cfg: Any, parallel: ParallelState | None = None, layer: int = 0,
+                 intermediate_size: int | None = None, renormalize: bool = True) -> None:
         super().__init__()
         self.parallel = parallel or SINGLE_RANK
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
+        self.renormalize = renormalize
         hidden = cfg.hidden_size
-        inter = cfg.intermediate_size // self.parallel.tp_size  # this rank's slice
+        inter = (intermediate_size or cfg.intermediate_size) // self.parallel.tp_size
         self.gate = LinearBase(hidden, self.num_experts, bias=False)  # the router
         self.experts = nn.Module()
         self.experts.w13 = ExpertLinear(self.num_experts, [inter, inter], hidden, 0,
@@ -87,7 +93,9 @@ class MixtralMoE(nn.Module):
         """(topk_weights [T, k] float32, topk_ids [T, k]) as HF computes them."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
         topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
-        return topk_weights / topk_weights.sum(dim=-1, keepdim=True), topk_ids
+        if self.renormalize:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        return topk_weights, topk_ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x)
@@ -113,12 +121,16 @@ class MixtralMoE(nn.Module):
         return all_reduce(torch.zeros_like(x).index_add_(0, token_of, out), self.parallel)
 
 
-def _expert_stacked_params(num_experts: int) -> tuple[tuple[str, str, Any], ...]:
-    """HF's `experts.{e}.w1/w3` -> rows of w13[e]; `experts.{e}.w2` -> w2[e]."""
+def expert_stacked_params(num_experts: int, names: tuple[str, str, str] = ("w1", "w3", "w2"),
+                          ) -> tuple[tuple[str, str, Any], ...]:
+    """HF's per-expert gate / up / down tensors (Mixtral's `experts.{e}.w1/w3/w2`;
+    `names` for other families) -> rows of w13[e] and w2[e]. Listed before a dense
+    MLP's own entries: `.gate_proj.` would otherwise match inside `.experts.0.gate_proj.`."""
+    gate, up, down = names
     return tuple(entry for e in range(num_experts) for entry in (
-        ("experts.w13", f"experts.{e}.w1", (e, 0)),
-        ("experts.w13", f"experts.{e}.w3", (e, 1)),
-        ("experts.w2", f"experts.{e}.w2", (e, 0))))
+        ("experts.w13", f"experts.{e}.{gate}", (e, 0)),
+        ("experts.w13", f"experts.{e}.{up}", (e, 1)),
+        ("experts.w2", f"experts.{e}.{down}", (e, 0))))
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -129,7 +141,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: Any, attn_backend: str,
                  parallel: ParallelState | None = None) -> None:
         variant = LlamaVariant(make_mlp=MixtralMoE, stacked_params=(
-            LLAMA_STACKED_PARAMS + _expert_stacked_params(cfg.num_local_experts)))
+            LLAMA_STACKED_PARAMS + expert_stacked_params(cfg.num_local_experts)))
         super().__init__(cfg, attn_backend, variant, parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

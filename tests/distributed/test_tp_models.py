@@ -48,7 +48,7 @@ OTHER_FAMILIES = {
 }
 ROTARY_FAMILIES = ["llama_tied_bias", "mistral_sliding_window", "qwen2_bias_window",
                    "qwen3_qk_norm_mqa", "gemma2", "gemma3", "phi3_partial_longrope",
-                   "mixtral_4x_top2"]
+                   "mixtral_4x_top2", "qwen3_moe_4x_top2"]
 
 
 @pytest.fixture(scope="module", params=list(OTHER_FAMILIES) + ROTARY_FAMILIES)

@@ -1,5 +1,5 @@
 """Parity with transformers for the rotary decoder families: Llama (rope scalings, biases,
-tied head), Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and Mixtral.
+tied head), Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral and Qwen3-MoE.
 
 Each case is a tiny random model whose distinct feature binds: its weights are scaled so
 attention is sharp (positions and windows matter), soft-caps are exceeded and routing is
@@ -116,6 +116,13 @@ SPECS: dict[str, Spec] = {
         lambda: tf.MixtralConfig(**COMMON, **{**SMALL, "intermediate_size": 96},
                                  num_local_experts=4, num_experts_per_tok=2),
         scales={**SHARP, "block_sparse_moe.gate": 10.0}),
+    # Qwen3's q/k norms; layer 0 sparse (top 2 of 4, renormalized), layer 1 dense.
+    "qwen3_moe_4x_top2": Spec(
+        lambda: tf.Qwen3MoeConfig(**COMMON, **SMALL, head_dim=16, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=48,
+                                  norm_topk_prob=True, mlp_only_layers=[1]),
+        scales={**SHARP, "mlp.gate.": 10.0},
+        ablations=[{"norm_topk_prob": False}, {"mlp_only_layers": []}]),
 }
 
 
