@@ -21,7 +21,7 @@ from torch import nn
 
 from pagedllm.distributed.comm import all_reduce
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
-from pagedllm.models.layers.linear import LinearBase
+from pagedllm.models.layers.linear import LinearBase, cpu_linear, pack_for_cpu
 from pagedllm.models.llama import LlamaForCausalLM, LlamaVariant
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS
 
@@ -67,6 +67,28 @@ class ExpertLinear(nn.Module):
                              f"got {tuple(loaded.shape)}")
         dst.copy_(loaded)
 
+    # Per expert: (oneDNN-packed weight, native-packed weight, native bias), once packed.
+    packed: list[tuple[torch.Tensor | None, ...]] | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Pack each expert's weight as a linear layer's (pack_linear_weights calls this
+        on CPU): the native GEMM sums each output row in one chain whatever the number
+        of rows, so an expert's output for a token does not depend on how many tokens
+        it got. The plain weight is dropped when every expert is packed."""
+        if self.packed is not None:
+            return
+        self.packed = [pack_for_cpu(w, None) for w in self.weight.data]
+        if all(p[0] is not None or p[1] is not None for p in self.packed):
+            self.weight.data = self.weight.data.new_empty(0)
+
+    def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] through expert `expert`'s linear map -> [rows, sum(output_sizes)]."""
+        if self.packed is None:
+            return F.linear(x, self.weight[expert])
+        packed, native, bias = self.packed[expert]
+        weight = self.weight[expert] if self.weight.numel() else self.weight
+        return cpu_linear(x, weight, None, packed, native, bias)
+
 
 class MixtralMoE(nn.Module):
     """x [T, hidden] -> sum over its top-k experts of weight * expert_mlp(x) [T, hidden].
@@ -107,14 +129,14 @@ class MixtralMoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # host sync
         rows = x[token_of]  # [T*k, hidden]
         out = torch.empty_like(rows)
-        w13, w2 = self.experts.w13.weight, self.experts.w2.weight
+        w13, w2 = self.experts.w13, self.experts.w2
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             end = start + count
-            gate, up = F.linear(rows[start:end], w13[expert]).chunk(2, dim=-1)
-            out[start:end] = F.linear(F.silu(gate) * up, w2[expert])
+            gate, up = w13(expert, rows[start:end]).chunk(2, dim=-1)
+            out[start:end] = w2(expert, F.silu(gate) * up)
             start = end
         # As HF: the float32 routing weight scales the expert output before the sum.
         out = (out * topk_weights.flatten()[order, None]).to(x.dtype)

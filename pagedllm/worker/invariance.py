@@ -6,7 +6,10 @@ every row, decode or prefill, in the same steps of keys at absolute positions, i
 dtype and block size. Paths outside them make no such promise; the runner logs the
 reason at start-up so a user who needs bit-identical outputs knows to change it. An fp8
 KV cache adds no caveat: a token's K/V are quantized alone (fixed per-layer scales) and
-the kernels convert them exactly into the same passes.
+the kernels convert them exactly into the same passes. Neither do mixture-of-experts
+layers: each expert's linear maps run the native GEMM (models/mixtral.py ExpertLinear),
+so a token's expert output does not depend on how many tokens the expert got, and a
+token's k expert outputs are summed in expert order.
 """
 
 from __future__ import annotations
@@ -30,9 +33,6 @@ def batch_invariance_caveat(config: EngineConfig, native_kernels: bool) -> str |
         return "the native CPU kernels are not loaded (torch's fallback kernels are used)"
     if device.attention_backend != "cpu":
         return f"the {device.attention_backend} attention backend is not batch invariant"
-    if getattr(config.model.hf_config, "num_local_experts", 0):
-        return ("the mixture-of-experts layers run torch's GEMM over the tokens routed to "
-                "each expert, whose rounding depends on how many there are")
     if config.model.dtype == "bfloat16" and not has_native_bf16_gemm():
         return ("bfloat16 linear layers run torch's GEMM on a CPU without AVX512-BF16 or "
                 "AVX2, whose rounding depends on the batch shape")

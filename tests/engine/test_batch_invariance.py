@@ -68,3 +68,34 @@ def test_outputs_do_not_depend_on_the_batch(config):
         assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("family", ["mixtral_4x_top2", "qwen3_moe_4x_top2"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_mixture_of_experts_does_not_depend_on_the_batch(family, dtype, tmp_path):
+    """The experts run the native GEMM: a token's output is the same whatever else was
+    routed to its experts (alone, batched, in 5-token chunks beside other decodes)."""
+    from tests.models.test_decoder_parity import SPECS
+    from tests.utils import random_prompts, save_tiny_model, scale_saved_weights
+
+    if dtype == "bfloat16" and not has_native_bf16_gemm():
+        pytest.skip("bfloat16 runs natively only with AVX512-BF16 or AVX2")
+    spec = SPECS[family]
+    save_tiny_model(tmp_path, spec.make_config())
+    scale_saved_weights(tmp_path, spec.scales)
+    prompts = random_prompts(6, 256, 3, 40, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
+    llm = LLM(str(tmp_path), dtype=dtype, skip_tokenizer_init=True,
+              enable_prefix_caching=False)
+    try:
+        alone = [_run(llm, [p], params)[0] for p in prompts]
+        assert _run(llm, prompts, params) == alone
+        assert _run(llm, prompts[::-1], params)[::-1] == alone
+    finally:
+        llm.shutdown()
+    llm = LLM(str(tmp_path), dtype=dtype, skip_tokenizer_init=True,
+              max_num_batched_tokens=5, max_num_seqs=3)
+    try:
+        assert _run(llm, prompts, params) == alone
+    finally:
+        llm.shutdown()
