@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+POST /v1/responses (OpenAI's Responses API, stateless),
 POST /v1/embeddings, POST /score and /rerank (vLLM's; also under /v1, /v2/rerank),
 POST /tokenize,
 POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
@@ -46,6 +47,7 @@ from pagedllm.engine.async_llm import QueueFullError
 from pagedllm.entrypoints.openai.dashboard import (PAGE_PATHS, STATE_PATH, DashboardFeed,
                                                    add_dashboard_routes)
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.score_protocol import RerankRequest, ScoreRequest
 from pagedllm.entrypoints.openai.offload import Offloader
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
@@ -56,6 +58,7 @@ from pagedllm.entrypoints.openai.serving_common import (RequestTimeoutError, err
                                                         error_status, exception_message)
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 
@@ -198,6 +201,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     chat = OpenAIServingChat(engine, models, serve_config, offloader)
     embeddings = OpenAIServingEmbedding(engine, models, serve_config, offloader)
     scores = OpenAIServingScore(engine, models, serve_config, offloader)
+    responses = OpenAIServingResponses(engine, models, serve_config, offloader)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -238,6 +242,12 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Any:
         return await _cancel_on_disconnect(raw_request,
                                            embeddings.create_embedding(request))
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Any:
+        if request.stream:
+            return await responses.create_response(request)
+        return await _cancel_on_disconnect(raw_request, responses.create_response(request))
 
     @app.post("/score")
     @app.post("/v1/score")

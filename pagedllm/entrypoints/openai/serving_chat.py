@@ -28,8 +28,9 @@ from pagedllm.entrypoints.openai.tool_calling import (ToolCallReader, ToolPlan, 
                                                       response_tool_calls,
                                                       stream_tool_calls)
 from pagedllm.errors import InvalidRequestError
-from pagedllm.outputs import CompletionOutput, Logprob
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.reasoning import Phase, ReasoningReader
+from pagedllm.sampling_params import SamplingParams
 
 
 # Parameters of apply_chat_template itself: chat_template_kwargs may only add template
@@ -39,6 +40,18 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
     "untrusted"})
+
+
+@dataclass
+class PreparedChat:
+    """A checked chat request, rendered: what submitting and reading it need."""
+
+    text: str | None
+    ids: list[int]
+    params: SamplingParams
+    plan: ToolPlan
+    phase: Phase | None
+    """Where the reply starts (None: no reasoning parser)."""
 
 
 @dataclass
@@ -61,6 +74,57 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      ) -> ChatCompletionResponse | Response | SSEResponse:
+        prepared = await self.prepare(request)
+        request_id = request.request_id or random_id("chatcmpl")
+        plan, phase = prepared.plan, prepared.phase
+        streams = self.add_requests(request_id, [(prepared.text, prepared.ids)],
+                                    [prepared.params], request)
+        if request.stream:
+            return SSEResponse(self._stream(request, request_id, streams, plan, phase))
+        final = await self.final_output(request_id, streams)
+        choices = []
+        echo = _echo_text(request)
+        for out in sorted(final.outputs, key=lambda o: o.index):
+            logprobs = (self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
+                        if request.logprobs else None)
+            message, finish_reason = self._message(out, self._reasoning_reader(phase),
+                                                   plan.new_reader())
+            if not request.include_reasoning:
+                message.reasoning = message.reasoning_content = None
+            if echo:
+                message.content = echo + (message.content or "")
+            choices.append(ChatCompletionResponseChoice(
+                index=out.index, message=message, logprobs=logprobs,
+                finish_reason=finish_reason, stop_reason=out.stop_reason))
+        num_completion = sum(len(o.token_ids) for o in final.outputs)
+        usage = UsageInfo(prompt_tokens=len(final.prompt_token_ids),
+                          completion_tokens=num_completion,
+                          total_tokens=len(final.prompt_token_ids) + num_completion)
+        k = request.prompt_logprobs
+
+        def build() -> ChatCompletionResponse:
+            field = prompt_logprobs_field(final.prompt_logprobs) if k is not None else None
+            return ChatCompletionResponse(id=request_id, model=self.response_model(request.model),
+                                          choices=choices, usage=usage, prompt_logprobs=field)
+
+        return await self.json_response(
+            build, prompt_logprobs_bytes(k, 1, len(final.prompt_token_ids)))
+
+    async def final_output(self, request_id: str, streams: list) -> RequestOutput:
+        """The finished output of a non-streaming request (aborted if the caller is
+        cancelled first)."""
+        final = None
+        try:
+            async for _, out in merge_streams(streams):
+                final = out
+        finally:
+            self.abort_all(request_id, 1)  # no-op unless cancelled
+        assert final is not None
+        return final
+
+    async def prepare(self, request: ChatCompletionRequest) -> PreparedChat:
+        """Check a chat request and render it: its prompt, SamplingParams, use of tools
+        and where its reply starts (400s for what is wrong)."""
         self.check_model(request.model)
         self.check_generation()
         if request.top_logprobs is not None:
@@ -92,46 +156,9 @@ class OpenAIServingChat(OpenAIServing):
                 raise
             raise InvalidRequestError(f"tools: cannot force tool calls with these "
                                       f"parameter schemas: {e}") from e
-        request_id = request.request_id or random_id("chatcmpl")
         # Where the reply starts: in a reasoning or not (the prompt may decide it).
         phase = self.reasoning.initial_phase(ids) if self.reasoning is not None else None
-        streams = self.add_requests(request_id, [(text, ids)], [params], request)
-        if request.stream:
-            return SSEResponse(self._stream(request, request_id, streams, plan, phase))
-        final = None
-        try:
-            async for _, out in merge_streams(streams):
-                final = out
-        finally:
-            self.abort_all(request_id, 1)  # no-op unless cancelled
-        assert final is not None
-        choices = []
-        echo = _echo_text(request)
-        for out in sorted(final.outputs, key=lambda o: o.index):
-            logprobs = (self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
-                        if request.logprobs else None)
-            message, finish_reason = self._message(out, self._reasoning_reader(phase),
-                                                   plan.new_reader())
-            if not request.include_reasoning:
-                message.reasoning = message.reasoning_content = None
-            if echo:
-                message.content = echo + (message.content or "")
-            choices.append(ChatCompletionResponseChoice(
-                index=out.index, message=message, logprobs=logprobs,
-                finish_reason=finish_reason, stop_reason=out.stop_reason))
-        num_completion = sum(len(o.token_ids) for o in final.outputs)
-        usage = UsageInfo(prompt_tokens=len(final.prompt_token_ids),
-                          completion_tokens=num_completion,
-                          total_tokens=len(final.prompt_token_ids) + num_completion)
-        k = request.prompt_logprobs
-
-        def build() -> ChatCompletionResponse:
-            field = prompt_logprobs_field(final.prompt_logprobs) if k is not None else None
-            return ChatCompletionResponse(id=request_id, model=self.response_model(request.model),
-                                          choices=choices, usage=usage, prompt_logprobs=field)
-
-        return await self.json_response(
-            build, prompt_logprobs_bytes(k, 1, len(final.prompt_token_ids)))
+        return PreparedChat(text, ids, params, plan, phase)
 
     def _reasoning_reader(self, phase: Phase | None) -> ReasoningReader | None:
         """A reader of one choice's reasoning (None: no reasoning parser)."""

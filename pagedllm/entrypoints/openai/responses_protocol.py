@@ -1,0 +1,349 @@
+"""Pydantic models of POST /v1/responses (OpenAI's Responses API, as vLLM serves it:
+stateless) and the translation of its input into a chat request.
+
+A Responses request is a chat request in other clothes: `instructions` is a system
+message, `input` a string (one user message) or a list of items (messages, the model's
+function calls, their outputs, its reasoning), `tools` are function tools, `text.format`
+is the response format, `max_output_tokens` caps the reply. `to_chat_request` builds the
+ChatCompletionRequest the chat handler checks, renders and runs; serving_responses.py
+turns the chat reply into output items. Nothing is stored: `previous_response_id` is
+refused (send the whole conversation), as are `store` and `background`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel
+from pagedllm.errors import InvalidRequestError
+
+
+def item_id(prefix: str) -> str:
+    """OpenAI's shape of an id: a prefix ("resp", "msg", "fc", "rs") and hex."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ------------------------------------------------------------------ request
+
+class TextPart(RequestModel):
+    """Text of a message: the user's (input_text) or, sent back, the model's."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputMessage(RequestModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(RequestModel):
+    """A call the model made (sent back with the conversation)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(RequestModel):
+    """The result of a call, for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part.text for part in self.output)
+
+
+class ReasoningPart(RequestModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningInputItem(RequestModel):
+    """The model's reasoning (sent back): given to the next assistant message."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningPart] = Field(default_factory=list)
+    content: list[ReasoningPart] | None = None
+    encrypted_content: None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in (self.content or self.summary))
+
+
+InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem
+                      | ReasoningInputItem, Field(discriminator="type")]
+
+
+class FunctionTool(RequestModel):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(RequestModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(RequestModel):
+    format: TextFormat | None = None
+    verbosity: None = None
+
+
+class ResponsesRequest(RequestModel):
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    text: TextConfig | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    """Accepted: the prefix cache needs no key."""
+    # OpenAI fields this stateless server refuses unless at their neutral value
+    # (store, metadata, service_tier: UNSUPPORTED_FIELDS; the others: _nothing_asked).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    include: list[Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    top_logprobs: int | None = None
+    # vLLM extras
+    request_id: str | None = None
+    priority: int = 0
+    timeout: float | None = Field(default=None, gt=0)
+    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _default_item_type(cls, value: Any) -> Any:
+        """An item with a role and no type is a message (OpenAI's easy input form)."""
+        if isinstance(value, list):
+            return [{"type": "message", **item}
+                    if isinstance(item, dict) and "type" not in item and "role" in item
+                    else item for item in value]
+        return value
+
+    @model_validator(mode="after")
+    def _nothing_asked(self) -> ResponsesRequest:
+        """What this server cannot give is refused by name, never silently dropped."""
+        if self.previous_response_id is not None:
+            raise InvalidRequestError(
+                "previous_response_id is not supported: this server stores no responses; "
+                "send the whole conversation as input")
+        for name, neutral in (("background", (None, False)), ("include", (None, [])),
+                              ("reasoning", (None, {})),
+                              ("truncation", (None, "disabled")),
+                              ("top_logprobs", (None, 0))):
+            if getattr(self, name) not in neutral:
+                raise InvalidRequestError(f"`{name}` is not supported by this server "
+                                          f"(got {str(getattr(self, name))[:80]!r})")
+        return self
+
+    def to_chat_request(self) -> ChatCompletionRequest:
+        """The chat request that asks for the same reply; InvalidRequestError for a
+        conversation the chat API would refuse (a call output without its call...)."""
+        body: dict[str, Any] = {
+            "model": self.model, "messages": _messages(self.instructions, self.input),
+            "max_completion_tokens": self.max_output_tokens, "stream": self.stream}
+        for name in ("temperature", "top_p", "parallel_tool_calls", "user", "request_id",
+                     "priority", "timeout", "seed", "top_k", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "chat_template_kwargs"):
+            body[name] = getattr(self, name)
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": tool.model_dump(
+                exclude={"type"}, exclude_none=True)} for tool in self.tools]
+        if isinstance(self.tool_choice, NamedFunctionChoice):
+            body["tool_choice"] = {"type": "function",
+                                   "function": {"name": self.tool_choice.name}}
+        else:
+            body["tool_choice"] = self.tool_choice
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type != "text":
+            body["response_format"] = (
+                {"type": "json_object"} if fmt.type == "json_object" else
+                {"type": "json_schema", "json_schema": {
+                    "name": fmt.name or "schema", "schema": fmt.json_schema,
+                    "description": fmt.description, "strict": fmt.strict}})
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise InvalidRequestError(f"input: {_first_error(e)}") from e
+
+
+def _messages(instructions: str | None, items: str | list[Any]) -> list[dict[str, Any]]:
+    """Chat messages of the instructions and input items: calls join the assistant
+    message before them (or start one), reasoning goes to the next assistant message."""
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(items, str):
+        return messages + [{"role": "user", "content": items}]
+    reasoning: str | None = None
+    for item in items:
+        if isinstance(item, ReasoningInputItem):
+            reasoning = (reasoning or "") + item.text()
+        elif isinstance(item, InputMessage):
+            role = "system" if item.role == "developer" else item.role
+            message: dict[str, Any] = {"role": role, "content": item.text()}
+            if role == "assistant" and reasoning is not None:
+                message["reasoning"], reasoning = reasoning, None
+            messages.append(message)
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and reasoning is None:
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if reasoning is not None:
+                    messages[-1]["reasoning"], reasoning = reasoning, None
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": item.text()})
+    return messages
+
+
+def _first_error(e: ValidationError) -> str:
+    error = e.errors()[0]
+    where = ".".join(str(p) for p in error.get("loc", ()))
+    message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
+# ------------------------------------------------------------------ response
+
+class OutputText(OpenAIBaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class ReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputMessage(OpenAIBaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class ReasoningItem(OpenAIBaseModel):
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutput(OpenAIBaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | ReasoningItem | FunctionCallOutput
+
+
+class InputTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(OpenAIBaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(OpenAIBaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(OpenAIBaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: float = Field(default_factory=time.time)
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    incomplete_details: IncompleteDetails | None = None
+    error: None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool = False

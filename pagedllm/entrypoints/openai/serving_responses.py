@@ -1,0 +1,250 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat handler.
+
+The request becomes a chat request (responses_protocol.py), which the chat handler
+checks, renders and submits; its reply is read the chat way (reasoning split off, tool
+calls parsed) and returned as output items: a reasoning item, a message with one
+output_text part, one function_call item per call. A stream sends OpenAI's typed events
+(response.created, response.output_item.added, response.output_text.delta, ...,
+response.completed, whose response says "incomplete" when max_output_tokens cut it)
+as the same pieces arrive, each numbered by `sequence_number`; its
+final response equals the one a non-streaming request gets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.responses import Response
+
+from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
+                                                            IncompleteDetails,
+                                                            InputTokensDetails,
+                                                            OutputMessage, OutputText,
+                                                            OutputTokensDetails,
+                                                            ReasoningItem, ReasoningText,
+                                                            ResponseObject,
+                                                            ResponsesRequest, ResponseUsage,
+                                                            item_id)
+from pagedllm.entrypoints.openai.serving_chat import (OpenAIServingChat, PreparedChat,
+                                                      _ChoiceState)
+from pagedllm.entrypoints.openai.serving_common import (SSEResponse, error_body,
+                                                        error_status, exception_message,
+                                                        merge_streams)
+from pagedllm.outputs import RequestOutput
+
+
+class OpenAIServingResponses(OpenAIServingChat):
+
+    async def create_response(self, request: ResponsesRequest,
+                              ) -> ResponseObject | Response | SSEResponse:
+        chat = request.to_chat_request()
+        prepared = await self.prepare(chat)
+        response_id = item_id("resp")
+        streams = self.add_requests(response_id, [(prepared.text, prepared.ids)],
+                                    [prepared.params], chat)
+        if request.stream:
+            return SSEResponse(self._events(request, response_id, streams, prepared))
+        final = await self.final_output(response_id, streams)
+        out = final.outputs[0]
+        message, finish_reason = self._message(
+            out, self._reasoning_reader(prepared.phase), prepared.plan.new_reader())
+        status = "incomplete" if finish_reason == "length" else "completed"
+        output: list[Any] = []
+        if message.reasoning:
+            output.append(ReasoningItem(id=item_id("rs"), status=status,
+                                        content=[ReasoningText(text=message.reasoning)]))
+        if message.content or not (message.tool_calls or message.reasoning):
+            output.append(OutputMessage(id=item_id("msg"), status=status,
+                                        content=[OutputText(text=message.content or "")]))
+        for call in message.tool_calls or []:
+            output.append(FunctionCallOutput(
+                id=item_id("fc"), call_id=call.id, name=call.function.name,
+                arguments=call.function.arguments, status="completed"))
+        return self._response(request, response_id, output, final, finish_reason)
+
+    def _response(self, request: ResponsesRequest, response_id: str, output: list[Any],
+                  final: RequestOutput | None, finish_reason: str | None) -> ResponseObject:
+        """The response object: in progress (no `final` yet) or finished with `output`."""
+        incomplete = finish_reason == "length"
+        status = ("in_progress" if final is None else "incomplete" if incomplete
+                  else "completed")
+        usage = None
+        if final is not None:
+            out = final.outputs[0]
+            num_in, num_out = len(final.prompt_token_ids), len(out.token_ids)
+            has_reasoning = any(isinstance(item, ReasoningItem) or (
+                isinstance(item, dict) and item.get("type") == "reasoning") for item in output)
+            usage = ResponseUsage(
+                input_tokens=num_in, output_tokens=num_out, total_tokens=num_in + num_out,
+                input_tokens_details=InputTokensDetails(cached_tokens=final.num_cached_tokens),
+                output_tokens_details=OutputTokensDetails(
+                    reasoning_tokens=self._num_reasoning_tokens(out.token_ids)
+                    if has_reasoning else 0))
+        return ResponseObject(
+            id=response_id, status=status, model=self.response_model(request.model),
+            output=output, usage=usage,
+            incomplete_details=(IncompleteDetails(reason="max_output_tokens")
+                                if final is not None and incomplete else None),
+            instructions=request.instructions, max_output_tokens=request.max_output_tokens,
+            temperature=request.temperature, top_p=request.top_p,
+            tools=[t.model_dump(exclude_none=True) for t in request.tools or []],
+            tool_choice=(request.tool_choice.model_dump()
+                         if hasattr(request.tool_choice, "model_dump")
+                         else request.tool_choice or ("auto" if request.tools else "none")),
+            parallel_tool_calls=request.parallel_tool_calls is not False,
+            text=(request.text.model_dump(by_alias=True, exclude_none=True)
+                  if request.text is not None else {"format": {"type": "text"}}),
+            user=request.user, metadata=request.metadata)
+
+    def _num_reasoning_tokens(self, token_ids: list[int]) -> int:
+        """Output tokens up to and including the reasoning's end tag (all of them when
+        it never closed)."""
+        assert self.reasoning is not None, "reasoning items come from the parser"
+        end = self.reasoning.end_id
+        return token_ids.index(end) + 1 if end in token_ids else len(token_ids)
+
+    # ------------------------------------------------------------------ streaming
+
+    async def _events(self, request: ResponsesRequest, response_id: str, streams: list,
+                      prepared: PreparedChat) -> AsyncIterator[str]:
+        numbers = itertools.count()
+
+        def event(kind: str, **fields: Any) -> str:
+            payload = {"type": kind, "sequence_number": next(numbers), **fields}
+            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        items = _ItemStream(event)
+        st = _ChoiceState(reasoning=self._reasoning_reader(prepared.phase),
+                          tools=prepared.plan.new_reader())
+        final: RequestOutput | None = None
+        finish_reason = None
+        try:
+            started = self._response(request, response_id, [], None, None)
+            for kind in ("response.created", "response.in_progress"):
+                yield event(kind, response=started.model_dump(mode="json"))
+            async for _, ro in merge_streams(streams):
+                out = ro.outputs[0]
+                delta = out.text[st.num_chars:]
+                st.num_chars = max(st.num_chars, len(out.text))
+                st.is_finished = out.finish_reason is not None
+                message, finish_reason = self._delta(st, delta, out.finish_reason)
+                for chunk in items.feed(message.reasoning or "", message.content or "",
+                                        message.tool_calls or []):
+                    yield chunk
+                if st.is_finished:
+                    final = ro
+            assert final is not None
+            for chunk in items.close("incomplete" if finish_reason == "length"
+                                     else "completed"):
+                yield chunk
+            done = self._response(request, response_id, items.output, final, finish_reason)
+            # Always response.completed, its status "incomplete" when cut at
+            # max_output_tokens, as vLLM does (the SDK's stream helper waits for it).
+            yield event("response.completed", response=done.model_dump(mode="json"))
+        except Exception as e:
+            status = int(error_status(e))
+            yield event("error", message=exception_message(e),
+                        code=error_body("", status)["error"]["type"], param=None)
+        finally:
+            self.abort_all(response_id, 1)
+
+
+class _ItemStream:
+    """Turns a reply's pieces into the events of its output items, in the order they
+    come: a reasoning item, a message, one item per call. An item is closed (its done
+    events) when another opens or the reply ends; `output` collects the closed items,
+    which the final response event carries."""
+
+    def __init__(self, event: Callable[..., str]) -> None:
+        self.event = event
+        self.output: list[dict[str, Any]] = []
+        self.open: tuple[str, str, str] | None = None  # (kind, item id, text so far)
+
+    @property
+    def index(self) -> int:
+        """The output_index of the open item (or of the next one)."""
+        return len(self.output)
+
+    def feed(self, reasoning: str, content: str, calls: list[Any]) -> list[str]:
+        events: list[str] = []
+        for kind, text in (("reasoning", reasoning), ("message", content)):
+            if not text:
+                continue
+            events += self._open(kind)
+            kind, iid, so_far = self.open  # type: ignore[misc]
+            self.open = (kind, iid, so_far + text)
+            delta = ("response.reasoning_text.delta" if kind == "reasoning"
+                     else "response.output_text.delta")
+            extra = {} if kind == "reasoning" else {"logprobs": []}
+            events.append(self.event(delta, item_id=iid, output_index=self.index,
+                                     content_index=0, delta=text, **extra))
+        for call in calls:
+            events += self._close("completed")
+            item = FunctionCallOutput(id=item_id("fc"), call_id=call.id,
+                                      name=call.function.name, arguments="",
+                                      status="in_progress")
+            where = {"item_id": item.id, "output_index": self.index}
+            args = call.function.arguments
+            events.append(self.event("response.output_item.added", output_index=self.index,
+                                     item=item.model_dump(mode="json")))
+            events.append(self.event("response.function_call_arguments.delta", **where,
+                                     delta=args))
+            events.append(self.event("response.function_call_arguments.done", **where,
+                                     arguments=args))
+            item.arguments, item.status = args, "completed"
+            done = item.model_dump(mode="json")
+            events.append(self.event("response.output_item.done", output_index=self.index,
+                                     item=done))
+            self.output.append(done)
+        return events
+
+    def close(self, status: str) -> list[str]:
+        """The reply ended: close the open item (a reply with nothing at all still has
+        its empty message, as the non-streaming response does)."""
+        events = self._open("message") if not self.output and self.open is None else []
+        return events + self._close(status)
+
+    def _open(self, kind: str) -> list[str]:
+        if self.open is not None and self.open[0] == kind:
+            return []
+        events = self._close("completed")
+        self.open = (kind, item_id("rs" if kind == "reasoning" else "msg"), "")
+        item, part = self._item("in_progress")
+        return events + [
+            self.event("response.output_item.added", output_index=self.index, item=item),
+            self.event("response.content_part.added", item_id=self.open[1],
+                       output_index=self.index, content_index=0, part=part)]
+
+    def _close(self, status: str) -> list[str]:
+        if self.open is None:
+            return []
+        kind, iid, text = self.open
+        item, part = self._item(status)
+        where = {"item_id": iid, "output_index": self.index, "content_index": 0}
+        events = [self.event("response.reasoning_text.done", **where, text=text)
+                  if kind == "reasoning" else
+                  self.event("response.output_text.done", **where, text=text, logprobs=[]),
+                  self.event("response.content_part.done", **where, part=part),
+                  self.event("response.output_item.done", output_index=self.index,
+                             item=item)]
+        self.output.append(item)
+        self.open = None
+        return events
+
+    def _item(self, status: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the open item, its content part) as JSON, with its text so far."""
+        assert self.open is not None
+        kind, iid, text = self.open
+        part: Any
+        if kind == "reasoning":
+            part = ReasoningText(text=text)
+            item: Any = ReasoningItem(id=iid, status=status,
+                                      content=[part] if status != "in_progress" else [])
+        else:
+            part = OutputText(text=text)
+            item = OutputMessage(id=iid, status=status,
+                                 content=[part] if status != "in_progress" else [])
+        return item.model_dump(mode="json"), part.model_dump(mode="json")

@@ -1,0 +1,178 @@
+"""POST /v1/responses driven by the `openai` client's Responses API: the same reply as the
+chat API for the same conversation, streams whose events assemble to the non-streamed
+response, structured output through text.format, reasoning items, function calls and
+their outputs in a conversation (a scripted model writes known outputs), and the 400s of
+what a stateless server cannot do."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.entrypoints.utils import MODEL_NAME, RemoteServer
+from tests.utils import save_scripted_llama
+
+CALL = ['<tool_call>', '{"name":', '"get_weather",', '"arguments":', '{"city":',
+        '"Paris"}}', '</tool_call>']
+# go -> <think> hmm well </think> <tool_call> ... </tool_call>; hi -> hello there.
+SCRIPT = {"go": "<think>", "<think>": "hmm", "hmm": "well", "well": "</think>",
+          "</think>": CALL[0], **dict(zip(CALL, CALL[1:])), "hi": "hello",
+          "hello": "there", "sunny": "ok"}
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+WEATHER = {"type": "function", "name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "boolean"}},
+          "required": ["answer"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer(["--dtype", "float32", "--max-model-len", "512",
+                        "--num-kv-blocks", "128", "--max-num-seqs", "8"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    path = save_scripted_llama(tmp_path_factory.mktemp("scripted"), SCRIPT, TEMPLATE)
+    srv = RemoteServer([str(path), "--dtype", "float32", "--max-model-len", "64",
+                        "--num-kv-blocks", "64", "--served-model-name", "scripted",
+                        "--reasoning-parser", "deepseek_r1",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    yield srv
+    srv.stop()
+
+
+def _comparable(response) -> dict:
+    """A response without what differs between two runs (ids, times)."""
+    data = response.model_dump()
+    data.pop("id"), data.pop("created_at")
+    data["usage"]["input_tokens_details"].pop("cached_tokens")  # a rerun hits the cache
+    for item in data["output"]:
+        item.pop("id", None)
+        item.pop("parsed_arguments", None)  # the SDK's stream helper parses arguments
+        for part in item.get("content") or []:
+            part.pop("parsed", None)  # the SDK's stream helper parses output_text
+    return data
+
+
+def _streamed(client, **kwargs):
+    """(event types, text deltas, final response) of a streamed response."""
+    types, deltas, final = [], [], None
+    with client.responses.stream(**kwargs) as stream:
+        for event in stream:
+            types.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            elif event.type == "response.completed":
+                final = event.response
+        assert stream.get_final_response().id == final.id  # the SDK's helper works
+    assert [int(n) for n in range(len(types))] == list(range(len(types)))
+    return types, deltas, final
+
+
+def test_same_reply_as_the_chat_api(server):
+    client = server.openai_client()
+    r = client.responses.create(model=MODEL_NAME, instructions="You answer briefly.",
+                                input="What is the capital of France?",
+                                max_output_tokens=12, temperature=0)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=12, temperature=0,
+        messages=[{"role": "system", "content": "You answer briefly."},
+                  {"role": "user", "content": "What is the capital of France?"}])
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == chat.choices[0].message.content
+    assert [item.type for item in r.output] == ["message"]
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens == 12
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.instructions == "You answer briefly." and r.max_output_tokens == 12
+    types, deltas, final = _streamed(client, model=MODEL_NAME,
+                                     instructions="You answer briefly.",
+                                     input="What is the capital of France?",
+                                     max_output_tokens=12, temperature=0)
+    assert "".join(deltas) == r.output_text
+    assert types[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    assert _comparable(final) == _comparable(r)
+
+
+def test_text_format_json_schema(server):
+    client = server.openai_client()
+    r = client.responses.create(
+        model=MODEL_NAME, input="Is Paris in France? Answer in JSON.", temperature=0,
+        max_output_tokens=32, text={"format": {"type": "json_schema", "name": "yes_no",
+                                               "schema": SCHEMA, "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
+    assert r.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize("fields,fragment", [
+    ({"previous_response_id": "resp_1"}, "stores no responses"),
+    ({"store": True}, "store"),
+    ({"include": ["reasoning.encrypted_content"]}, "`include` is not supported"),
+    ({"reasoning": {"effort": "high"}}, "`reasoning` is not supported"),
+    ({"background": True}, "`background` is not supported"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]},
+     "must answer a call"),
+    ({"input": []}, "messages must not be empty"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"model": "nope"}, "nope"),
+])
+def test_what_cannot_be_done_is_a_4xx(server, fields, fragment):
+    body = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 4} | fields
+    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    assert 400 <= r.status_code < 500 and fragment in r.json()["error"]["message"], r.text
+
+
+def test_reasoning_and_function_calls(scripted):
+    client = scripted.openai_client()
+    r = client.responses.create(model="scripted", input="go", tools=[WEATHER],
+                                temperature=0, max_output_tokens=20)
+    assert r.status == "completed"
+    assert [item.type for item in r.output] == ["reasoning", "function_call"]
+    reasoning, call = r.output
+    assert reasoning.content[0].text.split() == ["hmm", "well"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    assert r.usage.output_tokens_details.reasoning_tokens == 4  # <think> hmm well </think>
+    types, deltas, final = _streamed(client, model="scripted", input="go", tools=[WEATHER],
+                                     temperature=0, max_output_tokens=20)
+    assert "response.reasoning_text.delta" in types and deltas == []
+    assert types.count("response.function_call_arguments.done") == 1
+    final_data, r_data = _comparable(final), _comparable(r)
+    for data in (final_data, r_data):  # generated per response
+        data["output"][1].pop("call_id")
+    assert final_data == r_data
+
+
+def test_a_conversation_with_calls_and_outputs(scripted):
+    """The model's reasoning and call sent back, the call's output, a new user turn: a
+    valid chat conversation (tool message after its call) whose reply is plain text
+    (the prompt closed the reasoning)."""
+    client = scripted.openai_client()
+    r = client.responses.create(model="scripted", temperature=0, tools=[WEATHER], input=[
+        {"role": "user", "content": "go"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "hmm well"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"role": "user", "content": [{"type": "input_text", "text": "x </think> hi"}]}])
+    assert r.status == "completed" and [item.type for item in r.output] == ["message"]
+    assert r.output_text.split() == ["hello", "there"]
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    cut = client.responses.create(model="scripted", input="x </think> hi",
+                                  max_output_tokens=1, temperature=0)
+    assert cut.status == "incomplete" and cut.output[0].status == "incomplete"
+    assert cut.output_text.split() == ["hello"]
