@@ -5,9 +5,10 @@ from pagedllm.engine.llm import LLM
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidRequestError, ModelLoadError
 from pagedllm.lora_request import LoRARequest
-from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput,
-                              EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
-                              ScoringOutput, ScoringRequestOutput)
+from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationOutput,
+                              ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                              EmbeddingRequestOutput, Logprob, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
                                       StructuredOutputsParams)
@@ -19,4 +20,5 @@ __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "RequestOutputKind", "StructuredOutputsParams", "BeamSearchParams",
            "BeamSearchOutput", "BeamSearchSequence", "PoolingParams",
            "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
-           "ScoringRequestOutput", "LoRARequest", "__version__"]
+           "ScoringRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
+           "LoRARequest", "__version__"]

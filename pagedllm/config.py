@@ -120,9 +120,15 @@ class ModelConfig:
     """The pooling of an embedding request that names none: the model directory's
     sentence-transformers Pooling config, else "mean" for encoders, "last" otherwise
     ("cls" for cross-encoders: their head reads the [CLS] state)."""
-    is_cross_encoder: bool = False
-    """An encoder with a one-label classification head (BertForSequenceClassification):
-    it scores text pairs (pooling task "score") and neither embeds nor generates."""
+    pooling_task: str = "embed"
+    """What its pooling requests compute: "embed" (every model but the next two),
+    "score" (a cross-encoder: a one-label classification head, which scores text
+    pairs), "classify" (a classifier: label probabilities). Set from the architecture
+    and the config's num_labels; the last two neither embed nor generate."""
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        return self.pooling_task == "score"
     quantization: str | None = None
     """"gguf": run a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K weights as stored, via the native
     quantized GEMM (CPU; other tensor types are dequantized); None: dequantize every

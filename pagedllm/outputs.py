@@ -133,3 +133,25 @@ class ScoringRequestOutput:
     """The pair's prompt (a cross-encoder's); the two texts' prompts one after the
     other for an embedding model."""
     finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    """The label probabilities of one prompt."""
+
+    probs: list[float]
+    """One per label, in the model's label order (its config's id2label)."""
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """The result of classifying one prompt (vLLM's name and fields)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -16,7 +16,7 @@ from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import check_truncate_prompt_tokens
 
 POOLING_TYPES = ("last", "mean", "cls")
-POOLING_TASKS = ("embed", "score")
+POOLING_TASKS = ("embed", "score", "classify")
 
 
 @dataclass
@@ -37,7 +37,8 @@ class PoolingParams:
     """Embed only the prompt's last k tokens; -1: its last max_model_len; None: all."""
     task: str = "embed"
     """"embed": a vector of the prompt (embedding models); "score": a cross-encoder's
-    score of the pair the prompt holds (LLM.score sets it, with token_type_start)."""
+    score of the pair the prompt holds (LLM.score sets it, with token_type_start);
+    "classify": a classifier's label probabilities (LLM.classify sets it)."""
     token_type_start: int | None = None
     """Score requests: the prompt position where the pair's second text (token type 1)
     starts; None: the whole prompt is type 0."""

@@ -350,19 +350,15 @@ def _set_embedding_traits(model: ModelConfig, compile: bool) -> None:
     sentence-transformers Pooling config, else mean for encoders, last for decoders;
     vLLM falls back to CLS for BERT instead, sentence-transformers to mean)."""
     from pagedllm.loader.st_config import load_st_pooling_type
-    from pagedllm.models.registry import is_cross_encoder, is_encoder_only
+    from pagedllm.models.registry import is_encoder_only, is_sequence_classifier
 
     model.is_encoder_only = is_encoder_only(model.architecture)
-    model.is_cross_encoder = is_cross_encoder(model.architecture)
     if model.is_encoder_only and compile:
         raise ValueError(f"compile is not supported for the encoder model "
                          f"{model.architecture} (its attention runs eagerly per request)")
-    if model.is_cross_encoder:
-        num_labels = getattr(model.hf_config, "num_labels", 1)
-        if num_labels != 1:
-            raise ValueError(f"{model.architecture} with {num_labels} labels is a "
-                             f"classifier; only cross-encoders (one label: a score) are "
-                             f"supported")
+    if is_sequence_classifier(model.architecture):
+        one_label = getattr(model.hf_config, "num_labels", 1) == 1
+        model.pooling_task = "score" if one_label else "classify"
         model.default_pooling_type = "cls"  # what the classification head reads
         return
     fallback = "mean" if model.is_encoder_only else "last"

@@ -31,7 +31,7 @@ class InputProcessor:
         self.architecture = model_config.architecture
         self.is_encoder_only = model_config.is_encoder_only
         self.default_pooling_type = model_config.default_pooling_type
-        self.is_cross_encoder = model_config.is_cross_encoder
+        self.pooling_task = model_config.pooling_task
         # None: LoRA is off and a request naming an adapter is refused.
         self.adapters = (AdapterChecks(model_config.hf_config, lora_config.max_lora_rank)
                          if lora_config is not None else None)
@@ -120,21 +120,22 @@ class InputProcessor:
         self.adapters.check(lora_request)
 
     def check_pooling_task(self, params: PoolingParams, num_tokens: int) -> None:
-        """A cross-encoder only scores pairs (its head reads the [CLS] state, raw); every
-        other model only embeds."""
-        if self.is_cross_encoder != (params.task == "score"):
-            if self.is_cross_encoder:
-                raise InvalidRequestError(
-                    f"{self.architecture} is a cross-encoder: it scores pairs of texts "
-                    f"(LLM.score, /v1/score, /v1/rerank) and does not embed")
-            raise InvalidRequestError(
-                f"task 'score' needs a cross-encoder model; {self.architecture} scores "
-                f"pairs by the cosine similarity of their embeddings (LLM.score does that)")
-        if params.task != "score":
+        """A cross-encoder only scores pairs and a classifier only classifies (their head
+        reads the [CLS] state, raw); every other model only embeds."""
+        if params.task != self.pooling_task:
+            does = {"score": "is a cross-encoder: it scores pairs of texts (LLM.score, "
+                             "/score, /rerank)",
+                    "classify": "is a classifier: it gives label probabilities "
+                                "(LLM.classify, /classify)",
+                    "embed": "embeds (and scores pairs by the cosine similarity of their "
+                             "embeddings: LLM.score does that)"}
+            raise InvalidRequestError(f"task {params.task!r} is not this model's: "
+                                      f"{self.architecture} {does[self.pooling_task]}")
+        if params.task == "embed":
             return
         if params.pooling_type not in (None, "cls") or params.normalize:
-            raise InvalidRequestError("a cross-encoder's score reads the [CLS] state as it "
-                                      "is: pooling_type 'cls' (or None), normalize False")
+            raise InvalidRequestError(f"a {params.task} request reads the [CLS] state as it "
+                                      f"is: pooling_type 'cls' (or None), normalize False")
         if params.token_type_start is not None and params.token_type_start >= num_tokens:
             raise InvalidRequestError(f"token_type_start {params.token_type_start} is past "
                                       f"the prompt's {num_tokens} tokens")

@@ -1,4 +1,5 @@
-"""LLM: the offline entry point (generate, chat, embed, score) over an LLMEngine."""
+"""LLM: the offline entry point (generate, chat, embed, score, classify) over an
+LLMEngine."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from pagedllm.engine.scoring import (cosine_score, cross_encoder_params, encode_
                                      score_pairs)
 from pagedllm.errors import InvalidRequestError
 from pagedllm.lora_request import LoRARequest
-from pagedllm.outputs import (BeamSearchOutput, EmbeddingRequestOutput, RequestOutput,
-                              ScoringOutput, ScoringRequestOutput)
+from pagedllm.outputs import (BeamSearchOutput, ClassificationOutput,
+                              ClassificationRequestOutput, EmbeddingRequestOutput,
+                              RequestOutput, ScoringOutput, ScoringRequestOutput)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -125,6 +127,19 @@ class LLM:
                 ScoringOutput(cosine_score(u.outputs.embedding, v.outputs.embedding)),
                 u.prompt_token_ids + v.prompt_token_ids))
         return outputs
+
+    def classify(self, prompts: PromptType | Sequence[PromptType],
+                 truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+                 ) -> list[ClassificationRequestOutput]:
+        """The label probabilities of every prompt (vLLM's LLM.classify), in input
+        order: a sequence classifier (BertForSequenceClassification with several
+        labels) runs its head on the [CLS] state, softmax over the labels."""
+        params = PoolingParams(task="classify", pooling_type="cls", normalize=False,
+                               truncate_prompt_tokens=truncate_prompt_tokens)
+        outs = self.embed(prompts, params, use_tqdm)
+        return [ClassificationRequestOutput(o.request_id,
+                                            ClassificationOutput(o.outputs.embedding),
+                                            o.prompt_token_ids) for o in outs]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams,

@@ -148,11 +148,12 @@ class BertModel(nn.Module):
 
 
 class BertForSequenceClassification(BertModel):
-    """A cross-encoder (sentence-transformers' CrossEncoder, e.g. ms-marco-MiniLM-L-6-v2):
-    BertModel over the pair "[CLS] a [SEP] b [SEP]", token type 1 on b (the runner
-    passes `token_type_ids` from each request's PoolingParams.token_type_start), then
-    `score_head` on the [CLS] state: classifier(tanh(pooler.dense(h))), through the
-    model's activation. One label only (arg_utils refuses classifiers)."""
+    """With one label a cross-encoder (sentence-transformers' CrossEncoder, e.g.
+    ms-marco-MiniLM-L-6-v2): BertModel over the pair "[CLS] a [SEP] b [SEP]", token type
+    1 on b (the runner passes `token_type_ids` from each request's
+    PoolingParams.token_type_start); with more a classifier of one text. Either way
+    `score_head` reads the [CLS] state: classifier(tanh(pooler.dense(h))), through the
+    model's activation (a classifier's: softmax over the labels)."""
 
     takes_token_type_ids = True
 
@@ -161,7 +162,8 @@ class BertForSequenceClassification(BertModel):
         hidden = cfg.hidden_size
         self.pooler = BertPooler(cfg)
         self.classifier = ColumnParallelLinear(hidden, cfg.num_labels, bias=True)
-        self.activation = cross_encoder_activation(cfg)
+        self.activation = (cross_encoder_activation(cfg) if cfg.num_labels == 1
+                           else classifier_activation(cfg))
 
     def score_head(self, cls_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] pooled [CLS] states -> [N, num_labels] scores (float32)."""
@@ -187,6 +189,14 @@ class BertPooler(Module):
 _ACTIVATIONS: dict[str, type[nn.Module]] = {
     "torch.nn.modules.linear.Identity": nn.Identity,
     "torch.nn.modules.activation.Sigmoid": nn.Sigmoid}
+
+
+def classifier_activation(cfg: Any) -> nn.Module:
+    """Label probabilities as transformers' text-classification pipeline gives them:
+    a sigmoid per label for multi-label models, else a softmax over the labels."""
+    if getattr(cfg, "problem_type", None) == "multi_label_classification":
+        return nn.Sigmoid()
+    return nn.Softmax(dim=-1)
 
 
 def cross_encoder_activation(cfg: Any) -> nn.Module:

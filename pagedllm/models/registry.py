@@ -24,17 +24,19 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
     # Encoder only (embeddings): sentence-transformers' all-MiniLM-L6-v2 and kin.
     "BertModel": ("bert", "BertModel"),
-    # Cross-encoder (scores a pair of texts): sentence-transformers' CrossEncoder models
-    # such as cross-encoder/ms-marco-MiniLM-L-6-v2.
+    # Sequence classifiers: with one label a cross-encoder (scores a pair of texts:
+    # sentence-transformers' CrossEncoder models such as ms-marco-MiniLM-L-6-v2), with
+    # more a classifier (label probabilities).
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
 }
 
 # Architectures whose attention is bidirectional over each prompt: they keep no KV
 # cache, take no prefix-cache hits and only embed or score (they cannot generate).
 _ENCODER_ONLY = frozenset({"BertModel", "BertForSequenceClassification"})
-# Encoders that score a pair of texts (LLM.score, /v1/score, /v1/rerank) and do nothing
-# else: their pooled [CLS] state goes through a classification head to one score.
-_CROSS_ENCODERS = frozenset({"BertForSequenceClassification"})
+# Encoders whose pooled [CLS] state goes through a classification head: one label
+# scores pairs of texts (LLM.score, /score, /rerank), more classify (LLM.classify,
+# /classify); they do nothing else.
+_SEQUENCE_CLASSIFIERS = frozenset({"BertForSequenceClassification"})
 
 
 def supported_architectures() -> list[str]:
@@ -45,8 +47,8 @@ def is_encoder_only(architecture: str) -> bool:
     return architecture in _ENCODER_ONLY
 
 
-def is_cross_encoder(architecture: str) -> bool:
-    return architecture in _CROSS_ENCODERS
+def is_sequence_classifier(architecture: str) -> bool:
+    return architecture in _SEQUENCE_CLASSIFIERS
 
 
 def get_model_class(architecture: str) -> type:

@@ -22,8 +22,9 @@ def pool_hidden_states(hidden: torch.Tensor, batch: InputBatch, req_ids: list[st
                        score_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
                        ) -> dict[str, list[float]] | None:
     """req_id -> pooled vector (float32, L2-normalized when asked) of each embedding
-    request of the step; None when the step has none. A score request's vector is its
-    pooled state through the model's `score_head` (a cross-encoder's scores).
+    request of the step; None when the step has none. A score or classify request's
+    vector is its pooled state through the model's `score_head` (a cross-encoder's
+    score, a classifier's label probabilities).
 
     `hidden` is [num_tokens, hidden_size] after the model's final norm, flattened in
     `req_ids` order: request i's tokens are hidden[query_start_loc[i]:query_start_loc[i+1]].
@@ -46,7 +47,7 @@ def pool_hidden_states(hidden: torch.Tensor, batch: InputBatch, req_ids: list[st
             vec = hidden[start].float()  # [H]: the first prompt token ([CLS])
         else:
             vec = hidden[end - 1].float()  # [H]: the last prompt token
-        if params.task == "score":
+        if params.task in ("score", "classify"):
             assert score_head is not None, "the input processor admits scores only here"
             vec = score_head(vec[None])[0]  # [num_labels]
         elif params.normalize:

@@ -1,6 +1,6 @@
 """/score and /rerank served by a tiny random cross-encoder (float32): the scores equal
 LLM.score's, rerank orders by them (top_n, return_documents), and long pairs are 400s
-unless truncated."""
+unless truncated; /classify served by a three-label classifier equals LLM.classify."""
 
 from __future__ import annotations
 
@@ -85,3 +85,44 @@ def test_a_cross_encoder_does_not_embed_or_generate(server):
     assert r.status_code == 400 and "cross-encoder" in r.json()["error"]["message"]
     r = _post(server, "/v1/completions", {"prompt": "hello", "max_tokens": 2})
     assert r.status_code == 400
+
+
+def test_classify_on_a_cross_encoder_is_a_400(server):
+    r = _post(server, "/classify", {"input": "hello"})
+    assert r.status_code == 400 and "is a cross-encoder" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    path = save_tiny_cross_encoder(tmp_path_factory.mktemp("served_cls"), num_labels=3,
+                                   id2label={0: "neg", 1: "neutral", 2: "pos"},
+                                   label2id={"neg": 0, "neutral": 1, "pos": 2})
+    srv = RemoteServer([str(path), "--dtype", "float32", "--served-model-name", NAME,
+                        "--log-stats-interval", "0"])
+    yield srv, path
+    srv.stop()
+
+
+def test_classify_matches_offline(classifier):
+    from pagedllm import LLM
+
+    srv, path = classifier
+    llm = LLM(str(path), dtype="float32")
+    want = [o.outputs.probs for o in llm.classify(DOCS, use_tqdm=False)]
+    llm.shutdown()
+    for route in ("/classify", "/v1/classify"):
+        r = _post(srv, route, {"input": DOCS})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [d["index"] for d in body["data"]] == [0, 1, 2, 3]
+        for d, probs in zip(body["data"], want):
+            assert d["probs"] == pytest.approx(probs, abs=1e-6) and d["num_classes"] == 3
+            assert d["label"] == ["neg", "neutral", "pos"][max(range(3), key=probs.__getitem__)]
+    one = _post(srv, "/classify", {"input": DOCS[0]}).json()
+    assert one["data"][0]["probs"] == pytest.approx(want[0], abs=1e-6)
+    for body, fragment in (({"input": []}, "input must not be empty"),
+                           ({"input": 5}, "input")):
+        r = _post(srv, "/classify", body)
+        assert r.status_code == 400 and fragment in r.text, r.text
+    r = _post(srv, "/v1/score", {"text_1": "a", "text_2": "b"})
+    assert r.status_code == 400 and "is a classifier" in r.json()["error"]["message"]

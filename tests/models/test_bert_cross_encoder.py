@@ -1,7 +1,8 @@
-"""Cross-encoders (BertForSequenceClassification, one label) and LLM.score: pair scores
-against transformers and sentence-transformers' CrossEncoder (float32), the pair's token
-types, truncation, the pairing rules, and what a cross-encoder refuses; an embedding
-model's scores are the cosine similarities of LLM.embed's vectors."""
+"""Sequence classifiers (BertForSequenceClassification): with one label a cross-encoder,
+LLM.score's pair scores against transformers and sentence-transformers' CrossEncoder
+(float32), the pair's token types, truncation, the pairing rules and what it refuses;
+with several labels LLM.classify's probabilities against transformers' softmax; an
+embedding model's scores are the cosine similarities of LLM.embed's vectors."""
 
 from __future__ import annotations
 
@@ -104,10 +105,9 @@ def test_pairing_rules_and_refusals(identity_dir, tmp_path):
         llm.embed(["hello"], use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="does not support generation|embedding"):
         llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="is a cross-encoder"):
+        llm.classify(["hello"], use_tqdm=False)
     llm.shutdown()
-    # A classifier (two labels) is not a cross-encoder.
-    with pytest.raises(ValueError, match="2 labels is a classifier"):
-        LLM(str(save_tiny_cross_encoder(tmp_path / "two", num_labels=2)), dtype="float32")
 
 
 def test_embedding_models_score_by_cosine(tmp_path):
@@ -118,7 +118,29 @@ def test_embedding_models_score_by_cosine(tmp_path):
     want = [float(torch.nn.functional.cosine_similarity(vectors[0], v, dim=0))
             for v in vectors[1:]]
     assert scores == pytest.approx(want, abs=1e-6)
-    with pytest.raises(InvalidRequestError, match="task 'score' needs a cross-encoder"):
+    with pytest.raises(InvalidRequestError, match="task 'score' is not this model's"):
         llm.embed(["hello"], PoolingParams(task="score", pooling_type="cls",
                                            normalize=False), use_tqdm=False)
+    llm.shutdown()
+
+
+def test_classifiers_give_label_probabilities(tmp_path):
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    model_dir = save_tiny_cross_encoder(tmp_path / "three", num_labels=3)
+    texts = QUERIES + DOCS
+    llm = LLM(str(model_dir), dtype="float32")
+    outs = llm.classify(texts, use_tqdm=False)
+    model = BertForSequenceClassification.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with torch.no_grad():
+        for text, out in zip(texts, outs):
+            want = torch.softmax(model(**tokenizer(text, return_tensors="pt")).logits[0], -1)
+            assert out.outputs.num_classes == 3
+            assert out.outputs.probs == pytest.approx(want.tolist(), abs=1e-5)
+    assert len({tuple(round(p, 4) for p in o.outputs.probs) for o in outs}) == len(texts)
+    with pytest.raises(InvalidRequestError, match="is a classifier"):
+        llm.embed(["hello"], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="is a classifier"):
+        llm.score("a", "b", use_tqdm=False)
     llm.shutdown()

@@ -61,13 +61,18 @@ class ScoreUsage(OpenAIBaseModel):
     completion_tokens: int = 0
 
 
-class ScoreResponse(OpenAIBaseModel):
+class _ListResponse(OpenAIBaseModel):
+    """What /score and /classify answer around their `data`."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    data: list[ScoreData]
     usage: ScoreUsage
+
+
+class ScoreResponse(_ListResponse):
+    data: list[ScoreData]
 
 
 class RerankRequest(RequestModel):
@@ -103,3 +108,26 @@ class RerankResponse(OpenAIBaseModel):
     model: str
     usage: RerankUsage
     results: list[RerankResult]
+
+
+class ClassifyRequest(RequestModel):
+    """vLLM's POST /classify: one text or several, each classified on its own."""
+
+    model: str | None = None
+    input: StrictStr | list[StrictStr]
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    timeout: float | None = Field(default=None, gt=0)
+    user: str | None = None
+
+
+class ClassifyData(OpenAIBaseModel):
+    index: int
+    label: str
+    """The most probable label's name (the config's id2label)."""
+    probs: list[float]
+    num_classes: int
+
+
+class ClassifyResponse(_ListResponse):
+    data: list[ClassifyData]

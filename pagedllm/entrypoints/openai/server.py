@@ -2,7 +2,8 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
 POST /v1/responses (OpenAI's Responses API, stateless),
-POST /v1/embeddings, POST /score and /rerank (vLLM's; also under /v1, /v2/rerank),
+POST /v1/embeddings, POST /score, /rerank and /classify (vLLM's; also under /v1,
+/v2/rerank),
 POST /tokenize,
 POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
 GET /debug/stats, GET /dashboard (a live page; its files need no key, its feed
@@ -48,7 +49,8 @@ from pagedllm.entrypoints.openai.dashboard import (PAGE_PATHS, STATE_PATH, Dashb
                                                    add_dashboard_routes)
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
-from pagedllm.entrypoints.openai.score_protocol import RerankRequest, ScoreRequest
+from pagedllm.entrypoints.openai.score_protocol import (ClassifyRequest, RerankRequest,
+                                                       ScoreRequest)
 from pagedllm.entrypoints.openai.offload import Offloader
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -253,6 +255,11 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     @app.post("/v1/score")
     async def create_score(request: ScoreRequest, raw_request: Request) -> Any:
         return await _cancel_on_disconnect(raw_request, scores.create_score(request))
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def create_classify(request: ClassifyRequest, raw_request: Request) -> Any:
+        return await _cancel_on_disconnect(raw_request, scores.create_classify(request))
 
     @app.post("/rerank")
     @app.post("/v1/rerank")

@@ -1,4 +1,5 @@
-"""POST /score and /rerank (vLLM's): scores of text pairs (engine/scoring.py says how).
+"""POST /score and /rerank (vLLM's): scores of text pairs (engine/scoring.py says how);
+POST /classify: a classifier's label probabilities per text.
 
 A cross-encoder's pairs are tokenized together (off the event loop when large) and run
 as score requests; an embedding model's distinct texts are embedded once each and every
@@ -12,7 +13,9 @@ from __future__ import annotations
 from pagedllm.engine.scoring import (cosine_score, cross_encoder_params, encode_pair,
                                      score_pairs)
 from pagedllm.entrypoints.openai.protocol import random_id
-from pagedllm.entrypoints.openai.score_protocol import (RerankDocument, RerankRequest,
+from pagedllm.entrypoints.openai.score_protocol import (ClassifyData, ClassifyRequest,
+                                                       ClassifyResponse, RerankDocument,
+                                                       RerankRequest,
                                                        RerankResponse, RerankResult,
                                                        RerankUsage, ScoreData,
                                                        ScoreRequest, ScoreResponse,
@@ -49,6 +52,35 @@ class OpenAIServingScore(OpenAIServing):
             else None) for i in ranked]
         return RerankResponse(id=random_id("rerank"), model=self.response_model(request.model),
                               usage=RerankUsage(total_tokens=num_tokens), results=results)
+
+    async def create_classify(self, request: ClassifyRequest) -> ClassifyResponse:
+        self.check_model(request.model)
+        texts = [request.input] if isinstance(request.input, str) else request.input
+        if not texts:
+            raise InvalidRequestError("input must not be empty")
+        if len(texts) > MAX_INPUTS:
+            raise InvalidRequestError(f"input may hold at most {MAX_INPUTS} texts, got "
+                                      f"{len(texts)}")
+        check_truncate_prompt_tokens(request.truncate_prompt_tokens)
+        prompts = []
+        for i, text in enumerate(texts):
+            ids = await self.encode(text) if text else []
+            prompts.append(self.truncate(text, ids, request.truncate_prompt_tokens))
+            self.check_pooling_length(len(prompts[-1][1]), f"input[{i}]")
+        params = PoolingParams(task="classify", pooling_type="cls", normalize=False)
+        vectors = await self.pool_all(random_id("classify"), prompts,
+                                      [params] * len(prompts), request)
+        labels = getattr(self.engine.config.model.hf_config, "id2label", None) or {}
+        data = []
+        for i, probs in enumerate(vectors):
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append(ClassifyData(index=i, label=str(labels.get(best, f"LABEL_{best}")),
+                                     probs=probs, num_classes=len(probs)))
+        num_tokens = sum(len(ids) for _, ids in prompts)
+        return ClassifyResponse(id=random_id("classify"),
+                                model=self.response_model(request.model), data=data,
+                                usage=ScoreUsage(prompt_tokens=num_tokens,
+                                                 total_tokens=num_tokens))
 
     async def _score(self, pairs: list[tuple[str, str]],
                      request: ScoreRequest | RerankRequest) -> tuple[list[float], int]:
