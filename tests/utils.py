@@ -320,3 +320,39 @@ def save_scripted_llama(path: Path, successors: dict[str, str],
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     return Path(path)
+
+
+ROBERTA_CORPUS = ["the cat sat on the mat", "a dog is playing guitar", "hello world",
+                  "paris is the capital of france", "the man is on the mat, the cat sat"]
+
+
+def save_tiny_roberta(path: Path, architecture: str = "XLMRobertaModel", seed: int = 0,
+                      **overrides) -> Path:
+    """A random `transformers` XLM-RoBERTa (`architecture`: XLMRobertaModel or
+    XLMRobertaForSequenceClassification, one label unless num_labels says) and a
+    byte-level BPE tokenizer trained here on a few sentences, float32. Perturbed by 0.2
+    so that texts get visibly different outputs."""
+    import transformers as tf
+    from tokenizers import ByteLevelBPETokenizer
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(ROBERTA_CORPUS, vocab_size=300, min_frequency=1,
+                            special_tokens=specials)
+    tokenizer = tf.RobertaTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>",
+                                        eos_token="</s>", sep_token="</s>",
+                                        cls_token="<s>", unk_token="<unk>",
+                                        pad_token="<pad>", mask_token="<mask>")
+    kw = dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+              num_attention_heads=4, intermediate_size=128, max_position_embeddings=66,
+              type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+              num_labels=1)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = getattr(tf, architecture)(tf.XLMRobertaConfig(**kw))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)

@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _QUANTIZATIONS = ("auto", "gguf", "none")
 # Model types whose positions index a learned table: no sequence may outgrow it.
-_LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt", "bert"})
+_LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt", "bert", "roberta", "xlm-roberta"})
+# Learned positions counted from padding_idx + 1: that many rows are never a position.
+_OFFSET_POSITION_MODEL_TYPES = frozenset({"roberta", "xlm-roberta"})
 
 
 def _arg(default: Any, help: str, **kw: Any) -> Any:
@@ -436,6 +438,9 @@ def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
         if derived:
             break
     derived = int(derived or 2048)
+    if getattr(hf_config, "model_type", None) in _OFFSET_POSITION_MODEL_TYPES:
+        pad = getattr(hf_config, "pad_token_id", None)
+        derived -= (1 if pad is None else pad) + 1
     if requested is None:
         return min(derived, 8192)
     if requested < 1:

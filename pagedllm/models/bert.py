@@ -43,8 +43,11 @@ _SKIP = ("pooler.", "cls.", "embeddings.position_ids")
 
 
 class BertEmbeddings(Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, position_offset: int = 0) -> None:
         super().__init__()
+        # RoBERTa numbers positions from padding_idx + 1 (HF's
+        # create_position_ids_from_input_ids): its first token reads row pad + 1.
+        self.position_offset = position_offset
         hidden = cfg.hidden_size
         self.word_embeddings = VocabEmbedding(cfg.vocab_size, hidden)
         # Learned positions: max_model_len never exceeds max_position_embeddings
@@ -55,6 +58,8 @@ class BertEmbeddings(Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.position_offset:
+            positions = positions + self.position_offset
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)  # [T, H]
         if token_type_ids is not None:  # a cross-encoder's pair: type 1 on the second
             return self.LayerNorm(x + self.token_type_embeddings(token_type_ids))
@@ -132,7 +137,7 @@ class BertModel(nn.Module):
             raise ModelLoadError(f"hidden_size {cfg.hidden_size} is not a multiple of "
                                  f"num_attention_heads {cfg.num_attention_heads}")
         self.config = cfg
-        self.embeddings = BertEmbeddings(cfg)
+        self.embeddings = BertEmbeddings(cfg, self.position_offset_of(cfg))
         self.encoder = BertEncoder(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -145,6 +150,27 @@ class BertModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_stacked_weights(self, _hf_names(weights), _STACKED_PARAMS, skip=_SKIP)
+
+    @classmethod
+    def position_offset_of(cls, cfg: Any) -> int:
+        """Rows of the learned position table before position 0 (RoBERTa's pad + 1)."""
+        return 0
+
+
+class RobertaModel(BertModel):
+    """RoBERTa / XLM-RoBERTa (bge-m3, multilingual-e5): BERT's layers, one token type,
+    and positions counted from padding_idx + 1 (their table has pad + 1 more rows than
+    usable positions: arg_utils caps max_model_len by them). Checkpoints name it
+    `roberta.*`."""
+
+    @classmethod
+    def position_offset_of(cls, cfg: Any) -> int:
+        return roberta_position_offset(cfg)
+
+
+def roberta_position_offset(cfg: Any) -> int:
+    pad = getattr(cfg, "pad_token_id", None)
+    return (1 if pad is None else pad) + 1
 
 
 class BertForSequenceClassification(BertModel):
@@ -162,8 +188,7 @@ class BertForSequenceClassification(BertModel):
         hidden = cfg.hidden_size
         self.pooler = BertPooler(cfg)
         self.classifier = ColumnParallelLinear(hidden, cfg.num_labels, bias=True)
-        self.activation = (cross_encoder_activation(cfg) if cfg.num_labels == 1
-                           else classifier_activation(cfg))
+        self.activation = head_activation(cfg)
 
     def score_head(self, cls_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] pooled [CLS] states -> [N, num_labels] scores (float32)."""
@@ -174,6 +199,37 @@ class BertForSequenceClassification(BertModel):
         # Unlike an embedding model, the pooler is part of the scoring head here.
         return load_stacked_weights(self, _hf_names(weights), _STACKED_PARAMS,
                                     skip=("cls.", "embeddings.position_ids"))
+
+
+class RobertaForSequenceClassification(RobertaModel):
+    """RoBERTa / XLM-RoBERTa with a classification head (bge-reranker-v2-m3 with one
+    label: a cross-encoder of "<s> a </s></s> b </s>", one token type): `score_head`
+    is out_proj(tanh(dense(h))) on the <s> state (RobertaClassificationHead; no pooler),
+    through the head's activation as for BERT."""
+
+    def __init__(self, cfg: Any, attn_backend: str) -> None:
+        super().__init__(cfg, attn_backend)
+        self.classifier = RobertaClassificationHead(cfg)
+        self.activation = head_activation(cfg)
+
+    def score_head(self, cls_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] pooled <s> states -> [N, num_labels] scores (float32)."""
+        x = cls_states.to(self.classifier.out_proj.weight.dtype)
+        return self.activation(self.classifier(x).float())
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_stacked_weights(self, _hf_names(weights), _STACKED_PARAMS,
+                                    skip=("embeddings.position_ids",))
+
+
+class RobertaClassificationHead(Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.dense = ColumnParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.out_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_labels, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(x)))
 
 
 class BertPooler(Module):
@@ -189,6 +245,12 @@ class BertPooler(Module):
 _ACTIVATIONS: dict[str, type[nn.Module]] = {
     "torch.nn.modules.linear.Identity": nn.Identity,
     "torch.nn.modules.activation.Sigmoid": nn.Sigmoid}
+
+
+def head_activation(cfg: Any) -> nn.Module:
+    """A classification head's activation: a cross-encoder's (one label) or a
+    classifier's."""
+    return cross_encoder_activation(cfg) if cfg.num_labels == 1 else classifier_activation(cfg)
 
 
 def classifier_activation(cfg: Any) -> nn.Module:
@@ -217,11 +279,11 @@ def cross_encoder_activation(cfg: Any) -> nn.Module:
 
 def _hf_names(weights: Iterable[tuple[str, torch.Tensor]],
               ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF BERT names -> this module tree's: no `bert.` prefix, the self-attention's
+    """HF BERT names -> this module tree's: no `bert.` (`roberta.`) prefix, the self-attention's
     query/key/value and output dense/LayerNorm both directly under `attention.`, and
     the LayerNorm `gamma`/`beta` of TF-era checkpoints as `weight`/`bias`."""
     for name, tensor in weights:
-        name = name.removeprefix("bert.")
+        name = name.removeprefix("bert.").removeprefix("roberta.")
         name = name.replace(".attention.self.", ".attention.")
         name = name.replace(".attention.output.", ".attention.")
         if ".LayerNorm." in name:

@@ -28,15 +28,24 @@ _MODELS: dict[str, tuple[str, str]] = {
     # sentence-transformers' CrossEncoder models such as ms-marco-MiniLM-L-6-v2), with
     # more a classifier (label probabilities).
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    # RoBERTa-family encoders (bge-m3, multilingual-e5; bge-reranker-v2-m3).
+    "RobertaModel": ("bert", "RobertaModel"),
+    "XLMRobertaModel": ("bert", "RobertaModel"),
+    "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
 }
 
 # Architectures whose attention is bidirectional over each prompt: they keep no KV
 # cache, take no prefix-cache hits and only embed or score (they cannot generate).
-_ENCODER_ONLY = frozenset({"BertModel", "BertForSequenceClassification"})
+_ENCODER_ONLY = frozenset({"BertModel", "BertForSequenceClassification", "RobertaModel",
+                           "XLMRobertaModel", "RobertaForSequenceClassification",
+                           "XLMRobertaForSequenceClassification"})
 # Encoders whose pooled [CLS] state goes through a classification head: one label
 # scores pairs of texts (LLM.score, /score, /rerank), more classify (LLM.classify,
 # /classify); they do nothing else.
-_SEQUENCE_CLASSIFIERS = frozenset({"BertForSequenceClassification"})
+_SEQUENCE_CLASSIFIERS = frozenset({"BertForSequenceClassification",
+                                   "RobertaForSequenceClassification",
+                                   "XLMRobertaForSequenceClassification"})
 
 
 def supported_architectures() -> list[str]:
