@@ -172,6 +172,16 @@ def test_a_conversation_with_calls_and_outputs(scripted):
     assert r.status == "completed" and [item.type for item in r.output] == ["message"]
     assert r.output_text.split() == ["hello", "there"]
     assert r.usage.output_tokens_details.reasoning_tokens == 0
+    # The usual client loop: the previous response's output items (SDK objects) sent
+    # back as they are, with the call's output.
+    first = client.responses.create(model="scripted", input="go", tools=[WEATHER],
+                                    temperature=0)
+    call = first.output[-1]
+    again = client.responses.create(model="scripted", temperature=0, tools=[WEATHER], input=[
+        {"role": "user", "content": "go"}, *first.output,
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+        {"role": "user", "content": "x </think> hi"}])
+    assert again.output_text.split() == ["hello", "there"]
     cut = client.responses.create(model="scripted", input="x </think> hi",
                                   max_output_tokens=1, temperature=0)
     assert cut.status == "incomplete" and cut.output[0].status == "incomplete"
