@@ -110,20 +110,63 @@ LLAMA3_CASES = [
 ]
 
 
-@pytest.mark.parametrize("text,content,calls", HERMES_CASES)
-def test_hermes_parser(text, content, calls):
-    parsed = parse_all(hermes(), text)
+MISTRAL_CASES = [
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}]', "", [("f", {"a": 1})]),
+    ('[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"s": "]"}}]',
+     "", [("f", {}), ("g", {"s": "]"})]),
+    # [TOOL_CALLS] is a special token: skipped from the text by default.
+    (' [{"name": "f", "arguments": {"a": [1, 2]}}]', "", [("f", {"a": [1, 2]})]),
+    ('[{"name": "f", "arguments": {}}] Done.', "Done.", [("f", {})]),
+    # Not calls: a list that is prose, a truncated call, plain text.
+    ("[1] First, preheat the oven.", "[1] First, preheat the oven.", []),
+    ('[TOOL_CALLS] [{"name": "f", "argu', '[TOOL_CALLS] [{"name": "f", "argu', []),
+    ("The weather is fine.", "The weather is fine.", []),
+    ("[TOOL_CAL", "[TOOL_CAL", []),
+]
+
+PYTHONIC_CASES = [
+    ('[get_weather(city="Paris", unit="celsius")]', "",
+     [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    ("[f(a=1, b=[1, 'x'], c={'k': None}, d=True), g()]", "",
+     [("f", {"a": 1, "b": [1, "x"], "c": {"k": None}, "d": True}), ("g", {})]),
+    ('<|python_start|>[f(s="a ] b")]<|python_end|>', "", [("f", {"s": "a ] b"})]),
+    # What follows the list is content.
+    ("  [f(x=-2.5)]\nDone.", "\nDone.", [("f", {"x": -2.5})]),
+    ("[f(a=1)]<|python_e", "", [("f", {"a": 1})]),
+    # Not calls (content as generated): prose, positional or non-literal arguments, a
+    # list left open, an empty list, a list of values.
+    ("Paris is sunny.", "Paris is sunny.", []),
+    ("[f(1)]", "[f(1)]", []),
+    ("[f(a=os.system('x'))]", "[f(a=os.system('x'))]", []),
+    ("[f(a=1", "[f(a=1", []),
+    ("[]", "[]", []),
+    ("[1, 2, 3]", "[1, 2, 3]", []),
+    ("<|python_st", "<|python_st", []),
+]
+
+
+def mistral() -> ToolParser:
+    return get_tool_parser("mistral")()
+
+
+def pythonic() -> ToolParser:
+    return get_tool_parser("pythonic")()
+
+
+PARSER_CASES = {hermes: HERMES_CASES, llama3: LLAMA3_CASES, mistral: MISTRAL_CASES,
+                pythonic: PYTHONIC_CASES}
+
+
+@pytest.mark.parametrize("make,text,content,calls",
+                         [(make, *case) for make, cases in PARSER_CASES.items()
+                          for case in cases])
+def test_parser(make, text, content, calls):
+    parsed = parse_all(make(), text)
     assert parsed.content == content and calls_of(parsed) == calls
 
 
-@pytest.mark.parametrize("text,content,calls", LLAMA3_CASES)
-def test_llama3_json_parser(text, content, calls):
-    parsed = parse_all(llama3(), text)
-    assert parsed.content == content and calls_of(parsed) == calls
-
-
-@pytest.mark.parametrize("make,text", [(hermes, c[0]) for c in HERMES_CASES]
-                         + [(llama3, c[0]) for c in LLAMA3_CASES])
+@pytest.mark.parametrize("make,text", [(make, case[0]) for make, cases in PARSER_CASES.items()
+                                       for case in cases])
 @pytest.mark.parametrize("size", [1, 2, 3, 7])
 def test_streaming_gives_the_same_calls(make, text, size):
     """Fed in pieces (1 = character by character), a parser releases the same content
@@ -297,7 +340,7 @@ def test_serve_config_tool_flags(tmp_path):
     with pytest.raises(ValueError, match="requires --tool-call-parser"):
         ServeConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
-        ServeConfig(tool_call_parser="mistral")
+        ServeConfig(tool_call_parser="granite")
     with pytest.raises(ValueError, match="neither a template nor a file"):
         ServeConfig(chat_template=str(tmp_path / "missing.jinja"))
     path = tmp_path / "t.jinja"

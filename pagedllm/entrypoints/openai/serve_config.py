@@ -50,9 +50,11 @@ class ServeConfig:
         False, "let the model decide when to call tools (tool_choice \"auto\", the default "
                "with tools): its output is read by --tool-call-parser")
     tool_call_parser: str | None = field(default=None, metadata={
-        "help": "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or "
-                "llama3_json ({\"name\": ..., \"parameters\": ...}); needed by "
-                "--enable-auto-tool-choice", "choices": TOOL_PARSER_NAMES})
+        "help": "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: "
+                "Qwen, Hermes), llama3_json ({\"name\": ..., \"parameters\": ...}), "
+                "mistral ([TOOL_CALLS] [{\"name\": ..., \"arguments\": ...}]) or pythonic "
+                "([f(a=1), g()]: Llama 3.2 / 4); needed by --enable-auto-tool-choice",
+        "choices": TOOL_PARSER_NAMES})
 
     allow_runtime_lora_updating: bool = _flag(
         False, "serve /v1/load_lora_adapter and /v1/unload_lora_adapter, which add and "

@@ -15,6 +15,8 @@ from pagedllm.entrypoints.openai.tool_parsers.base import ToolParser
 _PARSERS: dict[str, tuple[str, str]] = {
     "hermes": ("hermes", "HermesToolParser"),
     "llama3_json": ("llama3_json", "Llama3JsonToolParser"),
+    "mistral": ("mistral", "MistralToolParser"),
+    "pythonic": ("pythonic", "PythonicToolParser"),
 }
 TOOL_PARSER_NAMES: tuple[str, ...] = tuple(_PARSERS)
 

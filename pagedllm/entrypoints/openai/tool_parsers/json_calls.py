@@ -127,12 +127,13 @@ class JsonCallSequenceParser(ToolParser):
         if not rest:
             return False
         start = len(self._buf) - len(rest)
-        for opener in self.openers:
+        if any(len(opener) > len(rest) and opener.startswith(rest)
+               for opener in self.openers):
+            return False  # maybe the start of a (longer) opener: wait
+        for opener in sorted(self.openers, key=len, reverse=True):  # longest first
             if opener and rest.startswith(opener):
                 self._pos, self._mode = start + len(opener), "item"
                 return True
-        if any(opener.startswith(rest) for opener in self.openers if opener):
-            return False  # maybe the start of an opener: wait
         if "" in self.openers and rest.startswith("{"):
             self._pos, self._mode = start, "item"
             return True
