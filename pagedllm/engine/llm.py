@@ -11,8 +11,8 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import beam_search
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.scoring import (cosine_score, cross_encoder_params, encode_pair,
-                                     score_pairs)
+from pagedllm.engine.scoring import (classifier_params, cosine_score,
+                                     cross_encoder_params, encode_pair, score_pairs)
 from pagedllm.errors import InvalidRequestError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (BeamSearchOutput, ClassificationOutput,
@@ -134,9 +134,7 @@ class LLM:
         """The label probabilities of every prompt (vLLM's LLM.classify), in input
         order: a sequence classifier (BertForSequenceClassification with several
         labels) runs its head on the [CLS] state, softmax over the labels."""
-        params = PoolingParams(task="classify", pooling_type="cls", normalize=False,
-                               truncate_prompt_tokens=truncate_prompt_tokens)
-        outs = self.embed(prompts, params, use_tqdm)
+        outs = self.embed(prompts, classifier_params(truncate_prompt_tokens), use_tqdm)
         return [ClassificationRequestOutput(o.request_id,
                                             ClassificationOutput(o.outputs.embedding),
                                             o.prompt_token_ids) for o in outs]

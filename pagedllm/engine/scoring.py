@@ -64,6 +64,12 @@ def cross_encoder_params(token_type_start: int | None) -> PoolingParams:
                          token_type_start=token_type_start)
 
 
+def classifier_params(truncate_prompt_tokens: int | None = None) -> PoolingParams:
+    """The pooling of one text for a classifier: its head reads the raw [CLS] state."""
+    return PoolingParams(task="classify", pooling_type="cls", normalize=False,
+                         truncate_prompt_tokens=truncate_prompt_tokens)
+
+
 def cosine_score(u: Sequence[float], v: Sequence[float]) -> float:
     """The cosine similarity of two embeddings (computed in float64)."""
     a, b = np.asarray(u, dtype=np.float64), np.asarray(v, dtype=np.float64)

@@ -163,7 +163,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: Any, attn_backend: str,
                  parallel: ParallelState | None = None) -> None:
         variant = LlamaVariant(make_mlp=MixtralMoE, stacked_params=(
-            LLAMA_STACKED_PARAMS + expert_stacked_params(cfg.num_local_experts)))
+            expert_stacked_params(cfg.num_local_experts) + LLAMA_STACKED_PARAMS))
         super().__init__(cfg, attn_backend, variant, parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

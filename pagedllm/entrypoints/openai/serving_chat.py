@@ -55,7 +55,7 @@ class PreparedChat:
 
 
 @dataclass
-class _ChoiceState:
+class ChoiceState:
     num_chars: int = 0
     num_tokens: int = 0
     is_finished: bool = False
@@ -263,7 +263,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
                       streams: list, plan: ToolPlan, phase: Phase | None,
                       ) -> AsyncIterator[str]:
-        states = {i: _ChoiceState(reasoning=self._reasoning_reader(phase),
+        states = {i: ChoiceState(reasoning=self._reasoning_reader(phase),
                                   tools=plan.new_reader()) for i in range(request.n)}
         num_prompt_tokens = 0
 
@@ -282,7 +282,7 @@ class OpenAIServingChat(OpenAIServing):
             async for _, ro in merge_streams(streams):
                 num_prompt_tokens = len(ro.prompt_token_ids)
                 for out in ro.outputs:
-                    st = states.setdefault(out.index, _ChoiceState())
+                    st = states.setdefault(out.index, ChoiceState())
                     if st.is_finished:
                         continue
                     delta = out.text[st.num_chars:] if len(out.text) > st.num_chars else ""
@@ -317,7 +317,7 @@ class OpenAIServingChat(OpenAIServing):
         yield sse("[DONE]")
 
     @staticmethod
-    def _delta(st: _ChoiceState, text: str, finish_reason: str | None,
+    def _delta(st: ChoiceState, text: str, finish_reason: str | None,
                ) -> tuple[DeltaMessage, str | None]:
         """A chunk's message of new text: its reasoning split off, the rest through the
         choice's tool-call reader (both may hold text back until they know where it

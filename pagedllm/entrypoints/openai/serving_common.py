@@ -286,6 +286,19 @@ class OpenAIServing:
             vectors.append(out.outputs.embedding)
         return vectors
 
+    async def pooling_prompt(self, item: str | list[int], truncate_prompt_tokens: int | None,
+                             where: str, add_special_tokens: bool = True,
+                             ) -> tuple[str | None, list[int]]:
+        """One embedding / score / classify input (text or token ids) as (text, ids):
+        tokenized, truncated as asked, and checked to fit (400 naming `where`)."""
+        if isinstance(item, str):
+            ids = await self.encode(item, add_special_tokens) if item else []
+            prompt = self.truncate(item, ids, truncate_prompt_tokens)
+        else:
+            prompt = self.truncate(None, list(item), truncate_prompt_tokens)
+        self.check_pooling_length(len(prompt[1]), where)
+        return prompt
+
     def check_pooling_length(self, num_tokens: int, where: str) -> None:
         """An embedding or score input fits one step and the KV cache; 400 naming it."""
         if num_tokens == 0:

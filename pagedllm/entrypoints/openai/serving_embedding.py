@@ -54,15 +54,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         if len(inputs) > MAX_INPUTS:
             raise InvalidRequestError(f"input may hold at most {MAX_INPUTS} entries, got "
                                       f"{len(inputs)}")
-        prompts: list[Prompt] = []
-        for i, item in enumerate(inputs):
-            if isinstance(item, str):
-                ids = await self.encode(item, request.add_special_tokens) if item else []
-                prompts.append(self.truncate(item, ids, request.truncate_prompt_tokens))
-            else:
-                prompts.append(self.truncate(None, list(item), request.truncate_prompt_tokens))
-            self.check_pooling_length(len(prompts[-1][1]), f"input[{i}]")
-        return prompts
+        return [await self.pooling_prompt(item, request.truncate_prompt_tokens,
+                                          f"input[{i}]", request.add_special_tokens)
+                for i, item in enumerate(inputs)]
 
 
 def _encode(embedding: list[float], encoding_format: str) -> list[float] | str:

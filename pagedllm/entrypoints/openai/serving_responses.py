@@ -29,7 +29,7 @@ from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
                                                             ResponsesRequest, ResponseUsage,
                                                             item_id)
 from pagedllm.entrypoints.openai.serving_chat import (OpenAIServingChat, PreparedChat,
-                                                      _ChoiceState)
+                                                      ChoiceState)
 from pagedllm.entrypoints.openai.serving_common import (SSEResponse, error_body,
                                                         error_status, exception_message,
                                                         merge_streams)
@@ -63,11 +63,14 @@ class OpenAIServingResponses(OpenAIServingChat):
             output.append(FunctionCallOutput(
                 id=item_id("fc"), call_id=call.id, name=call.function.name,
                 arguments=call.function.arguments, status="completed"))
-        return self._response(request, response_id, output, final, finish_reason)
+        return self._response(request, response_id, output, final, finish_reason,
+                              reasoned=bool(message.reasoning))
 
     def _response(self, request: ResponsesRequest, response_id: str, output: list[Any],
-                  final: RequestOutput | None, finish_reason: str | None) -> ResponseObject:
-        """The response object: in progress (no `final` yet) or finished with `output`."""
+                  final: RequestOutput | None, finish_reason: str | None,
+                  reasoned: bool = False) -> ResponseObject:
+        """The response object: in progress (no `final` yet) or finished with `output`
+        (`reasoned`: it holds a reasoning item, whose tokens usage counts)."""
         incomplete = finish_reason == "length"
         status = ("in_progress" if final is None else "incomplete" if incomplete
                   else "completed")
@@ -75,14 +78,12 @@ class OpenAIServingResponses(OpenAIServingChat):
         if final is not None:
             out = final.outputs[0]
             num_in, num_out = len(final.prompt_token_ids), len(out.token_ids)
-            has_reasoning = any(isinstance(item, ReasoningItem) or (
-                isinstance(item, dict) and item.get("type") == "reasoning") for item in output)
             usage = ResponseUsage(
                 input_tokens=num_in, output_tokens=num_out, total_tokens=num_in + num_out,
                 input_tokens_details=InputTokensDetails(cached_tokens=final.num_cached_tokens),
                 output_tokens_details=OutputTokensDetails(
                     reasoning_tokens=self._num_reasoning_tokens(out.token_ids)
-                    if has_reasoning else 0))
+                    if reasoned else 0))
         return ResponseObject(
             id=response_id, status=status, model=self.response_model(request.model),
             output=output, usage=usage,
@@ -117,7 +118,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
         items = _ItemStream(event)
-        st = _ChoiceState(reasoning=self._reasoning_reader(prepared.phase),
+        st = ChoiceState(reasoning=self._reasoning_reader(prepared.phase),
                           tools=prepared.plan.new_reader())
         final: RequestOutput | None = None
         finish_reason = None
@@ -140,7 +141,8 @@ class OpenAIServingResponses(OpenAIServingChat):
             for chunk in items.close("incomplete" if finish_reason == "length"
                                      else "completed"):
                 yield chunk
-            done = self._response(request, response_id, items.output, final, finish_reason)
+            done = self._response(request, response_id, items.output, final, finish_reason,
+                                  reasoned=items.reasoned)
             # Always response.completed, its status "incomplete" when cut at
             # max_output_tokens, as vLLM does (the SDK's stream helper waits for it).
             yield event("response.completed", response=done.model_dump(mode="json"))
@@ -162,6 +164,10 @@ class _ItemStream:
         self.event = event
         self.output: list[dict[str, Any]] = []
         self.open: tuple[str, str, str] | None = None  # (kind, item id, text so far)
+
+    @property
+    def reasoned(self) -> bool:
+        return any(item["type"] == "reasoning" for item in self.output)
 
     @property
     def index(self) -> int:

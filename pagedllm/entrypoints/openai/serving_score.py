@@ -10,8 +10,8 @@ them best first.
 
 from __future__ import annotations
 
-from pagedllm.engine.scoring import (cosine_score, cross_encoder_params, encode_pair,
-                                     score_pairs)
+from pagedllm.engine.scoring import (classifier_params, cosine_score,
+                                     cross_encoder_params, encode_pair, score_pairs)
 from pagedllm.entrypoints.openai.protocol import random_id
 from pagedllm.entrypoints.openai.score_protocol import (ClassifyData, ClassifyRequest,
                                                        ClassifyResponse, RerankDocument,
@@ -62,14 +62,11 @@ class OpenAIServingScore(OpenAIServing):
             raise InvalidRequestError(f"input may hold at most {MAX_INPUTS} texts, got "
                                       f"{len(texts)}")
         check_truncate_prompt_tokens(request.truncate_prompt_tokens)
-        prompts = []
-        for i, text in enumerate(texts):
-            ids = await self.encode(text) if text else []
-            prompts.append(self.truncate(text, ids, request.truncate_prompt_tokens))
-            self.check_pooling_length(len(prompts[-1][1]), f"input[{i}]")
-        params = PoolingParams(task="classify", pooling_type="cls", normalize=False)
-        vectors = await self.pool_all(random_id("classify"), prompts,
-                                      [params] * len(prompts), request)
+        prompts = [await self.pooling_prompt(text, request.truncate_prompt_tokens,
+                                             f"input[{i}]") for i, text in enumerate(texts)]
+        request_id = random_id("classify")
+        vectors = await self.pool_all(request_id, prompts,
+                                      [classifier_params()] * len(prompts), request)
         labels = getattr(self.engine.config.model.hf_config, "id2label", None) or {}
         data = []
         for i, probs in enumerate(vectors):
@@ -77,7 +74,7 @@ class OpenAIServingScore(OpenAIServing):
             data.append(ClassifyData(index=i, label=str(labels.get(best, f"LABEL_{best}")),
                                      probs=probs, num_classes=len(probs)))
         num_tokens = sum(len(ids) for _, ids in prompts)
-        return ClassifyResponse(id=random_id("classify"),
+        return ClassifyResponse(id=request_id,
                                 model=self.response_model(request.model), data=data,
                                 usage=ScoreUsage(prompt_tokens=num_tokens,
                                                  total_tokens=num_tokens))
@@ -104,11 +101,8 @@ class OpenAIServingScore(OpenAIServing):
             vectors = await self.pool_all(request_id, prompts, params, request)
             return [v[0] for v in vectors], sum(len(ids) for _, ids in prompts)
         texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-        prompts = []
-        for text in texts:
-            ids = await self.encode(text) if text else []
-            prompts.append(self.truncate(text, ids, request.truncate_prompt_tokens))
-            self.check_pooling_length(len(prompts[-1][1]), f"text {text[:40]!r}")
+        prompts = [await self.pooling_prompt(text, request.truncate_prompt_tokens,
+                                             f"text {text[:40]!r}") for text in texts]
         params = PoolingParams()  # normalized: the cosine is then a dot product
         vectors = dict(zip(texts, await self.pool_all(request_id, prompts,
                                                       [params] * len(prompts), request)))
