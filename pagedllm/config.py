@@ -137,6 +137,9 @@ class ModelConfig:
     max_logprobs: int = 20
     """Most logprobs / prompt_logprobs one request may ask for per position (vLLM's
     max_logprobs); -1: the whole vocabulary."""
+    max_images_per_prompt: int = 4
+    """Most images one prompt of a multimodal model may hold (vLLM's
+    limit_mm_per_prompt {"image": N})."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
@@ -145,6 +148,9 @@ class ModelConfig:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, "
                              f"got {self.quantization!r}")
+        if not isinstance(self.max_images_per_prompt, int) or self.max_images_per_prompt < 0:
+            raise ValueError(f"the image limit per prompt must be >= 0, got "
+                             f"{self.max_images_per_prompt!r}")
         if self.quantization == "gguf" and not self.is_gguf:
             raise ValueError(f"quantization='gguf' needs a .gguf model, got {self.path!r}")
 
@@ -156,6 +162,14 @@ class ModelConfig:
     def architecture(self) -> str:
         archs = getattr(self.hf_config, "architectures", None) or []
         return archs[0] if archs else ""
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The placeholder token of images in prompts (None: the model takes none). Set
+        on the configs loader/hf_config.py flattens (vision-language models) only."""
+        if getattr(self.hf_config, "text_architecture", None) is None:
+            return None
+        return self.hf_config.image_token_id
 
 
 # "fp8" is vLLM's alias of "fp8_e4m3" (CacheConfig normalizes it).

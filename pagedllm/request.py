@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.lora_request import LoRARequest
+from pagedllm.mm_inputs import ImageInput
 from pagedllm.reasoning import ReasoningGate
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -90,7 +91,8 @@ class Request:
                  arrival_time: float | None = None, priority: int = 0,
                  max_tokens: int | None = None, deadline: float | None = None,
                  pooling_params: PoolingParams | None = None,
-                 lora_request: LoRARequest | None = None) -> None:
+                 lora_request: LoRARequest | None = None,
+                 mm_inputs: list[ImageInput] | None = None) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -119,6 +121,8 @@ class Request:
         self.pooling_params = pooling_params
         # The LoRA adapter the model runs with for this request (None: the base model).
         self.lora_request = lora_request
+        # Images of a multimodal prompt, in prompt order ([] for text).
+        self.mm_inputs: list[ImageInput] = list(mm_inputs or ())
         # The pooled vector (embedding requests only): [] until the pooling step.
         self.pooler_output: list[float] = []
         # Speculative decoding: tokens proposed to follow all_token_ids, to be verified
@@ -148,6 +152,11 @@ class Request:
         """What its prefix-cache block hashes add to the tokens: the adapter's id (KV
         computed under one adapter is not another's, nor the base model's)."""
         return (self.lora_int_id,) if self.lora_request is not None else None
+
+    def image_hashes(self, start: int, end: int) -> tuple[str, ...]:
+        """Hashes of its images with a placeholder token in positions [start, end): a
+        block's K/V there depends on the pixels, not only on the (placeholder) ids."""
+        return tuple(image.hash for image in self.mm_inputs if image.overlaps(start, end))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,17 +13,18 @@ The top-level modules and subpackages of pagedllm/, by rank (higher imports lowe
   5  engine        LLM, LLMEngine, engine core (schedule -> execute -> update), processors
   4  executor      runs the model runner in-process or in worker processes (mp)
   3  worker        ModelRunner, InputBatch, KV sizing, model loading, torch.compile
-  2  models, attention, loader, sample, lora
+  2  models, attention, loader, sample, lora, multimodal
                    one rank: models use attention layers; attention and loader never
                    import models; lora (adapters on disk, and on a linear) packs its
-                   weights with the models' linear helpers
+                   weights with the models' linear helpers; multimodal (images in
+                   prompts: decoding, the model's image processor)
   1  nn, kernels, distributed
                    torch building blocks shared by attention/ and models/ (nn.Module base);
                    kernels/cpu: the native CPU kernels (build, CPU features, typed ops);
                    distributed: tensor-parallel groups and collectives the layers call
   0  core          scheduler and KV block accounting: pure Python (tests/core/test_no_torch.py)
   -1 config, errors, sampling_params, pooling_params, lora_request, request, outputs,
-     metrics, reasoning
+     metrics, reasoning, mm_inputs
                    leaf modules, importing only each other: core/ and everything above use
                    them (metrics reads the engine core's messages through Protocols)
 
@@ -48,11 +49,11 @@ RANKS: dict[str, int] = {
     "engine": 5,
     "executor": 4,
     "worker": 3,
-    "models": 2, "attention": 2, "loader": 2, "sample": 2, "lora": 2,
+    "models": 2, "attention": 2, "loader": 2, "sample": 2, "lora": 2, "multimodal": 2,
     "nn": 1, "kernels": 1, "distributed": 1,
     "core": 0,
     "config": -1, "errors": -1, "sampling_params": -1, "pooling_params": -1,
-    "lora_request": -1, "reasoning": -1,
+    "lora_request": -1, "reasoning": -1, "mm_inputs": -1,
     "request": -1, "outputs": -1, "metrics": -1,
 }
 NEVER_IMPORT_MODELS = ("attention", "loader")

@@ -8,16 +8,21 @@ from pathlib import Path
 import torch
 
 
+def perturb(model, scale: float = 0.02) -> None:
+    """Add noise to every parameter (random init leaves norms all-ones and biases zero,
+    where bugs could hide)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+
+
 def save_tiny_model(path: Path, config, seed: int = 0, dtype=torch.float32) -> Path:
     """Build a random `transformers` model from `config`, save it as safetensors."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random init of norms is all-ones; perturb every parameter so bugs cannot hide.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    perturb(model)
     model.to(dtype).save_pretrained(path)
     return path
 
@@ -176,9 +181,7 @@ def save_tiny_bert(path: Path, seed: int = 0, **overrides) -> Path:
     kw.update(overrides)
     torch.manual_seed(seed)
     model = BertModel(BertConfig(**kw))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    perturb(model)
     model.save_pretrained(path)
     BertTokenizer(vocab={w: i for i, w in enumerate(TINY_BERT_VOCAB)}).save_pretrained(path)
     return path
@@ -201,9 +204,7 @@ def save_tiny_cross_encoder(path: Path, seed: int = 0, activation: str | None = 
         config.sentence_transformers = {"activation_fn": activation}
     torch.manual_seed(seed)
     model = BertForSequenceClassification(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
+    perturb(model, 0.2)
     model.save_pretrained(path)
     BertTokenizer(vocab={w: i for i, w in enumerate(TINY_BERT_VOCAB)}).save_pretrained(path)
     return Path(path)
@@ -350,9 +351,87 @@ def save_tiny_roberta(path: Path, architecture: str = "XLMRobertaModel", seed: i
     kw.update(overrides)
     torch.manual_seed(seed)
     model = getattr(tf, architecture)(tf.XLMRobertaConfig(**kw))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
+    perturb(model, 0.2)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return Path(path)
+
+
+# LLaVA-1.5's chat template (llava-hf's): images first, then the text, per message.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}"
+    "{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
+def save_tiny_llava(path: Path, seed: int = 0, image_size: int = 28, patch_size: int = 7,
+                    strategy: str = "default", feature_layer=-2, **text_overrides) -> Path:
+    """A random `transformers` LlavaForConditionalGeneration (a 3-layer CLIP vision tower
+    of hidden 32, the tiny Llama decoder), its CLIP image processor (PIL backend, to
+    image_size) and a word-level tokenizer ("w0".."w249", "<image>" = the image token,
+    </s>, <unk>) with LLaVA-1.5's chat template, saved as an HF directory (float32)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              PreTrainedTokenizerFast)
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    words = ["</s>", "<unk>"] + [f"w{i}" for i in range(250)] + ["ASSISTANT:", "USER:"]
+    image_token = len(words)
+    words.append("<image>")
+    vocab = {w: i for i, w in enumerate(words)}
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, image_size=image_size,
+                              patch_size=patch_size, projection_dim=32)
+    text = tiny_llama_config(**text_overrides)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token,
+                         vision_feature_select_strategy=strategy,
+                         vision_feature_layer=feature_layer,
+                         image_seq_length=(image_size // patch_size) ** 2)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    perturb(model)
+    model.save_pretrained(path)
+    CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                          crop_size={"height": image_size, "width": image_size}
+                          ).save_pretrained(path)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                        eos_token="</s>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return Path(path)
+
+
+def random_image(seed: int, width: int = 40, height: int = 32):
+    """A PIL RGB image of random pixels."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+
+
+def hf_llava_greedy(model_path: Path, prompt_ids: list[int], images: list,
+                    max_new_tokens: int) -> list[int]:
+    """transformers' LLaVA, greedy, float32: `prompt_ids` with each image's placeholder
+    run expanded already, the images through the model's own image processor."""
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_path,
+                                                          dtype=torch.float32).eval()
+    kwargs = {}
+    if images:
+        processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
+        kwargs["pixel_values"] = processor(images=images, return_tensors="pt")["pixel_values"]
+    x = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                           max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                           pad_token_id=0, **kwargs)
+    return y[0, len(prompt_ids):].tolist()

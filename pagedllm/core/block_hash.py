@@ -52,7 +52,8 @@ def update_block_hashes(request: Request, block_size: int,
     blocks whose every token is known are hashed (num_full_blocks = num_tokens //
     block_size). Tokens are only ever appended, so hashes already computed stay valid,
     including across preemption. Returns `request.block_hashes` (the same list).
-    `extra_keys` default to the request's own (its LoRA adapter, if any).
+    `extra_keys` default to the request's own (its LoRA adapter, if any); a block
+    with image placeholders adds those images' hashes.
     """
     if extra_keys is None:
         extra_keys = request.block_hash_extra_keys
@@ -62,6 +63,10 @@ def update_block_hashes(request: Request, block_size: int,
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full_blocks):
         start = i * block_size
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
+        keys = extra_keys
+        if request.mm_inputs:
+            images = request.image_hashes(start, start + block_size)
+            keys = (*(extra_keys or ()), *images) if images else extra_keys
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], keys)
         hashes.append(parent)
     return hashes

@@ -1,7 +1,7 @@
 """The only types that cross between the scheduler and the model runner.
 
-Plain dataclasses of ints, lists and dicts (no tensors; one numpy array, the grammar
-bitmask), so the runner can live in another process. A request's full data is sent once
+Plain dataclasses of ints, lists and dicts (no tensors; numpy arrays only for the grammar
+bitmask and a new request's image pixels), so the runner can live in another process. A request's full data is sent once
 (`NewRequestData`); later steps send only what changed (`CachedRequestData`). The runner
 appends the tokens it samples to its own copy of each request, so sampled ids never travel
 back down, except under pipeline parallelism, where only the last stage samples and steps
@@ -16,6 +16,7 @@ from typing import Any
 # The logprob records are defined beside Request, which stores them, so that request.py
 # never imports core/; the runner returns them through ModelRunnerOutput.
 from pagedllm.lora_request import LoRARequest
+from pagedllm.mm_inputs import ImageInput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import PromptLogprobsChunk, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
@@ -48,6 +49,9 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None
     # The LoRA adapter it runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # Its prompt's images (multimodal models): the runner encodes those whose
+    # placeholder tokens a step computes.
+    mm_inputs: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass

@@ -84,7 +84,8 @@ class StepState:
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=request.eos_token_id,
             pooling_params=request.pooling_params,
-            lora_request=request.lora_request))
+            lora_request=request.lora_request,
+            mm_inputs=request.mm_inputs))
         self.add(request, num_new_tokens)
 
     def add_cached(self, request: Request, num_new_tokens: int,

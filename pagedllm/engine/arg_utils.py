@@ -126,6 +126,9 @@ class EngineArgs:
               "ray (one Ray actor per worker, on any node of a Ray cluster: "
               "pip install pagedllm[ray]); default: uni for one worker, mp for more",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    limit_mm_per_prompt: dict[str, Any] | None = _arg(
+        None, "multimodal models: most images one prompt may hold, as vLLM's: a JSON "
+              "object such as '{\"image\": 2}' (default 4)")
     speculative_config: dict[str, Any] | None = _arg(
         None, "speculative decoding, as vLLM's: a JSON object such as "
               "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
@@ -177,6 +180,7 @@ class EngineArgs:
                             seed=self.seed, max_logprobs=self.max_logprobs,
                             quantization=self._resolve_quantization(path, device, dtype))
         _set_embedding_traits(model, self.compile)
+        self._multimodal_traits(model)
         space = self.kv_cache_space
         if space is None:
             space = env_kv_cache_space()
@@ -249,6 +253,26 @@ class EngineArgs:
         if self.async_scheduling and reasons:
             raise ValueError(f"async_scheduling is not supported with {reasons[0]}")
         return bool(self.async_scheduling)
+
+    def _multimodal_traits(self, model: ModelConfig) -> None:
+        """The image limit; what a model with images does not run with yet."""
+        limit = self.limit_mm_per_prompt
+        if limit is not None:
+            if not isinstance(limit, dict) or set(limit) - {"image"}:
+                raise ValueError(f"limit_mm_per_prompt must be a dict such as "
+                                 f"{{'image': 2}}, got {limit!r}")
+            model.max_images_per_prompt = limit.get("image", model.max_images_per_prompt)
+            model.__post_init__()  # checks the limit
+        if model.image_token_id is None:
+            return
+        refused = [what for what, used in (
+            ("compile", self.compile),
+            ("a GGUF file", model.is_gguf),
+            ("a draft model", bool(self.speculative_config)
+             and "model" in self.speculative_config)) if used]
+        if refused:
+            raise ValueError(f"{model.architecture} (a model with images) does not run "
+                             f"with {refused[0]} yet")
 
     def _speculative_config(self, parallel: ParallelConfig, target: ModelConfig,
                             device: str) -> SpeculativeConfig | None:

@@ -29,6 +29,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
+from pagedllm.multimodal.processor import ImageProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.reasoning import ReasoningTokens
 from pagedllm.sampling_params import SamplingParams
@@ -128,6 +129,11 @@ class AsyncLLM:
     def reasoning_tokens(self) -> ReasoningTokens | None:
         """The reasoning parser's format and tag ids (None without one)."""
         return self.engine.input_processor.reasoning
+
+    @property
+    def image_processor(self) -> ImageProcessor | None:
+        """The model's image processor (None: a model without images)."""
+        return self.engine.input_processor.images
 
     # ------------------------------------------------------------------ requests
 

@@ -9,13 +9,15 @@ from pagedllm.config import LoRAConfig, ModelConfig
 from pagedllm.errors import InvalidRequestError
 from pagedllm.lora.adapter import AdapterChecks
 from pagedllm.lora_request import LoRARequest
+from pagedllm.mm_inputs import ImageInput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.reasoning import (ReasoningGate, ReasoningTokens, get_reasoning_format,
                                 tokens_of)
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
-# A prompt: text, {"prompt": text}, {"prompt_token_ids": [...]}, or a list of token ids.
+# A prompt: text, {"prompt": text}, {"prompt_token_ids": [...]}, or a list of token ids;
+# a dict may add {"multi_modal_data": {"image": image or [images]}} (multimodal models).
 PromptType = Union[str, dict, list]
 
 
@@ -36,6 +38,13 @@ class InputProcessor:
         self.adapters = (AdapterChecks(model_config.hf_config, lora_config.max_lora_rank)
                          if lora_config is not None else None)
         self.reasoning = _reasoning_tokens(reasoning_parser, tokenizer)
+        # The model's image processor (None: a text model, and images are refused).
+        self.images = None
+        if model_config.image_token_id is not None:
+            from pagedllm.multimodal.processor import ImageProcessor
+
+            self.images = ImageProcessor(model_config.path, model_config.hf_config,
+                                         model_config.max_images_per_prompt)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids)."""
@@ -69,7 +78,12 @@ class InputProcessor:
         """
         self.check_lora(lora_request)
         if isinstance(params, PoolingParams):
-            text, ids = self._truncated(*self.tokenize(prompt), params.truncate_prompt_tokens)
+            text, ids = self.tokenize(prompt)
+            if prompt_images(prompt):
+                raise InvalidRequestError("images in embedding, score or classification "
+                                          "prompts are not supported")
+            ids, _ = self._with_images(ids, [], None)
+            text, ids = self._truncated(text, ids, params.truncate_prompt_tokens)
             self.validate_prompt(ids)
             self.check_pooling_task(params, len(ids))
             if params.pooling_type is None:
@@ -85,18 +99,35 @@ class InputProcessor:
             raise InvalidRequestError(f"sampling params must be SamplingParams, got "
                                       f"{type(params).__name__}")
         self.check_generation()
-        text, ids = self._truncated(*self.tokenize(prompt), params.truncate_prompt_tokens)
+        text, ids = self.tokenize(prompt)
+        ids, images = self._with_images(ids, prompt_images(prompt),
+                                        params.truncate_prompt_tokens)
+        text, ids = self._truncated(text, ids, params.truncate_prompt_tokens)
         self.validate_prompt(ids)
         self.validate_params(params)
         # Room left for output; generation also stops at max_model_len in the scheduler.
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         request = Request(req_id, ids, params, self.eos_token_id, arrival_time,
                           priority=priority, max_tokens=max_tokens, deadline=deadline,
-                          lora_request=lora_request)
+                          lora_request=lora_request, mm_inputs=images)
         if self.reasoning is not None and params.structured_outputs is not None:
             request.reasoning_gate = ReasoningGate(self.reasoning,
                                                    self.reasoning.initial_phase(ids))
         return request, text
+
+    def _with_images(self, ids: list[int], images: list[Any],
+                     truncate_prompt_tokens: int | None) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's ids with each image's placeholder run expanded, and its images
+        (a multimodal model checks every prompt's placeholders, images or not)."""
+        if self.images is None:
+            if images:
+                raise InvalidRequestError(f"this model ({self.architecture}) does not take "
+                                          f"images")
+            return ids, []
+        if images and truncate_prompt_tokens is not None:
+            raise InvalidRequestError("truncate_prompt_tokens cannot be used with images "
+                                      "(it could cut an image's placeholder tokens)")
+        return self.images.image_inputs(ids, images)
 
     def _truncated(self, text: str | None, ids: list[int], truncate_prompt_tokens: int | None,
                    ) -> tuple[str | None, list[int]]:
@@ -196,6 +227,24 @@ class InputProcessor:
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 token_ids.append(spaced)
         return token_ids
+
+
+def prompt_images(prompt: PromptType) -> list[Any]:
+    """The images of a prompt's `multi_modal_data` ([] without)."""
+    if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
+        return []
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, dict):
+        raise InvalidRequestError(f"multi_modal_data must be a dict such as "
+                                  f"{{'image': image}}, got {type(data).__name__}")
+    other = sorted(set(data) - {"image"})
+    if other:
+        raise InvalidRequestError(f"multi_modal_data {other[0]!r} is not supported (only "
+                                  f"'image')")
+    images = data.get("image")
+    if images is None:
+        return []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
 def _reasoning_tokens(name: str | None, tokenizer: Any | None) -> ReasoningTokens | None:

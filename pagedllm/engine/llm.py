@@ -15,6 +15,7 @@ from pagedllm.engine.scoring import (classifier_params, cosine_score,
                                      cross_encoder_params, encode_pair, score_pairs)
 from pagedllm.errors import InvalidRequestError
 from pagedllm.lora_request import LoRARequest
+from pagedllm.multimodal.content import has_images, load_images, split_images
 from pagedllm.outputs import (BeamSearchOutput, ClassificationOutput,
                               ClassificationRequestOutput, EmbeddingRequestOutput,
                               RequestOutput, ScoringOutput, ScoringRequestOutput)
@@ -169,14 +170,25 @@ class LLM:
         if tokenizer is None:
             raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init is set)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        model = self.llm_engine.config.model
         prompts = []
         for conv in conversations:
+            images: list[Any] = []
+            if model.image_token_id is not None:
+                conv, sources = split_images(list(conv))
+                images = load_images(sources)
+            elif has_images(conv):
+                raise InvalidRequestError(f"this model ({model.architecture}) does not take "
+                                          f"images")
             # The template already holds the special tokens: don't let encode add BOS again.
             text = tokenizer.apply_chat_template(
                 conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
             ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _add_all(self, prompts: Sequence[PromptType],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from pagedllm.errors import ModelLoadError
@@ -23,6 +24,8 @@ def load_hf_config(path: str) -> Any:
         raise
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot read the model config at {path!r}: {e}") from e
+    if getattr(cfg, "model_type", None) in _VISION_LANGUAGE_MODEL_TYPES:
+        return flatten_vision_language_config(cfg)
     if not getattr(cfg, "architectures", None):
         # GGUF-derived configs carry model_type but no architectures list.
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -30,3 +33,35 @@ def load_hf_config(path: str) -> Any:
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type)
         cfg.architectures = [arch] if arch else []
     return cfg
+
+
+# Vision-language configs the engine reads through their decoder's (text) config.
+_VISION_LANGUAGE_MODEL_TYPES = frozenset({"llava"})
+# The fields of a LLaVA config beside its text and vision configs.
+_LLAVA_FIELDS = ("vision_feature_layer", "vision_feature_select_strategy",
+                 "projector_hidden_act", "multimodal_projector_bias")
+
+
+def flatten_vision_language_config(cfg: Any) -> Any:
+    """A LLaVA config as the engine reads it: a copy of its decoder's config (so that
+    layers, heads, vocabulary and windows are where every part of the engine looks),
+    with the architecture, `text_architecture` (the decoder's class name),
+    `vision_config`, `image_token_id` and LLaVA's own fields added."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    text = copy.deepcopy(cfg.get_text_config())
+    text_arch = (getattr(text, "architectures", None) or [None])[0] \
+        or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text.model_type)
+    if text_arch is None:
+        raise ModelLoadError(f"no decoder for the text model type {text.model_type!r} of "
+                             f"this {cfg.model_type} model")
+    text.architectures = list(cfg.architectures or ["LlavaForConditionalGeneration"])
+    text.text_architecture = text_arch
+    text.vision_config = cfg.vision_config
+    image_token = getattr(cfg, "image_token_id", None)
+    text.image_token_id = image_token if image_token is not None else cfg.image_token_index
+    for name in _LLAVA_FIELDS:
+        setattr(text, name, getattr(cfg, name))
+    # The wrapper's tie flag is the one transformers honours for the LM head.
+    text.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+    return text

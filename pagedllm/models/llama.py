@@ -217,10 +217,15 @@ class LlamaModel(Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,
-                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+                hidden_states: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the last layer (normed), or after this pipeline stage's
-        layers when it is not the last; `hidden_states` are the previous stage's."""
-        if self.parallel.is_first_stage:
+        layers when it is not the last; `hidden_states` are the previous stage's.
+        `inputs_embeds` [T, hidden] replace the token embeddings (a multimodal prompt's,
+        with image rows among them)."""
+        if inputs_embeds is not None:
+            x = inputs_embeds
+        elif self.parallel.is_first_stage:
             x = self.embed_tokens(input_ids)  # [T, hidden]
         else:
             x = hidden_states
@@ -272,8 +277,9 @@ class LlamaForCausalLM(Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,
-                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata, hidden_states)
+                hidden_states: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata, hidden_states, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)

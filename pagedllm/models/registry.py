@@ -22,6 +22,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
+    # Vision-language: CLIP + projector + a Llama-shaped decoder (images in prompts).
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     # Encoder only (embeddings): sentence-transformers' all-MiniLM-L6-v2 and kin.
     "BertModel": ("bert", "BertModel"),
     # Sequence classifiers: with one label a cross-encoder (scores a pair of texts:
@@ -48,12 +50,20 @@ _SEQUENCE_CLASSIFIERS = frozenset({"BertForSequenceClassification",
                                    "XLMRobertaForSequenceClassification"})
 
 
+# Architectures whose prompts may hold images (multi_modal_data, image_url parts).
+_MULTIMODAL = frozenset({"LlavaForConditionalGeneration"})
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
 def is_encoder_only(architecture: str) -> bool:
     return architecture in _ENCODER_ONLY
+
+
+def is_multimodal(architecture: str) -> bool:
+    return architecture in _MULTIMODAL
 
 
 def is_sequence_classifier(architecture: str) -> bool:

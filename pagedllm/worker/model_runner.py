@@ -29,6 +29,7 @@ from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_layout import check_layer_windows, kv_cache_layout
 from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.invariance import batch_invariance_caveat
+from pagedllm.worker.mm_encoder import ImageEncoderCache
 from pagedllm.worker.memory import (allocate_kv_cache, attention_layers,
                                     determine_num_blocks, determine_num_swap_blocks,
                                     kv_bytes_per_block, peak_allocated_bytes, profile_batch)
@@ -152,6 +153,9 @@ class ModelRunner:
             self.lora = LoRAManager(self.model, config.lora, config.model.hf_config,
                                     self.device)
         self.proposer = _make_proposer(config, self.device, self.dtype)
+        # Image features of multimodal prompts (None: the model takes no images).
+        self.images = (ImageEncoderCache(self.model, self.device)
+                       if getattr(self.model, "is_multimodal", False) else None)
         # KV cache groups (sliding-window layers get their own block tables): the same
         # layout on every worker and in the scheduler; this worker's layers start at
         # first_layer of the whole model (pipeline parallelism).
@@ -315,7 +319,7 @@ class ModelRunner:
                 self.lora.end_step()
         elif self.parallel.pp_size == 1:
             hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata,
-                                   **self._token_types(inputs))
+                                   **self._token_types(inputs), **self._image_embeds(inputs))
         else:
             hidden = self._forward_stage(inputs)
             if not self.parallel.is_last_stage:
@@ -527,8 +531,12 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             batch.remove_request(req_id)
+            if self.images is not None:
+                self.images.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             batch.add_request(new)
+            if self.images is not None:
+                self.images.add_request(new)
         rows, tokens = [], []
         for cached in so.scheduled_cached_reqs:
             row = batch.req_id_to_row[cached.req_id]
@@ -558,6 +566,16 @@ class ModelRunner:
         positions = inputs.positions.cpu().numpy()
         types = torch.from_numpy((positions >= starts[req_of]).astype(np.int64))
         return {"token_type_ids": types.to(inputs.positions.device)}
+
+    def _image_embeds(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
+        """`inputs_embeds` with the image rows of the step's placeholder tokens; {}
+        when the step computes none (or the model takes no images)."""
+        if self.images is None:
+            return {}
+        embeds = self.images.inputs_embeds(inputs.input_ids, inputs.req_ids,
+                                           inputs.num_computed, inputs.num_scheduled,
+                                           inputs.attn_metadata.query_start_loc_cpu)
+        return {} if embeds is None else {"inputs_embeds": embeds}
 
     def _requests_of_loras(self, req_ids: list[str], reasons: dict[int, str],
                            ) -> dict[str, str]:
@@ -621,7 +639,9 @@ class ModelRunner:
                 block_table[np.arange(num_blocks) < skip[:, None]] = 0
             tables.append((block_table, slot_mapping))
         bucket = None
-        if self.graphs is not None and not spec and lora_ids is None:
+        if self.graphs is not None and not spec and lora_ids is None and not (
+                self.images is not None
+                and self.images.any_scheduled(req_ids, computed, num_sched)):
             bucket = self.graphs.bucket_for(len(req_ids), int(num_sched.max()))
         if bucket is not None:
             # A decode step of a captured size: straight into the graph's buffers.

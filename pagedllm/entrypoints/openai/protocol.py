@@ -266,10 +266,13 @@ class ChatMessage(RequestModel):
                                       f"not in a {self.role!r} message")
         return self
 
-    def template_dict(self) -> dict[str, Any]:
+    def template_dict(self, content: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The message as chat templates read it: content as one string (null content
-        becomes "", which templates can concatenate), calls with decoded arguments."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text() or ""}
+        becomes "", which templates can concatenate), or the `content` parts given (a
+        multimodal template's), calls with decoded arguments."""
+        message: dict[str, Any] = {"role": self.role,
+                                   "content": self.text() or "" if content is None
+                                   else content}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
@@ -287,7 +290,8 @@ class ChatMessage(RequestModel):
             return self.content
         other = [p.get("type") for p in self.content if p.get("type") != "text"]
         if other:
-            raise InvalidRequestError(f"only text content parts are supported, got "
+            raise InvalidRequestError(f"only text content parts are supported by this "
+                                      f"model, got "
                                       f"{other[0]!r}")
         return "".join(str(p.get("text", "")) for p in self.content)
 

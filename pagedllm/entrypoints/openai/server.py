@@ -274,8 +274,9 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
             raise InvalidRequestError("give exactly one of prompt or messages")
         if request.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in request.tools or ()]
-            _, ids = await chat.render_chat(request.messages, request.add_generation_prompt,
-                                            tools=tools or None)
+            _, ids, _ = await chat.render_chat(request.messages,
+                                               request.add_generation_prompt,
+                                               tools=tools or None)
         else:
             ids = await chat.encode(request.prompt, request.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response
@@ -28,6 +28,8 @@ from pagedllm.entrypoints.openai.tool_calling import (ToolCallReader, ToolPlan, 
                                                       response_tool_calls,
                                                       stream_tool_calls)
 from pagedllm.errors import InvalidRequestError
+from pagedllm.mm_inputs import ProcessedImage
+from pagedllm.multimodal.content import load_images, template_parts
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.reasoning import Phase, ReasoningReader
 from pagedllm.sampling_params import SamplingParams
@@ -52,6 +54,8 @@ class PreparedChat:
     plan: ToolPlan
     phase: Phase | None
     """Where the reply starts (None: no reasoning parser)."""
+    images: list[ProcessedImage] = field(default_factory=list)
+    """Its images, preprocessed (a multimodal model's)."""
 
 
 @dataclass
@@ -78,7 +82,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = request.request_id or random_id("chatcmpl")
         plan, phase = prepared.plan, prepared.phase
         streams = self.add_requests(request_id, [(prepared.text, prepared.ids)],
-                                    [prepared.params], request)
+                                    [prepared.params], request, images=prepared.images)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, streams, plan, phase))
         final = await self.final_output(request_id, streams)
@@ -135,16 +139,22 @@ class OpenAIServingChat(OpenAIServing):
                 raise InvalidRequestError("top_logprobs requires logprobs to be true")
         self.check_limits(request, request.top_logprobs, logprobs_field="top_logprobs")
         plan = plan_tools(request, self.serve_config)
-        text, ids = await self.render_chat(request.messages, request.add_generation_prompt,
-                                           request.continue_final_message,
-                                           request.chat_template, request.chat_template_kwargs,
-                                           tools=plan.template_tools)
+        text, ids, sources = await self.render_chat(
+            request.messages, request.add_generation_prompt, request.continue_final_message,
+            request.chat_template, request.chat_template_kwargs, tools=plan.template_tools)
+        images = await self.preprocess_images(sources)
+        if images and request.truncate_prompt_tokens is not None:
+            raise InvalidRequestError("truncate_prompt_tokens cannot be used with images "
+                                      "(it could cut an image's placeholder tokens)")
         text, ids = self.truncate(text, ids, request.truncate_prompt_tokens)
         requested = (request.max_completion_tokens if request.max_completion_tokens is not None
                      else request.max_tokens)
         if requested is not None and requested < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {requested}.")
-        max_tokens = self.check_length(len(ids), requested, kind="messages")
+        # Each image's placeholder token becomes its whole run in the engine.
+        image_tokens = len(images) * (self.engine.image_processor.tokens_per_image - 1
+                                      if images else 0)
+        max_tokens = self.check_length(len(ids) + image_tokens, requested, kind="messages")
         kwargs = request.sampling_kwargs(max_tokens)
         if plan.constraint is not None:
             kwargs["structured_outputs"] = plan.constraint
@@ -158,7 +168,7 @@ class OpenAIServingChat(OpenAIServing):
                                       f"parameter schemas: {e}") from e
         # Where the reply starts: in a reasoning or not (the prompt may decide it).
         phase = self.reasoning.initial_phase(ids) if self.reasoning is not None else None
-        return PreparedChat(text, ids, params, plan, phase)
+        return PreparedChat(text, ids, params, plan, phase, images)
 
     def _reasoning_reader(self, phase: Phase | None) -> ReasoningReader | None:
         """A reader of one choice's reasoning (None: no reasoning parser)."""
@@ -186,19 +196,41 @@ class OpenAIServingChat(OpenAIServing):
                                     reasoning_content=reasoning, tool_calls=calls or None),
                 reader.finish_reason(out.finish_reason))
 
+    async def preprocess_images(self, sources: list[Any]) -> list[ProcessedImage]:
+        """A conversation's images decoded and through the model's image processor, off
+        the event loop (a large image takes tens of milliseconds)."""
+        if not sources:
+            return []
+        processor = self.engine.image_processor
+        size = sum(len(s) if isinstance(s, str) else 0 for s in sources)
+
+        def work() -> list[ProcessedImage]:
+            if len(sources) > processor.max_images:
+                raise InvalidRequestError(f"{len(sources)} images in one prompt; at most "
+                                          f"{processor.max_images} are allowed "
+                                          f"(--limit-mm-per-prompt)")
+            return processor.preprocess(load_images(sources))
+
+        # Never inline: even a small image is resized to the model's input size.
+        return await self.offloader.run("decoding images", size + (1 << 20), work)
+
     async def render_chat(self, messages: list[ChatMessage],
                           add_generation_prompt: bool = True,
                           continue_final_message: bool = False,
                           chat_template: str | None = None,
                           chat_template_kwargs: dict | None = None,
                           tools: list[dict[str, Any]] | None = None,
-                          ) -> tuple[str, list[int]]:
-        """The prompt text of a conversation through the chat template, and its ids.
+                          ) -> tuple[str, list[int], list[Any]]:
+        """The prompt text of a conversation through the chat template, its ids, and
+        its images not yet decoded (data URLs), in placeholder order (one placeholder
+        token per image in the ids).
 
         The template is the request's, else --chat-template, else the tokenizer's; it
-        gets `tools` as plain dicts. Large conversations and request-supplied templates
-        render off the event loop with a time limit (offload.py); a request template
-        needs --trust-request-chat-template.
+        gets `tools` as plain dicts. A multimodal model's template reads each message's
+        content as parts (multimodal/content.py); other models' refuse image parts.
+        Large conversations and request-supplied templates render off the event loop
+        with a time limit (offload.py); a request template needs
+        --trust-request-chat-template.
         """
         if not messages:
             raise InvalidRequestError("messages must not be empty")
@@ -209,9 +241,17 @@ class OpenAIServingChat(OpenAIServing):
         reserved = sorted(kwargs.keys() & _RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved[0]!r}")
-        conversation = [m.template_dict() for m in messages]
+        sources: list[Any] = []
+        if self.engine.image_processor is None:
+            conversation = [m.template_dict() for m in messages]
+        else:
+            conversation = []
+            for m in messages:
+                parts, found = template_parts(m.content)
+                conversation.append(m.template_dict(content=parts))
+                sources += found
         # Contents, plus the calls and tools the template will print (a JSON estimate).
-        num_bytes = sum(len(m["content"].encode("utf-8")) + len(m["role"])
+        num_bytes = sum(_text_bytes(m["content"]) + len(m["role"])
                         + len(m.get("reasoning", "").encode("utf-8"))
                         for m in conversation)
         num_bytes += sum(len(json.dumps(m.get("tool_calls", ""))) for m in conversation)
@@ -233,7 +273,8 @@ class OpenAIServingChat(OpenAIServing):
         if not isinstance(text, str):
             raise InvalidRequestError("the chat template did not render to text")
         # The template holds the special tokens already: don't let encode add BOS again.
-        return text, await self.encode(text, add_special_tokens=False, check_bytes=False)
+        return (text, await self.encode(text, add_special_tokens=False, check_bytes=False),
+                sources)
 
     def _logprobs(self, token_ids: list[int], logprobs: list | None,
                   num_top: int) -> ChatLogprobs:
@@ -357,3 +398,10 @@ def _echo_text(request: ChatCompletionRequest) -> str:
         return "".join(part.get("text", "") for part in content
                        if part.get("type") == "text")
     return content or ""
+
+
+def _text_bytes(content: str | list[dict[str, Any]]) -> int:
+    """UTF-8 bytes of a template message's text (its text parts' for a parts list)."""
+    if isinstance(content, str):
+        return len(content.encode("utf-8"))
+    return sum(len(p.get("text", "").encode("utf-8")) for p in content)

@@ -240,8 +240,10 @@ class OpenAIServing:
 
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
                      params: list[SamplingParams], request: SamplingFields,
+                     images: list[Any] | None = None,
                      ) -> list[AsyncIterator[RequestOutput]]:
         """Submit one engine request per prompt (ids `{request_id}-{i}`); all or none.
+        `images` (preprocessed) go with every prompt.
 
         QueueFullError when they would take the engine's queue past
         --max-queued-requests.
@@ -257,7 +259,9 @@ class OpenAIServing:
         streams = []
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
-                prompt = {"prompt": text, "prompt_token_ids": ids}
+                prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+                if images:
+                    prompt["multi_modal_data"] = {"image": images}
                 streams.append(self.engine.add_request(
                     f"{request_id}-{i}", prompt, sp, priority=request.priority,
                     timeout=timeout, lora_request=lora))

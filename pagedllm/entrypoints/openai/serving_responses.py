@@ -44,7 +44,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         prepared = await self.prepare(chat)
         response_id = item_id("resp")
         streams = self.add_requests(response_id, [(prepared.text, prepared.ids)],
-                                    [prepared.params], chat)
+                                    [prepared.params], chat, images=prepared.images)
         if request.stream:
             return SSEResponse(self._events(request, response_id, streams, prepared))
         final = await self.final_output(response_id, streams)
