@@ -137,6 +137,13 @@ class ModelConfig:
     max_logprobs: int = 20
     """Most logprobs / prompt_logprobs one request may ask for per position (vLLM's
     max_logprobs); -1: the whole vocabulary."""
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    """SamplingParams keywords a request leaves unset takes (generation_config.json's
+    temperature, top_p, top_k, min_p, repetition_penalty; max_tokens from
+    max_new_tokens); {} with generation_config "vllm"."""
+    generation_eos_token_ids: list[int] = field(default_factory=list)
+    """Tokens that end generation beside the tokenizer's EOS (generation_config.json's
+    eos_token_id list); requests stop at them unless ignore_eos."""
     max_images_per_prompt: int = 4
     """Most images one prompt of a multimodal model may hold (vLLM's
     limit_mm_per_prompt {"image": N})."""

@@ -126,6 +126,15 @@ class EngineArgs:
               "ray (one Ray actor per worker, on any node of a Ray cluster: "
               "pip install pagedllm[ray]); default: uni for one worker, mp for more",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    generation_config: str = _arg(
+        "auto", "sampling defaults: auto (the model's generation_config.json: its "
+                "temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens "
+                "become the defaults of requests that leave them unset, its eos_token_id "
+                "list ends generation), vllm (none: SamplingParams' own defaults), or a "
+                "directory holding a generation_config.json")
+    override_generation_config: dict[str, Any] | None = _arg(
+        None, "sampling defaults on top of the generation config, in its names: a JSON "
+              "object such as '{\"temperature\": 0.5}'")
     limit_mm_per_prompt: dict[str, Any] | None = _arg(
         None, "multimodal models: most images one prompt may hold, as vLLM's: a JSON "
               "object such as '{\"image\": 2}' (default 4)")
@@ -181,6 +190,7 @@ class EngineArgs:
                             quantization=self._resolve_quantization(path, device, dtype))
         _set_embedding_traits(model, self.compile)
         self._multimodal_traits(model)
+        self._generation_defaults(model)
         space = self.kv_cache_space
         if space is None:
             space = env_kv_cache_space()
@@ -253,6 +263,27 @@ class EngineArgs:
         if self.async_scheduling and reasons:
             raise ValueError(f"async_scheduling is not supported with {reasons[0]}")
         return bool(self.async_scheduling)
+
+    def _generation_defaults(self, model: ModelConfig) -> None:
+        """ModelConfig's sampling defaults and extra EOS ids from the generation config."""
+        from pagedllm.loader.generation_config import (load_generation_config,
+                                                       override_sampling_defaults)
+
+        source = self.generation_config
+        defaults: dict[str, Any] = {}
+        if source == "auto":
+            if not model.is_gguf:
+                defaults, model.generation_eos_token_ids = load_generation_config(model.path)
+        elif source != "vllm":
+            if not os.path.isdir(source):
+                raise ValueError(f"generation_config must be auto, vllm or a directory, "
+                                 f"got {source!r}")
+            defaults, model.generation_eos_token_ids = load_generation_config(source)
+        model.sampling_defaults = override_sampling_defaults(
+            defaults, self.override_generation_config)
+        if model.sampling_defaults:
+            logger.info("default sampling parameters from the generation config: %s "
+                        "(--generation-config vllm for none)", model.sampling_defaults)
 
     def _multimodal_traits(self, model: ModelConfig) -> None:
         """The image limit; what a model with images does not run with yet."""

@@ -16,9 +16,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedllm.engine.input_processor import logprobs_cap
+from pagedllm.engine.input_processor import logprobs_cap, prompt_images
 from pagedllm.errors import InvalidRequestError
 from pagedllm.lora_request import LoRARequest
+from pagedllm.mm_inputs import ProcessedImage
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -43,6 +44,8 @@ class _Instance:
     beams: list[BeamSearchSequence]
     completed: list[BeamSearchSequence] = field(default_factory=list)
     lora: LoRARequest | None = None  # its LoRA adapter (None: the base model)
+    # Its images, preprocessed once (every step's request carries them again).
+    images: list[ProcessedImage] = field(default_factory=list)
 
 
 def beam_search(engine: LLMEngine, prompts: Sequence[PromptType], params: BeamSearchParams,
@@ -67,15 +70,18 @@ def beam_search(engine: LLMEngine, prompts: Sequence[PromptType], params: BeamSe
     instances = []
     for prompt, lora in zip(prompts, loras or [None] * len(prompts), strict=True):
         _, ids = engine.input_processor.tokenize(prompt)
+        # Placeholders expanded: each step's prompt holds every image's whole run.
+        ids, images = engine.input_processor.with_images(ids, prompt_images(prompt), None)
         engine.input_processor.validate_prompt(ids)
         engine.input_processor.check_lora(lora)
-        instances.append(_Instance(len(ids), [BeamSearchSequence(tokens=ids)], lora=lora))
+        instances.append(_Instance(len(ids), [BeamSearchSequence(tokens=ids)], lora=lora,
+                                   images=[ProcessedImage(i.pixel_values) for i in images]))
     for _ in range(params.max_tokens):
         live = [(inst, beam) for inst in instances for beam in inst.beams]
         if not live:
             break
-        outputs = _run_one_step(engine, [(beam.tokens, inst.lora) for inst, beam in live],
-                                step_params, counter)
+        outputs = _run_one_step(engine, [(beam.tokens, inst.lora, inst.images)
+                                         for inst, beam in live], step_params, counter)
         candidates: dict[int, list[BeamSearchSequence]] = {id(i): [] for i in instances}
         for (inst, beam), out in zip(live, outputs):
             logprobs = out.outputs[0].logprobs[0]
@@ -92,16 +98,19 @@ def beam_search(engine: LLMEngine, prompts: Sequence[PromptType], params: BeamSe
     return [_finish(inst, engine, params, eos, score) for inst in instances]
 
 
-def _run_one_step(engine: LLMEngine, sequences: list[tuple[list[int], LoRARequest | None]],
+def _run_one_step(engine: LLMEngine,
+                  sequences: list[tuple[list[int], LoRARequest | None, list[ProcessedImage]]],
                   params: SamplingParams, counter: Iterator[int]) -> list[RequestOutput]:
-    """One token (with logprobs) for every (sequence, its adapter); outputs in input
-    order."""
+    """One token (with logprobs) for every (sequence, its adapter, its images); outputs
+    in input order."""
     req_ids = []
     try:
-        for tokens, lora in sequences:
+        for tokens, lora, images in sequences:
             req_id = f"beam-{next(counter)}"
-            engine.add_request(req_id, {"prompt_token_ids": tokens}, params,
-                               lora_request=lora)
+            prompt: dict = {"prompt_token_ids": tokens}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            engine.add_request(req_id, prompt, params, lora_request=lora)
             req_ids.append(req_id)
     except Exception:
         engine.abort_request(req_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any, Union
 
@@ -30,6 +31,10 @@ class InputProcessor:
         self.max_logprobs = model_config.max_logprobs
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id_of(tokenizer, model_config.hf_config)
+        # generation_config.json's other end-of-generation tokens: stop tokens of every
+        # request that does not ignore EOS (vLLM's rule).
+        self.extra_eos_token_ids = [t for t in model_config.generation_eos_token_ids
+                                    if t != self.eos_token_id and 0 <= t < self.vocab_size]
         self.architecture = model_config.architecture
         self.is_encoder_only = model_config.is_encoder_only
         self.default_pooling_type = model_config.default_pooling_type
@@ -82,7 +87,7 @@ class InputProcessor:
             if prompt_images(prompt):
                 raise InvalidRequestError("images in embedding, score or classification "
                                           "prompts are not supported")
-            ids, _ = self._with_images(ids, [], None)
+            ids, _ = self.with_images(ids, [], None)
             text, ids = self._truncated(text, ids, params.truncate_prompt_tokens)
             self.validate_prompt(ids)
             self.check_pooling_task(params, len(ids))
@@ -100,11 +105,12 @@ class InputProcessor:
                                       f"{type(params).__name__}")
         self.check_generation()
         text, ids = self.tokenize(prompt)
-        ids, images = self._with_images(ids, prompt_images(prompt),
+        ids, images = self.with_images(ids, prompt_images(prompt),
                                         params.truncate_prompt_tokens)
         text, ids = self._truncated(text, ids, params.truncate_prompt_tokens)
         self.validate_prompt(ids)
         self.validate_params(params)
+        params = self._with_generation_eos(params)
         # Room left for output; generation also stops at max_model_len in the scheduler.
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         request = Request(req_id, ids, params, self.eos_token_id, arrival_time,
@@ -115,7 +121,16 @@ class InputProcessor:
                                                    self.reasoning.initial_phase(ids))
         return request, text
 
-    def _with_images(self, ids: list[int], images: list[Any],
+    def _with_generation_eos(self, params: SamplingParams) -> SamplingParams:
+        """A copy of `params` that also stops at the generation config's EOS tokens."""
+        missing = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
+        if params.ignore_eos or not missing:
+            return params
+        params = copy.copy(params)  # one SamplingParams may be shared by many prompts
+        params.stop_token_ids = list(params.stop_token_ids) + missing
+        return params
+
+    def with_images(self, ids: list[int], images: list[Any],
                      truncate_prompt_tokens: int | None) -> tuple[list[int], list[ImageInput]]:
         """The prompt's ids with each image's placeholder run expanded, and its images
         (a multimodal model checks every prompt's placeholders, images or not)."""

@@ -49,6 +49,12 @@ class LLM:
         LLM does the same once it is garbage collected, and so does interpreter exit.)"""
         self.llm_engine.shutdown()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling params: the model's
+        generation config's defaults (see EngineArgs.generation_config), else
+        SamplingParams()."""
+        return SamplingParams(**self.llm_engine.config.model.sampling_defaults)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None,
@@ -60,7 +66,8 @@ class LLM:
         unless every value is 0. `lora_request`: a LoRA adapter for every prompt, or one
         per prompt (None: the base model); needs enable_lora=True.
         """
-        prompts, params = _one_per_prompt(prompts, sampling_params, SamplingParams(),
+        prompts, params = _one_per_prompt(prompts, sampling_params,
+                                          self.get_default_sampling_params(),
                                           "sampling params")
         if priority is None:
             priority = [0] * len(prompts)

@@ -75,7 +75,9 @@ class LLMEngine:
             arrival_time = time.monotonic()
         deadline = None if timeout is None else arrival_time + _check_timeout(timeout)
         request, text = self.input_processor.process(
-            request_id, prompt, params or SamplingParams(), arrival_time, priority=priority,
+            request_id, prompt,
+            params or SamplingParams(**self.config.model.sampling_defaults), arrival_time,
+            priority=priority,
             deadline=deadline, lora_request=lora_request)
         requests = fan_out(request)
         if len(requests) > 1:

@@ -127,3 +127,18 @@ def test_text_models_refuse_image_parts():
     with pytest.raises(InvalidRequestError, match="only text content parts are supported "
                                                   "by this model, got 'image_url'"):
         message.template_dict()
+
+
+def test_responses_api_takes_input_image(server):
+    """/v1/responses' input_image parts reach the model as the chat API's image_url."""
+    url = _data_url(random_image(3))
+    chat = _chat(server, _message(_image(url), TEXT), ignore_eos=False)
+    r = httpx.post(f"{server.url}/v1/responses", timeout=60, json={
+        "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": url},
+            {"type": "input_text", "text": "w5 w7"}]}],
+        "max_output_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    text = r.json()["output"][0]["content"][0]["text"]
+    assert chat.status_code == 200
+    assert text == chat.json()["choices"][0]["message"]["content"]

@@ -121,8 +121,9 @@ def test_text_format_json_schema(server):
     ({"background": True}, "`background` is not supported"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input"),
+    # A text model takes no images (a multimodal one does: test_llava_server.py).
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input"),
+     "only text content parts are supported by this model, got 'image_url'"),
     ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]},
      "must answer a call"),
     ({"input": []}, "messages must not be empty"),

@@ -242,3 +242,17 @@ def test_tensor_parallel(llava_dir, llm32):
              tensor_parallel_size=2, max_num_batched_tokens=7)
     got = tp.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expect]
+
+
+def test_beam_search_with_images(llm32):
+    """Every beam's step carries the prompt's images: width 1 is greedy decoding."""
+    from pagedllm.sampling_params import BeamSearchParams
+
+    prompt = _image_prompt(PROMPT, random_image(2))
+    greedy = llm32.generate([prompt], GREEDY, use_tqdm=False)[0]
+    beams = llm32.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=TOKENS,
+                                                         ignore_eos=True))
+    best = beams[0].sequences[0]
+    assert best.tokens[len(greedy.prompt_token_ids):] == greedy.outputs[0].token_ids
+    wide = llm32.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=4))
+    assert len(wide[0].sequences) == 3

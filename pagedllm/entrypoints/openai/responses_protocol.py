@@ -39,17 +39,34 @@ class TextPart(RequestModel):
     logprobs: list[Any] | None = None
 
 
+class ImagePart(RequestModel):
+    """An image of a user message (a multimodal model's): a data URL."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["low", "high", "auto"] | None = None
+
+
 class InputMessage(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextPart]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
     id: str | None = None
     status: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as a chat message's: its text, or parts when it has images."""
+        if isinstance(self.content, str) or not any(
+                isinstance(part, ImagePart) for part in self.content):
+            return self.text()
+        return [{"type": "image_url", "image_url": {"url": part.image_url}}
+                if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
+                for part in self.content]
 
 
 class FunctionCallItem(RequestModel):
@@ -237,7 +254,7 @@ def _messages(instructions: str | None, items: str | list[Any]) -> list[dict[str
             reasoning = (reasoning or "") + item.text()
         elif isinstance(item, InputMessage):
             role = "system" if item.role == "developer" else item.role
-            message: dict[str, Any] = {"role": role, "content": item.text()}
+            message: dict[str, Any] = {"role": role, "content": item.chat_content()}
             if role == "assistant" and reasoning is not None:
                 message["reasoning"], reasoning = reasoning, None
             messages.append(message)

@@ -158,7 +158,8 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = request.sampling_kwargs(max_tokens)
         if plan.constraint is not None:
             kwargs["structured_outputs"] = plan.constraint
-        params = self.sampling_params(kwargs, request.stream)
+        params = self.sampling_params(kwargs, request.stream,
+                                      self.engine.config.model.sampling_defaults)
         try:
             await self.check_constraints(params)
         except InvalidRequestError as e:

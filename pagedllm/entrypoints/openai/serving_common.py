@@ -197,7 +197,9 @@ class OpenAIServing:
                 f"{self.engine.num_kv_cache_tokens}. Please reduce the length of the input "
                 f"{kind}.")
         if max_tokens is None:
-            return self.max_model_len - num_prompt_tokens
+            # The generation config's max_new_tokens, within what the context leaves.
+            left = self.max_model_len - num_prompt_tokens
+            return min(self.engine.config.model.sampling_defaults.get("max_tokens", left), left)
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
@@ -207,13 +209,16 @@ class OpenAIServing:
         return max_tokens
 
     @staticmethod
-    def sampling_params(kwargs: dict[str, Any], stream: bool) -> SamplingParams:
-        """SamplingParams from request fields (None = the engine default).
+    def sampling_params(kwargs: dict[str, Any], stream: bool,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams from request fields (None = `defaults`, the model's
+        generation-config defaults, else SamplingParams').
 
         A field this engine does not know is ignored at its neutral value and refused
         otherwise, so a request never silently loses a constraint.
         """
-        kw: dict[str, Any] = {}
+        kw: dict[str, Any] = {k: v for k, v in (defaults or {}).items()
+                              if k != "max_tokens"}  # check_length applies that one
         for name, value in kwargs.items():
             if value is None:
                 continue

@@ -66,7 +66,8 @@ class OpenAIServingCompletion(OpenAIServing):
         for _, ids in prompts:
             max_tokens = self.check_length(len(ids), requested, kind="prompt")
             params.append(self.sampling_params(kwargs | {"max_tokens": max_tokens},
-                                               request.stream))
+                                               request.stream,
+                                               self.engine.config.model.sampling_defaults))
         await self.check_constraints(params[0])
         request_id = request.request_id or random_id("cmpl")
         streams = self.add_requests(request_id, prompts, params, request)
