@@ -30,9 +30,11 @@ def add_dataclass_args(group: Any, cls: type,
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "")
-        if "default" not in help_text and f.default is not None:
+        default = (f.default_factory() if f.default is dataclasses.MISSING  # type: ignore[misc]
+                   else f.default)
+        if "default" not in help_text and default is not None:
             help_text += " (default: %(default)s)"
-        kw: dict[str, Any] = {"default": f.default, "help": help_text, "dest": f.name}
+        kw: dict[str, Any] = {"default": default, "help": help_text, "dest": f.name}
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         hint = hints[f.name]
@@ -51,7 +53,20 @@ def _scalar_type(hint: Any) -> Any:
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     if typing.get_origin(args[0]) is dict or args[0] is dict:
         return _json_object
+    if typing.get_origin(args[0]) is list:
+        return _json_list
     return args[0]
+
+
+def _json_list(text: str) -> list[Any]:
+    """A flag whose value is a JSON list of strings (e.g. --allowed-origins)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -80,6 +95,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "\"path\": ...} each (needs --enable-lora)")
     parser.add_argument("--log-stats-interval", type=float, default=5.0,
                         help="seconds between throughput log lines while busy (0: off)")
+    parser.add_argument("--root-path", default=None,
+                        help="the path prefix a proxy serves the API under (FastAPI's "
+                             "root_path)")
+    parser.add_argument("--ssl-keyfile", default=None, help="TLS: the key file (PEM)")
+    parser.add_argument("--ssl-certfile", default=None,
+                        help="TLS: the certificate file (PEM); with --ssl-keyfile the "
+                             "server speaks HTTPS")
+    parser.add_argument("--ssl-ca-certs", default=None,
+                        help="TLS: CA certificates to verify clients with")
+    parser.add_argument("--ssl-cert-reqs", type=int, default=0,
+                        help="TLS: client certificates (0 none, 1 optional, 2 required; "
+                             "Python's ssl.CERT_*)")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level")

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -28,10 +29,15 @@ class RemoteServer:
     """`python -m pagedllm.entrypoints.cli serve --port FREE ARGS...`, ready on enter."""
 
     def __init__(self, args: list[str], api_key: str | None = None,
-                 startup_timeout_s: float = 300.0, key_in_env: bool = False) -> None:
-        """`key_in_env` passes the API key as PAGEDLLM_API_KEY instead of --api-key."""
+                 startup_timeout_s: float = 300.0, key_in_env: bool = False,
+                 ca_file: str | None = None) -> None:
+        """`key_in_env` passes the API key as PAGEDLLM_API_KEY instead of --api-key;
+        `ca_file`: the server speaks HTTPS with a certificate this CA signed."""
         self.port = free_port()
         self.api_key = api_key
+        self.scheme = "https" if ca_file else "http"
+        # What httpx verifies the server's certificate with.
+        self.verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port",
                str(self.port), *args]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -47,7 +53,7 @@ class RemoteServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def headers(self) -> dict[str, str]:
@@ -60,7 +66,8 @@ class RemoteServer:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
                                    f"{self.read_log()[-5000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2,
+                             verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -73,10 +73,17 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # With --enable-prompt-tokens-details (OpenAI's shape).
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class StreamOptions(RequestModel):
@@ -128,6 +135,9 @@ class SamplingFields(RequestModel):
     truncate_prompt_tokens: int | None = None
     """Keep the prompt's last k tokens (-1: max_model_len), before the length checks."""
     structured_outputs: dict[str, Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    """Logprobs name tokens "token_id:<id>" instead of their text (for tokens that are
+    no valid UTF-8 alone); default: --return-tokens-as-token-ids."""
     guided_json: str | dict | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None

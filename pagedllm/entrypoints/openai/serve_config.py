@@ -56,6 +56,20 @@ class ServeConfig:
                 "([f(a=1), g()]: Llama 3.2 / 4); needed by --enable-auto-tool-choice",
         "choices": TOOL_PARSER_NAMES})
 
+    enable_prompt_tokens_details: bool = _flag(
+        False, "usage carries prompt_tokens_details.cached_tokens: the prompt tokens the "
+               "prefix cache served")
+    return_tokens_as_token_ids: bool = _flag(
+        False, "logprobs name tokens \"token_id:<id>\" instead of their text, unless a "
+               "request says otherwise (its return_tokens_as_token_ids)")
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"], metadata={
+        "help": "CORS: origins browsers may call the server from, a JSON list "
+                "(default: any, as vLLM)"})
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"], metadata={
+        "help": "CORS: allowed methods, a JSON list"})
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"], metadata={
+        "help": "CORS: allowed request headers, a JSON list"})
+    allow_credentials: bool = _flag(False, "CORS: allow credentials (cookies, auth headers)")
     allow_runtime_lora_updating: bool = _flag(
         False, "serve /v1/load_lora_adapter and /v1/unload_lora_adapter, which add and "
                "remove LoRA adapters while serving (vLLM's "

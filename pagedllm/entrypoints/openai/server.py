@@ -33,6 +33,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -123,10 +124,12 @@ async def _cancel_on_disconnect(raw_request: Request, work: Awaitable[Any]) -> A
 def build_app(engine: AsyncLLM, served_model_names: list[str],
               api_key: str | None = None, shutdown_engine: bool = False,
               serve_config: ServeConfig | None = None,
-              lora_modules: list[tuple[str, str]] = ()) -> FastAPI:
+              lora_modules: list[tuple[str, str]] = (),
+              root_path: str | None = None) -> FastAPI:
     """The FastAPI app; with `shutdown_engine` the app's shutdown stops the engine.
     `lora_modules`: (name, path) of the LoRA adapters served from the start (checked
-    now: InvalidRequestError for one that cannot run)."""
+    now: InvalidRequestError for one that cannot run). `root_path`: the prefix a proxy
+    serves it under."""
     from pagedllm import __version__
 
     serve_config = serve_config or ServeConfig()
@@ -154,7 +157,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
             engine.shutdown()
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__,
-                  lifespan=lifespan)
+                  lifespan=lifespan, root_path=root_path or "")
     _install_error_handlers(app)
     # Added last = outermost: the body limit applies before anything reads the body.
     if api_key:
@@ -162,6 +165,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
             {"/metrics", STATE_PATH} if serve_config.metrics_without_key else set())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.add_middleware(BodyLimitMiddleware, max_bytes=serve_config.max_body_bytes)
+    # Outermost: browsers' preflight requests are answered before the key check, and
+    # every answer (401 and 413 included) carries the CORS headers.
+    app.add_middleware(CORSMiddleware, allow_origins=serve_config.allowed_origins,
+                       allow_methods=serve_config.allowed_methods,
+                       allow_headers=serve_config.allowed_headers,
+                       allow_credentials=serve_config.allow_credentials)
     _add_engine_routes(app, engine, __version__)
     _add_openai_routes(app, engine, models, serve_config, offloader)
     add_dashboard_routes(app, dashboard)
@@ -484,12 +493,17 @@ async def serve(args: argparse.Namespace, engine_args: Any,
         lora_modules = [parse_lora_module(m) for m in args.lora_modules or ()]
         app = build_app(engine, names, api_key=args.api_key or env_api_key(),
                         shutdown_engine=True, serve_config=serve_config,
-                        lora_modules=lora_modules)
+                        lora_modules=lora_modules, root_path=args.root_path)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                    log_level=args.uvicorn_log_level,
-                                   timeout_graceful_shutdown=3, access_log=False)
+                                   timeout_graceful_shutdown=3, access_log=False,
+                                   ssl_keyfile=args.ssl_keyfile,
+                                   ssl_certfile=args.ssl_certfile,
+                                   ssl_ca_certs=args.ssl_ca_certs,
+                                   ssl_cert_reqs=args.ssl_cert_reqs)
         server = _server_with_deadline(uv_config, engine)
-        logger.info("serving %s on http://%s:%d/v1", names[0], args.host, args.port)
+        scheme = "https" if args.ssl_certfile else "http"
+        logger.info("serving %s on %s://%s:%d/v1", names[0], scheme, args.host, args.port)
         await server.serve()
     finally:
         engine.shutdown()

@@ -18,7 +18,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
                                                   ChatCompletionStreamResponse, ChatLogprobs,
                                                   ChatLogprobTop, ChatLogprobToken,
                                                   ChatMessage, ChatResponseMessage,
-                                                  ChatStreamChoice, DeltaMessage, UsageInfo,
+                                                  ChatStreamChoice, DeltaMessage,
                                                   prompt_logprobs_field, random_id)
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSEResponse,
                                                         clamp_logprob, merge_streams,
@@ -89,7 +89,8 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         echo = _echo_text(request)
         for out in sorted(final.outputs, key=lambda o: o.index):
-            logprobs = (self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
+            logprobs = (self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
+                                       self.tokens_as_ids(request))
                         if request.logprobs else None)
             message, finish_reason = self._message(out, self._reasoning_reader(phase),
                                                    plan.new_reader())
@@ -101,9 +102,8 @@ class OpenAIServingChat(OpenAIServing):
                 index=out.index, message=message, logprobs=logprobs,
                 finish_reason=finish_reason, stop_reason=out.stop_reason))
         num_completion = sum(len(o.token_ids) for o in final.outputs)
-        usage = UsageInfo(prompt_tokens=len(final.prompt_token_ids),
-                          completion_tokens=num_completion,
-                          total_tokens=len(final.prompt_token_ids) + num_completion)
+        usage = self.usage(len(final.prompt_token_ids), num_completion,
+                           final.num_cached_tokens)
         k = request.prompt_logprobs
 
         def build() -> ChatCompletionResponse:
@@ -278,25 +278,26 @@ class OpenAIServingChat(OpenAIServing):
                 sources)
 
     def _logprobs(self, token_ids: list[int], logprobs: list | None,
-                  num_top: int) -> ChatLogprobs:
+                  num_top: int, as_ids: bool = False) -> ChatLogprobs:
+        """`as_ids`: tokens named "token_id:<id>" (return_tokens_as_token_ids)."""
         content = []
         for k, token_id in enumerate(token_ids):
             step: dict[int, Logprob] | None = logprobs[k] if logprobs and k < len(
                 logprobs) else None
             chosen = step.get(token_id) if step else None
-            token = self.token_text(token_id, chosen)
+            token = self.token_text(token_id, chosen, as_ids)
             top = []
             if step:
                 ranked = sorted((lp.rank, t, lp) for t, lp in step.items()
                                 if lp.rank is not None and lp.rank <= num_top)
-                top = [self._top(t, lp) for _, t, lp in ranked[:num_top]]
+                top = [self._top(t, lp, as_ids) for _, t, lp in ranked[:num_top]]
             content.append(ChatLogprobToken(
                 token=token, logprob=clamp_logprob(chosen.logprob) if chosen else -9999.0,
                 bytes=list(token.encode("utf-8")), top_logprobs=top))
         return ChatLogprobs(content=content)
 
-    def _top(self, token_id: int, lp: Logprob) -> ChatLogprobTop:
-        token = self.token_text(token_id, lp)
+    def _top(self, token_id: int, lp: Logprob, as_ids: bool) -> ChatLogprobTop:
+        token = self.token_text(token_id, lp, as_ids)
         return ChatLogprobTop(token=token, logprob=clamp_logprob(lp.logprob),
                               bytes=list(token.encode("utf-8")))
 
@@ -323,6 +324,7 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)))
             async for _, ro in merge_streams(streams):
                 num_prompt_tokens = len(ro.prompt_token_ids)
+                num_cached_tokens = ro.num_cached_tokens
                 for out in ro.outputs:
                     st = states.setdefault(out.index, ChoiceState())
                     if st.is_finished:
@@ -332,7 +334,8 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if request.logprobs and new_ids:
                         new_lps = out.logprobs[st.num_tokens:] if out.logprobs else None
-                        logprobs = self._logprobs(new_ids, new_lps, request.top_logprobs or 0)
+                        logprobs = self._logprobs(new_ids, new_lps, request.top_logprobs or 0,
+                                                  self.tokens_as_ids(request))
                     st.num_chars = max(st.num_chars, len(out.text))
                     st.num_tokens = len(out.token_ids)
                     st.is_finished = out.finish_reason is not None
@@ -346,9 +349,7 @@ class OpenAIServingChat(OpenAIServing):
                             finish_reason=finish_reason, stop_reason=out.stop_reason))
             if request.include_usage:
                 num_completion = sum(s.num_tokens for s in states.values())
-                usage = UsageInfo(prompt_tokens=num_prompt_tokens,
-                                  completion_tokens=num_completion,
-                                  total_tokens=num_prompt_tokens + num_completion)
+                usage = self.usage(num_prompt_tokens, num_completion, num_cached_tokens)
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, model=self.response_model(request.model), choices=[],
                     usage=usage).model_dump_json())

@@ -24,7 +24,8 @@ from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
 from pagedllm.engine.input_processor import check_num_logprobs, truncate_prompt
 from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
 from pagedllm.entrypoints.openai.protocol import (  # noqa: F401  (clamp_logprob: re-exported)
-    ErrorInfo, ErrorResponse, OpenAIBaseModel, SamplingFields, clamp_logprob)
+    ErrorInfo, ErrorResponse, OpenAIBaseModel, PromptTokenUsageInfo, SamplingFields,
+    UsageInfo, clamp_logprob)
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.served_models import ModelNotFoundError, ServedModels
 from pagedllm.errors import EngineDeadError, InvalidRequestError
@@ -334,7 +335,23 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ logprobs
 
-    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+    def usage(self, num_prompt: int, num_completion: int, num_cached: int) -> UsageInfo:
+        """The usage block; with --enable-prompt-tokens-details its cached tokens."""
+        details = (PromptTokenUsageInfo(cached_tokens=num_cached)
+                   if self.serve_config.enable_prompt_tokens_details else None)
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                         total_tokens=num_prompt + num_completion,
+                         prompt_tokens_details=details)
+
+    def tokens_as_ids(self, request: Any) -> bool:
+        """Whether a request's logprobs name tokens by id (its field, else the flag)."""
+        asked = getattr(request, "return_tokens_as_token_ids", None)
+        return self.serve_config.return_tokens_as_token_ids if asked is None else asked
+
+    def token_text(self, token_id: int, logprob: Logprob | None = None,
+                   as_id: bool = False) -> str:
+        if as_id:
+            return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])

@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from pagedllm.entrypoints.openai.protocol import (CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse,
-                                                  CompletionResponseChoice, UsageInfo,
+                                                  CompletionResponseChoice,
                                                   prompt_logprobs_field, random_id)
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSEResponse,
                                                         clamp_logprob, merge_streams,
@@ -38,6 +38,7 @@ class _ChoiceState:
 class _StreamState:
     choices: dict[int, _ChoiceState] = field(default_factory=dict)
     num_prompt_tokens: dict[int, int] = field(default_factory=dict)
+    num_cached_tokens: dict[int, int] = field(default_factory=dict)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -126,17 +127,18 @@ class OpenAIServingCompletion(OpenAIServing):
                     prefix = self._prompt_text(prompts[i])
                     if request.logprobs is not None:
                         prompt_lp = self._logprobs(ro.prompt_token_ids,
-                                                   ro.prompt_logprobs, request.logprobs, 0)
+                                                   ro.prompt_logprobs, request.logprobs, 0,
+                                                   as_ids=self.tokens_as_ids(request))
                 if request.logprobs is not None:
                     logprobs = self._logprobs(out.token_ids, out.logprobs, request.logprobs,
-                                              len(prefix), prompt_lp)
+                                              len(prefix), prompt_lp,
+                                              as_ids=self.tokens_as_ids(request))
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + out.index, text=prefix + text, logprobs=logprobs,
                     finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                     prompt_logprobs=prompt_field))
-        usage = UsageInfo(prompt_tokens=num_prompt_tokens,
-                          completion_tokens=num_completion_tokens,
-                          total_tokens=num_prompt_tokens + num_completion_tokens)
+        usage = self.usage(num_prompt_tokens, num_completion_tokens,
+                           sum(ro.num_cached_tokens for ro in finals))
         return CompletionResponse(id=request_id, model=self.response_model(request.model), choices=choices,
                                   usage=usage)
 
@@ -145,9 +147,11 @@ class OpenAIServingCompletion(OpenAIServing):
         return text if text is not None else self.tokenizer.decode(ids)
 
     def _logprobs(self, token_ids: list[int], logprobs: list | None, num_top: int,
-                  offset: int, into: CompletionLogprobs | None = None) -> CompletionLogprobs:
+                  offset: int, into: CompletionLogprobs | None = None,
+                  as_ids: bool = False) -> CompletionLogprobs:
         """OpenAI's completion logprobs of `token_ids`; entries of `logprobs` may be None
-        (the first prompt token), and a missing list gives None logprobs."""
+        (the first prompt token), and a missing list gives None logprobs. `as_ids`:
+        tokens named "token_id:<id>" (return_tokens_as_token_ids)."""
         result = into if into is not None else CompletionLogprobs()
         if result.tokens:
             offset = result.text_offset[-1] + len(result.tokens[-1])
@@ -156,7 +160,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for k, token_id in enumerate(token_ids):
             step: dict[int, Logprob] | None = logprobs[k] if logprobs else None
             chosen = step.get(token_id) if step else None
-            token = self.token_text(token_id, chosen)
+            token = self.token_text(token_id, chosen, as_ids)
             result.tokens.append(token)
             result.text_offset.append(offset)
             offset += len(token)
@@ -165,7 +169,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 result.top_logprobs.append(None)
                 continue
             result.token_logprobs.append(clamp_logprob(chosen.logprob))
-            top = {self.token_text(t, lp): clamp_logprob(lp.logprob)
+            top = {self.token_text(t, lp, as_ids): clamp_logprob(lp.logprob)
                    for t, lp in step.items()
                    if t != token_id and lp.rank is not None and lp.rank <= num_top}
             top[token] = clamp_logprob(chosen.logprob)
@@ -180,6 +184,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for i, ro in merge_streams(streams):
                 state.num_prompt_tokens[i] = len(ro.prompt_token_ids)
+                state.num_cached_tokens[i] = ro.num_cached_tokens
                 for out in _visible(request, ro.outputs):
                     chunk = self._chunk(request, request_id, prompts, state, i, ro, out)
                     if chunk is not None:
@@ -187,8 +192,8 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.include_usage:
                 num_prompt = sum(state.num_prompt_tokens.values())
                 num_completion = sum(c.num_tokens for c in state.choices.values())
-                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                                  total_tokens=num_prompt + num_completion)
+                usage = self.usage(num_prompt, num_completion,
+                                   sum(state.num_cached_tokens.values()))
                 final = CompletionResponse(id=request_id, model=self.response_model(request.model), choices=[],
                                            usage=usage)
                 yield sse(final.model_dump_json())
@@ -210,7 +215,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 prefix = self._prompt_text(prompts[i])
                 if request.logprobs is not None:
                     logprobs = self._logprobs(ro.prompt_token_ids, ro.prompt_logprobs,
-                                              request.logprobs, 0)
+                                              request.logprobs, 0,
+                                              as_ids=self.tokens_as_ids(request))
         if st.is_finished:
             return None
         # Cumulative output: send what is new. A shorter text (a stop string cut what
@@ -220,7 +226,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.logprobs is not None and new_ids:
             new_lps = out.logprobs[st.num_tokens:] if out.logprobs else None
             logprobs = self._logprobs(new_ids, new_lps, request.logprobs,
-                                      st.offset + len(prefix), logprobs)
+                                      st.offset + len(prefix), logprobs,
+                                      as_ids=self.tokens_as_ids(request))
         st.offset += len(prefix) + len(delta_text)
         st.num_chars = max(st.num_chars, len(out.text))
         st.num_tokens = len(out.token_ids)
@@ -234,8 +241,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream_options and request.stream_options.continuous_usage_stats:
             num_completion = sum(c.num_tokens for c in state.choices.values())
             num_prompt = sum(state.num_prompt_tokens.values())
-            chunk.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                                    total_tokens=num_prompt + num_completion)
+            chunk.usage = self.usage(num_prompt, num_completion,
+                                     sum(state.num_cached_tokens.values()))
         return chunk
 
 

@@ -1,0 +1,108 @@
+"""Server options vLLM users set: HTTPS (--ssl-*), CORS (--allowed-origins, on by
+default for any origin as vLLM), --root-path behind a proxy,
+--enable-prompt-tokens-details (usage.prompt_tokens_details.cached_tokens) and
+--return-tokens-as-token-ids (also per request). One HTTPS server with all of them on;
+the bundled model."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.entrypoints.utils import MODEL_NAME, RemoteServer
+
+ORIGIN = "http://ui.example"
+KEY = "sk-options"
+# 40 words: two full 16-token blocks at least, so a repeat hits the prefix cache.
+LONG_PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 5)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    tmp = tmp_path_factory.mktemp("tls")
+    ca.cert_pem.write_to_path(str(tmp / "ca.pem"))
+    cert.private_key_pem.write_to_path(str(tmp / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp / "cert.pem"))
+    srv = RemoteServer(["--max-model-len", "256", "--ssl-keyfile", str(tmp / "key.pem"),
+                        "--ssl-certfile", str(tmp / "cert.pem"), "--allowed-origins",
+                        f'["{ORIGIN}"]', "--root-path", "/api",
+                        "--enable-prompt-tokens-details", "--return-tokens-as-token-ids"],
+                       api_key=KEY, ca_file=str(tmp / "ca.pem"))
+    yield srv
+    srv.stop()
+
+
+def _post(server, path: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=server.headers, timeout=60,
+                      verify=server.verify, **kw)
+
+
+def test_https_only(server):
+    assert server.url.startswith("https://")
+    assert httpx.get(server.url + "/health", verify=server.verify).status_code == 200
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(server.url.replace("https", "http") + "/health", timeout=5)
+
+
+def test_cors(server):
+    """A browser's preflight is answered before the key check; answers (401s too)
+    carry the origin; other origins get no grant."""
+    preflight = httpx.options(server.url + "/v1/chat/completions", verify=server.verify,
+                              headers={"Origin": ORIGIN,
+                                       "Access-Control-Request-Method": "POST",
+                                       "Access-Control-Request-Headers": "authorization"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    denied = httpx.get(server.url + "/v1/models", verify=server.verify,
+                       headers={"Origin": ORIGIN})
+    assert denied.status_code == 401
+    assert denied.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.get(server.url + "/v1/models", verify=server.verify,
+                      headers={"Origin": "http://evil.example"} | server.headers)
+    assert other.status_code == 200
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_root_path(server):
+    """Behind a proxy that strips /api, the docs link to the prefixed paths."""
+    r = httpx.get(server.url + "/openapi.json", verify=server.verify, headers=server.headers)
+    assert r.status_code == 200
+    assert {"url": "/api"} in r.json().get("servers", [])
+
+
+def test_cached_tokens_in_usage(server):
+    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 2, "temperature": 0}
+    _post(server, "/v1/completions", body)
+    again = _post(server, "/v1/completions", body).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": LONG_PROMPT}],
+            "max_tokens": 2, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    _post(server, "/v1/chat/completions", chat | {"stream": False})
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=chat,
+                      headers=server.headers, verify=server.verify, timeout=60) as r:
+        usage = [line for line in r.iter_lines() if '"usage":{' in line]
+    assert '"cached_tokens":' in usage[-1] and '"cached_tokens":0' not in usage[-1]
+
+
+def test_tokens_as_token_ids(server):
+    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0,
+            "logprobs": 2, "echo": True}
+    logprobs = _post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in logprobs["tokens"])
+    assert all(k.startswith("token_id:") for top in logprobs["top_logprobs"] if top
+               for k in top)
+    # A request may ask for text back.
+    plain = _post(server, "/v1/completions", body | {"return_tokens_as_token_ids": False})
+    assert not plain.json()["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    content = _post(server, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"][
+        "content"]
+    token_id = int(content[0]["token"].removeprefix("token_id:"))
+    assert content[0]["bytes"] == list(f"token_id:{token_id}".encode())
+    assert all(t["token"].startswith("token_id:") for t in content[0]["top_logprobs"])
