@@ -129,6 +129,11 @@ class ModelConfig:
     @property
     def is_cross_encoder(self) -> bool:
         return self.pooling_task == "score"
+
+    @property
+    def can_generate(self) -> bool:
+        """Whether it has an LM head: not an encoder, not a sequence classifier."""
+        return self.pooling_task == "embed" and not self.is_encoder_only
     quantization: str | None = None
     """"gguf": run a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K weights as stored, via the native
     quantized GEMM (CPU; other tensor types are dequantized); None: dequantize every

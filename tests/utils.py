@@ -357,6 +357,46 @@ def save_tiny_roberta(path: Path, architecture: str = "XLMRobertaModel", seed: i
     return Path(path)
 
 
+def word_tokenizer(words: list[str], eos: str = "</s>"):
+    """A whitespace word-level fast tokenizer over `words` (ids in list order), with
+    "<unk>" for anything else and `eos` as its EOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                         unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                   eos_token=eos)
+
+
+# The words of tiny models' word tokenizers: </s>, <unk>, w0 .. w249.
+TINY_WORDS = ["</s>", "<unk>"] + [f"w{i}" for i in range(250)]
+
+
+def save_tiny_decoder_classifier(path: Path, model_type: str = "llama", num_labels: int = 1,
+                                 seed: int = 0, **overrides) -> Path:
+    """A random `transformers` <Family>ForSequenceClassification (the tiny Llama's
+    shape; model_type llama, qwen2 or qwen3) with a word tokenizer over TINY_WORDS,
+    saved as an HF directory (float32)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    base = tiny_llama_config().to_dict()
+    base = {k: base[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                 "num_hidden_layers", "num_attention_heads",
+                                 "num_key_value_heads", "max_position_embeddings",
+                                 "tie_word_embeddings")}
+    config = AutoConfig.for_model(model_type, **base, num_labels=num_labels,
+                                  pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                                  **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    perturb(model, 0.2)
+    model.save_pretrained(path)
+    word_tokenizer(TINY_WORDS).save_pretrained(path)
+    return Path(path)
+
+
 # LLaVA-1.5's chat template (llava-hf's): images first, then the text, per message.
 LLAVA_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}"
@@ -374,15 +414,12 @@ def save_tiny_llava(path: Path, seed: int = 0, image_size: int = 28, patch_size:
     of hidden 32, the tiny Llama decoder), its CLIP image processor (PIL backend, to
     image_size) and a word-level tokenizer ("w0".."w249", "<image>" = the image token,
     </s>, <unk>) with LLaVA-1.5's chat template, saved as an HF directory (float32)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
-                              PreTrainedTokenizerFast)
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    words = ["</s>", "<unk>"] + [f"w{i}" for i in range(250)] + ["ASSISTANT:", "USER:"]
+    words = TINY_WORDS + ["ASSISTANT:", "USER:"]
     image_token = len(words)
     words.append("<image>")
-    vocab = {w: i for i, w in enumerate(words)}
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                               num_attention_heads=4, image_size=image_size,
                               patch_size=patch_size, projection_dim=32)
@@ -398,10 +435,7 @@ def save_tiny_llava(path: Path, seed: int = 0, image_size: int = 28, patch_size:
     CLIPImageProcessorPil(size={"shortest_edge": image_size},
                           crop_size={"height": image_size, "width": image_size}
                           ).save_pretrained(path)
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
-                                        eos_token="</s>")
+    tokenizer = word_tokenizer(words)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)

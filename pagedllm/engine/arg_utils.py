@@ -416,7 +416,8 @@ def _set_embedding_traits(model: ModelConfig, compile: bool) -> None:
     if is_sequence_classifier(model.architecture):
         one_label = getattr(model.hf_config, "num_labels", 1) == 1
         model.pooling_task = "score" if one_label else "classify"
-        model.default_pooling_type = "cls"  # what the classification head reads
+        # What the classification head reads: an encoder's [CLS], a decoder's last token.
+        model.default_pooling_type = "cls" if model.is_encoder_only else "last"
         return
     fallback = "mean" if model.is_encoder_only else "last"
     model.default_pooling_type = load_st_pooling_type(model.path) or fallback

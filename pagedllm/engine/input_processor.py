@@ -39,6 +39,7 @@ class InputProcessor:
         self.is_encoder_only = model_config.is_encoder_only
         self.default_pooling_type = model_config.default_pooling_type
         self.pooling_task = model_config.pooling_task
+        self.can_generate = model_config.can_generate
         # None: LoRA is off and a request naming an adapter is refused.
         self.adapters = (AdapterChecks(model_config.hf_config, lora_config.max_lora_rank)
                          if lora_config is not None else None)
@@ -166,9 +167,11 @@ class InputProcessor:
         self.adapters.check(lora_request)
 
     def check_pooling_task(self, params: PoolingParams, num_tokens: int) -> None:
-        """A cross-encoder only scores pairs and a classifier only classifies (their head
-        reads the [CLS] state, raw); every other model only embeds."""
-        if params.task != self.pooling_task:
+        """A cross-encoder scores pairs (and, classifying, single texts: a reward
+        model's use) and a classifier only classifies (their head reads the pooled
+        state, raw); every other model only embeds."""
+        one_label_classify = params.task == "classify" and self.pooling_task == "score"
+        if params.task != self.pooling_task and not one_label_classify:
             does = {"score": "is a cross-encoder: it scores pairs of texts (LLM.score, "
                              "/score, /rerank)",
                     "classify": "is a classifier: it gives label probabilities "
@@ -179,19 +182,26 @@ class InputProcessor:
                                       f"{self.architecture} {does[self.pooling_task]}")
         if params.task == "embed":
             return
-        if params.pooling_type not in (None, "cls") or params.normalize:
-            raise InvalidRequestError(f"a {params.task} request reads the [CLS] state as it "
-                                      f"is: pooling_type 'cls' (or None), normalize False")
+        pooled = self.default_pooling_type
+        if params.pooling_type not in (None, pooled) or params.normalize:
+            raise InvalidRequestError(f"a {params.task} request reads the model's pooled "
+                                      f"state as it is: pooling_type {pooled!r} (or None), "
+                                      f"normalize False")
         if params.token_type_start is not None and params.token_type_start >= num_tokens:
             raise InvalidRequestError(f"token_type_start {params.token_type_start} is past "
                                       f"the prompt's {num_tokens} tokens")
 
     def check_generation(self) -> None:
-        """Encoder-only models embed; they have no LM head to generate with."""
-        if self.is_encoder_only:
+        """Encoders and sequence classifiers have no LM head to generate with."""
+        if self.is_encoder_only and self.pooling_task == "embed":
             raise InvalidRequestError(
                 f"this model ({self.architecture}) does not support generation: it is an "
                 f"encoder-only embedding model; use embeddings (LLM.embed, /v1/embeddings)")
+        if not self.can_generate:
+            raise InvalidRequestError(
+                f"this model ({self.architecture}) does not support generation: it has a "
+                f"classification head; use scores or classification (LLM.score, "
+                f"LLM.classify, /score, /classify)")
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:

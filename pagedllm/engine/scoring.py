@@ -59,14 +59,16 @@ def encode_pair(tokenizer: Any, text_1: str, text_2: str, max_model_len: int,
 
 
 def cross_encoder_params(token_type_start: int | None) -> PoolingParams:
-    """The pooling of one cross-encoder pair: its head reads the raw [CLS] state."""
-    return PoolingParams(task="score", pooling_type="cls", normalize=False,
+    """The pooling of one cross-encoder pair: its head reads the raw state the model
+    pools ([CLS] for an encoder, the last token for a decoder)."""
+    return PoolingParams(task="score", pooling_type=None, normalize=False,
                          token_type_start=token_type_start)
 
 
 def classifier_params(truncate_prompt_tokens: int | None = None) -> PoolingParams:
-    """The pooling of one text for a classifier: its head reads the raw [CLS] state."""
-    return PoolingParams(task="classify", pooling_type="cls", normalize=False,
+    """The pooling of one text for a classifier: its head reads the raw state the model
+    pools."""
+    return PoolingParams(task="classify", pooling_type=None, normalize=False,
                          truncate_prompt_tokens=truncate_prompt_tokens)
 
 

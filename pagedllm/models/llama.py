@@ -257,6 +257,8 @@ class LlamaForCausalLM(Module):
 
     # Pipeline parallelism: forward takes the previous stage's hidden states.
     supports_pp = True
+    # False: a sequence classifier's decoder (models/seq_cls.py), whose head is its own.
+    has_lm_head = True
 
     # Each layer's sliding window, for the KV cache groups (worker/kv_layout.py).
     layer_sliding_windows = staticmethod(layer_sliding_windows)
@@ -273,7 +275,8 @@ class LlamaForCausalLM(Module):
                                                 and self.tie_word_embeddings))
         self.lm_head = stage_lm_head(
             cfg.vocab_size, cfg.hidden_size, parallel,
-            tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+            tied_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+        ) if self.has_lm_head else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,

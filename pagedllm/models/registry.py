@@ -22,6 +22,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
+    # Decoders with a classification head (rerankers, reward models, classifiers).
+    "LlamaForSequenceClassification": ("seq_cls", "LlamaForSequenceClassification"),
+    "MistralForSequenceClassification": ("seq_cls", "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("seq_cls", "Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("seq_cls", "Qwen3ForSequenceClassification"),
     # Vision-language: CLIP + projector + a Llama-shaped decoder (images in prompts).
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     # Encoder only (embeddings): sentence-transformers' all-MiniLM-L6-v2 and kin.
@@ -42,12 +47,16 @@ _MODELS: dict[str, tuple[str, str]] = {
 _ENCODER_ONLY = frozenset({"BertModel", "BertForSequenceClassification", "RobertaModel",
                            "XLMRobertaModel", "RobertaForSequenceClassification",
                            "XLMRobertaForSequenceClassification"})
-# Encoders whose pooled [CLS] state goes through a classification head: one label
-# scores pairs of texts (LLM.score, /score, /rerank), more classify (LLM.classify,
-# /classify); they do nothing else.
+# Models whose pooled state (an encoder's [CLS], a decoder's last token) goes through a
+# classification head: one label scores pairs of texts (LLM.score, /score, /rerank) or
+# single texts (LLM.classify, /classify), more classify; they do nothing else.
 _SEQUENCE_CLASSIFIERS = frozenset({"BertForSequenceClassification",
                                    "RobertaForSequenceClassification",
-                                   "XLMRobertaForSequenceClassification"})
+                                   "XLMRobertaForSequenceClassification",
+                                   "LlamaForSequenceClassification",
+                                   "MistralForSequenceClassification",
+                                   "Qwen2ForSequenceClassification",
+                                   "Qwen3ForSequenceClassification"})
 
 
 # Architectures whose prompts may hold images (multi_modal_data, image_url parts).

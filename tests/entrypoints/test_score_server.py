@@ -87,8 +87,15 @@ def test_a_cross_encoder_does_not_embed_or_generate(server):
     assert r.status_code == 400
 
 
-def test_classify_on_a_cross_encoder_is_a_400(server):
-    r = _post(server, "/classify", {"input": "hello"})
+def test_classify_on_a_cross_encoder_scores_single_texts(server):
+    """As vLLM's classification models: one label classifies too (a reward model's use),
+    its one "probability" the head's score of the text alone."""
+    r = _post(server, "/classify", {"input": ["hello", "hello world"]})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["num_classes"] for d in data] == [1, 1]
+    assert data[0]["probs"] != data[1]["probs"]
+    r = _post(server, "/v1/embeddings", {"input": "hello"})
     assert r.status_code == 400 and "is a cross-encoder" in r.json()["error"]["message"]
 
 

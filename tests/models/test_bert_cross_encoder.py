@@ -105,8 +105,10 @@ def test_pairing_rules_and_refusals(identity_dir, tmp_path):
         llm.embed(["hello"], use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="does not support generation|embedding"):
         llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
-    with pytest.raises(InvalidRequestError, match="is a cross-encoder"):
-        llm.classify(["hello"], use_tqdm=False)
+    # One label classifies a single text too (its one score: a reward model's use).
+    single = llm.classify(["hello"], use_tqdm=False)[0].outputs.probs
+    pair = llm.score("hello", ["world"], use_tqdm=False)[0].outputs.score
+    assert len(single) == 1 and single[0] != pair
     llm.shutdown()
 
 

@@ -102,12 +102,17 @@ class OpenAIServing:
         return model
 
     def check_generation(self) -> None:
-        """400 for completions and chat on an encoder-only (embedding) model."""
+        """400 for completions and chat on a model without an LM head."""
         model = self.engine.config.model
-        if model.is_encoder_only:
+        if model.is_encoder_only and model.pooling_task == "embed":
             raise InvalidRequestError(
                 f"The model `{self.model_name}` ({model.architecture}) does not support "
                 f"generation: it is an embedding model; use /v1/embeddings.")
+        if not model.can_generate:
+            raise InvalidRequestError(
+                f"The model `{self.model_name}` ({model.architecture}) does not support "
+                f"generation: it has a classification head; use /score, /rerank or "
+                f"/classify.")
 
     async def json_response(self, build: Callable[[], OpenAIBaseModel], size: int) -> Any:
         """The response `build()` makes; when `size` (its bytes, about) is large, built

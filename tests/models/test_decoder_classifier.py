@@ -1,0 +1,96 @@
+"""Decoders with a classification head (transformers' <Family>ForSequenceClassification)
+against transformers: one label scores pairs (LLM.score: rerankers) and single texts
+(LLM.classify: reward models) through a sigmoid, several labels classify (softmax).
+Generation and embeddings are refused; batching and prefix-cache hits change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, PoolingParams, SamplingParams
+from pagedllm.errors import InvalidRequestError
+from tests.utils import save_tiny_decoder_classifier
+
+PAIRS = [("w1 w2 w3", "w4 w5"), ("w1 w2 w3", "w9 w8 w7 w6"), ("w100", "w100 w3")]
+
+
+def _hf_logits(path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(torch.tensor([ids])).logits[0]
+
+
+# (Qwen2 below: transformers loads a Qwen2 directory's tokenizer as Qwen2Tokenizer,
+# which cannot read the test's word-level tokenizer.)
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen3"])
+def reranker(request, tmp_path_factory):
+    path = save_tiny_decoder_classifier(tmp_path_factory.mktemp(request.param),
+                                        request.param)
+    return path, LLM(model=str(path), dtype="float32")
+
+
+def test_pair_scores_match_transformers(reranker):
+    path, llm = reranker
+    outs = llm.score([a for a, _ in PAIRS], [b for _, b in PAIRS], use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    for (a, b), out in zip(PAIRS, outs):
+        ids = tokenizer(a, b)["input_ids"]
+        assert out.prompt_token_ids == ids
+        expect = torch.sigmoid(_hf_logits(path, ids))[0].item()
+        assert out.outputs.score == pytest.approx(expect, abs=1e-5)
+
+
+def test_single_texts_score_as_reward(reranker):
+    path, llm = reranker
+    outs = llm.classify(["w1 w2 w3", "w7"], use_tqdm=False)
+    for text, out in zip(["w1 w2 w3", "w7"], outs):
+        ids = llm.get_tokenizer().encode(text)
+        expect = torch.sigmoid(_hf_logits(path, ids)).tolist()
+        assert out.outputs.probs == pytest.approx(expect, abs=1e-5)
+
+
+def test_batching_and_prefix_hits_do_not_change_scores(reranker):
+    path, _ = reranker
+    llm = LLM(model=str(path), block_size=2, max_num_batched_tokens=8)  # default dtype
+    pairs = PAIRS * 2  # the second round hits the prefix cache
+    batched = llm.score([a for a, _ in pairs], [b for _, b in pairs], use_tqdm=False)
+    alone = [llm.score(a, b, use_tqdm=False)[0] for a, b in PAIRS]
+    assert [o.outputs.score for o in batched] == [o.outputs.score for o in alone] * 2
+
+
+def test_what_a_classifier_does_not_do(reranker):
+    _, llm = reranker
+    with pytest.raises(InvalidRequestError, match="classification head"):
+        llm.generate(["w1"], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="is not this model's"):
+        llm.embed(["w1"])
+    with pytest.raises(InvalidRequestError, match="pooling_type 'last'"):
+        llm.embed(["w1"], PoolingParams(task="classify", pooling_type="mean",
+                                        normalize=False))
+
+
+def test_several_labels_classify(tmp_path):
+    path = save_tiny_decoder_classifier(tmp_path, "qwen2", num_labels=3, seed=4)
+    llm = LLM(model=str(path), dtype="float32")
+    ids = [5, 6, 7, 200]
+    out = llm.classify([{"prompt_token_ids": ids}], use_tqdm=False)[0]
+    expect = torch.softmax(_hf_logits(path, ids), dim=-1).tolist()
+    assert out.outputs.probs == pytest.approx(expect, abs=1e-5)
+    with pytest.raises(InvalidRequestError, match="is not this model's"):
+        llm.embed([{"prompt_token_ids": ids}], PoolingParams(task="score", normalize=False))
+
+
+def test_tensor_parallel(reranker):
+    """The decoder sharded over two workers, the head whole on each: the same scores
+    (up to the all-reduce's summation order)."""
+    path, llm = reranker
+    if "mistral" not in str(path):
+        pytest.skip("one family is enough for the worker processes")
+    tp = LLM(model=str(path), dtype="float32", tensor_parallel_size=2)
+    expect = llm.score("w1 w2", ["w3", "w4 w5"], use_tqdm=False)
+    got = tp.score("w1 w2", ["w3", "w4 w5"], use_tqdm=False)
+    assert [o.outputs.score for o in got] == pytest.approx(
+        [o.outputs.score for o in expect], abs=1e-5)
