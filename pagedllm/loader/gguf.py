@@ -66,6 +66,9 @@ class _ArchSpec:
     native_quant: bool = True
     """Whether the models of this architecture take `QuantizedWeight`s (they load their
     tensors through `load_stacked_weights` unchanged)."""
+    expert_names: Mapping[str, str] = field(default_factory=dict)
+    """3-D expert tensors: GGUF name after `blk.N.` -> HF name after `model.layers.N.`
+    with `{e}` for the expert (one HF tensor per expert)."""
 
 
 _LLAMA_GLOBAL = {
@@ -90,6 +93,24 @@ _QWEN2_LAYER = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+}
+# Qwen3: Llama's tensors plus an RMSNorm over each q and k head.
+_QWEN3_LAYER = {
+    **_LLAMA_LAYER,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Qwen3-MoE: Qwen3's attention; the router, and every expert's gate / up / down stored
+# as one 3-D tensor each ([experts, rows, cols]), split here into HF's per-expert names.
+_QWEN3MOE_LAYER = {
+    **{k: v for k, v in _QWEN3_LAYER.items() if not k.startswith("ffn_")},
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+}
+_QWEN3MOE_EXPERTS = {
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
 }
 # Phi-3's checkpoint already stores q/k/v and gate/up fused, as llama.cpp does (`ffn_up`
 # holds [gate | up] rows); no q/k permutation (llama.cpp runs its rope in NEOX mode).
@@ -147,6 +168,23 @@ def _complete_phi3_config(reader: gguf.GGUFReader, cfg: dict[str, Any]) -> None:
     cfg["rope_parameters"] = rope
 
 
+def _complete_qwen3_config(reader: gguf.GGUFReader, cfg: dict[str, Any]) -> None:
+    """The head size (Qwen3's is its own, 128 in the released models, not hidden /
+    heads: transformers' qwen3 table drops attention.key_length)."""
+    head_dim = _read_field(reader, "qwen3.attention.key_length")
+    if head_dim is not None:
+        cfg["head_dim"] = int(head_dim)
+
+
+def _complete_qwen3moe_config(reader: gguf.GGUFReader, cfg: dict[str, Any]) -> None:
+    """The experts' width (transformers' table maps only the dense one) and the top-k
+    renormalization llama.cpp's qwen3moe graph applies (the released models' setting)."""
+    width = _read_field(reader, "qwen3moe.expert_feed_forward_length")
+    if width is not None:
+        cfg["moe_intermediate_size"] = int(width)
+    cfg["norm_topk_prob"] = True
+
+
 def _complete_gpt2_config(reader: gguf.GGUFReader, cfg: dict[str, Any]) -> None:
     """Sizes transformers' GPT-2 table misses (it maps context_length to an unused `n_ctx`
     and takes vocab_size from the token list only): read off the tensors themselves."""
@@ -166,6 +204,12 @@ _ARCHS: Mapping[str, _ArchSpec] = {
     # llama.cpp's Qwen2 converter does not permute q/k (its rope runs in NEOX mode, which
     # pairs rows like HF's rotate_half).
     "qwen2": _ArchSpec("qwen2", _LLAMA_GLOBAL, _QWEN2_LAYER),
+    # Qwen3 / Qwen3-MoE: NEOX rope as Qwen2 (no permutation).
+    "qwen3": _ArchSpec("qwen3", _LLAMA_GLOBAL, _QWEN3_LAYER,
+                       complete_config=_complete_qwen3_config),
+    "qwen3moe": _ArchSpec("qwen3_moe", _LLAMA_GLOBAL, _QWEN3MOE_LAYER,
+                          expert_names=_QWEN3MOE_EXPERTS,
+                          complete_config=_complete_qwen3moe_config),
     # Longrope factors live in the HF config (`complete_config` moves them there).
     "phi3": _ArchSpec("phi3", _LLAMA_GLOBAL, _PHI3_LAYER,
                       ignored=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
@@ -195,6 +239,9 @@ class TensorSpec:
     """Number of heads whose rows llama.cpp interleaved (q: n_head, k: n_head_kv); None: none."""
     transpose: bool = False
     """True when the file stores the transpose of the HF tensor (2-D)."""
+    expert: int | None = None
+    """The expert this tensor is of a 3-D expert tensor (its slice [expert]); None: the
+    whole GGUF tensor."""
 
 
 def _read_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -249,6 +296,15 @@ class GGUFWeights:
         unsupported: list[str] = []
         for i, t in enumerate(self.reader.tensors):
             if t.name in spec.ignored:
+                continue
+            m = _LAYER_RE.fullmatch(t.name)
+            if m is not None and m.group(2) in spec.expert_names:
+                if t.tensor_type not in SUPPORTED_TYPES:
+                    unsupported.append(f"{t.name} ({t.tensor_type.name})")
+                num_experts, rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+                pattern = f"{spec.layer_prefix}{m.group(1)}.{spec.expert_names[m.group(2)]}"
+                specs += [TensorSpec(pattern.format(e=e), (rows, cols), i, expert=e)
+                          for e in range(num_experts)]
                 continue
             hf_name = _hf_name(spec, t.name)
             if hf_name is None:
@@ -307,7 +363,7 @@ class GGUFWeights:
         """One tensor's blocks as stored (q/k rows un-permuted: blocks never straddle rows),
         or converted exactly into a native type's (CONVERTED_QTYPES: Q3_K as Q6_K)."""
         t = self.reader.tensors[spec.gguf_index]
-        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
+        raw = torch.from_numpy(np.array(_data(t, spec), dtype=np.uint8, copy=True))
         raw = raw.reshape(spec.shape[0], -1)
         qtype = t.tensor_type.name
         if qtype in CONVERTED_QTYPES:
@@ -319,30 +375,38 @@ class GGUFWeights:
 
     def load(self, spec: TensorSpec, dtype: torch.dtype) -> torch.Tensor:
         """Dequantize one tensor to its HF layout and `dtype`."""
+        t = self.reader.tensors[spec.gguf_index]
         if spec.transpose:  # stored [out, in]; the HF checkpoint holds [in, out]
-            w = _to_torch(self.reader.tensors[spec.gguf_index], spec.shape[::-1]).t()
+            w = _to_torch(t.tensor_type, _data(t, spec), spec.shape[::-1]).t()
         else:
-            w = _to_torch(self.reader.tensors[spec.gguf_index], spec.shape)
+            w = _to_torch(t.tensor_type, _data(t, spec), spec.shape)
         if spec.permute_heads is not None:
             w = _unpermute_rows(w, spec.permute_heads, spec.hf_name)
         return w.to(dtype).contiguous()
 
 
-def _to_torch(t: Any, shape: tuple[int, ...]) -> torch.Tensor:
-    """One GGUF tensor as a torch tensor of `shape`: float32 when quantized, else loss-free.
+def _data(t: Any, spec: TensorSpec) -> np.ndarray:
+    """The tensor's data view, or its expert's slice (the leading dimension of a 3-D
+    tensor's data, typed or raw bytes alike)."""
+    return t.data if spec.expert is None else t.data[spec.expert]
 
-    `t.data` is a read-only view into the memory map: F32/F16 as typed arrays already in
+
+def _to_torch(qtype: gguf.GGMLQuantizationType, data: np.ndarray,
+              shape: tuple[int, ...]) -> torch.Tensor:
+    """GGUF tensor data as a torch tensor of `shape`: float32 when quantized, else
+    loss-free.
+
+    `data` is a read-only view into the memory map: F32/F16 as typed arrays already in
     torch order, everything else (BF16 included) as raw bytes shaped [rows, bytes_per_row].
     """
-    qtype = t.tensor_type
     if qtype in (_QT.F32, _QT.F16):
         # Copy: the map is read-only and the caller may keep the tensor past the reader.
-        return torch.from_numpy(np.array(t.data, copy=True)).reshape(shape)
+        return torch.from_numpy(np.array(data, copy=True)).reshape(shape)
     if qtype == _QT.BF16:
         # Keep bf16 exact instead of widening through numpy: two bytes per element.
-        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True)).reshape(-1)
+        raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)).reshape(-1)
         return raw.view(torch.bfloat16).reshape(shape)
-    deq = gguf.quants.dequantize(t.data, qtype)  # float32, torch-order shape
+    deq = gguf.quants.dequantize(data, qtype)  # float32, torch-order shape
     return torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32)).reshape(shape)
 
 

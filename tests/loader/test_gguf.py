@@ -93,11 +93,8 @@ def permute_heads(hf_name: str, arch: str) -> int | None:
     return NUM_KV_HEADS if ".k_proj." in hf_name else None
 
 
-def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor]
-               ) -> dict[str, torch.Tensor]:
-    """Write `state` as llama.cpp would; return the expected loader output (float32)."""
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(f"tiny {arch}")
+def add_decoder_hparams(writer: gguf.GGUFWriter, cfg) -> None:
+    """A Llama-shaped decoder's sizes as llama.cpp's converter writes them."""
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -107,6 +104,14 @@ def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor]
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(cfg.vocab_size)
+
+
+def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor]
+               ) -> dict[str, torch.Tensor]:
+    """Write `state` as llama.cpp would; return the expected loader output (float32)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny {arch}")
+    add_decoder_hparams(writer, cfg)
     expected = {}
     for hf_name, tensor in state.items():
         w = tensor.float().numpy()
