@@ -21,7 +21,9 @@ from torch import nn
 
 from pagedllm.distributed.comm import all_reduce
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
-from pagedllm.models.layers.linear import LinearBase, cpu_linear, pack_for_cpu
+from pagedllm.kernels.cpu.quant import QuantizedWeight
+from pagedllm.models.layers.linear import (LinearBase, cpu_linear, native_bias, pack_for_cpu,
+                                           pack_quantized, quantized_shards_linear)
 from pagedllm.models.llama import LlamaForCausalLM, LlamaVariant
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS
 
@@ -40,9 +42,12 @@ class ExpertLinear(nn.Module):
         super().__init__()
         self.output_sizes, self.tp_dim = output_sizes, tp_dim
         self.parallel = parallel or SINGLE_RANK
+        self.num_experts, self.input_size = num_experts, input_size
         self.weight = nn.Parameter(torch.empty(num_experts, sum(output_sizes), input_size),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        if self.parallel.tp_size == 1:  # GGUF blocks run whole experts only
+            self.weight.quant_loader = self._load_quantized
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int, int] | None = None) -> None:
@@ -69,20 +74,67 @@ class ExpertLinear(nn.Module):
 
     # Per expert: (oneDNN-packed weight, native-packed weight, native bias), once packed.
     packed: list[tuple[torch.Tensor | None, ...]] | None = None
+    # GGUF (quantization "gguf"): per expert its blocks as the quantized GEMM runs them
+    # (None for an expert that came as plain tensors), and the blocks of experts whose
+    # shards are still arriving.
+    quantized: list[tuple[tuple[torch.Tensor, torch.Tensor], ...] | None] | None = None
+    _quant_parts: dict[int, dict[int, QuantizedWeight]] | None = None
+
+    def _load_quantized(self, param: nn.Parameter, loaded: QuantizedWeight,
+                        shard_id: tuple[int, int]) -> None:
+        expert, j = shard_id
+        if self._quant_parts is None:
+            self._quant_parts = {}
+        parts = self._quant_parts.setdefault(expert, {})
+        parts[j] = loaded
+        if len(parts) == len(self.output_sizes):
+            self._finalize_expert(expert)  # repack now: the raw rows are freed as we go
+
+    def _finalize_expert(self, expert: int) -> None:
+        """An expert's GGUF blocks run through the quantized GEMM when they cover its
+        weight, else are dequantized into it (some shards came plain)."""
+        parts = self._quant_parts.pop(expert)
+        ordered = [parts.get(j) for j in range(len(self.output_sizes))]
+        if None in ordered or [p.shape for p in ordered] != [
+                (rows, self.input_size) for rows in self.output_sizes]:
+            for j, part in parts.items():
+                self.weight_loader(self.weight, part.dequantize(self.weight.dtype),
+                                   (expert, j))
+            return
+        if self.quantized is None:
+            self.quantized = [None] * self.num_experts
+        self.quantized[expert] = pack_quantized(
+            ordered, native_bias(None, sum(self.output_sizes)))
+
+    def finalize_quantized(self) -> None:
+        """After loading (finalize_quantized_weights): experts left with some shards
+        plain are dequantized; the plain weight is dropped when every expert runs
+        blocks."""
+        for expert in list(self._quant_parts or {}):
+            self._finalize_expert(expert)
+        self._quant_parts = None
+        if self.quantized is not None and all(q is not None for q in self.quantized):
+            self.weight.data = self.weight.data.new_empty(0)
 
     def pack_for_cpu(self) -> None:
         """Pack each expert's weight as a linear layer's (pack_linear_weights calls this
         on CPU): the native GEMM sums each output row in one chain whatever the number
         of rows, so an expert's output for a token does not depend on how many tokens
-        it got. The plain weight is dropped when every expert is packed."""
-        if self.packed is not None:
+        it got. The plain weight is dropped when every expert is packed. Experts that
+        run GGUF blocks are not packed."""
+        if self.packed is not None or not self.weight.numel():
             return
-        self.packed = [pack_for_cpu(w, None) for w in self.weight.data]
-        if all(p[0] is not None or p[1] is not None for p in self.packed):
+        quantized = self.quantized or [None] * self.num_experts
+        self.packed = [pack_for_cpu(w, None) if q is None else (None, None, None)
+                       for w, q in zip(self.weight.data, quantized)]
+        if all(p[0] is not None or p[1] is not None or q is not None
+               for p, q in zip(self.packed, quantized)):
             self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] through expert `expert`'s linear map -> [rows, sum(output_sizes)]."""
+        if self.quantized is not None and self.quantized[expert] is not None:
+            return quantized_shards_linear(x, self.quantized[expert])
         if self.packed is None:
             return F.linear(x, self.weight[expert])
         packed, native, bias = self.packed[expert]

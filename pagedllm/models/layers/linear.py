@@ -119,20 +119,11 @@ class LinearBase(Module):
                 else:
                     self.weight_loader(self.weight, weight, shard_id)
             return
-        # Runs of shards of one type stacked: one GEMM each (one shard for most weights).
-        runs = [[parts[0]]]
-        for part in parts[1:]:
-            if part.qtype == runs[-1][-1].qtype:
-                runs[-1].append(part)
-            else:
-                runs.append([part])
-        blocks = [repack(QuantizedWeight.cat(run) if len(run) > 1 else run[0]) for run in runs]
-        bias = native_bias(self._fused_bias(), self.output_size)
-        if len(blocks) == 1:
-            self.native_weight, self.native_bias = blocks[0], bias
+        shards = pack_quantized(parts, native_bias(self._fused_bias(), self.output_size))
+        if len(shards) == 1:
+            self.native_weight, self.native_bias = shards[0]
         else:
-            rows = [sum(p.shape[0] for p in run) for run in runs]
-            self.native_shards = tuple(zip(blocks, (b.contiguous() for b in bias.split(rows))))
+            self.native_shards = shards
         self.weight.data = self.weight.data.new_empty(0)
 
     def pack_for_cpu(self, release: bool = True) -> None:
@@ -268,6 +259,22 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if packed_weight is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise.default(x, packed_weight, bias, "none", [], "")
+
+
+def pack_quantized(parts: list[QuantizedWeight], bias: torch.Tensor,
+                   ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """The GGUF blocks of a weight's row shards (in order, covering it) as the quantized
+    GEMM runs them: each run of shards of one type stacked and repacked once (one run
+    for most weights), with its rows of the float32 `bias`."""
+    runs = [[parts[0]]]
+    for part in parts[1:]:
+        if part.qtype == runs[-1][-1].qtype:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    blocks = [repack(QuantizedWeight.cat(run) if len(run) > 1 else run[0]) for run in runs]
+    rows = [sum(p.shape[0] for p in run) for run in runs]
+    return tuple(zip(blocks, (b.contiguous() for b in bias.split(rows))))
 
 
 def quantized_shards_linear(x: torch.Tensor,
