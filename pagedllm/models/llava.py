@@ -62,9 +62,13 @@ class LlavaForConditionalGeneration(Module):
     """forward / compute_logits as the decoder's, plus `inputs_embeds`; `encode_image`
     and `embed_input_ids` for the runner. Under tensor parallelism the decoder is
     sharded and the vision tower and projector are whole on every rank (each rank
-    encodes the step's images: the same rows everywhere)."""
+    encodes the step's images: the same rows everywhere); under pipeline parallelism the
+    first stage does."""
 
     is_multimodal = True
+    # Pipeline parallelism: the decoder's stages; images are encoded on the first (every
+    # stage builds the small vision tower and projector).
+    supports_pp = True
 
     @staticmethod
     def layer_sliding_windows(cfg: Any) -> list[int | None]:
@@ -80,7 +84,8 @@ class LlavaForConditionalGeneration(Module):
         if "inputs_embeds" not in inspect.signature(text_cls.forward).parameters:
             raise ModelLoadError(f"LLaVA with a {cfg.text_architecture} decoder is not "
                                  f"supported (it takes no input embeddings)")
-        kwargs = {"parallel": parallel} if parallel.tp_size > 1 else {}
+        kwargs = ({"parallel": parallel}
+                  if parallel.tp_size > 1 or parallel.pp_size > 1 else {})
         self.language_model = text_cls(cfg, attn_backend, **kwargs)
         self.feature_layers = feature_layers(cfg)
         self.drop_class_token = cfg.vision_feature_select_strategy == "default"

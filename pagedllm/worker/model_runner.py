@@ -359,8 +359,10 @@ class ModelRunner:
             received = recv_from_prev_stage(
                 (inputs.attn_metadata.num_actual_tokens, self.hidden_size), self.dtype, ps,
                 self.device)
+        # Images are embedded where the tokens are: on the first stage.
+        images = self._image_embeds(inputs) if ps.is_first_stage else {}
         hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata,
-                               received)
+                               received, **images)
         if not ps.is_last_stage:
             if self._pending_send is not None:
                 self._pending_send[0].wait()  # one send in flight at a time

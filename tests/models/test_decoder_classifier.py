@@ -83,14 +83,18 @@ def test_several_labels_classify(tmp_path):
         llm.embed([{"prompt_token_ids": ids}], PoolingParams(task="score", normalize=False))
 
 
-def test_tensor_parallel(reranker):
-    """The decoder sharded over two workers, the head whole on each: the same scores
-    (up to the all-reduce's summation order)."""
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2},
+                                      {"pipeline_parallel_size": 2}])
+def test_parallel(reranker, parallel):
+    """Two workers: under TP the decoder sharded and the head whole on each rank, under
+    PP the last stage pooling and running the head; the same scores (up to the TP
+    all-reduce's summation order)."""
     path, llm = reranker
     if "mistral" not in str(path):
         pytest.skip("one family is enough for the worker processes")
-    tp = LLM(model=str(path), dtype="float32", tensor_parallel_size=2)
     expect = llm.score("w1 w2", ["w3", "w4 w5"], use_tqdm=False)
-    got = tp.score("w1 w2", ["w3", "w4 w5"], use_tqdm=False)
+    got = LLM(model=str(path), dtype="float32", **parallel).score(
+        "w1 w2", ["w3", "w4 w5"], use_tqdm=False)
     assert [o.outputs.score for o in got] == pytest.approx(
         [o.outputs.score for o in expect], abs=1e-5)

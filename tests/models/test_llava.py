@@ -233,17 +233,6 @@ def test_limit_and_unsupported_options(llava_dir):
                                                       "num_speculative_tokens": 2})
 
 
-def test_tensor_parallel(llava_dir, llm32):
-    """Two worker processes: the decoder sharded, the vision tower whole on each rank
-    (each encodes the step's images), the same tokens as one rank."""
-    prompts = _prompts()[:3]
-    expect = llm32.generate(prompts, GREEDY, use_tqdm=False)
-    tp = LLM(model=str(llava_dir), dtype="float32", max_model_len=256,
-             tensor_parallel_size=2, max_num_batched_tokens=7)
-    got = tp.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expect]
-
-
 def test_beam_search_with_images(llm32):
     """Every beam's step carries the prompt's images: width 1 is greedy decoding."""
     from pagedllm.sampling_params import BeamSearchParams
@@ -256,3 +245,18 @@ def test_beam_search_with_images(llm32):
     assert best.tokens[len(greedy.prompt_token_ids):] == greedy.outputs[0].token_ids
     wide = llm32.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=4))
     assert len(wide[0].sequences) == 3
+
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2},
+                                      {"pipeline_parallel_size": 2}])
+def test_parallel(llava_dir, llm32, parallel):
+    """Two worker processes: under TP the decoder sharded and the vision tower whole on
+    each rank (each encodes the step's images), under PP the first stage encoding them
+    and embedding the prompt; the same tokens as one worker."""
+    prompts = _prompts()[:3]
+    expect = llm32.generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(model=str(llava_dir), dtype="float32", max_model_len=256,
+              max_num_batched_tokens=7, **parallel)
+    got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expect]
