@@ -88,6 +88,14 @@ _LLAMA_LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Mixtral (llama.cpp writes it as `llama` with experts): the router and the experts'
+# 3-D tensors, under HF's block_sparse_moe names.
+_MIXTRAL_LAYER = {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight"}
+_MIXTRAL_EXPERTS = {
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.{e}.w1.weight",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.{e}.w3.weight",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.{e}.w2.weight",
+}
 _QWEN2_LAYER = {
     **_LLAMA_LAYER,
     "attn_q.bias": "self_attn.q_proj.bias",
@@ -168,6 +176,16 @@ def _complete_phi3_config(reader: gguf.GGUFReader, cfg: dict[str, Any]) -> None:
     cfg["rope_parameters"] = rope
 
 
+def _complete_llama_config(reader: gguf.GGUFReader, cfg: dict[str, Any]) -> None:
+    """A `llama` file with experts is Mixtral (transformers' llama table has no expert
+    fields): the model type and the expert counts."""
+    num_experts = _read_field(reader, "llama.expert_count")
+    if num_experts:
+        cfg["model_type"] = "mixtral"
+        cfg["num_local_experts"] = int(num_experts)
+        cfg["num_experts_per_tok"] = int(_read_field(reader, "llama.expert_used_count", 2))
+
+
 def _complete_qwen3_config(reader: gguf.GGUFReader, cfg: dict[str, Any]) -> None:
     """The head size (Qwen3's is its own, 128 in the released models, not hidden /
     heads: transformers' qwen3 table drops attention.key_length)."""
@@ -199,8 +217,9 @@ def _complete_gpt2_config(reader: gguf.GGUFReader, cfg: dict[str, Any]) -> None:
 _ARCHS: Mapping[str, _ArchSpec] = {
     # llama.cpp writes Llama 3.x rope scaling as a `rope_freqs` tensor; HF derives the same
     # frequencies from config.rope_scaling, so it is skipped rather than yielded.
-    "llama": _ArchSpec("llama", _LLAMA_GLOBAL, _LLAMA_LAYER, permute_qk=True,
-                       ignored=frozenset({"rope_freqs.weight"})),
+    "llama": _ArchSpec("llama", _LLAMA_GLOBAL, {**_LLAMA_LAYER, **_MIXTRAL_LAYER},
+                       permute_qk=True, ignored=frozenset({"rope_freqs.weight"}),
+                       expert_names=_MIXTRAL_EXPERTS, complete_config=_complete_llama_config),
     # llama.cpp's Qwen2 converter does not permute q/k (its rope runs in NEOX mode, which
     # pairs rows like HF's rotate_half).
     "qwen2": _ArchSpec("qwen2", _LLAMA_GLOBAL, _QWEN2_LAYER),

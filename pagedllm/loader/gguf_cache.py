@@ -330,6 +330,7 @@ def _split(path: str) -> tuple[str, str]:
 def _parse_config(path: str) -> Any:
     """The transformers config from the GGUF metadata (slow: parses the whole header)."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     directory, name = _split(path)
@@ -340,7 +341,11 @@ def _parse_config(path: str) -> Any:
     as_dict = cfg.to_dict()
     completed = complete_hf_config(path, as_dict)
     if completed is not as_dict:
-        cfg = type(cfg).from_dict(completed)
+        # The completion may name another model type (a `llama` file with experts is
+        # Mixtral's).
+        cls = (type(cfg) if completed["model_type"] == cfg.model_type
+               else CONFIG_MAPPING[completed["model_type"]])
+        cfg = cls.from_dict(completed)
     if not getattr(cfg, "architectures", None):
         # GGUF-derived configs carry model_type but no architectures list.
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type)
