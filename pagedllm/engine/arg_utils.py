@@ -126,6 +126,11 @@ class EngineArgs:
               "ray (one Ray actor per worker, on any node of a Ray cluster: "
               "pip install pagedllm[ray]); default: uni for one worker, mp for more",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    hf_overrides: dict[str, Any] | None = _arg(
+        None, "fields set on the model's HF config, as vLLM's: a JSON object such as "
+              "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+              "\"classifier_from_token\": [\"no\", \"yes\"]}' (Qwen3-Reranker as a "
+              "reranker: its LM head's rows of those tokens become the score head)")
     generation_config: str = _arg(
         "auto", "sampling defaults: auto (the model's generation_config.json: its "
                 "temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens "
@@ -180,7 +185,8 @@ class EngineArgs:
         from pagedllm.loader.hf_config import load_hf_config
 
         path = self._resolve_model_path()
-        hf_config = load_hf_config(path)
+        hf_config = apply_hf_overrides(load_hf_config(path), self.hf_overrides,
+                                       self.tokenizer or path)
         device = _resolve_device(self.device)
         dtype = _resolve_dtype(self.dtype, device, hf_config)
         max_model_len = _resolve_max_model_len(self.max_model_len, hf_config)
@@ -400,6 +406,38 @@ class EngineArgs:
             return resolve_repo_id(model, self.revision, self.download_dir)
         raise ModelLoadError(f"model path does not exist: {model!r} (pass an HF model "
                              f"directory, a .gguf file or a Hugging Face id org/name)")
+
+
+def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None,
+                       tokenizer_path: str) -> Any:
+    """The HF config with `overrides` set on it (vLLM's hf_overrides). With
+    `classifier_from_token` (a causal LM read as a sequence classifier from its LM
+    head's rows of those tokens) the tokens' ids (`classifier_token_ids`, from the
+    model's tokenizer) and the labels: one for two tokens (the second's logit minus the
+    first's: a 2-way softmax as a sigmoid), else one per token."""
+    if not overrides:
+        return hf_config
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a dict (JSON object), got {overrides!r}")
+    for key, value in overrides.items():
+        setattr(hf_config, key, value)
+    tokens = overrides.get("classifier_from_token")
+    if tokens is not None:
+        if (not isinstance(tokens, list) or len(tokens) < 2
+                or not all(isinstance(t, str) for t in tokens)):
+            raise ValueError(f"classifier_from_token must list two or more tokens, got "
+                             f"{tokens!r}")
+        from pagedllm.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer_path)
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+        unknown = [t for t, i in zip(tokens, ids) if i is None or i == tokenizer.unk_token_id]
+        if unknown:
+            raise ValueError(f"classifier_from_token: {unknown[0]!r} is not one token of "
+                             f"the model's vocabulary")
+        hf_config.classifier_token_ids = ids
+        hf_config.num_labels = 1 if len(ids) == 2 else len(ids)
+    return hf_config
 
 
 def _set_embedding_traits(model: ModelConfig, compile: bool) -> None:

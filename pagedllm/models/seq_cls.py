@@ -13,11 +13,14 @@ hidden state.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from pagedllm.distributed.parallel_state import ParallelState
+from pagedllm.errors import ModelLoadError
+from pagedllm.kernels.cpu.quant import QuantizedWeight
 from pagedllm.models.bert import head_activation
 from pagedllm.models.layers.linear import ColumnParallelLinear
 from pagedllm.models.llama import LlamaForCausalLM
@@ -35,6 +38,35 @@ class SequenceClassifierMixin:
         super().__init__(cfg, attn_backend, parallel=parallel)  # type: ignore[call-arg]
         self.score = ColumnParallelLinear(cfg.hidden_size, cfg.num_labels, bias=False)
         self.activation = head_activation(cfg)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """A classifier checkpoint's weights; or, for a causal LM read as a classifier
+        (config `classifier_token_ids`, set from vLLM's hf_overrides
+        `classifier_from_token`), its LM head's rows of those tokens as the score head
+        (two tokens: the second's row minus the first's), the rest of the head
+        skipped."""
+        token_ids = getattr(self.config, "classifier_token_ids", None)
+        if token_ids is None:
+            return super().load_weights(weights)
+        # A tied head is the embedding: its rows are read as it is loaded.
+        head = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
+
+        def with_score() -> Iterator[tuple[str, torch.Tensor]]:
+            score = None
+            for name, tensor in weights:
+                if name == head:
+                    full = (tensor.dequantize(torch.float32)
+                            if isinstance(tensor, QuantizedWeight) else tensor)
+                    rows = full[token_ids].float()
+                    score = rows[1:] - rows[:1] if len(token_ids) == 2 else rows
+                if name != "lm_head.weight":
+                    yield name, tensor
+            if score is None:
+                raise ModelLoadError(f"classifier_from_token needs the LM head ({head}), "
+                                     f"which the checkpoint lacks")
+            yield "score.weight", score
+
+        return super().load_weights(with_score())
 
     def score_head(self, states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] pooled last-token states -> [N, num_labels] scores (float32)."""

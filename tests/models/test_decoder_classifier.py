@@ -98,3 +98,43 @@ def test_parallel(reranker, parallel):
         "w1 w2", ["w3", "w4 w5"], use_tqdm=False)
     assert [o.outputs.score for o in got] == pytest.approx(
         [o.outputs.score for o in expect], abs=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_causal_lm_as_reranker(tmp_path, tied):
+    """Qwen3-Reranker's way, through vLLM's hf_overrides: a causal LM's logit of "yes"
+    minus its logit of "no" at the pair's last token, through a sigmoid (the 2-way
+    softmax's probability of "yes"); with three tokens, a softmax over their logits.
+    The rows come from the LM head, or the embedding it is tied to."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from tests.utils import TINY_WORDS, save_tiny_model, word_tokenizer
+
+    path = save_tiny_model(tmp_path, Qwen3Config(
+        vocab_size=len(TINY_WORDS) + 2, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    word_tokenizer(TINY_WORDS + ["no", "yes"]).save_pretrained(path)
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+    llm = LLM(model=str(path), dtype="float32", hf_overrides=overrides)
+    causal = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = llm.get_tokenizer()
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    outs = llm.score([a for a, _ in PAIRS], [b for _, b in PAIRS], use_tqdm=False)
+    for (a, b), out in zip(PAIRS, outs):
+        with torch.no_grad():
+            logits = causal(torch.tensor([tokenizer(a, b)["input_ids"]])).logits[0, -1]
+        assert out.outputs.score == pytest.approx(
+            torch.sigmoid(logits[yes] - logits[no]).item(), abs=1e-5)
+    three = LLM(model=str(path), dtype="float32", hf_overrides={
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": ["no", "yes", "w7"]})
+    probs = three.classify(["w1 w2"], use_tqdm=False)[0].outputs.probs
+    with torch.no_grad():
+        logits = causal(torch.tensor([tokenizer.encode("w1 w2")])).logits[0, -1]
+    ids = tokenizer.convert_tokens_to_ids(["no", "yes", "w7"])
+    assert probs == pytest.approx(torch.softmax(logits[ids], dim=-1).tolist(), abs=1e-5)
+    with pytest.raises(ValueError, match="'maybe' is not one token"):
+        LLM(model=str(path), hf_overrides={"architectures": ["Qwen3ForSequenceClassification"],
+                                           "classifier_from_token": ["no", "maybe"]})
