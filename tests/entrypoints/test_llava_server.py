@@ -142,3 +142,12 @@ def test_responses_api_takes_input_image(server):
     text = r.json()["output"][0]["content"][0]["text"]
     assert chat.status_code == 200
     assert text == chat.json()["choices"][0]["message"]["content"]
+
+
+def test_tokenize_counts_each_image_run(server):
+    """/tokenize gives the prompt as the engine runs it: each image its 16 rows."""
+    messages = _message(_image(_data_url(random_image(0))), TEXT)
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=60)
+    assert r.status_code == 200, r.text
+    chat = _chat(server, messages, max_tokens=1)
+    assert r.json()["count"] == chat.json()["usage"]["prompt_tokens"]

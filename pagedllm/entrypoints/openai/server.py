@@ -64,6 +64,7 @@ from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.errors import EngineDeadError, InvalidRequestError
+from pagedllm.mm_inputs import expand_image_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -283,9 +284,13 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
             raise InvalidRequestError("give exactly one of prompt or messages")
         if request.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in request.tools or ()]
-            _, ids, _ = await chat.render_chat(request.messages,
-                                               request.add_generation_prompt,
-                                               tools=tools or None)
+            _, ids, images = await chat.render_chat(request.messages,
+                                                    request.add_generation_prompt,
+                                                    tools=tools or None)
+            if images:  # each placeholder as the engine expands it (nothing is decoded)
+                processor = engine.image_processor
+                ids, _ = expand_image_tokens(ids, processor.image_token_id, len(images),
+                                             processor.tokens_per_image)
         else:
             ids = await chat.encode(request.prompt, request.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len,
