@@ -33,6 +33,7 @@ def make_runner(batch: InputBatch) -> ModelRunner:
     runner.graphs = None  # CUDA graphs: none on CPU
     runner._unread = []  # async scheduling: no step launched and unread
     runner.lora = None  # LoRA off
+    runner.images = None  # a model without images
     runner.kv_layout = build_kv_cache_layout([None], MAX_MODEL_LEN)
     return runner
 
