@@ -45,16 +45,20 @@ class StructuredOutputsParams:
     """An EBNF grammar (GBNF dialect, start rule `root`)."""
     json_object: bool | None = None
     """The output is any JSON object (OpenAI's response_format json_object)."""
+    structural_tag: str | dict | None = None
+    """An xgrammar structural tag (dict or JSON text): {"type": "structural_tag",
+    "format": {...}}, or vLLM's older {"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]} (free text, where a trigger starts one of the tagged JSON
+    blocks)."""
     disable_any_whitespace: bool = False
     """JSON without free whitespace between tokens (compact; small models loop less)."""
 
     def __post_init__(self) -> None:
-        kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, name) not in (None, False)]
+        kinds = [name for name in _CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
         if len(kinds) != 1:
             raise InvalidRequestError(
-                "structured_outputs needs exactly one of json, regex, choice, grammar or "
-                f"json_object, got {kinds or 'none'}")
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object or structural_tag, got {kinds or 'none'}")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) for c in self.choice)):
@@ -62,17 +66,19 @@ class StructuredOutputsParams:
                     f"structured_outputs.choice must be a non-empty list of strings, "
                     f"got {self.choice!r}")
             self.choice = list(self.choice)
-        if isinstance(self.json, str):
-            try:
-                json.loads(self.json)
-            except ValueError as e:
-                raise InvalidRequestError(
-                    f"structured_outputs.json is not valid JSON: {e}") from e
+        for name in ("json", "structural_tag"):
+            if isinstance(getattr(self, name), str):
+                try:
+                    json.loads(getattr(self, name))
+                except ValueError as e:
+                    raise InvalidRequestError(
+                        f"structured_outputs.{name} is not valid JSON: {e}") from e
 
     @property
     def kind(self) -> str:
-        """Which constraint is set: json, regex, choice, grammar or json_object."""
-        for name in ("json", "regex", "choice", "grammar", "json_object"):
+        """Which constraint is set: json, regex, choice, grammar, json_object or
+        structural_tag."""
+        for name in _CONSTRAINT_KINDS:
             if getattr(self, name) not in (None, False):
                 return name
         raise AssertionError("validated on construction")
@@ -85,6 +91,9 @@ class StructuredOutputsParams:
         elif isinstance(value, list):
             value = tuple(value)
         return (self.kind, value, self.disable_any_whitespace)
+
+
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def check_truncate_prompt_tokens(value: int | None) -> None:

@@ -279,4 +279,6 @@ def compile_constraint(compiler: Any, kind: str, spec: str, any_whitespace: bool
         return compiler.compile_regex(spec)
     if kind == "grammar":
         return compiler.compile_grammar(spec)
+    if kind == "structural_tag":
+        return compiler.compile_structural_tag(spec)
     raise ValueError(f"unknown constraint kind {kind!r}")

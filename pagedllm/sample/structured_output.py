@@ -42,6 +42,31 @@ def _json_schema_text(schema: str | dict) -> str:
     return schema if isinstance(schema, str) else json.dumps(schema)
 
 
+def structural_tag_text(tag: str | dict) -> str:
+    """A structural tag as xgrammar's JSON: {"type": "structural_tag", "format": ...}
+    as given; vLLM's older {"structures": [{"begin", "schema", "end"}], "triggers"}
+    as the same constraint in that form (free text; each trigger starts one of the
+    tagged JSON blocks). InvalidRequestError for anything else."""
+    value = json.loads(tag) if isinstance(tag, str) else tag
+    if not isinstance(value, dict):
+        raise InvalidRequestError("structured_outputs.structural_tag must be a JSON object")
+    if "format" in value:
+        return json.dumps(value)
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list):
+        raise InvalidRequestError("structured_outputs.structural_tag needs \"format\", or "
+                                  "\"structures\" and \"triggers\" lists")
+    try:
+        tags = [{"type": "tag", "begin": s["begin"], "end": s["end"],
+                 "content": {"type": "json_schema", "json_schema": s["schema"]}}
+                for s in structures]
+    except (KeyError, TypeError) as e:
+        raise InvalidRequestError(f"structured_outputs.structural_tag: each structure "
+                                  f"needs begin, schema and end ({e})") from e
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": triggers, "tags": tags}})
+
+
 def validate_structured_outputs(params: StructuredOutputsParams) -> None:
     """Parse the constraint without a tokenizer; InvalidRequestError if it is malformed.
 
@@ -69,7 +94,11 @@ def _validate_constraint(key: tuple) -> None:
             xgr.Grammar.from_ebnf(choice_to_ebnf(list(value)))
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(value)
-    except (RuntimeError, ValueError) as e:
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(structural_tag_text(value))
+    except InvalidRequestError:
+        raise
+    except (RuntimeError, ValueError, TypeError) as e:
         raise InvalidRequestError(
             f"invalid structured_outputs.{kind}: {xgrammar_message(e)}") from e
 
@@ -177,6 +206,8 @@ class GrammarManager:
             kind, spec = "grammar", choice_to_ebnf(params.choice)
         elif kind == "grammar":
             spec = params.grammar
+        elif kind == "structural_tag":
+            spec = structural_tag_text(params.structural_tag)
         any_whitespace = not params.disable_any_whitespace
         if self.uses_process:
             import xgrammar as xgr

@@ -1,5 +1,6 @@
 """Structured output (xgrammar) with the bundled SmolLM2: JSON schemas, regex, choice,
-EBNF grammar and json_object, all in one batch next to an unconstrained request."""
+EBNF grammar, json_object and a structural tag, all in one batch next to an
+unconstrained request."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ SCHEMAS = [
                              "items": {"type": "string", "maxLength": 10}}},
      "required": ["title", "tags"]},
 ]
+WEATHER_TAG = {"type": "structural_tag", "format": {
+    "type": "tag", "begin": "<weather>", "end": "</weather>",
+    "content": {"type": "json_schema", "json_schema": SCHEMAS[1]}}}
 PROMPTS = ["Describe a person in JSON:", "Give facts about a European city as JSON:",
            "List a few numbers as a JSON array:", "A blog post as JSON:"]
 EOS = 2  # <|im_end|>
@@ -78,6 +82,10 @@ def outputs(default_llm):
     # An unconstrained neighbour: masks must stay on their own rows.
     prompts.append("The capital of France is")
     params.append(SamplingParams(temperature=0, max_tokens=4))
+    # A structural tag: the tagged block, its content a JSON schema's.
+    prompts.append("Report the weather:")
+    params.append(SamplingParams(temperature=0, max_tokens=60, structured_outputs=(
+        StructuredOutputsParams(structural_tag=WEATHER_TAG))))
     return default_llm.generate(prompts, params, use_tqdm=False)
 
 
@@ -101,9 +109,35 @@ def test_regex_choice_grammar_and_json_object(outputs):
     assert "Paris" in outputs[8].outputs[0].text
 
 
+def test_structural_tag(outputs):
+    completion = outputs[9].outputs[0]
+    assert completion.finish_reason == "stop"
+    match = re.fullmatch(r"<weather>(.*)</weather>", completion.text, re.DOTALL)
+    assert match, completion.text
+    check_schema(json.loads(match.group(1)), SCHEMAS[1])
+
+
+def test_structural_tag_in_vllms_older_form():
+    """{"structures": [{begin, schema, end}], "triggers"} is xgrammar's triggered_tags:
+    free text, each trigger opening one of the tagged JSON blocks."""
+    from pagedllm.sample.structured_output import structural_tag_text
+
+    older = {"type": "structural_tag", "triggers": ["<f="],
+             "structures": [{"begin": "<f=get>", "schema": SCHEMAS[0], "end": "</f>"}]}
+    assert json.loads(structural_tag_text(older)) == {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<f="], "tags": [{
+            "type": "tag", "begin": "<f=get>", "end": "</f>",
+            "content": {"type": "json_schema", "json_schema": SCHEMAS[0]}}]}}
+
+
 @pytest.mark.parametrize("kwargs", [{"json": '{"type": "object", "properties": 5'},
                                     {"regex": "(abc"}, {"grammar": "root ::= "},
-                                    {"choice": []}, {"json": "{}", "regex": "a"}])
+                                    {"choice": []}, {"json": "{}", "regex": "a"},
+                                    {"structural_tag": {"type": "structural_tag",
+                                                        "format": {"type": "nope"}}},
+                                    {"structural_tag": {"structures": [{"begin": "<a>"}],
+                                                        "triggers": ["<a"]}},
+                                    {"structural_tag": "[1, 2"}])
 def test_invalid_constraints_rejected_up_front(default_llm, kwargs):
     with pytest.raises(InvalidRequestError, match="structured_outputs"):
         default_llm.generate(["x"], SamplingParams(

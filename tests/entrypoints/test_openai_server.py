@@ -347,6 +347,24 @@ def test_chat_json_object(client):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_chat_structural_tag(server):
+    """vLLM's response_format structural_tag: the reply is the tagged block, its
+    content valid for the schema."""
+    schema = {"type": "object", "properties": {"color": {"type": "string"}},
+              "required": ["color"]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}"}, json={
+                       "model": MODEL_NAME, "max_tokens": 40, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Pick a color."}],
+                       "response_format": {"type": "structural_tag", "format": {
+                           "type": "tag", "begin": "<pick>", "end": "</pick>",
+                           "content": {"type": "json_schema", "json_schema": schema}}}})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["message"]["content"]
+    assert content.startswith("<pick>") and content.endswith("</pick>"), content
+    assert set(json.loads(content[len("<pick>"):-len("</pick>")])) == {"color"}
+
+
 # ------------------------------------------------------------------ load, disconnects
 
 def test_concurrent_streams_keep_health_fast(server):

@@ -314,8 +314,20 @@ class JsonSchemaFormat(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # type "structural_tag" (vLLM's): xgrammar's `format`, or the older `structures`
+    # ({begin, schema, end}) with their `triggers`.
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+    def structural_tag(self) -> dict[str, Any]:
+        tag: dict[str, Any] = {"type": "structural_tag"}
+        for name in ("format", "structures", "triggers"):
+            if getattr(self, name) is not None:
+                tag[name] = getattr(self, name)
+        return tag
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -392,6 +404,8 @@ class ChatCompletionRequest(SamplingFields):
             return super().structured_outputs_kwargs()
         if fmt.type == "json_object":
             return {"json_object": True}
+        if fmt.type == "structural_tag":
+            return {"structural_tag": fmt.structural_tag()}
         if fmt.json_schema is None or fmt.json_schema.json_schema is None:
             return {"json_object": True}
         return {"json": fmt.json_schema.json_schema}
