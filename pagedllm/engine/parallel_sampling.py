@@ -43,7 +43,8 @@ def fan_out(request: Request) -> list[Request]:
         child = Request(child_request_id(request.req_id, i), request.prompt_token_ids,
                         params, request.eos_token_id, request.arrival_time,
                         request.priority, max_tokens=request.max_tokens,
-                        deadline=request.deadline, lora_request=request.lora_request)
+                        deadline=request.deadline, lora_request=request.lora_request,
+                        mm_inputs=request.mm_inputs)
         # Each sample reads its own output: a gate of its own, at the prompt's phase.
         child.reasoning_gate = copy.copy(request.reasoning_gate)
         children.append(child)

@@ -260,3 +260,13 @@ def test_parallel(llava_dir, llm32, parallel):
               max_num_batched_tokens=7, **parallel)
     got = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expect]
+
+
+def test_parallel_samples_keep_the_images(llm32):
+    """n = 2: each sample is its own engine request, and each carries the images (greedy:
+    both are the single sample's tokens, not the placeholders' without image rows)."""
+    prompt = _image_prompt(PROMPT, random_image(3))
+    one = llm32.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    two = llm32.generate([prompt], SamplingParams(n=2, max_tokens=TOKENS, temperature=0,
+                                                  ignore_eos=True), use_tqdm=False)[0]
+    assert [o.token_ids for o in two.outputs] == [one, one]
