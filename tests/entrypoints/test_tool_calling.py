@@ -145,6 +145,48 @@ PYTHONIC_CASES = [
 ]
 
 
+# The schemas that type qwen3_coder's parameters (its values are text).
+CODER_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
+        "hot": {"type": "boolean"}, "tags": {"type": "array"}, "opts": {"type": "object"},
+        "zip": {"type": "string"}, "maybe": {"type": ["integer", "null"]}}}}}]
+
+
+def call_xml(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+QWEN3_CODER_CASES = [
+    ("Let me check." + call_xml("f", city="Paris", days="3"), "Let me check.",
+     [("f", {"city": "Paris", "days": 3})]),
+    # Each value as its schema's type; a value that does not parse stays text.
+    (call_xml("f", ratio="2.5", hot="True", tags='["a", 1]', opts="{'k': None}",
+              zip="02139", days="three", maybe="null"), "",
+     [("f", {"ratio": 2.5, "hot": True, "tags": ["a", 1], "opts": {"k": None},
+             "zip": "02139", "days": "three", "maybe": None})]),
+    # Multi-line text kept (one newline trimmed at each end); an unknown tool's and an
+    # unknown parameter's values are text.
+    (call_xml("f", city="line one\nline two\n") + call_xml("g", n="7"), "",
+     [("f", {"city": "line one\nline two\n"}), ("g", {"n": "7"})]),
+    # A call left open at the end counts once its function closed.
+    ("<tool_call>\n<function=f>\n<parameter=days>\n1\n</parameter>\n</function>", "",
+     [("f", {"days": 1})]),
+    # Not calls: JSON inside the markers, text between parameters, a function left open.
+    ('<tool_call>{"name": "f"}</tool_call>', '<tool_call>{"name": "f"}</tool_call>', []),
+    ("<tool_call><function=f>hello<parameter=a>1</parameter></function></tool_call>",
+     "<tool_call><function=f>hello<parameter=a>1</parameter></function></tool_call>", []),
+    ("<tool_call><function=f><parameter=a>1", "<tool_call><function=f><parameter=a>1",
+     []),
+    ("The weather is fine.", "The weather is fine.", []),
+]
+
+
+def qwen3_coder() -> ToolParser:
+    return get_tool_parser("qwen3_coder")(CODER_TOOLS)
+
+
 def mistral() -> ToolParser:
     return get_tool_parser("mistral")()
 
@@ -154,7 +196,7 @@ def pythonic() -> ToolParser:
 
 
 PARSER_CASES = {hermes: HERMES_CASES, llama3: LLAMA3_CASES, mistral: MISTRAL_CASES,
-                pythonic: PYTHONIC_CASES}
+                pythonic: PYTHONIC_CASES, qwen3_coder: QWEN3_CODER_CASES}
 
 
 @pytest.mark.parametrize("make,text,content,calls",
@@ -539,3 +581,11 @@ def test_http_400s(server, body, param, needle):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert needle in error["message"] and error["param"] == param, error
+
+
+def test_qwen3_coder_reads_the_request_tools():
+    """The server hands the request's tools to a parser that types values by them."""
+    config = ServeConfig(enable_auto_tool_choice=True, tool_call_parser="qwen3_coder")
+    plan = plan_tools(validate(tools=CODER_TOOLS), config)
+    parsed = parse_all(plan.make_parser(), call_xml("f", days="4", city="5"))
+    assert calls_of(parsed) == [("f", {"days": 4, "city": "5"})]

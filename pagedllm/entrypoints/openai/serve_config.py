@@ -52,8 +52,10 @@ class ServeConfig:
     tool_call_parser: str | None = field(default=None, metadata={
         "help": "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: "
                 "Qwen, Hermes), llama3_json ({\"name\": ..., \"parameters\": ...}), "
-                "mistral ([TOOL_CALLS] [{\"name\": ..., \"arguments\": ...}]) or pythonic "
-                "([f(a=1), g()]: Llama 3.2 / 4); needed by --enable-auto-tool-choice",
+                "mistral ([TOOL_CALLS] [{\"name\": ..., \"arguments\": ...}]), pythonic "
+                "([f(a=1), g()]: Llama 3.2 / 4) or qwen3_coder (<tool_call><function=f>"
+                "<parameter=a>1</parameter></function></tool_call>); needed by "
+                "--enable-auto-tool-choice",
         "choices": TOOL_PARSER_NAMES})
 
     enable_prompt_tokens_details: bool = _flag(

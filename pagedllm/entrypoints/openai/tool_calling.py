@@ -69,7 +69,12 @@ def plan_tools(request: ChatCompletionRequest, serve_config: ServeConfig) -> Too
     if choice == "auto":
         if not (serve_config.enable_auto_tool_choice and serve_config.tool_call_parser):
             raise InvalidRequestError(AUTO_NEEDS_FLAGS)
-        plan.make_parser = get_tool_parser(serve_config.tool_call_parser)
+        parser = get_tool_parser(serve_config.tool_call_parser)
+        if getattr(parser, "reads_tool_schemas", False):  # typed by the tools' schemas
+            template_tools = plan.template_tools
+            plan.make_parser = lambda: parser(template_tools)
+        else:
+            plan.make_parser = parser
         return plan
     if request.structured_outputs_kwargs() is not None:
         raise InvalidRequestError(

@@ -17,6 +17,7 @@ _PARSERS: dict[str, tuple[str, str]] = {
     "llama3_json": ("llama3_json", "Llama3JsonToolParser"),
     "mistral": ("mistral", "MistralToolParser"),
     "pythonic": ("pythonic", "PythonicToolParser"),
+    "qwen3_coder": ("qwen3_coder", "Qwen3CoderToolParser"),
 }
 TOOL_PARSER_NAMES: tuple[str, ...] = tuple(_PARSERS)
 

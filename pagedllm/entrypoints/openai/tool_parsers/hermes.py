@@ -104,11 +104,15 @@ class HermesToolParser(ToolParser):
             self._has_content = True
             self._is_after_call = False
 
-    def _resolve_call(self, body: str, raw: str, out: ParsedDelta) -> None:
+    def _call_of(self, body: str) -> tuple[str, str] | None:
+        """(name, arguments as JSON text) of a call's body, or None (not a call)."""
         try:
-            call = function_call_of(json.loads(body))
+            return function_call_of(json.loads(body))
         except ValueError:
-            call = None
+            return None
+
+    def _resolve_call(self, body: str, raw: str, out: ParsedDelta) -> None:
+        call = self._call_of(body)
         if call is None:  # not a call after all: the markers and all are content
             self._emit_text(raw, out)
             return
