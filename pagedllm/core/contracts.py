@@ -1,11 +1,11 @@
 """The only types that cross between the scheduler and the model runner.
 
 Plain dataclasses of ints, lists and dicts (no tensors; numpy arrays only for the grammar
-bitmask and a new request's image pixels), so the runner can live in another process. A request's full data is sent once
-(`NewRequestData`); later steps send only what changed (`CachedRequestData`). The runner
-appends the tokens it samples to its own copy of each request, so sampled ids never travel
-back down, except under pipeline parallelism, where only the last stage samples and steps
-overlap.
+bitmask and a new request's image pixels), so the runner can live in another process. A
+request's full data is sent once (`NewRequestData`); later steps send only what changed
+(`CachedRequestData`). The runner appends the tokens it samples to its own copy of each
+request, so sampled ids never travel back down, except under pipeline parallelism, where
+only the last stage samples and steps overlap.
 """
 
 from __future__ import annotations
