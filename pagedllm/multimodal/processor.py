@@ -42,9 +42,16 @@ class ImageProcessor:
         self.image_token_id = hf_config.image_token_id
         self.tokens_per_image = tokens_per_image(hf_config)
         self.max_images = max_images
-        # What every image becomes (the processor resizes and crops to one size).
+        # What every image becomes (the processor resizes and crops to one size); the
+        # vision tower takes only its own size, so a mismatch is the model's, refused
+        # here rather than failing the worker at the first image.
         probe = self.hf(images=[np.zeros((8, 8, 3), np.uint8)], return_tensors="np")
         self.pixel_shape = tuple(probe["pixel_values"].shape[1:])
+        size = hf_config.vision_config.image_size
+        if self.pixel_shape[1:] != (size, size):
+            raise ModelLoadError(f"the image processor of {model_path!r} makes images of "
+                                 f"{self.pixel_shape[1:]} pixels, its vision tower takes "
+                                 f"{size} x {size}")
 
     def pixels(self, images: list[Any]) -> list[np.ndarray]:
         """Each image (PIL image, numpy [H, W, 3] uint8 array, or ProcessedImage) as
@@ -84,15 +91,24 @@ class ImageProcessor:
                                       f"array of shape {self.pixel_shape}")
         return np.ascontiguousarray(pixels)
 
+    def check_count(self, num_images: int) -> None:
+        """InvalidRequestError past the image limit of one prompt."""
+        if num_images > self.max_images:
+            raise InvalidRequestError(f"{num_images} images in one prompt; at most "
+                                      f"{self.max_images} are allowed "
+                                      f"(limit_mm_per_prompt, --limit-mm-per-prompt)")
+
+    def expand(self, token_ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
+        """(the prompt with each image's placeholder run at full length, each run's
+        offset); InvalidRequestError when its placeholders are not `num_images`."""
+        return expand_image_tokens(token_ids, self.image_token_id, num_images,
+                                   self.tokens_per_image)
+
     def image_inputs(self, token_ids: list[int], images: list[Any],
                      ) -> tuple[list[int], list[ImageInput]]:
         """(the prompt with each image's placeholder run at full length, its images)."""
-        if len(images) > self.max_images:
-            raise InvalidRequestError(f"{len(images)} images in one prompt; at most "
-                                      f"{self.max_images} are allowed "
-                                      f"(limit_mm_per_prompt)")
-        ids, offsets = expand_image_tokens(token_ids, self.image_token_id, len(images),
-                                           self.tokens_per_image)
+        self.check_count(len(images))
+        ids, offsets = self.expand(token_ids, len(images))
         if not images:
             return ids, []
         inputs = [ImageInput(pixel_values=p, hash=pixels_hash(p), offset=offset,

@@ -270,3 +270,19 @@ def test_parallel_samples_keep_the_images(llm32):
     two = llm32.generate([prompt], SamplingParams(n=2, max_tokens=TOKENS, temperature=0,
                                                   ignore_eos=True), use_tqdm=False)[0]
     assert [o.token_ids for o in two.outputs] == [one, one]
+
+
+def test_image_processor_must_fit_the_vision_tower(tmp_path):
+    """A processor that crops to another size than the tower's is the model's error,
+    refused at start-up (not by the worker at the first image)."""
+    import json
+
+    from pagedllm.errors import ModelLoadError
+
+    path = save_tiny_llava(tmp_path)
+    config_file = path / "preprocessor_config.json"
+    config = json.loads(config_file.read_text())
+    config["crop_size"] = {"height": 21, "width": 21}
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="its vision tower takes 28 x 28"):
+        LLM(model=str(path), dtype="float32")

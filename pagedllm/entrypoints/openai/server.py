@@ -64,7 +64,6 @@ from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.errors import EngineDeadError, InvalidRequestError
-from pagedllm.mm_inputs import expand_image_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -288,9 +287,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
                                                     request.add_generation_prompt,
                                                     tools=tools or None)
             if images:  # each placeholder as the engine expands it (nothing is decoded)
-                processor = engine.image_processor
-                ids, _ = expand_image_tokens(ids, processor.image_token_id, len(images),
-                                             processor.tokens_per_image)
+                ids, _ = engine.image_processor.expand(ids, len(images))
         else:
             ids = await chat.encode(request.prompt, request.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len,

@@ -151,10 +151,12 @@ class OpenAIServingChat(OpenAIServing):
                      else request.max_tokens)
         if requested is not None and requested < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {requested}.")
-        # Each image's placeholder token becomes its whole run in the engine.
-        image_tokens = len(images) * (self.engine.image_processor.tokens_per_image - 1
-                                      if images else 0)
-        max_tokens = self.check_length(len(ids) + image_tokens, requested, kind="messages")
+        # The prompt's length as the engine runs it: each image its whole run (and the
+        # placeholders checked against the images now, before anything is queued).
+        num_tokens = len(ids)
+        if images:
+            num_tokens = len(self.engine.image_processor.expand(ids, len(images))[0])
+        max_tokens = self.check_length(num_tokens, requested, kind="messages")
         kwargs = request.sampling_kwargs(max_tokens)
         if plan.constraint is not None:
             kwargs["structured_outputs"] = plan.constraint
@@ -206,10 +208,7 @@ class OpenAIServingChat(OpenAIServing):
         size = sum(len(s) if isinstance(s, str) else 0 for s in sources)
 
         def work() -> list[ProcessedImage]:
-            if len(sources) > processor.max_images:
-                raise InvalidRequestError(f"{len(sources)} images in one prompt; at most "
-                                          f"{processor.max_images} are allowed "
-                                          f"(--limit-mm-per-prompt)")
+            processor.check_count(len(sources))  # before decoding any of them
             return processor.preprocess(load_images(sources))
 
         # Never inline: even a small image is resized to the model's input size.
