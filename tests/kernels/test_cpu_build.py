@@ -18,6 +18,13 @@ def test_the_suite_requires_the_native_build():
         assert build.load_cpu_kernels() is True
 
 
+def test_the_cache_key_covers_every_source():
+    """The cached library's key hashes SOURCES and HEADERS: a file of csrc/ in neither
+    would not rebuild the library when it changes."""
+    files = {p.name for p in build.CSRC.iterdir() if p.suffix in (".cpp", ".h")}
+    assert files == {p.name for p in (*build.SOURCES, *build.HEADERS)}
+
+
 def test_broken_source_raises_with_the_compiler_message(tmp_path):
     source = tmp_path / "broken.cpp"
     source.write_text("int main() { return undefined_name; }\n")

@@ -88,13 +88,16 @@ def extreme_weight(qtype: str, n: int, k: int, fill: int) -> QuantizedWeight:
 
 
 def _built(path: str) -> bool:
-    """Whether the build (-march=native) has this path's kernels."""
+    """Whether the build (-march=native) has this path's kernels (AMX: and the OS lets
+    the process use the tiles)."""
+    if path == "amx":
+        return cpu_ops.quant_amx_usable()
     return path != "avx2" or {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
 def _require_path(path: str) -> None:
     if not _built(path):
-        pytest.skip("this CPU has no AVX2 (its kernels are not in the build)")
+        pytest.skip(f"this CPU has no {path.upper()} (its kernels are not in the build)")
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -186,6 +189,34 @@ def test_every_path_same_bits(qtype: str, path: str) -> None:
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
+def test_amx_same_bits_as_avx512(qtype: str) -> None:
+    """The AMX kernels (csrc/quant_amx.h: tiles of 16 rows, x padded with zero rows) give
+    the AVX-512 kernels' bits: 1 row (a tile of 15 padding rows), 11 and 16, 37 (three
+    tiles, the last of 5), 70, 300 (blocks of 256 rows, the second of 44); 45 columns
+    (a last group of 13) and 7; K of 512 and 768 (the K-types: 2 and 3 super-blocks);
+    float32 and bfloat16 x, a bias, accumulation. Q2_K and Q6_K have no AMX kernels: their
+    calls on that path take the AVX-512 ones."""
+    _require_path("amx")
+    for n, m, k in ((45, 11, 512), (7, 1, 768), (45, 16, 768), (29, 37, 512), (200, 70, 512),
+                    (45, 300, 512)):
+        weight = make_weight(qtype, n, k, seed=m)
+        packed = repack(weight)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(m, weight.shape[1]) * 3).to(dtype)
+            x[0, 32:64] = 0
+            bias = torch.randn(n)
+            outs = [torch.empty(m, n, dtype=dtype) for _ in range(2)]
+            for out, path in zip(outs, ("amx", "avx512")):
+                cpu_ops.gemm_quant(out, x, packed, bias, path=path)
+            assert torch.equal(*outs), (n, m, k, dtype)
+            start = torch.randn(m, n).to(dtype)
+            outs = [start.clone(), start.clone()]
+            for out, path in zip(outs, ("amx", "avx512")):
+                cpu_ops.gemm_quant(out, x, packed, bias, accumulate=True, path=path)
+            assert torch.equal(*outs), (n, m, k, dtype, "accumulate")
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_extreme_quants_same_bits_on_every_path(qtype: str) -> None:
     """The largest products (every quant at its extreme, every activation at +-127,
     alternating signs too): the AVX2 kernels' int16 sums stay below saturation (a kernel
@@ -201,7 +232,7 @@ def test_extreme_quants_same_bits_on_every_path(qtype: str) -> None:
         w = gguf_dequantize(weight).double()
         ref, scale = _quantize_rows(x) @ w.T, _quantize_rows(x).abs() @ w.abs().T
         assert ((expected.double() - ref).abs() <= 1e-5 * scale + 1e-30).all(), fill
-        for path in filter(_built, ("avx2", "portable")):
+        for path in filter(_built, ("amx", "avx512", "avx2", "portable")):
             assert torch.equal(run_gemm(weight, x, path=path), expected), (fill, path)
             for r in range(4):  # one row: a decode's kernels
                 assert torch.equal(run_gemm(weight, x[r:r + 1], path=path), expected[r:r + 1])
@@ -212,7 +243,7 @@ def test_path_names() -> None:
     x = torch.randn(2, 64)
     if {"avx512_vnni", "avx512bw"} <= cpu_flags():
         assert torch.equal(run_gemm(weight, x, path="avx512"), run_gemm(weight, x))
-    with pytest.raises(RuntimeError, match="path must be auto, avx512, avx2 or portable"):
+    with pytest.raises(RuntimeError, match="path must be auto, amx, avx512, avx2 or portable"):
         run_gemm(weight, x, path="sse")
 
 

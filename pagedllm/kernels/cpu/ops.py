@@ -72,6 +72,13 @@ def gemm_bf16(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     torch.ops.pagedllm_cpu.gemm_bf16.default(out, x, weight, bias, accumulate)
 
 
+def bf16_gemm_amx() -> bool:
+    """Whether gemm_bf16 runs on AMX tiles in this process (csrc/gemm_amx.h: a CPU with
+    AMX-BF16 whose OS grants the tiles, unless PAGEDLLM_CPU_BF16_GEMM names another
+    kernel): every call whose K is a multiple of 32, whatever its rows."""
+    return bool(torch.ops.pagedllm_cpu.bf16_gemm_amx.default())
+
+
 def gemm_f32(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor, accumulate: bool = False) -> None:
     """out [M, N] = x [M, K] @ W^T + bias (float32) from the packed weight
@@ -89,10 +96,18 @@ def gemm_quant(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     GGUF blocks repacked by kernels/cpu/quant.py (uint8 [ceil(N/16), K/32, block_bytes];
     Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K or Q6_K) and float32 bias [N] (zeros for
     none). Each row of x is quantized to int8 blocks of 32 first (results depend on the
-    row alone). With `accumulate`, out += that. `path` picks the kernels: "auto" (the widest this build has), "avx512"
-    (AVX512-VNNI), "avx2" (AVX2 + FMA + F16C) or "portable" (plain C++); all give the same
+    row alone). With `accumulate`, out += that. `path` picks the kernels: "auto" (AMX for
+    compute-bound calls where usable, else the widest this build has), "amx" (AMX-INT8
+    tiles: Q2_K and Q6_K take the AVX-512 kernels), "avx512" (AVX512-VNNI), "avx2" (AVX2 + FMA + F16C) or "portable" (plain C++); all give the same
     bits, and one the build lacks raises RuntimeError."""
     torch.ops.pagedllm_cpu.gemm_quant.default(out, x, weight, bias, accumulate, path)
+
+
+def quant_amx_usable() -> bool:
+    """Whether gemm_quant's AMX kernels are in the build (a CPU with AMX-TILE and AMX-INT8)
+    and the OS lets this process use the tiles; `auto` then takes them for calls of 32 rows
+    or more."""
+    return bool(torch.ops.pagedllm_cpu.quant_amx_usable.default())
 
 
 def quant_rows(out: torch.Tensor, packed: torch.Tensor, ids: torch.Tensor,

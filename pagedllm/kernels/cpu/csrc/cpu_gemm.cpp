@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <memory>
 #include <type_traits>
@@ -37,6 +38,7 @@
 #include <immintrin.h>
 #endif
 
+#include "gemm_amx.h"
 #include "ops.h"
 #include "simd.h"
 #include "work_split.h"
@@ -550,11 +552,23 @@ constexpr MicroFn<float, uint16_t, uint16_t> kMicroBf16Fma[kRows + 1] = {
     micro_bf16_fma<3, kStream>, micro_bf16_fma<4, kStream>, micro_bf16_fma<5, false>,
     micro_bf16_fma<6, false>, micro_bf16_fma<7, false>, micro_bf16_fma<8, false>};
 
-// Whether gemm_bf16 takes the FMA kernel (pagedllm_simd::bf16_by_fma; the variable
-// PAGEDLLM_CPU_BF16_GEMM overrides), fixed for the process.
-bool bf16_gemm_by_fma() {
-  static const bool by_fma = pagedllm_simd::bf16_by_fma("PAGEDLLM_CPU_BF16_GEMM");
-  return by_fma;
+// Which kernels gemm_bf16 takes, fixed for the process: AMX tiles where the CPU has them
+// and the OS grants them (gemm_amx.h; calls whose K is not a multiple of 32 take the
+// next choice), else the FMA kernel or vdpbf16ps as pagedllm_simd::bf16_by_fma says.
+// PAGEDLLM_CPU_BF16_GEMM=amx|fma|dpbf16 overrides (amx only where it runs).
+enum class Bf16Gemm { kAmx, kFma, kDpbf16 };
+
+Bf16Gemm bf16_gemm_mode() {
+  static const Bf16Gemm mode = [] {
+#if defined(PAGEDLLM_GEMM_AMX)
+    const char* env = std::getenv("PAGEDLLM_CPU_BF16_GEMM");
+    if ((env == nullptr || std::strcmp(env, "amx") == 0) && pagedllm_amx::granted())
+      return Bf16Gemm::kAmx;
+#endif
+    return pagedllm_simd::bf16_by_fma("PAGEDLLM_CPU_BF16_GEMM") ? Bf16Gemm::kFma
+                                                                : Bf16Gemm::kDpbf16;
+  }();
+  return mode;
 }
 
 // [rows]: the micro-kernel for that many rows; kStream: the table of calls of at most
@@ -873,7 +887,23 @@ void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   check_out_bias("gemm_bf16", out, x, weight.size(0), at::kBFloat16, "bfloat16", bias);
   TORCH_CHECK(x.stride(0) % 2 == 0, "gemm_bf16: x rows must start on bfloat16 pairs");
 #if defined(__AVX512BF16__)
-  if (bf16_gemm_by_fma()) {
+  const Bf16Gemm mode = bf16_gemm_mode();
+#if defined(PAGEDLLM_GEMM_AMX)
+  if (mode == Bf16Gemm::kAmx && x.size(1) % gemm_amx::kTileK == 0) {
+    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const int64_t ldo = out.stride(0);
+    gemm_amx::run(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), x.size(0),
+                  x.size(1), reinterpret_cast<const uint16_t*>(weight.data_ptr()),
+                  weight.size(0), out.size(1),
+                  bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                  pagedllm_simd::stream_prefetch_bytes(),
+                  [&](int64_t r, int64_t c0, __mmask16 mask, __m512 sum) {
+                    store_bf16(op + r * ldo + c0, mask, sum, accumulate);
+                  });
+    return;
+  }
+#endif
+  if (mode != Bf16Gemm::kDpbf16) {
     const auto xf = widened_rows(x);
     run_gemm_bf16(streams(x, weight) ? kMicroBf16Fma<true> : kMicroBf16Fma<false>, xf.get(),
                   x.size(1), out, weight, bias, accumulate);
@@ -971,9 +1001,18 @@ void gemm_f32(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
   g.run();
 }
 
+bool bf16_gemm_amx() {
+#if defined(PAGEDLLM_GEMM_AMX)
+  return bf16_gemm_mode() == Bf16Gemm::kAmx;
+#else
+  return false;
+#endif
+}
+
 }  // namespace pagedllm_ops
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def("bf16_gemm_amx() -> bool", &pagedllm_ops::bf16_gemm_amx);
   m.def(
       "gemm_bf16(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, bool accumulate=False) "
       "-> ()");

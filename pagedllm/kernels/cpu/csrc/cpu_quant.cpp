@@ -62,7 +62,9 @@
 #include <optional>
 
 #include "ops.h"
+#include "quant_amx.h"
 #include "quant_avx2.h"
+#include "quant_avx512.h"
 #include "quant_layout.h"
 #include "simd.h"
 #include "work_split.h"
@@ -74,6 +76,9 @@ using namespace quant;
 
 constexpr int kRows = 8;        // rows per micro-kernel call
 constexpr int64_t kRowBlock = 64;  // rows whose quantized x stays in L1/L2 while groups go by
+// The AMX kernels' blocks: each group's weights are spread to bytes once per block, and
+// 256 rows of quantized x (K = 1536: 384 KB) stay in L2.
+constexpr int64_t kAmxRowBlock = 256;
 // Calls of up to kStreamRows rows claim their column groups in runs of at least this many
 // (work_split.h): they do little more than stream the weight.
 constexpr int64_t kMinRunGroups = 4;
@@ -82,9 +87,10 @@ constexpr int64_t kMinRunGroups = 4;
 template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
 
-// Which kernels run: AVX512-VNNI, AVX2 (quant_avx2.h) or the portable C++; each is in the
-// library where the compiler targets a CPU that has it. All give the same bits.
-enum class Path { kAvx512, kAvx2, kPortable };
+// Which kernels run: AMX (quant_amx.h), AVX512-VNNI, AVX2 (quant_avx2.h) or the portable
+// C++; each is in the library where the compiler targets a CPU that has it. All give the
+// same bits.
+enum class Path { kAmx, kAvx512, kAvx2, kPortable };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kHasAvx512 = true;
@@ -96,18 +102,41 @@ constexpr bool kHasAvx2 = true;
 #else
 constexpr bool kHasAvx2 = false;
 #endif
+#if defined(PAGEDLLM_QUANT_AMX)
+// Whether the AMX kernels are in the build and this process may use the tiles.
+inline bool amx_usable() { return amx::available(); }
+#else
+inline bool amx_usable() { return false; }
+#endif
 
-// The path named by gemm_quant's `path` argument ("auto": the widest compiled).
-Path path_of(c10::string_view name) {
-  if (name == "auto") return kHasAvx512 ? Path::kAvx512 : (kHasAvx2 ? Path::kAvx2 : Path::kPortable);
+// Rows from which `auto` takes the AMX kernels (for the block types they have): each tile
+// computes 16 rows whatever the call's count, so calls of a few rows do better on AVX-512
+// (measured on an Intel Xeon with AMX, 2 threads, SmolLM2's Q4_1 shapes: see
+// docs/architecture.md).
+constexpr int64_t kAmxMinRows = 32;
+
+// The path named by gemm_quant's `path` argument for a call of `rows` rows on `type`
+// ("auto": AMX for compute-bound calls where usable, else the widest compiled).
+Path path_of(c10::string_view name, int64_t rows, QType type) {
+  if (name == "auto") {
+#if defined(PAGEDLLM_QUANT_AMX)
+    if (rows >= kAmxMinRows && amx::supports(type) && amx_usable()) return Path::kAmx;
+#endif
+    return kHasAvx512 ? Path::kAvx512 : (kHasAvx2 ? Path::kAvx2 : Path::kPortable);
+  }
   if (name == "portable") return Path::kPortable;
+  if (name == "amx") {
+    TORCH_CHECK(amx_usable(), "gemm_quant: path 'amx' is not in this build or not granted "
+                "by the OS (a CPU without AMX-INT8, or Linux before 5.16)");
+    return Path::kAmx;
+  }
   if (name == "avx512" || name == "avx2") {
     const bool avx512 = name == "avx512";
     TORCH_CHECK(avx512 ? kHasAvx512 : kHasAvx2, "gemm_quant: path '", std::string(name),
                 "' is not in this build (compiled for a CPU without it)");
     return avx512 ? Path::kAvx512 : Path::kAvx2;
   }
-  TORCH_CHECK(false, "gemm_quant: path must be auto, avx512, avx2 or portable, got '",
+  TORCH_CHECK(false, "gemm_quant: path must be auto, amx, avx512, avx2 or portable, got '",
               std::string(name), "'");
 }
 
@@ -355,58 +384,6 @@ void run_portable(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
-// 16 float16 scales (one per column of a group) as float32.
-inline __m512 load_halves(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-template <typename T>
-inline void store16_out(T* dst, __m512 v, __mmask16 mask, bool accumulate) {
-  using namespace pagedllm_simd;
-  if (accumulate) {
-    // out += the rounded result, rounded again (what out.add_(linear(x)) gives).
-    v = _mm512_add_ps(load16(dst, mask), round_to<T>(v));
-  }
-  store16(dst, v, mask);
-}
-
-// A micro-kernel's R rows of sums plus the bias into out (the group's cols <= 16 columns).
-template <int R, typename T>
-inline void store_rows(const __m512* acc, const float* bias, T* out, int64_t ldo, int64_t cols,
-                       bool accumulate) {
-  const __mmask16 mask = pagedllm_simd::first_lanes(cols);
-  const __m512 bv = _mm512_maskz_loadu_ps(mask, bias);
-  for (int r = 0; r < R; ++r)
-    store16_out(out + r * ldo, _mm512_add_ps(acc[r], bv), mask, accumulate);
-}
-
-// Bits of `p` moved left by s (right by -s) within each byte, for the bits kept by the
-// mask applied next (a 16-bit shift: bits that cross into the neighbour byte are masked
-// off). s is a constant once the callers' loops over v are unrolled.
-inline __m512i shift_bits(__m512i p, int s) {
-  return s >= 0 ? _mm512_slli_epi16(p, s) : _mm512_srli_epi16(p, -s);
-}
-
-// Q4 bytes `raw` as two vectors of 4-bit weights (low nibbles, high nibbles); with
-// Q5's `plane`, vector v (v % 4 of its plane) gets the fifth bit of each (layout above).
-template <bool kFifth>
-inline void unpack_q4(__m512i raw, __m512i plane, int v, __m512i& lo, __m512i& hi) {
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
-  lo = _mm512_and_si512(raw, low4);
-  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-  if constexpr (kFifth) {
-    const __m512i bit4 = _mm512_set1_epi8(0x10);
-    lo = _mm512_or_si512(lo, _mm512_and_si512(shift_bits(plane, 4 - v % 4), bit4));
-    hi = _mm512_or_si512(hi, _mm512_and_si512(shift_bits(plane, -(v % 4)), bit4));
-  }
-}
-
 // Rows [0, R) (from `m`) of G adjacent column groups (from `wg`, group_bytes apart; `cols`
 // columns left from the first one's), over all blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
 // G = 2 shares each broadcast of x between two groups: measured on an Intel Xeon (2 cores,
@@ -488,12 +465,6 @@ void micro(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t group_bytes
   for (int g = 0; g < G; ++g)
     store_rows<R>(acc[g], bias + g * kGroup, out + m * ldo + g * kGroup, ldo,
                   std::min<int64_t>(kGroup, cols - g * kGroup), accumulate);
-}
-
-// 16 u8 (one per column of a group) as float32.
-inline __m512 load_bytes16(const uint8_t* p) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
 }
 
 // Q4_K, Q5_K: rows [0, R) (from `m`) of one column group, over all super-blocks.
@@ -710,11 +681,12 @@ void run_simd(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
 }
 #endif
 
-// Rows [m0, m1) x groups [g0, g1) on `path`.
+// Rows [m0, m1) x groups [g0, g1) on `path` (AMX: on the calling thread's amx::Session,
+// whose scratch is `spread`).
 template <typename T>
 void run(Path path, const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w,
          int64_t block_bytes, const Layout& L, const float* bias, T* out, int64_t ldo, int64_t n,
-         bool accumulate, int64_t g0, int64_t g1) {
+         bool accumulate, int64_t g0, int64_t g1, uint8_t* spread) {
   auto go = [&](auto kernel) {
     kernel(x, m0, m1, w, block_bytes, bias, out, ldo, n, accumulate, g0, g1);
   };
@@ -731,8 +703,26 @@ void run(Path path, const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w
     case QType::kQ5_K: return go(run_q<QType::kQ5_K, T>);                                \
     case QType::kQ6_K: return go(run_q<QType::kQ6_K, T>);                                \
   }
+#if defined(PAGEDLLM_QUANT_AMX)
+  if (path == Path::kAmx && amx::supports(L.type)) {
+    auto tiles = [&](auto kernel) {
+      kernel(x, m0, m1, w, block_bytes, bias, out, ldo, n, accumulate, g0, g1, spread);
+    };
+    switch (L.type) {
+      case QType::kQ8_0: return tiles(amx::run<QType::kQ8_0, T>);
+      case QType::kQ4_0: return tiles(amx::run<QType::kQ4_0, T>);
+      case QType::kQ4_1: return tiles(amx::run<QType::kQ4_1, T>);
+      case QType::kQ5_0: return tiles(amx::run<QType::kQ5_0, T>);
+      case QType::kQ5_1: return tiles(amx::run<QType::kQ5_1, T>);
+      case QType::kQ4_K: return tiles(amx::run<QType::kQ4_K, T>);
+      case QType::kQ5_K: return tiles(amx::run<QType::kQ5_K, T>);
+      default: break;
+    }
+  }
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (path == Path::kAvx512) PAGEDLLM_BY_TYPE(run_simd)
+  // (AMX builds have AVX512-VNNI: the types without AMX kernels run here.)
+  if (path == Path::kAvx512 || path == Path::kAmx) PAGEDLLM_BY_TYPE(run_simd)
 #endif
 #if defined(PAGEDLLM_QUANT_AVX2)
   if (path == Path::kAvx2) PAGEDLLM_BY_TYPE(avx2::run)
@@ -749,16 +739,26 @@ void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   const int64_t weight_blocks = weight.size(1);
   const Layout L = layout_of(block_bytes);
   // x quantized: q [M, K] int8 | d [M, nb] | sum [M, nb] | dsum [M, nb] |
-  // off16 [M, nb, 2], one buffer.
-  at::Tensor buf = at::empty({m * k + 20 * m * nb + 4}, x.options().dtype(at::kByte));
+  // off16 [M, nb, 2], one buffer; for the AMX kernels, whose tiles take 16 rows at a
+  // time, M rounded up to 16 with the rows past it zero (dots and scales of 0).
+  const int64_t rows = path == Path::kAmx ? (m + 15) / 16 * 16 : m;
+  at::Tensor buf = at::empty({rows * k + 20 * rows * nb + 4}, x.options().dtype(at::kByte));
   int8_t* q = reinterpret_cast<int8_t*>(buf.data_ptr<uint8_t>());
-  float* d = reinterpret_cast<float*>(q + m * k + (-(m * k) & 3));
-  int32_t* sum = reinterpret_cast<int32_t*>(d + m * nb);
-  float* dsum = reinterpret_cast<float*>(sum + m * nb);
-  int32_t* off16 = reinterpret_cast<int32_t*>(dsum + m * nb);
-  TORCH_CHECK(reinterpret_cast<uint8_t*>(off16 + 2 * m * nb) <=
+  float* d = reinterpret_cast<float*>(q + rows * k + (-(rows * k) & 3));
+  int32_t* sum = reinterpret_cast<int32_t*>(d + rows * nb);
+  float* dsum = reinterpret_cast<float*>(sum + rows * nb);
+  int32_t* off16 = reinterpret_cast<int32_t*>(dsum + rows * nb);
+  TORCH_CHECK(reinterpret_cast<uint8_t*>(off16 + 2 * rows * nb) <=
                   buf.data_ptr<uint8_t>() + buf.numel(),
               "gemm_quant: scratch overflow");
+  if (rows > m) {
+    std::memset(q + m * k, 0, (rows - m) * k);
+    std::memset(d + m * nb, 0, (rows - m) * nb * sizeof(float));
+    std::memset(sum + m * nb, 0, (rows - m) * nb * sizeof(int32_t));
+    std::memset(dsum + m * nb, 0, (rows - m) * nb * sizeof(float));
+  }
+  // The AMX path quantizes x as the AVX-512 one.
+  const Path quantize_path = path == Path::kAmx ? Path::kAvx512 : path;
   const T* xp = x.data_ptr<T>();
   const int64_t ldx = x.stride(0);
   const bool halves = L.type == QType::kQ6_K || L.type == QType::kQ2_K;
@@ -768,23 +768,31 @@ void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   const int64_t ldo = out.stride(0);
   // Small calls take microseconds, less than waking the other threads.
   const bool parallel = groups * weight_blocks * block_bytes * (m + 4) > (1 << 18);
-  // Each block of kRowBlock rows has its own claims, so no thread waits for another
-  // between blocks.
-  const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  // Each block of rows has its own claims, so no thread waits for another between
+  // blocks. The AMX kernels spread a group's weights once per block: theirs are larger.
+  const int64_t row_block = path == Path::kAmx ? kAmxRowBlock : kRowBlock;
+  const int64_t row_blocks = (m + row_block - 1) / row_block;
   ClaimCounters next_group(row_blocks);
 #pragma omp parallel if (parallel)
   {
+#if defined(PAGEDLLM_QUANT_AMX)
+    std::optional<amx::Session> session;
+    if (path == Path::kAmx && amx::supports(L.type)) session.emplace(L.type, nb);
+    uint8_t* spread = session ? session->spread() : nullptr;
+#else
+    uint8_t* spread = nullptr;
+#endif
     // x's rows are quantized in the same parallel region as the GEMM (one fork and join
     // per call instead of two: ~120 calls in a 30-layer prefill), all before any
     // micro-kernel reads them (the loop's closing barrier).
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; ++r)
-      quantize_row(path, xp + r * ldx, k, q + r * k, d + r * nb, sum + r * nb, dsum + r * nb,
+      quantize_row(quantize_path, xp + r * ldx, k, q + r * k, d + r * nb, sum + r * nb, dsum + r * nb,
                    halves ? off16 + 2 * r * nb : nullptr);
     const int64_t threads = omp_get_num_threads();
     if (m <= kStreamRows) {
       claim_runs(next_group[0], groups, threads, kMinRunGroups, [&](int64_t g0, int64_t g1) {
-        run(path, xq, 0, m, wp, block_bytes, L, bias, op, ldo, n, accumulate, g0, g1);
+        run(path, xq, 0, m, wp, block_bytes, L, bias, op, ldo, n, accumulate, g0, g1, spread);
       });
     } else {
       // Compute-bound: runs of groups claimed in turn, shrinking to one step of the
@@ -794,10 +802,10 @@ void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
       const int64_t step = groups_per_step(path, L.type, m);
       const int64_t steps = (groups + step - 1) / step;
       for (int64_t b = 0; b < row_blocks; ++b) {
-        const int64_t m0 = b * kRowBlock, m1 = std::min(m, m0 + kRowBlock);
+        const int64_t m0 = b * row_block, m1 = std::min(m, m0 + row_block);
         claim_runs(next_group[b], steps, threads, 1, [&](int64_t s0, int64_t s1) {
           run(path, xq, m0, m1, wp, block_bytes, L, bias, op, ldo, n, accumulate, s0 * step,
-              std::min(groups, s1 * step));
+              std::min(groups, s1 * step), spread);
         });
       }
     }
@@ -823,7 +831,7 @@ void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
   TORCH_CHECK(bias.has_value() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                   bias->numel() == out.size(1),
               "gemm_quant: bias must be a contiguous float32 [N] (zeros for none)");
-  const Path kernels = path_of(path);
+  const Path kernels = path_of(path, x.size(0), layout_of(weight.size(2)).type);
   if (x.size(0) == 0) return;
   const float* bp = bias->data_ptr<float>();  // read with masks past N: never beyond it
   if (x.scalar_type() == at::kBFloat16) {
@@ -833,12 +841,15 @@ void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
   }
 }
 
+bool quant_amx_usable() { return amx_usable(); }
+
 }  // namespace pagedllm_ops
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
       "gemm_quant(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, "
       "bool accumulate=False, str path='auto') -> ()");
+  m.def("quant_amx_usable() -> bool", &pagedllm_ops::quant_amx_usable);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("gemm_quant", &pagedllm_ops::gemm_quant); }
