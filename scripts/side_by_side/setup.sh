@@ -31,6 +31,18 @@ if [ ! -x "$LCPP/build/bin/llama-bench" ]; then
   cmake --build "$LCPP/build" -j "$(nproc)" --target llama-bench llama-quantize >> "$SBS_DIR/lcpp_build.log"
 fi
 
+# On a CPU with AMX (Intel Xeons since Sapphire Rapids) this llama.cpp's native build
+# takes its AMX backend, whose Q4_1 run segfaults in llama-bench; run.sh then uses a build
+# with every AVX-512 extension but AMX (its repacked weights still on).
+if grep -qw amx_int8 /proc/cpuinfo && [ ! -x "$LCPP/build-noamx/bin/llama-bench" ]; then
+  cmake -S "$LCPP" -B "$LCPP/build-noamx" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+    -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+    -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+    -DLLAMA_CURL=OFF >> "$SBS_DIR/lcpp_build.log"
+  cmake --build "$LCPP/build-noamx" -j "$(nproc)" --target llama-bench >> "$SBS_DIR/lcpp_build.log"
+fi
+
 [ -f "$SBS_DIR/smol_q4_1.gguf" ] || cp "$MODEL" "$SBS_DIR/smol_q4_1.gguf"
 # llama.cpp for a CPU without AVX-512 (run.sh's SBS_ISA=avx2 rounds).
 if [ ! -x "$LCPP/build-avx2/bin/llama-bench" ]; then

@@ -140,7 +140,7 @@ Path path_of(c10::string_view name, int64_t rows, QType type) {
               std::string(name), "'");
 }
 
-// Column groups per micro-kernel call: compute-bound calls of the AVX-512 `micro` take
+// Column groups per claimed step: compute-bound calls of the AVX-512 `micro` take
 // two at a time (its G); decode-sized ones one, as they only stream the weight. (The
 // K-types' kernels stay at one: a two-group micro_q4k, one sub-block at a time, measured
 // slower on the Intel Xeon, Q4_K ~780 -> ~730 GOP/s at 128 rows; theirs already keeps
@@ -148,6 +148,11 @@ Path path_of(c10::string_view name, int64_t rows, QType type) {
 inline int64_t groups_per_step(Path path, QType type, int64_t rows) {
   const bool super = type == QType::kQ2_K || type == QType::kQ4_K || type == QType::kQ5_K ||
                      type == QType::kQ6_K;
+  // AMX calls claim groups in pairs too (each still one at a time): a group's bfloat16
+  // outputs are 32 bytes a row, so two threads writing neighbouring groups shared every
+  // row's cache line (Intel Xeon with AMX, 2 threads, SmolLM2's Q4_1 shapes: 972 -> 1022
+  // GOP/s at 64 rows, 1045 -> 1096 at 128).
+  if (path == Path::kAmx && rows > kStreamRows) return 2;
   return path == Path::kAvx512 && !super && rows > kStreamRows ? 2 : 1;
 }
 
