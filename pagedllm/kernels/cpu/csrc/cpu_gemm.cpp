@@ -645,10 +645,6 @@ constexpr MicroFn<float, float, float> kMicroF32[kRows + 1] = {
     micro_f32<4, kStream>, micro_f32<5, false>, micro_f32<6, false>, micro_f32<7, false>,
     micro_f32<8, false>};
 
-struct FreeAligned {
-  void operator()(float* p) const { std::free(p); }
-};
-
 // One GEMM call: x [m, steps] (X units), panels [panels, steps, step_elems] of W, out
 // [m, n]. `micros[R]` handles R rows.
 template <typename X, typename W, typename O>
@@ -686,7 +682,7 @@ struct Gemm {
     const int64_t chunk_steps = widening ? kChunkSteps / per_step : kChunkSteps;
     // On cache lines, as the packed panels are: from malloc's 16-byte alignment half the
     // kernels' 32-byte loads of it straddled two lines.
-    std::unique_ptr<float[], FreeAligned> wide;
+    std::unique_ptr<float[], pagedllm_simd::FreeAligned> wide;
     if (widening)
       wide.reset(static_cast<float*>(std::aligned_alloc(64, kChunkSteps * kPanel * sizeof(float))));
     for (int64_t g0 = m0; g0 < m1; g0 += group_rows) {
@@ -895,7 +891,7 @@ void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
     gemm_amx::run(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), x.size(0),
                   x.size(1), reinterpret_cast<const uint16_t*>(weight.data_ptr()),
                   weight.size(0), out.size(1),
-                  bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                  bias.has_value() ? bias->data_ptr<float>() : nullptr, kMinRunPanels,
                   pagedllm_simd::stream_prefetch_bytes(),
                   [&](int64_t r, int64_t c0, __mmask16 mask, __m512 sum) {
                     store_bf16(op + r * ldo + c0, mask, sum, accumulate);

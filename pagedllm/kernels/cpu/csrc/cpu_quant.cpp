@@ -104,7 +104,7 @@ constexpr bool kHasAvx2 = false;
 #endif
 #if defined(PAGEDLLM_QUANT_AMX)
 // Whether the AMX kernels are in the build and this process may use the tiles.
-inline bool amx_usable() { return amx::available(); }
+inline bool amx_usable() { return pagedllm_amx::granted(); }
 #else
 inline bool amx_usable() { return false; }
 #endif

@@ -40,7 +40,6 @@ constexpr int64_t kTileRows = 16;
 constexpr int64_t kTileK = 32;        // K per step: one 64-byte row of a tile
 constexpr int64_t kPanelCols = 48;    // a panel: 3 tiles of 16 columns
 constexpr int64_t kBlockTiles = 8;    // row tiles per block (128 rows: x stays in L2)
-constexpr int64_t kMinRunPanels = 2;  // streaming calls claim at least this many panels
 
 // Tiles 0-2: the sums (rows x 16 float32); 3: x (rows x 32 bfloat16); 4-6: the weight
 // (16 pair steps x 16 columns x 2).
@@ -82,10 +81,13 @@ inline void panel_sums(const uint16_t* x, int64_t ldx, const uint16_t* panel, in
 }
 
 // out [m, n] = x [m, k] . W^T (+ bias) from the panels; `store(row, col, mask, sum)`
-// writes 16 (mask) columns of sums + bias: gemm_bf16's epilogue. k % 32 == 0.
+// writes 16 (mask) columns of sums + bias: gemm_bf16's epilogue. k % 32 == 0. Calls of
+// up to kStreamRows rows claim their panels in runs of at least `min_run_panels`, and
+// prefetch them `stream_lead` bytes ahead (as cpu_gemm.cpp's streaming calls).
 template <typename Store>
 void run(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w,
-         int64_t panels, int64_t n, const float* bias, int64_t stream_lead, Store&& store) {
+         int64_t panels, int64_t n, const float* bias, int64_t min_run_panels,
+         int64_t stream_lead, Store&& store) {
   const int64_t panel_elems = k * kPanelCols;
   // A partial last tile of a call of 16 rows or more: its rows, then zeros.
   const int64_t full = m >= kTileRows ? m / kTileRows : 0;
@@ -127,7 +129,7 @@ void run(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w
     const int64_t threads = omp_get_num_threads();
     for (int64_t bk = 0; bk < blocks; ++bk) {
       const int64_t t0 = bk * kBlockTiles, t1 = std::min(tiles, t0 + kBlockTiles);
-      claim_runs(next_panel[bk], panels, threads, stream ? kMinRunPanels : 1,
+      claim_runs(next_panel[bk], panels, threads, stream ? min_run_panels : 1,
                  [&](int64_t p0, int64_t p1) {
                    for (int64_t p = p0; p < p1; ++p)
                      for (int64_t t = t0; t < t1; ++t) tile_panel(t, p, sums);

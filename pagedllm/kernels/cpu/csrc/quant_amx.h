@@ -46,12 +46,6 @@ namespace amx {
 constexpr int kTileRows = 16;      // rows of x per tile
 constexpr int64_t kTileBytes = 512;  // one block's weight tile: 8 rows x 64 bytes
 
-struct FreeBytes {
-  void operator()(uint8_t* p) const { std::free(p); }
-};
-
-inline bool available() { return pagedllm_amx::granted(); }
-
 inline bool supports(QType type) {
   return type != QType::kQ2_K && type != QType::kQ6_K;
 }
@@ -119,45 +113,37 @@ void spread_group(const uint8_t* wg, int64_t block_bytes, int64_t nb, uint8_t* t
 template <QType Q>
 inline void scale_block(const QuantRows& x, int64_t m, int64_t b, const uint8_t* wg,
                         int64_t block_bytes, const int32_t* dots, __m512* acc) {
-  if constexpr (Q == QType::kQ4_K || Q == QType::kQ5_K) {
+  constexpr bool k_type = Q == QType::kQ4_K || Q == QType::kQ5_K;
+  constexpr bool q5 = Q == QType::kQ5_0 || Q == QType::kQ5_1;
+  constexpr int64_t qs_bytes = Q == QType::kQ8_0 ? 512 : (q5 ? 320 : 256);
+  // The types whose blocks have a min (m_w (d_x sum q_x) added; the K-types' subtracted)
+  // and, for the others, what the unsigned weights are offset by.
+  constexpr bool has_min = k_type || Q == QType::kQ4_1 || Q == QType::kQ5_1;
+  constexpr int32_t offset = Q == QType::kQ8_0 ? 128 :
+                             (Q == QType::kQ4_0 ? 8 : (Q == QType::kQ5_0 ? 16 : 0));
+  __m512 dw, mw = _mm512_setzero_ps();
+  if constexpr (k_type) {
     constexpr int64_t scales = Q == QType::kQ5_K ? kQ5KScales : kQ4KScales;
     const uint8_t* blk = wg + (b / 8) * block_bytes;
     const int64_t sub = b % 8;
-    const __m512 dw = _mm512_mul_ps(load_halves(blk + scales),
-                                    load_bytes16(blk + scales + 64 + 16 * sub));
-    const __m512 mw = _mm512_mul_ps(load_halves(blk + scales + 32),
-                                    load_bytes16(blk + scales + 192 + 16 * sub));
-    for (int r = 0; r < kTileRows; ++r) {
-      const int64_t i = (m + r) * x.nb + b;
-      const __m512i dot = _mm512_load_si512(dots + 16 * r);
-      const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i]));
-      acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(dot), acc[r]);
-      acc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(x.dsum[i]), acc[r]);
-    }
+    dw = _mm512_mul_ps(load_halves(blk + scales), load_bytes16(blk + scales + 64 + 16 * sub));
+    mw = _mm512_mul_ps(load_halves(blk + scales + 32),
+                       load_bytes16(blk + scales + 192 + 16 * sub));
   } else {
-    constexpr bool q5 = Q == QType::kQ5_0 || Q == QType::kQ5_1;
-    constexpr int64_t qs_bytes = Q == QType::kQ8_0 ? 512 : (q5 ? 320 : 256);
-    constexpr int32_t offset = Q == QType::kQ8_0 ? 128 :
-                               (Q == QType::kQ4_0 ? 8 : (Q == QType::kQ5_0 ? 16 : 0));
     const uint8_t* blk = wg + b * block_bytes;
-    const __m512 dw = load_halves(blk + qs_bytes);
-    if constexpr (Q == QType::kQ4_1 || Q == QType::kQ5_1) {
-      const __m512 mw = load_halves(blk + qs_bytes + 32);
-      for (int r = 0; r < kTileRows; ++r) {
-        const int64_t i = (m + r) * x.nb + b;
-        const __m512i dot = _mm512_load_si512(dots + 16 * r);
-        const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i]));
-        acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(dot), acc[r]);
-        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.dsum[i]), acc[r]);
-      }
-    } else {
-      for (int r = 0; r < kTileRows; ++r) {
-        const int64_t i = (m + r) * x.nb + b;
-        const __m512i dot = _mm512_load_si512(dots + 16 * r);
-        const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i]));
-        const __m512i adj = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * x.sum[i]));
-        acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(adj), acc[r]);
-      }
+    dw = load_halves(blk + qs_bytes);
+    if constexpr (has_min) mw = load_halves(blk + qs_bytes + 32);
+  }
+  for (int r = 0; r < kTileRows; ++r) {
+    const int64_t i = (m + r) * x.nb + b;
+    __m512i dot = _mm512_load_si512(dots + 16 * r);
+    if constexpr (!has_min) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * x.sum[i]));
+    const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i]));
+    acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(dot), acc[r]);
+    if constexpr (k_type) {
+      acc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(x.dsum[i]), acc[r]);
+    } else if constexpr (has_min) {
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.dsum[i]), acc[r]);
     }
   }
 }
@@ -188,7 +174,7 @@ class Session {
 
  private:
   pagedllm_amx::Tiles tiles_;
-  std::unique_ptr<uint8_t[], FreeBytes> spread_;
+  std::unique_ptr<uint8_t[], pagedllm_simd::FreeAligned> spread_;
 };
 
 // Rows [m0, m1) x groups [g0, g1), as avx512 `run_simd` (cpu_quant.cpp), on the calling

@@ -18,6 +18,11 @@
 
 namespace pagedllm_simd {
 
+// The deleter of a std::unique_ptr over std::aligned_alloc's memory.
+struct FreeAligned {
+  void operator()(void* p) const { std::free(p); }
+};
+
 // Whether bfloat16 products run as float32 FMAs (a bfloat16 widened exactly) instead of
 // vdpbf16ps: on Intel CPUs, or as the environment variable `env` ("fma" | "dpbf16") says.
 // The Intel Xeon measured (family 6 model 207) issues half a vdpbf16ps per cycle against
