@@ -1,12 +1,15 @@
-"""The two forms of the bfloat16 tile pass (attention_avx512.h, tile_rows): vdpbf16ps
-(`dpbf16`, the default on AMD) and float32 FMAs on widened inputs (`fma`, the default on
-Intel, whose cores issue half a vdpbf16ps per cycle against two FMAs). The choice is fixed
-per process (PAGEDLLM_CPU_BF16_ATTENTION), so each mode runs in a subprocess of its own:
-- the bfloat16 cases of the reference, batch-invariance and fp8-cache tests pass in both;
+"""The three forms of the bfloat16 attention pass: the tile pass (attention_avx512.h,
+tile_rows) by vdpbf16ps (`dpbf16`, the default on AMD) or by float32 FMAs on widened inputs
+(`fma`, the default on Intel without AMX, whose cores issue half a vdpbf16ps per cycle
+against two FMAs), and AMX tiles (`amx`, attention_amx.h: the default where the CPU has
+AMX-BF16 and the OS grants it; bfloat16 caches only, fp8 caches keep the tile pass). The
+choice is fixed per process (PAGEDLLM_CPU_BF16_ATTENTION), so each mode runs in a
+subprocess of its own:
+- the bfloat16 cases of the reference, batch-invariance and fp8-cache tests pass in each;
 - `fma` keeps the probabilities in float32, so its outputs are float32 attention over the
   widened inputs rounded once to bfloat16 (within 2^-8 relative, 1e-6 absolute); `dpbf16`
-  rounds the probabilities to bfloat16 first and misses that bound (which tells the modes
-  apart: the variable took effect)."""
+  and `amx` round the probabilities to bfloat16 first and miss that bound (which tells the
+  modes apart: the variable took effect)."""
 
 from __future__ import annotations
 
@@ -45,9 +48,20 @@ print("within" if within else "beyond")
 """
 
 
-@pytest.mark.parametrize("mode", ["fma", "dpbf16"])
-def test_bf16_tile_pass_in_both_forms(mode):
+def _amx_runs(env: dict[str, str]) -> bool:
+    probe = subprocess.run(
+        [sys.executable, "-c", "from pagedllm.kernels.cpu import ops; "
+         "assert ops.load_cpu_kernels(); print(ops.bf16_attention_amx())"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    return probe.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("mode", ["fma", "dpbf16", "amx"])
+def test_bf16_attention_in_each_form(mode):
     env = {**os.environ, "PAGEDLLM_CPU_BF16_ATTENTION": mode, "PYTHONPATH": str(ROOT)}
+    if mode == "amx" and not _amx_runs(env):
+        pytest.skip("no AMX-BF16 tiles on this CPU (or the OS refuses them)")
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "tests/attention/test_cpu_attention.py", "tests/attention/test_fp8_kv_cache.py",
@@ -60,3 +74,10 @@ def test_bf16_tile_pass_in_both_forms(mode):
                            capture_output=True, text=True, timeout=600)
     assert check.returncode == 0, check.stderr[-2000:]
     assert check.stdout.strip() == ("within" if mode == "fma" else "beyond")
+
+
+def test_the_other_forms_leave_amx():
+    """Naming another form turns the AMX pass off (and the probe reads the process's
+    choice)."""
+    env = {**os.environ, "PAGEDLLM_CPU_BF16_ATTENTION": "fma", "PYTHONPATH": str(ROOT)}
+    assert not _amx_runs(env)

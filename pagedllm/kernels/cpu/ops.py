@@ -45,6 +45,14 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor | 
         query_start_loc, scale, sliding_window or 0, q_tile, k_scale, v_scale)
 
 
+def bf16_attention_amx() -> bool:
+    """Whether paged_attention runs bfloat16 queries over a bfloat16 cache (head sizes in
+    32s, blocks in 16s) on AMX tiles in this process (csrc/attention_amx.h: a CPU with
+    AMX-BF16 whose OS grants the tiles, unless PAGEDLLM_CPU_BF16_ATTENTION names another
+    form): every item then, prefill and decode alike."""
+    return bool(torch.ops.pagedllm_cpu.bf16_attention_amx.default())
+
+
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
              offset: float) -> None:
     """out [N, D] = x / rms(x) * (weight + offset), rows of x [N, D]."""

@@ -4,7 +4,8 @@
 // bfloat16, FMAs otherwise) folded by hsum16 into one vector whose lane t is key t.
 // Tiles of many rows in bfloat16 (prefill chunks, the cascade's shared prefix) instead
 // run GEMM-shaped micro-kernels over keys transposed once per step (run_item_tiles_bf16),
-// by vdpbf16ps or, on Intel, by float32 FMAs (bf16_attention_by_fma).
+// by vdpbf16ps or, on Intel, by float32 FMAs (bf16_attention_by_fma); where the CPU has
+// AMX, a bfloat16 cache's items take attention_amx.h's pass instead (bf16_attention_amx).
 // P.V: FMAs into a float32 accumulator per row; on bfloat16, vdpbf16ps over pairs of
 // keys (probabilities rounded to bfloat16, as bf16 attention kernels do; the FMA form
 // keeps them float32), which leaves the accumulator's head dims in the unpack order,
@@ -17,6 +18,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "amx.h"
 #include "attention_common.h"
 #include "simd.h"
 
@@ -375,6 +381,85 @@ class StepPrefetch {
   int64_t begin_ = 0, bytes_ = 0, half_ = 0, at_ = 0;
 };
 
+// A pass's walk over its steps of kKeys keys, and its reads ahead. Steps start at
+// multiples of kKeys: a row's steps are the same whatever the other rows of its item (a
+// sliding window's lower end differs per row; a step wholly below a row's window leaves
+// its state untouched). The cache comes mostly from memory (a layer of 64 contexts of 240
+// keys is 12 MB, and every layer has its own). Measured per layer there, 2 threads, Zen
+// 4, the tile pass: 733 us with step c + 1 read as step c starts; 631 us also reading
+// the first step in one burst before any math (the transposes' strided misses overlapped
+// worse); 576 us also prefetching step c + 2 into L2 while step c computes
+// (StepPrefetch), so that the burst of step c + 1 comes from L2. 1024 keys: 2.75 -> 2.34
+// ms. The last two steps prefetch the first two of the thread's next item instead (its
+// first step, read in a burst when it starts, then comes from L2): the first step of the
+// next item during the second-to-last step, and during the last step its second (or its
+// first, for an item of one step).
+template <int kKeys, typename T, typename C>
+class StepWalk {
+ public:
+  // `next`: the thread's next item, if claimed; `shared_keys`: the cascade's shared
+  // prefix, whose keys that item (then a decode continuing from the shared state) does
+  // not read; `calls`: how often the pass calls StepPrefetch::next() per step.
+  StepWalk(const Params<T, C>& p, const Item& item, const Span& sp, const Item* next,
+           int64_t shared_keys, int64_t calls)
+      : p_(p), item_(item), sp_(sp), next_(next), calls_(calls),
+        first_(sp.key_lo / kKeys * kKeys),
+        num_steps_((sp.key_hi - first_ + kKeys - 1) / kKeys) {
+    offsets(item_, sp_, first_, off_[0]);
+    touch_chunk(p, item, off_[0], keys(sp_, first_), p.head_size);
+    if (keys(sp_, first_ + kKeys) > 0) offsets(item_, sp_, first_ + kKeys, off_[1]);
+    if (next != nullptr) {
+      next_sp_ = span_of(p, *next);
+      next_sp_.key_lo = std::max(next_sp_.key_lo, shared_keys);
+      next_first_ = next_sp_.key_lo / kKeys * kKeys;
+    }
+  }
+  int64_t first() const { return first_; }
+  int keys(int64_t c) const { return keys(sp_, c); }
+  // The cache offsets (slot * tok_stride) of the keys of the step begun last.
+  const int64_t* offsets() const { return off_[cur_]; }
+
+  // Begin step i (keys from c): read step c + 1 in a burst, and return the prefetcher of
+  // step c + 2 or of the next item's step.
+  StepPrefetch<C> begin(int64_t c, int64_t i) {
+    cur_ = static_cast<int>(i % 3);
+    if (const int next_n = keys(sp_, c + kKeys); next_n > 0)
+      touch_chunk(p_, item_, off_[(cur_ + 1) % 3], next_n, p_.head_size);
+    int64_t* far = off_[(cur_ + 2) % 3];
+    if (const int far_n = keys(sp_, c + 2 * kKeys); far_n > 0) {
+      offsets(item_, sp_, c + 2 * kKeys, far);
+      return StepPrefetch<C>(p_, item_, far, far_n, calls_);
+    }
+    if (next_ == nullptr) return {};
+    const int64_t j = num_steps_ == 1 ? 0 : i + 2 - num_steps_;  // the next item's step
+    const int64_t nc = next_first_ + j * kKeys;
+    const int far_n = keys(next_sp_, nc);
+    if (far_n == 0) return {};
+    offsets(*next_, next_sp_, nc, far);
+    return StepPrefetch<C>(p_, *next_, far, far_n, calls_);
+  }
+
+ private:
+  static int keys(const Span& sp, int64_t c) {
+    return static_cast<int>(std::clamp<int64_t>(sp.key_hi - c, 0, kKeys));
+  }
+  void offsets(const Item& item, const Span& sp, int64_t c, int64_t* o) const {
+    const int n = keys(sp, c);
+    for (int v = 0; 16 * v < n; ++v)
+      chunk_offsets(p_, item.req, c + 16 * v, std::min(16, n - 16 * v), o + 16 * v);
+  }
+
+  const Params<T, C>& p_;
+  const Item& item_;
+  const Span sp_;
+  const Item* next_;
+  const int64_t calls_, first_, num_steps_;
+  Span next_sp_{};
+  int64_t next_first_ = 0;
+  int64_t off_[3][kKeys];  // cache offsets of the keys of steps c, c + 1, c + 2 (mod 3)
+  int cur_ = 0;
+};
+
 // The item's query rows, head-major (head h owns head_rows rows): raw bfloat16 for the
 // vdpbf16ps paths (`raw`; scores are scaled after the dot product), else float32.
 template <typename T, typename C, int NV>
@@ -405,6 +490,36 @@ inline bool bf16_attention_by_fma() {
   static const bool by_fma = pagedllm_simd::bf16_by_fma("PAGEDLLM_CPU_BF16_ATTENTION");
   return by_fma;
 }
+
+// Whether a bfloat16 cache's items take the AMX pass (attention_amx.h) in this process:
+// where the build has it and the OS grants the tiles, unless PAGEDLLM_CPU_BF16_ATTENTION
+// names another form (fma, dpbf16). Fixed for the process, like the choice above.
+inline bool bf16_attention_amx() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  static const bool amx = [] {
+    const char* env = std::getenv("PAGEDLLM_CPU_BF16_ATTENTION");
+    return (env == nullptr || std::strcmp(env, "amx") == 0) && pagedllm_amx::granted();
+  }();
+  return amx;
+#else
+  return false;
+#endif
+}
+
+// Whether the items of this call take the AMX pass: bfloat16 queries and cache, head dims
+// in 32s, whole 16-key runs per block, and a process that takes it.
+template <typename T, typename C>
+bool amx_pass(const Params<T, C>& p) {
+  return std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> &&
+         p.head_size % 32 == 0 && p.block_size % 16 == 0 && bf16_attention_amx();
+}
+
+// The AMX pass's key loop (defined in attention_amx.h, which builds on this header).
+namespace amx {
+template <typename T, int NV>
+void run_item(const Params<T, c10::BFloat16>& p, const Item& item, const Span& sp,
+              Scratch& sc, int64_t shared_keys);
+}  // namespace amx
 
 // The bfloat16 tile pass, shaped like a small GEMM: per step of kTileKeys keys and KV head,
 // the keys are transposed and the values interleaved in pairs once, then micro-kernels of
@@ -438,6 +553,49 @@ inline void interleave_values(const C* const* vb, int n, __m512i* vi) {
       vi[t * NV + 2 * j + 1] = _mm512_unpackhi_epi16(va, vn);
     }
   }
+}
+
+// The online-softmax update of one row (at position pos) over a step of V x 16 keys from
+// key c, n of them: its raw scores s[v] (lane t: key c + 16 v + t, before `scale`) become
+// probabilities e[v] (0 for keys it cannot see), its sums by lane l grow by them, and
+// alpha is what its acc must be scaled by; returns whether the step rescaled (alpha != 1).
+// The running max m is lazy: a step rescales only when a visible score exceeds m by more
+// than kRescaleAbove (exact either way: acc and l share the reference m, and p <= e^8
+// stays far inside bfloat16 and float32 range), so most steps need no horizontal max.
+template <int V, typename T, typename C>
+__attribute__((always_inline)) inline bool step_softmax(const Params<T, C>& p, int64_t pos,
+                                                        int64_t c, int n, const __m512* s,
+                                                        float& m, float* l, __m512* e,
+                                                        float& alpha) {
+  const __m512 sc = _mm512_set1_ps(p.scale), above = _mm512_set1_ps(kRescaleAbove);
+  __mmask16 mask[V];
+  __m512 x[V];
+  __mmask16 over = 0;
+  const __m512 mr = _mm512_set1_ps(m);
+  for (int v = 0; v < V; ++v) {
+    const int nv = std::clamp(n - 16 * v, 0, 16);
+    mask[v] = nv > 0 ? visible(p, pos, c + 16 * v, nv) : 0;
+    x[v] = _mm512_fmsub_ps(s[v], sc, mr);
+    over |= _mm512_mask_cmp_ps_mask(mask[v], x[v], above, _CMP_GT_OQ);
+  }
+  alpha = 1.0f;
+  __m512 lanes = _mm512_loadu_ps(l);
+  if (over != 0) {  // the first step (m = -inf), or a new max well above m
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int v = 0; v < V; ++v) mx = _mm512_mask_max_ps(mx, mask[v], mx, s[v]);
+    // max(s) * scale is max(s * scale): the scale is positive and rounding monotonic.
+    const float m_new = _mm512_reduce_max_ps(mx) * p.scale;
+    alpha = exp_poly(m - m_new);  // 0 on the first step
+    lanes = _mm512_mul_ps(lanes, _mm512_set1_ps(alpha));
+    m = m_new;
+    for (int v = 0; v < V; ++v) x[v] = _mm512_fmsub_ps(s[v], sc, _mm512_set1_ps(m_new));
+  }
+  for (int v = 0; v < V; ++v) {
+    e[v] = _mm512_maskz_mov_ps(mask[v], exp16(x[v]));
+    lanes = _mm512_add_ps(lanes, e[v]);
+  }
+  _mm512_storeu_ps(l, lanes);
+  return over != 0;
 }
 
 // One micro-kernel: R rows (bfloat16 queries q, D apart; row `row` of the item's head,
@@ -489,51 +647,22 @@ inline void tile_rows(const Params<T, C>& p, const __m512i* kt, const __m512i* v
       }
     }
   }
-  // Softmax: probabilities in bfloat16, pairs of keys per dword (the P . V operand; kFma:
-  // float32, one key per lane). The running max m is lazy: a step rescales only when a
-  // visible score exceeds m by more than kRescaleAbove (exact either way: acc and l share
-  // the reference m, and p <= e^8 stays far inside bfloat16 and float32 range), so most
-  // steps need no horizontal max.
+  // Softmax (step_softmax): probabilities in bfloat16, pairs of keys per dword (the P . V
+  // operand; kFma: float32, one key per lane).
   alignas(64) uint16_t pb[R][kTileKeys];
   alignas(64) float pf[R][kTileKeys];  // kFma: float32 probabilities
   float alpha[R];
   bool rescaled = false;
-  const __m512 sc = _mm512_set1_ps(p.scale), above = _mm512_set1_ps(kRescaleAbove);
   for (int r = 0; r < R; ++r) {
-    __mmask16 mask[kTileVecs];
-    __m512 x[kTileVecs];
-    __mmask16 over = 0;
-    const __m512 mr = _mm512_set1_ps(m[r]);
+    __m512 e[kTileVecs];
+    rescaled |= step_softmax<kTileVecs>(p, pos[r], c, n, s[r], m[r], l + r * 16, e, alpha[r]);
     for (int v = 0; v < kTileVecs; ++v) {
-      const int nv = std::clamp(n - 16 * v, 0, 16);
-      mask[v] = nv > 0 ? visible(p, pos[r], c + 16 * v, nv) : 0;
-      x[v] = _mm512_fmsub_ps(s[r][v], sc, mr);
-      over |= _mm512_mask_cmp_ps_mask(mask[v], x[v], above, _CMP_GT_OQ);
-    }
-    alpha[r] = 1.0f;
-    __m512 lanes = _mm512_loadu_ps(l + r * 16);
-    if (over != 0) {  // the first step (m = -inf), or a new max well above m
-      __m512 mx = _mm512_set1_ps(-INFINITY);
-      for (int v = 0; v < kTileVecs; ++v) mx = _mm512_mask_max_ps(mx, mask[v], mx, s[r][v]);
-      // max(s) * scale is max(s * scale): the scale is positive and rounding monotonic.
-      const float m_new = _mm512_reduce_max_ps(mx) * p.scale;
-      alpha[r] = exp_poly(m[r] - m_new);  // 0 on the first step
-      lanes = _mm512_mul_ps(lanes, _mm512_set1_ps(alpha[r]));
-      m[r] = m_new;
-      rescaled = true;
-      for (int v = 0; v < kTileVecs; ++v)
-        x[v] = _mm512_fmsub_ps(s[r][v], sc, _mm512_set1_ps(m_new));
-    }
-    for (int v = 0; v < kTileVecs; ++v) {
-      const __m512 e = _mm512_maskz_mov_ps(mask[v], exp16(x[v]));
-      lanes = _mm512_add_ps(lanes, e);
       if constexpr (kFma)
-        _mm512_store_ps(pf[r] + 16 * v, e);
+        _mm512_store_ps(pf[r] + 16 * v, e[v]);
       else
         _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + 16 * v),
-                           (__m256i)_mm512_cvtneps_pbh(e));
+                           (__m256i)_mm512_cvtneps_pbh(e[v]));
     }
-    _mm512_storeu_ps(l + r * 16, lanes);
   }
   // P . V over the step's key pairs.
   __m512 a[R][NV];
@@ -582,9 +711,8 @@ inline void tile_rows_n(int rows, const Params<T, C>& p, const __m512i* kt, cons
 }
 
 // run_item_chunks' key loop for bfloat16 with whole 16-key runs per block
-// (block_size % 16 == 0): steps of kTileKeys keys through the micro-kernels.
-// `shared_keys`: the cascade's shared prefix, whose keys the thread's next item (then a
-// decode continuing from the shared state) does not read.
+// (block_size % 16 == 0): steps of kTileKeys keys through the micro-kernels (`shared_keys`:
+// StepWalk's).
 template <typename T, typename C, int NV, bool kFma>
 void run_item_tiles_bf16(const Params<T, C>& p, const Item& item, const Span& sp,
                          Scratch& sc, int64_t shared_keys) {
@@ -596,71 +724,21 @@ void run_item_tiles_bf16(const Params<T, C>& p, const Item& item, const Span& sp
   const char* qb = reinterpret_cast<const char*>(sc.q.data());
   alignas(64) __m512i kt[kTileVecs * NV * 8];
   alignas(64) __m512i vi[kTileKeys / 2 * NV];
-  // Steps start at multiples of kTileKeys: a row's steps are the same whatever the other
-  // rows of its item (a sliding window's lower end differs per row; a step wholly below
-  // a row's window leaves its state untouched).
-  const int64_t first = sp.key_lo / kTileKeys * kTileKeys;
-  auto step_keys = [&](int64_t c) {
-    return static_cast<int>(std::clamp<int64_t>(sp.key_hi - c, 0, kTileKeys));
-  };
-  int64_t off[3][kTileKeys];  // cache offsets of the keys of steps c, c + 1, c + 2 (mod 3)
-  auto step_offsets = [&](int64_t c, int64_t* o) {
-    for (int v = 0; v < kTileVecs; ++v) {
-      const int nv = std::clamp(step_keys(c) - 16 * v, 0, 16);
-      if (nv > 0) chunk_offsets(p, item.req, c + 16 * v, nv, o + 16 * v);
-    }
-  };
-  // The cache comes mostly from memory (a layer of 64 contexts of 240 keys is 12 MB, and
-  // every layer has its own). Measured per layer there, 2 threads, Zen 4: 733 us with
-  // step c + 1 read as step c starts; 631 us also reading the first step in one burst
-  // before any math (the transposes' strided misses overlapped worse); 576 us also
-  // prefetching step c + 2 into L2 while step c computes (StepPrefetch), so that the
-  // burst of step c + 1 comes from L2. 1024 keys: 2.75 -> 2.34 ms.
-  step_offsets(first, off[0]);
-  touch_chunk(p, item, off[0], step_keys(first), D);
-  if (step_keys(first + kTileKeys) > 0) step_offsets(first + kTileKeys, off[1]);
   // One micro-kernel call per (head, run of R rows); next() once per query pair of each.
   const int64_t calls = (item.head_end - item.head_begin) * ((head_rows + R - 1) / R) * NV * 8;
-  // The last two steps prefetch the first two of the thread's next item instead (its
-  // first step, read in a burst when it starts, then comes from L2): the first step of
-  // the next item during the second-to-last step, and during the last step its second
-  // (or its first, for an item of one step).
-  const int64_t num_steps = (sp.key_hi - first + kTileKeys - 1) / kTileKeys;
-  Span next_sp{};
-  int64_t next_first = 0;
-  if (sc.next != nullptr) {
-    next_sp = span_of(p, *sc.next);
-    next_sp.key_lo = std::max(next_sp.key_lo, shared_keys);
-    next_first = next_sp.key_lo / kTileKeys * kTileKeys;
-  }
-  for (int64_t c = first, cur = 0, i = 0; c < sp.key_hi;
-       c += kTileKeys, cur = (cur + 1) % 3, ++i) {
-    const int n = step_keys(c);
-    if (const int next_n = step_keys(c + kTileKeys); next_n > 0)
-      touch_chunk(p, item, off[(cur + 1) % 3], next_n, D);
-    StepPrefetch<C> ahead;
-    int64_t* far = off[(cur + 2) % 3];
-    if (const int far_n = step_keys(c + 2 * kTileKeys); far_n > 0) {
-      step_offsets(c + 2 * kTileKeys, far);
-      ahead = StepPrefetch<C>(p, item, far, far_n, calls);
-    } else if (sc.next != nullptr) {
-      const int64_t j = num_steps == 1 ? 0 : i + 2 - num_steps;  // the next item's step
-      const int64_t nc = next_first + j * kTileKeys;
-      const int far_n = static_cast<int>(std::clamp<int64_t>(next_sp.key_hi - nc, 0, kTileKeys));
-      for (int v = 0; v < kTileVecs; ++v) {
-        const int nv = std::clamp(far_n - 16 * v, 0, 16);
-        if (nv > 0) chunk_offsets(p, sc.next->req, nc + 16 * v, nv, far + 16 * v);
-      }
-      if (far_n > 0) ahead = StepPrefetch<C>(p, *sc.next, far, far_n, calls);
-    }
+  StepWalk<kTileKeys, T, C> walk(p, item, sp, sc.next, shared_keys, calls);
+  for (int64_t c = walk.first(), i = 0; c < sp.key_hi; c += kTileKeys, ++i) {
+    const int n = walk.keys(c);
+    StepPrefetch<C> ahead = walk.begin(c, i);
+    const int64_t* off = walk.offsets();
     // Heads of a token are adjacent in the cache: all of them per step reads it in order.
     for (int64_t h = item.head_begin; h < item.head_end; ++h) {
       const C* vb[kTileKeys];
-      for (int t = 0; t < n; ++t) vb[t] = p.kc + off[cur][t] + h * D + p.cache_half;
+      for (int t = 0; t < n; ++t) vb[t] = p.kc + off[t] + h * D + p.cache_half;
       for (int v = 0; v < kTileVecs; ++v) {
         const int nv = std::clamp(n - 16 * v, 0, 16);
         if (nv > 0)
-          transpose_keys<NV>(p.kc + off[cur][16 * v] + h * D, p.tok_stride, nv, kt + v * NV * 8);
+          transpose_keys<NV>(p.kc + off[16 * v] + h * D, p.tok_stride, nv, kt + v * NV * 8);
         else
           std::fill(kt + v * NV * 8, kt + (v + 1) * NV * 8, _mm512_setzero_si512());
       }
@@ -694,9 +772,10 @@ void run_item_chunks(const Params<T, C>& p, const Item& item, Span sp, Scratch& 
   const int64_t rows = head_rows * (item.head_end - item.head_begin);
 #if defined(__AVX512BF16__)
   const bool tiles = kBf16 && p.block_size % 16 == 0;
-  const bool by_fma = tiles && bf16_attention_by_fma();
+  const bool on_amx = tiles && amx_pass(p);
+  const bool by_fma = tiles && !on_amx && bf16_attention_by_fma();
 #else
-  const bool by_fma = false;
+  const bool on_amx = false, by_fma = false;
 #endif
   load_item_queries<T, C, NV>(p, item, head_rows, sc, kBf16 && !by_fma);
   if (sh != nullptr && sh->keys > 0) {
@@ -719,6 +798,13 @@ void run_item_chunks(const Params<T, C>& p, const Item& item, Span sp, Scratch& 
   if constexpr (kBf16) {
     if (tiles) {
       const int64_t shared_keys = sh != nullptr ? sh->keys : 0;
+      if constexpr (std::is_same_v<C, c10::BFloat16>) {
+        if (on_amx) {
+          amx::run_item<T, NV>(p, item, sp, sc, shared_keys);
+          sum_lanes();
+          return;
+        }
+      }
       if (by_fma)
         run_item_tiles_bf16<T, C, NV, true>(p, item, sp, sc, shared_keys);
       else

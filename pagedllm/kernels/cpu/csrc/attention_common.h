@@ -108,6 +108,7 @@ struct Scratch {
   std::vector<uint16_t> probs_b;
   std::vector<const float*> kp, vp;  // the generic item's K / V rows of its current step
   std::vector<const uint16_t*> kp16, vp16;  // the same, read in place from a bfloat16 cache
+  std::vector<uint32_t> qt;  // the AMX pass's queries as tile operands (attention_amx.h)
   // The item this thread runs after the current one, when it is already claimed: the
   // current item's last steps prefetch its first keys (nullptr: none known).
   const Item* next = nullptr;

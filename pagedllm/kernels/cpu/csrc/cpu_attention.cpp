@@ -9,7 +9,8 @@
 //
 // Two implementations of an item:
 // - avx512 (attention_avx512.h): keys in chunks of 16 read in place, vdpbf16ps on
-//   bfloat16; head_size a multiple of 16, fixed at compile time.
+//   bfloat16; head_size a multiple of 16, fixed at compile time. On CPUs with AMX a
+//   bfloat16 cache's items run its pass on tiles (attention_amx.h).
 // - generic (below): steps of ~128 keys, rows in pairs, 8 lanes wide with AVX2 (head sizes
 //   that are multiples of 8), scalar loops otherwise; other head sizes and CPUs without
 //   AVX-512.
@@ -35,9 +36,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
+#include "attention_amx.h"
 #include "attention_avx512.h"
 #include "attention_common.h"
 #include "ops.h"
@@ -520,11 +523,14 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, const at::Tenso
 // Fewest decodes and shared keys for which the cascade beats per-request decodes.
 constexpr int64_t kCascadeMinReqs = 8;
 constexpr int64_t kCascadeMinKeys = 64;
-// The shared keys end on a step of the bfloat16 tile pass (its kTileKeys), the only pass
-// with a cascade.
-constexpr int64_t kCascadeAlign = 48;
+// The shared keys end on a step of the bfloat16 passes, the only ones with a cascade: the
+// tile pass's (kTileKeys) and the AMX pass's (amx::kStepKeys).
+constexpr int64_t kCascadeAlign = 96;
 #if defined(__AVX512BF16__)
-static_assert(kCascadeAlign == pagedllm_attention::kTileKeys);
+static_assert(kCascadeAlign % pagedllm_attention::kTileKeys == 0);
+#endif
+#if defined(PAGEDLLM_ATTENTION_AMX)
+static_assert(kCascadeAlign % pagedllm_attention::amx::kStepKeys == 0);
 #endif
 
 // Keys every request's block table shares (whole leading blocks), when the call is all
@@ -642,6 +648,11 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
   {
     Scratch scratch(std::max(q_tile * heads_per_item, shared_tile) * p.group, p.head_size,
                     keys);
+#if defined(PAGEDLLM_ATTENTION_AMX)
+    // The AMX pass's tiles, configured once per thread and call.
+    std::optional<pagedllm_amx::Tiles> tiles;
+    if (amx_pass(p)) tiles.emplace(pagedllm_attention::amx::tile_config());
+#endif
     // The shared parts first (the loop's barrier orders them before the merges).
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < num_shared_items; ++it)
@@ -780,7 +791,20 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query,
 
 }  // namespace pagedllm_ops
 
+namespace pagedllm_ops {
+
+bool bf16_attention_amx() {
+#if defined(PAGEDLLM_ATTENTION_AMX)
+  return pagedllm_attention::bf16_attention_amx();
+#else
+  return false;
+#endif
+}
+
+}  // namespace pagedllm_ops
+
 TORCH_LIBRARY(pagedllm_cpu, m) {
+  m.def("bf16_attention_amx() -> bool", &pagedllm_ops::bf16_attention_amx);
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor? key, Tensor? value, "
       "Tensor(b!) kv_cache, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
