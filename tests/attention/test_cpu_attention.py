@@ -140,12 +140,13 @@ def test_cpu_many_items_prefetching_the_next(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [5, 16])
-@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
 def test_cpu_scores_growing_along_the_context(dtype, block_size, head_size):
     """Cached keys grow along the context, so later keys score far above earlier ones
     (by more than the 8 the bfloat16 tiles let a score exceed their lazy running max):
     the online softmax must rescale mid-row, in prefill chunks and decodes. (Head size
-    128 runs the tiles' 3-row micro-kernels, 64 their 6-row ones.)"""
+    128 runs the tiles' 3-row micro-kernels, 64 their 6-row ones; with AMX, 96 and 256
+    take 3 and 8 steps of 32 dims per score.)"""
     spec = AttentionSpec(num_heads=6, num_kv_heads=2, head_size=head_size,
                          scale=head_size ** -0.5)
     computed, query_lens = [200, 150, 120, 90], [20, 33, 1, 1]
@@ -170,13 +171,13 @@ def test_cpu_chunks_ending_in_a_single_token_tile(dtype):
 @pytest.mark.parametrize("num_reqs", [17, 70])
 def test_cpu_decodes_sharing_a_prefix(dtype, head_size, num_reqs):
     """Decodes whose block tables share leading blocks (a prefix-cache hit; bfloat16 runs
-    them as a cascade: shared keys once for all rows, then each suffix, merged; 70
-    requests make the shared tiles 32 tokens). One request's context ends right after
-    the shared blocks (its suffix is its own token)."""
+    them as a cascade: the first 96 shared keys once for all rows, then each suffix,
+    merged; 70 requests make the shared tiles 32 tokens). One request's context ends
+    right after the shared blocks (its suffix is its own token)."""
     spec = AttentionSpec(num_heads=9, num_kv_heads=3, head_size=head_size, scale=0.1)
     computed = [80, 95, 120, 200, 81, 150, 99, 130, 84, 170, 111, 96, 140, 88, 100, 230, 90]
-    computed = (computed * 5)[:num_reqs]
+    computed = [c + 32 for c in computed * 5][:num_reqs]
     md = make_metadata(computed, [1] * len(computed), 16, 300 * num_reqs // 17, seed=4)
-    md.block_table[1:, :5] = md.block_table[0, :5]  # 80 shared keys
+    md.block_table[1:, :7] = md.block_table[0, :7]  # 112 shared keys
     actual, expected = run_both(spec, md, dtype, 16, 300 * num_reqs // 17, seed=4)
     torch.testing.assert_close(actual, expected, **TOL[dtype])

@@ -19,9 +19,11 @@
 // Each tile element is summed alone (its row and column only), so a row's result does
 // not depend on the other rows of its tile.
 //
-// Per key and KV head, a decode's 3 rows (SmolLM2) cost ~50 vector instructions in the
-// float32-FMA tile pass (transposition, 2 x 3 x 64 FMAs, softmax); here the products are
-// 6 tile instructions per 32 keys and what is left is the value interleave and softmax.
+// Measured on a 2-core AMX Xeon (docs/architecture.md, AMX), SmolLM2's heads, against the
+// float32-FMA tile pass: prefill chunks ~2x (the tiles take the products of 16 rows at a
+// time); decodes ~10% (a decode's 3 rows leave the tiles mostly empty, and the value
+// interleave and softmax remain; over 64 contexts read from memory the pass is bound by
+// the reads).
 #pragma once
 
 #include "amx.h"
