@@ -17,6 +17,8 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace pagedllm_amx {
 
@@ -27,6 +29,13 @@ inline bool granted() {
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
   }();
   return ok;
+}
+
+// Whether the kernels that the environment variable `env` chooses take the tiles: where it
+// is unset or says "amx", and the OS grants them.
+inline bool chosen(const char* env) {
+  const char* mode = std::getenv(env);
+  return (mode == nullptr || std::strcmp(mode, "amx") == 0) && granted();
 }
 
 // The ldtilecfg operand: palette 1, tile t of rows[t] rows x colsb[t] bytes.

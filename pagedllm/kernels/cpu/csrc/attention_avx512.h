@@ -18,7 +18,6 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -496,10 +495,7 @@ inline bool bf16_attention_by_fma() {
 // names another form (fma, dpbf16). Fixed for the process, like the choice above.
 inline bool bf16_attention_amx() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  static const bool amx = [] {
-    const char* env = std::getenv("PAGEDLLM_CPU_BF16_ATTENTION");
-    return (env == nullptr || std::strcmp(env, "amx") == 0) && pagedllm_amx::granted();
-  }();
+  static const bool amx = pagedllm_amx::chosen("PAGEDLLM_CPU_BF16_ATTENTION");
   return amx;
 #else
   return false;

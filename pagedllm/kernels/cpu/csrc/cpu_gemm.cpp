@@ -561,9 +561,7 @@ enum class Bf16Gemm { kAmx, kFma, kDpbf16 };
 Bf16Gemm bf16_gemm_mode() {
   static const Bf16Gemm mode = [] {
 #if defined(PAGEDLLM_GEMM_AMX)
-    const char* env = std::getenv("PAGEDLLM_CPU_BF16_GEMM");
-    if ((env == nullptr || std::strcmp(env, "amx") == 0) && pagedllm_amx::granted())
-      return Bf16Gemm::kAmx;
+    if (pagedllm_amx::chosen("PAGEDLLM_CPU_BF16_GEMM")) return Bf16Gemm::kAmx;
 #endif
     return pagedllm_simd::bf16_by_fma("PAGEDLLM_CPU_BF16_GEMM") ? Bf16Gemm::kFma
                                                                 : Bf16Gemm::kDpbf16;

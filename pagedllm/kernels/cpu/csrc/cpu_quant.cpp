@@ -294,7 +294,7 @@ inline int32_t weight_at(const uint8_t* blk, const Layout& L, int64_t c, int64_t
     case QType::kQ5_0: case QType::kQ5_1: return q4_at(blk, blk + 256, c, i, 16);
     case QType::kQ4_K: case QType::kQ5_K: {  // i: an element of the super-block, in [0, 256)
       const int64_t chunk = i / 64;
-      const uint8_t* plane = L.type == QType::kQ5_K ? blk + 2048 + chunk * 128 : nullptr;
+      const uint8_t* plane = L.type == QType::kQ5_K ? blk + kQ5KPlanes + chunk * 128 : nullptr;
       return q4_at(blk + chunk * 512, plane, c, i % 64, 32);
     }
     case QType::kQ2_K: {  // i: an element of the super-block
@@ -487,10 +487,7 @@ void micro_q4k(const QuantRows& x, int64_t m, const uint8_t* wg, int64_t block_b
       __m512i dot[2][R];  // sub-blocks 2 chunk (low nibbles) and 2 chunk + 1 (high)
       for (int r = 0; r < R; ++r) dot[0][r] = dot[1][r] = _mm512_setzero_si512();
       __m512i planes[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-      if constexpr (q5) {
-        for (int h = 0; h < 2; ++h)
-          planes[h] = _mm512_loadu_si512(blk + 2048 + chunk * 128 + 64 * h);
-      }
+      if constexpr (q5) q5k_planes(blk, chunk, planes);
 #pragma GCC unroll 8  // shift_bits' counts as constants
       for (int v = 0; v < 8; ++v) {
         __m512i lo, hi;

@@ -79,10 +79,7 @@ void spread_group(const uint8_t* wg, int64_t block_bytes, int64_t nb, uint8_t* t
       for (int c = 0; c < 4; ++c) {
         uint8_t* lo_tile = tiles + (sb * 8 + 2 * c) * kTileBytes;
         __m512i planes[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-        if constexpr (q5) {
-          for (int h = 0; h < 2; ++h)
-            planes[h] = _mm512_loadu_si512(blk + 2048 + c * 128 + 64 * h);
-        }
+        if constexpr (q5) q5k_planes(blk, c, planes);
 #pragma GCC unroll 8  // shift_bits' counts as constants
         for (int v = 0; v < 8; ++v) {
           __m512i lo, hi;

@@ -235,7 +235,7 @@ void micro_q4k(PAGEDLLM_MICRO_ARGS) {
       __m256i dot[2][R], s16[2][R];  // sub-blocks 2 chunk (low nibbles) and 2 chunk + 1
       __m256i planes[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
       if constexpr (q5) {
-        for (int p = 0; p < 2; ++p) planes[p] = load32(half + 2048 + chunk * 128 + 64 * p);
+        for (int p = 0; p < 2; ++p) planes[p] = load32(half + kQ5KPlanes + chunk * 128 + 64 * p);
       }
 #pragma GCC unroll 8  // shift_bits' counts as constants
       for (int v = 0; v < 8; ++v) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "quant_layout.h"
 #include "simd.h"
 
 namespace pagedllm_ops {
@@ -63,6 +64,12 @@ inline void unpack_q4(__m512i raw, __m512i plane, int v, __m512i& lo, __m512i& h
     lo = _mm512_or_si512(lo, _mm512_and_si512(shift_bits(plane, 4 - v % 4), bit4));
     hi = _mm512_or_si512(hi, _mm512_and_si512(shift_bits(plane, -(v % 4)), bit4));
   }
+}
+
+// The fifth-bit planes of Q5_K chunk c (layout: quant_layout.h), for unpack_q4's
+// vectors [0, 4) and [4, 8).
+inline void q5k_planes(const uint8_t* blk, int c, __m512i planes[2]) {
+  for (int h = 0; h < 2; ++h) planes[h] = _mm512_loadu_si512(blk + kQ5KPlanes + c * 128 + 64 * h);
 }
 
 // 16 u8 (one per column of a group) as float32.

@@ -36,6 +36,7 @@ constexpr int64_t kQ4KScales = 2048;
 // [4h, 4h + 4) as Q5_0's plane holds those of its 4 vectors (bit v % 4: low nibble, bit
 // 4 + v % 4: high nibble) | then Q4_K's d, dmin, sc, m.
 constexpr int64_t kQ5KScales = 2560;
+constexpr int64_t kQ5KPlanes = 2048;  // where qh starts (after the qs)
 // Q6_K (group, super-block), 3360 bytes: 8 blocks of 32 weights, each 384 bytes: the low
 // 4 bits as Q4_0's qs [4][16 columns][4 bytes] | the top 2 bits of its low nibbles [16
 // columns][4 bytes] | of its high nibbles, the same (byte i of a column: bits 2v, 2v + 1
