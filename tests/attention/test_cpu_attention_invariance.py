@@ -128,8 +128,9 @@ def test_a_row_is_bit_identical_in_every_batch_shape(sliding_window, case):
             if computed <= p < computed + qlen:
                 assert torch.equal(rows[p - computed], expected), (computed, qlen, p)
     # Decode batches: 11 other requests sharing the first 12 blocks (a cascade, when
-    # there is no window) or nothing, the subject first, in the middle or last.
-    for shared in (12, 0):
+    # there is no window), the first 10 (160 keys: the AMX pass's cascade ends there,
+    # the tile pass's at 144) or nothing, the subject first, in the middle or last.
+    for shared in (12, 10, 0):
         others = [_other(i, shared, 200 + 3 * i) for i in range(11)]
         for at in (0, 5, 11):
             batch = others[:at] + [(SUBJECT_BLOCKS, LEN - 1, 1)] + others[at:]

@@ -84,3 +84,21 @@ def test_quantization_resolution(monkeypatch):
     monkeypatch.setattr(arg_utils, "has_quant_simd", lambda: False)
     assert resolve().quantization is None
     assert resolve(quantization="gguf").quantization == "gguf"
+
+
+def test_amx_bf16_native_is_the_dequantized_run(monkeypatch):
+    """With PAGEDLLM_CPU_QUANT_GEMM=amx_bf16 (an AMX CPU) the native Q4_1 / Q8_0 weights are
+    dequantized to bfloat16 inside the GEMM (csrc/quant_amx_bf16.h), with the bits of the
+    dequantized model's GEMM: the same tokens and logprobs as `dequantize=True`, from
+    weights held at the file's size."""
+    from pagedllm.kernels.cpu import ops as cpu_ops
+    if not (cpu_ops.load_cpu_kernels() and cpu_ops.quant_amx_bf16_usable()):
+        pytest.skip("no AMX-BF16 tiles here")
+    monkeypatch.setenv("PAGEDLLM_CPU_QUANT_GEMM", "amx_bf16")
+    prompts = PROMPTS[:3]
+    native = LLM(dtype="bfloat16", kv_cache_space=0.05)
+    assert native.llm_engine.config.model.quantization == "gguf"
+    got = greedy_dists(native, prompts, 16)
+    native.shutdown()
+    plain = LLM(dtype="bfloat16", kv_cache_space=0.05, dequantize=True)
+    assert greedy_dists(plain, prompts, 16) == got

@@ -243,7 +243,8 @@ def test_path_names() -> None:
     x = torch.randn(2, 64)
     if {"avx512_vnni", "avx512bw"} <= cpu_flags():
         assert torch.equal(run_gemm(weight, x, path="avx512"), run_gemm(weight, x))
-    with pytest.raises(RuntimeError, match="path must be auto, amx, avx512, avx2 or portable"):
+    with pytest.raises(RuntimeError,
+                       match="path must be auto, amx_bf16, amx, avx512, avx2 or portable"):
         run_gemm(weight, x, path="sse")
 
 

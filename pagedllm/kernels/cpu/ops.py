@@ -106,8 +106,13 @@ def gemm_quant(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     none). Each row of x is quantized to int8 blocks of 32 first (results depend on the
     row alone). With `accumulate`, out += that. `path` picks the kernels: "auto" (AMX for
     compute-bound calls where usable, else the widest this build has), "amx" (AMX-INT8
-    tiles: Q2_K and Q6_K take the AVX-512 kernels), "avx512" (AVX512-VNNI), "avx2" (AVX2 + FMA + F16C) or "portable" (plain C++); all give the same
-    bits, and one the build lacks raises RuntimeError."""
+    tiles: Q2_K and Q6_K take the AVX-512 kernels), "avx512" (AVX512-VNNI), "avx2" (AVX2 +
+    FMA + F16C) or "portable" (plain C++); all give the same bits, and one the build lacks
+    raises RuntimeError. "amx_bf16" (bfloat16 x on Q8_0 / Q4_0 / Q4_1, where
+    `quant_amx_bf16_usable()`) instead dequantizes the weights to bfloat16 and multiplies
+    on AMX bfloat16 tiles, unquantized x: the bits of gemm_bf16 on the dequantized weights;
+    with PAGEDLLM_CPU_QUANT_GEMM=amx_bf16 in the environment "auto" takes it for those
+    calls (csrc/quant_amx_bf16.h)."""
     torch.ops.pagedllm_cpu.gemm_quant.default(out, x, weight, bias, accumulate, path)
 
 
@@ -116,6 +121,12 @@ def quant_amx_usable() -> bool:
     and the OS lets this process use the tiles; `auto` then takes them for calls of 32 rows
     or more."""
     return bool(torch.ops.pagedllm_cpu.quant_amx_usable.default())
+
+
+def quant_amx_bf16_usable() -> bool:
+    """Whether gemm_quant's "amx_bf16" path is in the build (AMX-BF16 and AVX512-VBMI) and
+    the OS lets this process use the tiles."""
+    return bool(torch.ops.pagedllm_cpu.quant_amx_bf16_usable.default())
 
 
 def quant_rows(out: torch.Tensor, packed: torch.Tensor, ids: torch.Tensor,

@@ -887,10 +887,12 @@ void gemm_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
     auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     const int64_t ldo = out.stride(0);
     gemm_amx::run(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), x.size(0),
-                  x.size(1), reinterpret_cast<const uint16_t*>(weight.data_ptr()),
+                  x.size(1),
+                  gemm_amx::PackedPanels{reinterpret_cast<const uint16_t*>(weight.data_ptr()),
+                                         x.size(1) * gemm_amx::kPanelCols},
                   weight.size(0), out.size(1),
                   bias.has_value() ? bias->data_ptr<float>() : nullptr, kMinRunPanels,
-                  pagedllm_simd::stream_prefetch_bytes(),
+                  pagedllm_simd::stream_prefetch_bytes(), gemm_amx::kBlockTiles,
                   [&](int64_t r, int64_t c0, __mmask16 mask, __m512 sum) {
                     store_bf16(op + r * ldo + c0, mask, sum, accumulate);
                   });

@@ -63,6 +63,7 @@
 
 #include "ops.h"
 #include "quant_amx.h"
+#include "quant_amx_bf16.h"
 #include "quant_avx2.h"
 #include "quant_avx512.h"
 #include "quant_layout.h"
@@ -89,8 +90,9 @@ inline float to_f(T v) { return static_cast<float>(v); }
 
 // Which kernels run: AMX (quant_amx.h), AVX512-VNNI, AVX2 (quant_avx2.h) or the portable
 // C++; each is in the library where the compiler targets a CPU that has it. All give the
-// same bits.
-enum class Path { kAmx, kAvx512, kAvx2, kPortable };
+// same bits. Or AMX bfloat16 tiles on the dequantized weights (quant_amx_bf16.h: bfloat16
+// x on Q8_0 / Q4_0 / Q4_1), whose bits are the dequantized model's instead.
+enum class Path { kAmx, kAvx512, kAvx2, kPortable, kAmxBf16 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kHasAvx512 = true;
@@ -117,14 +119,29 @@ constexpr int64_t kAmxMinRows = 32;
 
 // The path named by gemm_quant's `path` argument for a call of `rows` rows on `type`
 // ("auto": AMX for compute-bound calls where usable, else the widest compiled).
-Path path_of(c10::string_view name, int64_t rows, QType type) {
+Path path_of(c10::string_view name, int64_t rows, QType type, bool bf16_x) {
   if (name == "auto") {
+#if defined(PAGEDLLM_QUANT_AMX_BF16)
+    // Every call, whatever its rows (a row's bits may not depend on the batch).
+    if (bf16_x && amx_bf16::supports(type) && amx_bf16::chosen()) return Path::kAmxBf16;
+#endif
 #if defined(PAGEDLLM_QUANT_AMX)
     if (rows >= kAmxMinRows && amx::supports(type) && amx_usable()) return Path::kAmx;
 #endif
     return kHasAvx512 ? Path::kAvx512 : (kHasAvx2 ? Path::kAvx2 : Path::kPortable);
   }
   if (name == "portable") return Path::kPortable;
+  if (name == "amx_bf16") {
+#if defined(PAGEDLLM_QUANT_AMX_BF16)
+    TORCH_CHECK(bf16_x && amx_bf16::supports(type) && amx_bf16::usable(),
+                "gemm_quant: path 'amx_bf16' takes bfloat16 x on Q8_0 / Q4_0 / Q4_1 blocks, "
+                "where the OS grants the tiles");
+    return Path::kAmxBf16;
+#else
+    TORCH_CHECK(false, "gemm_quant: path 'amx_bf16' is not in this build (a CPU without "
+                "AMX-BF16 or AVX512-VBMI)");
+#endif
+  }
   if (name == "amx") {
     TORCH_CHECK(amx_usable(), "gemm_quant: path 'amx' is not in this build or not granted "
                 "by the OS (a CPU without AMX-INT8, or Linux before 5.16)");
@@ -136,7 +153,7 @@ Path path_of(c10::string_view name, int64_t rows, QType type) {
                 "' is not in this build (compiled for a CPU without it)");
     return avx512 ? Path::kAvx512 : Path::kAvx2;
   }
-  TORCH_CHECK(false, "gemm_quant: path must be auto, amx, avx512, avx2 or portable, got '",
+  TORCH_CHECK(false, "gemm_quant: path must be auto, amx_bf16, amx, avx512, avx2 or portable, got '",
               std::string(name), "'");
 }
 
@@ -833,9 +850,26 @@ void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
   TORCH_CHECK(bias.has_value() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                   bias->numel() == out.size(1),
               "gemm_quant: bias must be a contiguous float32 [N] (zeros for none)");
-  const Path kernels = path_of(path, x.size(0), layout_of(weight.size(2)).type);
+  const QType type = layout_of(weight.size(2)).type;
+  const bool bf16_x = x.scalar_type() == at::kBFloat16;
+  const Path kernels = path_of(path, x.size(0), type, bf16_x);
   if (x.size(0) == 0) return;
   const float* bp = bias->data_ptr<float>();  // read with masks past N: never beyond it
+#if defined(PAGEDLLM_QUANT_AMX_BF16)
+  if (kernels == Path::kAmxBf16) {
+    auto tiles = [&](auto kernel) {
+      kernel(x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(0), x.size(1),
+             weight.data_ptr<uint8_t>(), weight.size(0), weight.size(2), bp,
+             out.data_ptr<c10::BFloat16>(), out.stride(0), out.size(1), accumulate);
+    };
+    switch (type) {
+      case QType::kQ8_0: return tiles(amx_bf16::run<QType::kQ8_0>);
+      case QType::kQ4_0: return tiles(amx_bf16::run<QType::kQ4_0>);
+      case QType::kQ4_1: return tiles(amx_bf16::run<QType::kQ4_1>);
+      default: TORCH_CHECK(false, "gemm_quant: no amx_bf16 kernel for this block type");
+    }
+  }
+#endif
   if (x.scalar_type() == at::kBFloat16) {
     gemm_quant_impl<c10::BFloat16>(out, x, weight, bp, accumulate, kernels);
   } else {
@@ -845,6 +879,14 @@ void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
 
 bool quant_amx_usable() { return amx_usable(); }
 
+bool quant_amx_bf16_usable() {
+#if defined(PAGEDLLM_QUANT_AMX_BF16)
+  return amx_bf16::usable();
+#else
+  return false;
+#endif
+}
+
 }  // namespace pagedllm_ops
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
@@ -852,6 +894,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       "gemm_quant(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, "
       "bool accumulate=False, str path='auto') -> ()");
   m.def("quant_amx_usable() -> bool", &pagedllm_ops::quant_amx_usable);
+  m.def("quant_amx_bf16_usable() -> bool", &pagedllm_ops::quant_amx_bf16_usable);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("gemm_quant", &pagedllm_ops::gemm_quant); }

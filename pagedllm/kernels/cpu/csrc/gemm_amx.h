@@ -28,9 +28,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
+#include "simd.h"
 #include "work_split.h"
 
 namespace pagedllm_ops {
@@ -80,15 +82,18 @@ inline void panel_sums(const uint16_t* x, int64_t ldx, const uint16_t* panel, in
   _tile_stored(2, sums + 32, 4 * kPanelCols);
 }
 
-// out [m, n] = x [m, k] . W^T (+ bias) from the panels; `store(row, col, mask, sum)`
-// writes 16 (mask) columns of sums + bias: gemm_bf16's epilogue. k % 32 == 0. Calls of
-// up to kStreamRows rows claim their panels in runs of at least `min_run_panels`, and
-// prefetch them `stream_lead` bytes ahead (as cpu_gemm.cpp's streaming calls).
-template <typename Store>
-void run(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w,
+// out [m, n] = x [m, k] . W^T (+ bias) from `panels` panels of N; `store(row, col, mask,
+// sum)` writes 16 (mask) columns of sums + bias: the caller's epilogue. k % 32 == 0.
+// `source.panel(p, scratch)` gives panel p's [K / 2, 48, 2] elements: packed bfloat16
+// weights give theirs in place (PackedPanels); quantized ones are dequantized into the
+// thread's `scratch` of source.scratch_elems() (quant_amx_bf16.h), once per block of
+// `block_tiles` row tiles. Calls of up to kStreamRows rows claim their panels in runs of
+// at least `min_run_panels`, and prefetch them `stream_lead` bytes ahead (as cpu_gemm.cpp's
+// streaming calls).
+template <typename Source, typename Store>
+void run(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const Source& source,
          int64_t panels, int64_t n, const float* bias, int64_t min_run_panels,
-         int64_t stream_lead, Store&& store) {
-  const int64_t panel_elems = k * kPanelCols;
+         int64_t stream_lead, int64_t block_tiles, Store&& store) {
   // A partial last tile of a call of 16 rows or more: its rows, then zeros.
   const int64_t full = m >= kTileRows ? m / kTileRows : 0;
   const int64_t tiles = m >= kTileRows ? (m + kTileRows - 1) / kTileRows : 1;
@@ -102,13 +107,13 @@ void run(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w
   const bool stream = m <= kStreamRows;
   // Small calls take microseconds, less than waking the other threads.
   const bool parallel = n * k * (m + 16) > (1 << 21);
-  const int64_t blocks = (tiles + kBlockTiles - 1) / kBlockTiles;
+  const int64_t blocks = (tiles + block_tiles - 1) / block_tiles;
   ClaimCounters next_panel(blocks);
-  // One panel for row tile t: sums, then the epilogue for its rows.
-  auto tile_panel = [&](int64_t t, int64_t p, float* sums) {
+  // Panel p (its elements at w) for row tile t: sums, then the epilogue for its rows.
+  auto tile_panel = [&](int64_t t, int64_t p, const uint16_t* w, float* sums) {
     const uint16_t* xt = t < full || m < kTileRows ? x + t * kTileRows * ldx : padded.get();
     const int64_t lx = t < full || m < kTileRows ? ldx : k;
-    panel_sums(xt, lx, w + p * panel_elems, k, sums, stream ? stream_lead : 0);
+    panel_sums(xt, lx, w, k, sums, stream ? stream_lead : 0);
     const int64_t cols = std::min(kPanelCols, n - p * kPanelCols);
     const int64_t rows = std::min(kTileRows, m - t * kTileRows);
     for (int64_t j = 0; j < 3 && 16 * j < cols; ++j) {
@@ -126,17 +131,30 @@ void run(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w
   {
     const pagedllm_amx::Tiles held(tile_config(config_rows));
     alignas(64) float sums[kTileRows * kPanelCols];
+    std::unique_ptr<uint16_t[], pagedllm_simd::FreeAligned> scratch;
+    if (source.scratch_elems() > 0)
+      scratch.reset(static_cast<uint16_t*>(std::aligned_alloc(64, source.scratch_elems() * 2)));
     const int64_t threads = omp_get_num_threads();
     for (int64_t bk = 0; bk < blocks; ++bk) {
-      const int64_t t0 = bk * kBlockTiles, t1 = std::min(tiles, t0 + kBlockTiles);
+      const int64_t t0 = bk * block_tiles, t1 = std::min(tiles, t0 + block_tiles);
       claim_runs(next_panel[bk], panels, threads, stream ? min_run_panels : 1,
                  [&](int64_t p0, int64_t p1) {
-                   for (int64_t p = p0; p < p1; ++p)
-                     for (int64_t t = t0; t < t1; ++t) tile_panel(t, p, sums);
+                   for (int64_t p = p0; p < p1; ++p) {
+                     const uint16_t* w = source.panel(p, scratch.get());
+                     for (int64_t t = t0; t < t1; ++t) tile_panel(t, p, w, sums);
+                   }
                  });
     }
   }
 }
+
+// Packed bfloat16 panels [ceil(N / 48), K / 2, 48, 2] (cpu_gemm.cpp), read in place.
+struct PackedPanels {
+  const uint16_t* w;
+  int64_t panel_elems;  // K * 48
+  const uint16_t* panel(int64_t p, uint16_t*) const { return w + p * panel_elems; }
+  int64_t scratch_elems() const { return 0; }
+};
 
 }  // namespace gemm_amx
 }  // namespace pagedllm_ops

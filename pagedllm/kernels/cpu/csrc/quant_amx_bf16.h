@@ -1,0 +1,185 @@
+// The quantized GEMM on AMX bfloat16 tiles, for bfloat16 activations on Q8_0, Q4_0 and Q4_1
+// blocks; included by cpu_quant.cpp.
+//
+// Why not the int8 tiles (quant_amx.h) for these: a 16 x 16 block of int8 dots needs its
+// float epilogue (two scales and a min per block of 32) in vector registers, ~4 operations
+// per 16 sums and block, and the tiles do not overlap it: ~28 ns per 16 x 16 x 32 block and
+// core at 512 rows, where bfloat16 tiles summing over all of K take ~16. Here each panel of 48 columns is
+// dequantized once per call (per 512 rows) into the thread's scratch, exactly in the
+// packed bfloat16 layout of gemm_amx.h ([K / 2, 48, 2]), and gemm_amx::run multiplies it
+// as it does the packed weights of a bfloat16 model.
+//
+// The weights are dequantized as gguf's dequantize and `--dequantize` do: w = d q + m
+// (Q4_1), d (q - 8) (Q4_0), d q (Q8_0) in float32, where the product d q is exact (11 by at
+// most 8 significant bits), so one fused multiply-add rounds as the separate multiply and
+// add do; then rounded to bfloat16 to nearest even, as torch's conversion. So every output
+// has the bits of gemm_bf16 on the dequantized weights (tested): native and
+// dequantized runs of a GGUF file give the same tokens on an AMX machine.
+//
+// Chosen per process (PAGEDLLM_CPU_QUANT_GEMM=amx_bf16), every call on these types with
+// bfloat16 x then takes this path, whatever its rows: the tiles' sums are not the int8
+// path's, and a row's bits may not depend on the batch. It is not the default: at one row
+// the dequantization is the cost (~0.23 cycles a weight, where the int8 kernels stream
+// ~14 weights a cycle), so a single decode runs ~2.2x slower while batches and prefills
+// run ~20-30% faster (measured: docs/architecture.md, "Quantized GEMM on bfloat16 tiles").
+#pragma once
+
+#include "gemm_amx.h"
+
+#if defined(PAGEDLLM_GEMM_AMX) && defined(__AVX512VBMI__)
+#define PAGEDLLM_QUANT_AMX_BF16 1
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "quant_avx512.h"
+#include "quant_layout.h"
+
+namespace pagedllm_ops {
+namespace quant {
+namespace amx_bf16 {
+
+inline bool supports(QType type) {
+  return type == QType::kQ8_0 || type == QType::kQ4_0 || type == QType::kQ4_1;
+}
+
+// Whether it is built and the OS grants the tiles.
+inline bool usable() { return pagedllm_amx::granted(); }
+
+// Whether `auto` takes this path for calls on bfloat16 x: where usable and the process
+// asks for it (PAGEDLLM_CPU_QUANT_GEMM=amx_bf16).
+inline bool chosen() {
+  const char* mode = std::getenv("PAGEDLLM_CPU_QUANT_GEMM");
+  return mode != nullptr && std::strcmp(mode, "amx_bf16") == 0 && usable();
+}
+
+// vpermb indices putting byte 4c + s + e of a group vector (column c's byte s + e) in
+// dword lane 2c' + e, c' = c - 8h: half h of a panel row's 16 columns, byte pair s / 2
+// (the masked permute zeroes each dword's other bytes).
+inline __m512i pair_bytes(int h, int s) {
+  alignas(64) uint8_t idx[64] = {};
+  for (int lane = 0; lane < 16; ++lane)
+    idx[4 * lane] = static_cast<uint8_t>(4 * (8 * h + lane / 2) + s + lane % 2);
+  return _mm512_load_si512(idx);
+}
+
+// The group's scales per lane of a half: lane 2c' + e has column 8h + c''s.
+inline __m512 pair_lanes(__m512 per_column, int h) {
+  alignas(64) int32_t idx[16];
+  for (int lane = 0; lane < 16; ++lane) idx[lane] = 8 * h + lane / 2;
+  return _mm512_permutexvar_ps(_mm512_load_si512(idx), per_column);
+}
+
+// A panel row: 16 columns x 2 weights, from the two halves' float32 weights.
+inline void put_row(uint16_t* dst, __m512 lo_half, __m512 hi_half) {
+  _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi_half, lo_half));
+}
+
+// Group g's weights (its nb blocks at wg) as panel columns [16 j, 16 j + 16) of `panel`
+// [K / 2, 48, 2] (rows 96 elements apart).
+template <QType Q>
+void dequantize_group(const uint8_t* wg, int64_t block_bytes, int64_t nb, uint16_t* panel,
+                      int j) {
+  constexpr int64_t kRow = 2 * gemm_amx::kPanelCols;  // elements per pair row
+  const __m512i sel[2][2] = {{pair_bytes(0, 0), pair_bytes(0, 2)},
+                             {pair_bytes(1, 0), pair_bytes(1, 2)}};
+  constexpr __mmask64 kFirstBytes = 0x1111111111111111ull;
+  const __m512i low4 = _mm512_set1_epi32(0x0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wg + b * block_bytes;
+    uint16_t* rows = panel + b * 16 * kRow + 32 * j;  // pair row i at rows + i * kRow
+    if constexpr (Q == QType::kQ8_0) {
+      // 8 vectors of [16 columns][4 bytes] (q + 128): vector v holds k = 4v + i.
+      const __m512 dv = load_halves(blk + 512);
+      const __m512 d[2] = {pair_lanes(dv, 0), pair_lanes(dv, 1)};
+      const __m512i off = _mm512_set1_epi32(128);
+      for (int v = 0; v < 8; ++v) {
+        const __m512i raw = _mm512_loadu_si512(blk + 64 * v);
+        for (int s = 0; s < 2; ++s) {
+          __m512 w[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m512i q = _mm512_sub_epi32(
+                _mm512_maskz_permutexvar_epi8(kFirstBytes, sel[h][s], raw), off);
+            w[h] = _mm512_mul_ps(d[h], _mm512_cvtepi32_ps(q));
+          }
+          put_row(rows + (2 * v + s) * kRow, w[0], w[1]);
+        }
+      }
+    } else {
+      // 4 vectors of [16 columns][4 bytes]: vector v's low nibbles hold k = 4v + i, its
+      // high nibbles k = 16 + 4v + i.
+      const __m512 dv = load_halves(blk + 256);
+      // Q4_1: + m; Q4_0: - 8 d (exact: d times a power of two).
+      const __m512 mv = Q == QType::kQ4_1 ? load_halves(blk + 288)
+                                         : _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f));
+      const __m512 d[2] = {pair_lanes(dv, 0), pair_lanes(dv, 1)};
+      const __m512 m[2] = {pair_lanes(mv, 0), pair_lanes(mv, 1)};
+      for (int v = 0; v < 4; ++v) {
+        const __m512i raw = _mm512_loadu_si512(blk + 64 * v);
+        for (int s = 0; s < 2; ++s) {
+          __m512 lo[2], hi[2];
+          for (int h = 0; h < 2; ++h) {
+            const __m512i bytes = _mm512_maskz_permutexvar_epi8(kFirstBytes, sel[h][s], raw);
+            lo[h] = _mm512_fmadd_ps(d[h], _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4)),
+                                    m[h]);
+            hi[h] = _mm512_fmadd_ps(d[h], _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)),
+                                    m[h]);
+          }
+          put_row(rows + (2 * v + s) * kRow, lo[0], lo[1]);
+          put_row(rows + (8 + 2 * v + s) * kRow, hi[0], hi[1]);
+        }
+      }
+    }
+  }
+}
+
+// gemm_amx::run's source: panel p is groups [3p, 3p + 3), dequantized into the thread's
+// scratch (a last panel's missing groups: zeros, their columns never stored).
+template <QType Q>
+struct DequantizedPanels {
+  const uint8_t* w;
+  int64_t block_bytes, nb, groups;
+
+  int64_t scratch_elems() const { return nb * 16 * 2 * gemm_amx::kPanelCols; }
+
+  const uint16_t* panel(int64_t p, uint16_t* scratch) const {
+    const int64_t group_bytes = nb * block_bytes;
+    for (int j = 0; j < 3; ++j) {
+      const int64_t g = 3 * p + j;
+      if (g < groups) {
+        dequantize_group<Q>(w + g * group_bytes, block_bytes, nb, scratch, j);
+      } else {
+        for (int64_t r = 0; r < nb * 16; ++r)
+          std::memset(scratch + r * 2 * gemm_amx::kPanelCols + 32 * j, 0, 64);
+      }
+    }
+    return scratch;
+  }
+};
+
+// Row tiles per block: each panel is dequantized once per block, and a block of 512 rows of
+// x (K = 1536: 1.5 MB) stays in L2 and L3.
+constexpr int64_t kBlockTiles = 32;
+
+// out [M, N] (+)= x [M, K] . dequant(W)^T + bias (gemm_quant's contract, bfloat16 x).
+template <QType Q>
+void run(const c10::BFloat16* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* w,
+         int64_t groups, int64_t block_bytes, const float* bias, c10::BFloat16* out,
+         int64_t ldo, int64_t n, bool accumulate) {
+  const DequantizedPanels<Q> source{w, block_bytes, k / kBlock, groups};
+  const int64_t panels = (groups + 2) / 3;
+  gemm_amx::run(reinterpret_cast<const uint16_t*>(x), ldx, m, k, source, panels, n, bias,
+                /*min_run_panels=*/1, /*stream_lead=*/0, kBlockTiles,
+                [&](int64_t r, int64_t c0, __mmask16 mask, __m512 sum) {
+                  store16_out(out + r * ldo + c0, sum, mask, accumulate);
+                });
+}
+
+}  // namespace amx_bf16
+}  // namespace quant
+}  // namespace pagedllm_ops
+
+#endif
