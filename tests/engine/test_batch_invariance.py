@@ -12,10 +12,15 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.cpu.features import has_native_bf16_gemm
+from pagedllm.kernels.cpu.ops import load_cpu_kernels, quant_amx_bf16_usable
 
-# (dtype, quantization): the default path, and float32 on dequantized weights.
+# (dtype, quantization): the default path, and float32 on dequantized weights; and
+# bfloat16 with the GGUF blocks dequantized onto AMX bfloat16 tiles (opt-in, an
+# environment variable: csrc/quant_amx_bf16.h).
 CONFIGS = {"bf16": dict(dtype="bfloat16"),
-           "f32-dequantized": dict(dtype="float32", quantization="none")}
+           "f32-dequantized": dict(dtype="float32", quantization="none"),
+           "bf16-amx-tiles": dict(dtype="bfloat16")}
+ENVIRONMENT = {"bf16-amx-tiles": {"PAGEDLLM_CPU_QUANT_GEMM": "amx_bf16"}}
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=12, logprobs=3),
           SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=12, logprobs=3)]
@@ -38,10 +43,15 @@ def _run(llm: LLM, prompts, params):
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_outputs_do_not_depend_on_the_batch(config):
+def test_outputs_do_not_depend_on_the_batch(config, monkeypatch):
     kwargs = CONFIGS[config]
     if kwargs["dtype"] == "bfloat16" and not has_native_bf16_gemm():
         pytest.skip("bfloat16 runs natively only with AVX512-BF16 or AVX2")
+    if config in ENVIRONMENT:
+        if not (load_cpu_kernels() and quant_amx_bf16_usable()):
+            pytest.skip("no AMX-BF16 tiles here")
+        for name, value in ENVIRONMENT[config].items():
+            monkeypatch.setenv(name, value)
     prompts = _prompts()
     llm = LLM(enable_prefix_caching=False, **kwargs)
     try:

@@ -66,11 +66,11 @@ inline __m512i pair_bytes(int h, int s) {
   return _mm512_load_si512(idx);
 }
 
-// The group's scales per lane of a half: lane 2c' + e has column 8h + c''s.
-inline __m512 pair_lanes(__m512 per_column, int h) {
+// vpermps indices giving lane 2c' + e of half h column 8h + c''s scale.
+inline __m512i pair_columns(int h) {
   alignas(64) int32_t idx[16];
   for (int lane = 0; lane < 16; ++lane) idx[lane] = 8 * h + lane / 2;
-  return _mm512_permutexvar_ps(_mm512_load_si512(idx), per_column);
+  return _mm512_load_si512(idx);
 }
 
 // A panel row: 16 columns x 2 weights, from the two halves' float32 weights.
@@ -86,6 +86,10 @@ void dequantize_group(const uint8_t* wg, int64_t block_bytes, int64_t nb, uint16
   constexpr int64_t kRow = 2 * gemm_amx::kPanelCols;  // elements per pair row
   const __m512i sel[2][2] = {{pair_bytes(0, 0), pair_bytes(0, 2)},
                              {pair_bytes(1, 0), pair_bytes(1, 2)}};
+  const __m512i col[2] = {pair_columns(0), pair_columns(1)};
+  auto halves = [&](__m512 per_column, __m512* out) {
+    for (int h = 0; h < 2; ++h) out[h] = _mm512_permutexvar_ps(col[h], per_column);
+  };
   constexpr __mmask64 kFirstBytes = 0x1111111111111111ull;
   const __m512i low4 = _mm512_set1_epi32(0x0f);
   for (int64_t b = 0; b < nb; ++b) {
@@ -93,8 +97,8 @@ void dequantize_group(const uint8_t* wg, int64_t block_bytes, int64_t nb, uint16
     uint16_t* rows = panel + b * 16 * kRow + 32 * j;  // pair row i at rows + i * kRow
     if constexpr (Q == QType::kQ8_0) {
       // 8 vectors of [16 columns][4 bytes] (q + 128): vector v holds k = 4v + i.
-      const __m512 dv = load_halves(blk + 512);
-      const __m512 d[2] = {pair_lanes(dv, 0), pair_lanes(dv, 1)};
+      __m512 d[2];
+      halves(load_halves(blk + 512), d);
       const __m512i off = _mm512_set1_epi32(128);
       for (int v = 0; v < 8; ++v) {
         const __m512i raw = _mm512_loadu_si512(blk + 64 * v);
@@ -115,8 +119,9 @@ void dequantize_group(const uint8_t* wg, int64_t block_bytes, int64_t nb, uint16
       // Q4_1: + m; Q4_0: - 8 d (exact: d times a power of two).
       const __m512 mv = Q == QType::kQ4_1 ? load_halves(blk + 288)
                                          : _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f));
-      const __m512 d[2] = {pair_lanes(dv, 0), pair_lanes(dv, 1)};
-      const __m512 m[2] = {pair_lanes(mv, 0), pair_lanes(mv, 1)};
+      __m512 d[2], m[2];
+      halves(dv, d);
+      halves(mv, m);
       for (int v = 0; v < 4; ++v) {
         const __m512i raw = _mm512_loadu_si512(blk + 64 * v);
         for (int s = 0; s < 2; ++s) {
