@@ -153,7 +153,8 @@ Path path_of(c10::string_view name, int64_t rows, QType type, bool bf16_x) {
                 "' is not in this build (compiled for a CPU without it)");
     return avx512 ? Path::kAvx512 : Path::kAvx2;
   }
-  TORCH_CHECK(false, "gemm_quant: path must be auto, amx_bf16, amx, avx512, avx2 or portable, got '",
+  TORCH_CHECK(false,
+              "gemm_quant: path must be auto, amx_bf16, amx, avx512, avx2 or portable, got '",
               std::string(name), "'");
 }
 

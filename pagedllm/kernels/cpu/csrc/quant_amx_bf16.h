@@ -4,10 +4,10 @@
 // Why not the int8 tiles (quant_amx.h) for these: a 16 x 16 block of int8 dots needs its
 // float epilogue (two scales and a min per block of 32) in vector registers, ~4 operations
 // per 16 sums and block, and the tiles do not overlap it: ~28 ns per 16 x 16 x 32 block and
-// core at 512 rows, where bfloat16 tiles summing over all of K take ~16. Here each panel of 48 columns is
-// dequantized once per call (per 512 rows) into the thread's scratch, exactly in the
-// packed bfloat16 layout of gemm_amx.h ([K / 2, 48, 2]), and gemm_amx::run multiplies it
-// as it does the packed weights of a bfloat16 model.
+// core at 512 rows, where bfloat16 tiles summing over all of K take ~16. Here each panel
+// of 48 columns is dequantized once per call (per 512 rows) into the thread's scratch,
+// exactly in the packed bfloat16 layout of gemm_amx.h ([K / 2, 48, 2]), and
+// gemm_amx::run multiplies it as it does the packed weights of a bfloat16 model.
 //
 // The weights are dequantized as gguf's dequantize and `--dequantize` do: w = d q + m
 // (Q4_1), d (q - 8) (Q4_0), d q (Q8_0) in float32, where the product d q is exact (11 by at
@@ -21,7 +21,7 @@
 // path's, and a row's bits may not depend on the batch. It is not the default: at one row
 // the dequantization is the cost (~0.23 cycles a weight, where the int8 kernels stream
 // ~14 weights a cycle), so a single decode runs ~2.2x slower while batches and prefills
-// run ~20-30% faster (measured: docs/architecture.md, "Quantized GEMM on bfloat16 tiles").
+// run ~20-30% faster (measured: docs/architecture.md, AMX).
 #pragma once
 
 #include "gemm_amx.h"
