@@ -58,20 +58,28 @@ inline bool chosen() {
 
 // vpermb indices putting byte 4c + s + e of a group vector (column c's byte s + e) in
 // dword lane 2c' + e, c' = c - 8h: half h of a panel row's 16 columns, byte pair s / 2
-// (the masked permute zeroes each dword's other bytes).
-inline __m512i pair_bytes(int h, int s) {
-  alignas(64) uint8_t idx[64] = {};
-  for (int lane = 0; lane < 16; ++lane)
-    idx[4 * lane] = static_cast<uint8_t>(4 * (8 * h + lane / 2) + s + lane % 2);
-  return _mm512_load_si512(idx);
-}
+// (the masked permute zeroes each dword's other bytes): tables [h][s / 2], built at
+// compile time rather than on every group's dequantization.
+struct alignas(64) PairBytes {
+  uint8_t idx[2][2][64] = {};
+  constexpr PairBytes() {
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 2; ++s)
+        for (int lane = 0; lane < 16; ++lane)
+          idx[h][s][4 * lane] = static_cast<uint8_t>(4 * (8 * h + lane / 2) + 2 * s + lane % 2);
+  }
+};
+inline constexpr PairBytes kPairBytes{};
 
 // vpermps indices giving lane 2c' + e of half h column 8h + c''s scale.
-inline __m512i pair_columns(int h) {
-  alignas(64) int32_t idx[16];
-  for (int lane = 0; lane < 16; ++lane) idx[lane] = 8 * h + lane / 2;
-  return _mm512_load_si512(idx);
-}
+struct alignas(64) PairColumns {
+  int32_t idx[2][16] = {};
+  constexpr PairColumns() {
+    for (int h = 0; h < 2; ++h)
+      for (int lane = 0; lane < 16; ++lane) idx[h][lane] = 8 * h + lane / 2;
+  }
+};
+inline constexpr PairColumns kPairColumns{};
 
 // A panel row: 16 columns x 2 weights, from the two halves' float32 weights.
 inline void put_row(uint16_t* dst, __m512 lo_half, __m512 hi_half) {
@@ -84,9 +92,11 @@ template <QType Q>
 void dequantize_group(const uint8_t* wg, int64_t block_bytes, int64_t nb, uint16_t* panel,
                       int j) {
   constexpr int64_t kRow = 2 * gemm_amx::kPanelCols;  // elements per pair row
-  const __m512i sel[2][2] = {{pair_bytes(0, 0), pair_bytes(0, 2)},
-                             {pair_bytes(1, 0), pair_bytes(1, 2)}};
-  const __m512i col[2] = {pair_columns(0), pair_columns(1)};
+  __m512i sel[2][2], col[2];
+  for (int h = 0; h < 2; ++h) {
+    for (int s = 0; s < 2; ++s) sel[h][s] = _mm512_load_si512(kPairBytes.idx[h][s]);
+    col[h] = _mm512_load_si512(kPairColumns.idx[h]);
+  }
   auto halves = [&](__m512 per_column, __m512* out) {
     for (int h = 0; h < 2; ++h) out[h] = _mm512_permutexvar_ps(col[h], per_column);
   };
