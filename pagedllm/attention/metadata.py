@@ -41,6 +41,10 @@ class AttentionMetadata:
     # metadata with the group's block_table and slot_mapping (entry 0 is self); empty
     # for a model with one group.
     groups: tuple[AttentionMetadata, ...] = field(default=(), repr=False)
+    # Not attention's but the step's, read by the native decoder stack: bool [T], the
+    # tokens that are prompt tokens of their request, where the quantized GEMM runs
+    # those on other kernels (worker/prompt_rows.py); None: every row alike.
+    prompt_rows: torch.Tensor | None = None
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata an attention layer of KV cache group `group` reads."""

@@ -45,7 +45,8 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[i
 
 
 def update_block_hashes(request: Request, block_size: int,
-                        extra_keys: tuple[Any, ...] | None = None) -> list[BlockHash]:
+                        extra_keys: tuple[Any, ...] | None = None,
+                        prompt_rows: bool = False) -> list[BlockHash]:
     """Extend `request.block_hashes` with the hashes of its newly full blocks.
 
     Block i covers `request.all_token_ids[i * block_size : (i + 1) * block_size]`; only
@@ -53,7 +54,11 @@ def update_block_hashes(request: Request, block_size: int,
     block_size). Tokens are only ever appended, so hashes already computed stay valid,
     including across preemption. Returns `request.block_hashes` (the same list).
     `extra_keys` default to the request's own (its LoRA adapter, if any); a block
-    with image placeholders adds those images' hashes.
+    with image placeholders adds those images' hashes. `prompt_rows`: a block that
+    holds generated tokens also adds how many of its tokens are prompt tokens, as the
+    model computes prompt rows on other kernels (the quantized GEMM's bfloat16 tiles,
+    kernels/cpu/ops.py gemm_quant): the same tokens as another request's prompt are
+    not the same K/V.
     """
     if extra_keys is None:
         extra_keys = request.block_hash_extra_keys
@@ -67,6 +72,8 @@ def update_block_hashes(request: Request, block_size: int,
         if request.mm_inputs:
             images = request.image_hashes(start, start + block_size)
             keys = (*(extra_keys or ()), *images) if images else extra_keys
+        if prompt_rows and request.num_prompt_tokens < start + block_size:
+            keys = (*(keys or ()), ("prompt_rows", max(request.num_prompt_tokens - start, 0)))
         parent = hash_block_tokens(parent, token_ids[start:start + block_size], keys)
         hashes.append(parent)
     return hashes

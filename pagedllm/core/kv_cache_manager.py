@@ -37,10 +37,14 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 group_windows: Sequence[int | None] = (None,)) -> None:
+                 group_windows: Sequence[int | None] = (None,),
+                 hash_prompt_rows: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # The model computes prompt rows on other kernels than generated ones (the
+        # runner's `splits_prompt_rows`): block hashes tell them apart (block_hash.py).
+        self.hash_prompt_rows = hash_prompt_rows
         # Per KV cache group: the sliding window of its layers (None: full attention).
         self.group_windows = tuple(group_windows)
         self.num_groups = len(self.group_windows)
@@ -52,6 +56,10 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        return update_block_hashes(request, self.block_size,
+                                   prompt_rows=self.hash_prompt_rows)
 
     @property
     def usage(self) -> float:
@@ -112,7 +120,7 @@ class KVCacheManager:
         empty: GroupBlocks = [[] for _ in self.group_windows]
         if not self.enable_caching or request.num_tokens == 0:
             return empty, 0
-        block_hashes = update_block_hashes(request, self.block_size)
+        block_hashes = self._block_hashes(request)
         num_hit = min((request.num_tokens - 1) // self.block_size, len(block_hashes))
         # cached[g][i]: block i of group g. A full group's run stops at its first miss
         # (the waiting head is looked up again every step while it does not fit).
@@ -261,8 +269,7 @@ class KVCacheManager:
         request's. No reference is taken (`allocate_swapped_in` touches the hits).
         """
         hits: list[list[KVCacheBlock | None]] = []
-        block_hashes = (update_block_hashes(request, self.block_size)
-                        if self.enable_caching else [])
+        block_hashes = self._block_hashes(request) if self.enable_caching else []
         for g, (window, n) in enumerate(zip(self.group_windows, num_blocks)):
             skip = num_skipped_blocks(request.num_computed_tokens, window, self.block_size)
             group: list[KVCacheBlock | None] = [self.null_block] * min(skip, n)
@@ -315,7 +322,7 @@ class KVCacheManager:
         """Register blocks full once `num_tokens` tokens are written: num_tokens // B."""
         if not self.enable_caching:
             return
-        block_hashes = update_block_hashes(request, self.block_size)
+        block_hashes = self._block_hashes(request)
         # Only blocks whose tokens are all known have a hash.
         num_full_blocks = min(num_tokens // self.block_size, len(block_hashes))
         num_cached = self.num_cached_blocks.get(request.req_id, 0)

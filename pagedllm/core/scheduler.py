@@ -107,7 +107,9 @@ class Scheduler:
     (as in vLLM V1): after `schedule()` it counts tokens whose K/V this step will write.
     `num_swap_blocks` sizes the host pool of swap preemption (block 0 included, never
     used; < 2: no pool, every preemption recomputes). `clock` is the time source of
-    deadlines (injectable for tests).
+    deadlines (injectable for tests). `hash_prompt_rows`: the model computes prompt
+    rows on other kernels than generated ones, so prefix-cache hashes tell them apart
+    (core/block_hash.py).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -115,7 +117,7 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic,
                  pipeline_depth: int = 1,
                  group_windows: Sequence[int | None] = (None,),
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, hash_prompt_rows: bool = False) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -128,7 +130,7 @@ class Scheduler:
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
                                                cache_config.enable_prefix_caching,
-                                               group_windows)
+                                               group_windows, hash_prompt_rows)
         # NOTE: a sequence whose K/V outgrows the whole pool could never be scheduled
         # again, so it ends with "length" once it holds capacity + 1 tokens (the last
         # sampled token needs no slot). Only matters when the pool < max_model_len.

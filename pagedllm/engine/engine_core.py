@@ -58,7 +58,8 @@ class EngineCore:
                                    num_swap_blocks=self.num_swap_blocks,
                                    pipeline_depth=self.max_concurrent_batches,
                                    group_windows=group_windows,
-                                   num_lookahead_tokens=_num_lookahead_tokens(config))
+                                   num_lookahead_tokens=_num_lookahead_tokens(config),
+                                   hash_prompt_rows=self.executor.splits_prompt_rows())
         # (SchedulerOutput, future of its ModelRunnerOutput), oldest first.
         self.batch_queue: deque[tuple[Any, Any]] = deque()
         limits = config.structured_outputs

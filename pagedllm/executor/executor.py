@@ -28,6 +28,11 @@ class Executor(Protocol):
         """Per KV cache group, its sliding window (core/kv_groups.py)."""
         ...
 
+    def splits_prompt_rows(self) -> bool:
+        """Whether the model computes prompt rows on other kernels than generated ones
+        (worker/prompt_rows.py)."""
+        ...
+
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
@@ -54,6 +59,9 @@ class InProcExecutor:
 
     def kv_cache_group_windows(self) -> tuple[int | None, ...]:
         return self.runner.kv_cache_group_windows()
+
+    def splits_prompt_rows(self) -> bool:
+        return self.runner.splits_prompt_rows()
 
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
         self.runner.initialize_kv_cache(num_blocks, num_swap_blocks)

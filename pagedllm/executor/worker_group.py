@@ -24,6 +24,10 @@ class WorkerGroupExecutor:
         # Computed from the same config on every rank.
         return self._call_all("kv_cache_group_windows")[0]
 
+    def splits_prompt_rows(self) -> bool:
+        # Any rank that does makes the blocks' hashes tell prompt rows apart.
+        return any(self._call_all("splits_prompt_rows"))
+
     def determine_num_swap_blocks(self) -> int:
         # Every rank must hold the same host block ids too.
         return min(self._call_all("determine_num_swap_blocks"))

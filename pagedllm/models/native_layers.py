@@ -9,12 +9,14 @@ layers (tests/models/test_native_layers.py) and the Python layers stay the refer
 
 Applies when every layer is plain Llama: RMSNorm, fused qkv (+ bias), RoPE through the
 native op, the native paged attention (no soft-cap, no ALiBi), fused gate_up with SiLU,
-packed weights (native bfloat16 GEMM, GGUF blocks for the quantized GEMM, or oneDNN), one KV cache group (the stack reads one
-block table); a fused projection of mixed GGUF types (LinearBase.native_shards) runs
-shard by shard. The model's final RMSNorm runs at the end of the same call (one Python
-call fewer per step; after a decode step's weight stream every Python call runs on cold
-caches). Qwen3's q/k norm, Mixtral's experts and models mixing sliding-window and
-full layers (KV cache groups) keep the Python layers.
+packed weights (native bfloat16 GEMM, GGUF blocks for the quantized GEMM, or oneDNN), one
+KV cache group (the stack reads one block table); a fused projection of mixed GGUF types
+(LinearBase.native_shards) runs shard by shard. The model's final RMSNorm runs at the end
+of the same call (one Python call fewer per step; after a decode step's weight stream
+every Python call runs on cold caches). Qwen3's q/k norm, Mixtral's experts and models
+mixing sliding-window and full layers (KV cache groups) keep the Python layers. The
+step's prompt rows (AttentionMetadata.prompt_rows) go to the quantized GEMMs, as the
+Python layers' linears get them from the model's StepRows (worker/prompt_rows.py).
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ class NativeLlamaLayers:
             self.bound, x, positions, md.slot_mapping, md.block_table, md.seq_lens,
             md.query_start_loc, cos, sin, final_norm.weight if inside else None,
             final_norm.eps if inside else 0.0, final_norm.offset if inside else 0.0,
-            weights, rows)
+            weights, rows, md.prompt_rows)
         return x if inside or final_norm is None else final_norm(x)
 
     def _lora_args(self, lora: Any) -> tuple[list[torch.Tensor | None], list]:

@@ -39,6 +39,7 @@ from pagedllm.worker.deferred_sample import DeferredSample, HostCopy
 from pagedllm.worker.draft_proposer import DraftModelProposer
 from pagedllm.worker.ngram_proposer import NgramProposer
 from pagedllm.worker.pooler import pool_hidden_states
+from pagedllm.worker.prompt_rows import attach_step_rows, prompt_rows, splits_prompt_rows
 from pagedllm.worker.prompt_logprobs import prompt_logprobs_chunks
 from pagedllm.worker.swap import allocate_host_kv_cache, swap_blocks
 from pagedllm.worker.weight_pages import move_to_huge_pages
@@ -142,6 +143,11 @@ class ModelRunner:
             pack_linear_weights(self.model)
             move_to_huge_pages(self.model)
         self.vocab_size = config.model.hf_config.vocab_size
+        # Prompt rows on other kernels than generated ones (worker/prompt_rows.py): the
+        # step's marks, bound around each forward pass for the Python layers' linears.
+        self._splits_prompt_rows = splits_prompt_rows(self.model, self.dtype, self.device,
+                                                      config.device.compile)
+        self._step_rows = attach_step_rows(self.model) if self._splits_prompt_rows else None
         caveat = batch_invariance_caveat(config, cpu_ops_available(torch.empty(0)))
         if caveat is not None and parallel.is_driver:
             logger.info("outputs may differ with batching, chunked prefill and prefix "
@@ -243,6 +249,12 @@ class ModelRunner:
     def kv_cache_group_windows(self) -> tuple[int | None, ...]:
         return self.kv_layout.group_windows
 
+    def splits_prompt_rows(self) -> bool:
+        """Whether the model computes prompt rows on other kernels than generated ones:
+        the step's metadata then marks them, and prefix-cache hashes keep the two apart
+        (worker/prompt_rows.py)."""
+        return self._splits_prompt_rows
+
     def determine_num_swap_blocks(self) -> int:
         return determine_num_swap_blocks(self.model, self.config.cache,
                                          self.config.scheduler, self.kv_cache_dtype,
@@ -308,22 +320,26 @@ class ModelRunner:
             return StepOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         inputs = self._prepare_inputs(so)
         failed_loras: dict[int, str] = {}
-        if inputs.graph_bucket is not None:
-            hidden = self.graphs.replay(inputs.graph_bucket, inputs.attn_metadata.num_reqs)
-        elif inputs.lora_ids is not None:
-            failed_loras = self.lora.begin_step(inputs.lora_ids, inputs.loras)
-            try:
+        with (self._step_rows.bound(inputs.attn_metadata.prompt_rows)
+              if self._step_rows is not None else contextlib.nullcontext()):
+            if inputs.graph_bucket is not None:
+                hidden = self.graphs.replay(inputs.graph_bucket,
+                                            inputs.attn_metadata.num_reqs)
+            elif inputs.lora_ids is not None:
+                failed_loras = self.lora.begin_step(inputs.lora_ids, inputs.loras)
+                try:
+                    hidden = self._forward(inputs.input_ids, inputs.positions,
+                                           inputs.attn_metadata)
+                finally:
+                    self.lora.end_step()
+            elif self.parallel.pp_size == 1:
                 hidden = self._forward(inputs.input_ids, inputs.positions,
-                                       inputs.attn_metadata)
-            finally:
-                self.lora.end_step()
-        elif self.parallel.pp_size == 1:
-            hidden = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata,
-                                   **self._token_types(inputs), **self._image_embeds(inputs))
-        else:
-            hidden = self._forward_stage(inputs)
-            if not self.parallel.is_last_stage:
-                return StepOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+                                       inputs.attn_metadata, **self._token_types(inputs),
+                                       **self._image_embeds(inputs))
+            else:
+                hidden = self._forward_stage(inputs)
+                if not self.parallel.is_last_stage:
+                    return StepOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         output = ModelRunnerOutput(req_ids=inputs.req_ids,
                                    sampled_token_ids=[[] for _ in inputs.req_ids])
         if failed_loras:
@@ -653,6 +669,8 @@ class ModelRunner:
             input_ids_t = host_to_device(input_ids, dev)
             positions_t = host_to_device(positions, dev)
             md = AttentionMetadata.from_host(query_start_loc, seq_lens, *tables[0], dev)
+            if self._splits_prompt_rows:
+                md.prompt_rows = prompt_rows(positions, batch.num_prompt_tokens[token_rows])
             if len(tables) > 1:
                 md.groups = (md, *(replace(md, block_table=host_to_device(table, dev),
                                            slot_mapping=host_to_device(slots, dev))

@@ -284,3 +284,25 @@ def test_groups_do_not_share_cached_blocks(make_request) -> None:
     assert [[x.block_id for x in g] for g in hits] == [[full[0].block_id, full[1].block_id],
                                                        [window[0].block_id,
                                                         window[1].block_id]]
+
+
+@pytest.mark.parametrize("hash_prompt_rows", [False, True])
+def test_prompt_rows_keep_generated_blocks_apart(make_request, hash_prompt_rows) -> None:
+    """With hash_prompt_rows (the model computes prompt rows on other kernels), a block
+    holding generated tokens is not the same K/V as those tokens in another request's
+    prompt: b, whose prompt is a's prompt and output, hits only a's all-prompt block;
+    c, a's exact prompt and output again, hits them all. Without it b hits them all."""
+    manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, enable_caching=True,
+                             hash_prompt_rows=hash_prompt_rows)
+    a = make_request("a", list(range(6)))  # blocks [0..3] [4, 5 | 6, 7] [8 ..
+    admit(manager, a)
+    for token in (6, 7, 8, 9, 10):
+        a.append_output_token_ids([token])
+        assert manager.allocate_slots(a, 1) is not None
+        a.num_computed_tokens += 1
+    b = make_request("b", list(range(11)) + [99])
+    hits, num_computed_tokens = manager.get_computed_blocks(b)
+    assert num_computed_tokens == (4 if hash_prompt_rows else 8)
+    c = make_request("c", list(range(6)))
+    c.append_output_token_ids([6, 7, 8, 9])
+    assert manager.get_computed_blocks(c)[1] == 8

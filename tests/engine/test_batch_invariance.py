@@ -12,7 +12,8 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.cpu.features import has_native_bf16_gemm
-from pagedllm.kernels.cpu.ops import load_cpu_kernels, quant_amx_bf16_usable
+from pagedllm.kernels.cpu.ops import (load_cpu_kernels, quant_amx_bf16_usable,
+                                      quant_splits_prompt_rows)
 
 # (dtype, quantization): the default path, and float32 on dequantized weights; and
 # bfloat16 with the GGUF blocks dequantized onto AMX bfloat16 tiles (opt-in, an
@@ -76,6 +77,35 @@ def test_outputs_do_not_depend_on_the_batch(config, monkeypatch):
         for params, expected in zip(PARAMS, alone):
             assert _run(llm, prompts, params) == expected
         assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
+
+
+def test_a_prompt_holding_another_requests_output() -> None:
+    """A prompt that holds an earlier request's prompt and output (a chat's next turn)
+    gives the same outputs whether that request's blocks are in the prefix cache or not.
+    Where prompt rows run on other kernels than generated ones (the default GGUF run on
+    a CPU with AMX bfloat16 tiles: worker/prompt_rows.py), the blocks holding the
+    earlier output are not hits: those tokens are generated rows there, prompt rows
+    here; the earlier prompt's blocks still are."""
+    if not has_native_bf16_gemm():
+        pytest.skip("bfloat16 runs natively only with AVX512-BF16 or AVX2")
+    first = _prompts()[0]
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=3, ignore_eos=True)
+    llm = LLM(dtype="bfloat16")
+    try:
+        splits = llm.llm_engine.engine_core.scheduler.kv_cache_manager.hash_prompt_rows
+        assert splits == (load_cpu_kernels() and quant_splits_prompt_rows())
+        (output, _), = _run(llm, [first], params)
+        turn = first + list(output) + [1500, 2500, 3500]
+        cached = _run(llm, [turn], params)
+        hits = llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_hits
+        assert hits == (len(first) // 16 if splits else (len(first) + 40) // 16) * 16
+    finally:
+        llm.shutdown()
+    llm = LLM(dtype="bfloat16", enable_prefix_caching=False)
+    try:
+        assert _run(llm, [turn], params) == cached
     finally:
         llm.shutdown()
 

@@ -243,8 +243,9 @@ def test_path_names() -> None:
     x = torch.randn(2, 64)
     if {"avx512_vnni", "avx512bw"} <= cpu_flags():
         assert torch.equal(run_gemm(weight, x, path="avx512"), run_gemm(weight, x))
-    with pytest.raises(RuntimeError,
-                       match="path must be auto, amx_bf16, amx, avx512, avx2 or portable"):
+        assert torch.equal(run_gemm(weight, x, path="int8"), run_gemm(weight, x))
+    with pytest.raises(RuntimeError, match="path must be auto, int8, amx_bf16, amx, avx512, "
+                                           "avx2 or portable, got 'sse'"):
         run_gemm(weight, x, path="sse")
 
 

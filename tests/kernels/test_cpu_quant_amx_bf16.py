@@ -3,8 +3,9 @@ dequantized to bfloat16 panels and multiplied on AMX bfloat16 tiles. Its contrac
 exact: the bits of gemm_bf16 on the weights gguf-py dequantizes, rounded to bfloat16, in
 every shape (panels of 48 columns cut short, row tiles of 16 cut short, blocks of 512
 rows), with a bias and with accumulation; and a row's bits whatever the batch. `auto`
-takes it only where PAGEDLLM_CPU_QUANT_GEMM=amx_bf16 asks, for bfloat16 x on those
-types."""
+takes it for the prompt rows a call marks (by default), for every row where
+PAGEDLLM_CPU_QUANT_GEMM=amx_bf16 asks, for none under "int8"; only for bfloat16 x on
+those types."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def test_auto_takes_it_only_when_asked(monkeypatch) -> None:
     tiles = run_gemm(q41, x, path="amx_bf16")
     assert not torch.equal(int8, tiles)  # int8 activations against bfloat16 ones
     monkeypatch.delenv("PAGEDLLM_CPU_QUANT_GEMM", raising=False)
-    assert torch.equal(run_gemm(q41, x), int8)  # the default: int8 kernels
+    assert torch.equal(run_gemm(q41, x), int8)  # the default: int8 kernels (no marks)
     monkeypatch.setenv("PAGEDLLM_CPU_QUANT_GEMM", "amx_bf16")
     assert torch.equal(run_gemm(q41, x), tiles)
     # Other types and float32 x keep the int8 kernels.
@@ -87,6 +88,69 @@ def test_auto_takes_it_only_when_asked(monkeypatch) -> None:
     assert torch.equal(run_gemm(q41, xf), run_gemm(q41, xf, path="avx512"))
     monkeypatch.setenv("PAGEDLLM_CPU_QUANT_GEMM", "int8")
     assert torch.equal(run_gemm(q41, x), int8)
+
+
+def _marked_gemm(weight, x: torch.Tensor, marks: torch.Tensor, bias: torch.Tensor,
+                 start: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    if start is not None:
+        out.copy_(start)
+    cpu_ops.gemm_quant(out, x, repack(weight), bias, accumulate=start is not None,
+                       prompt_rows=marks)
+    return out
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_marked_prompt_rows_take_the_tiles(qtype: str, monkeypatch) -> None:
+    """By default `auto` runs the rows marked in prompt_rows on the tiles and the others on
+    the int8 kernels, each row as it would alone: marks in one run, scattered, all and
+    none, 40 and 600 rows (two blocks of 512), with accumulation."""
+    monkeypatch.delenv("PAGEDLLM_CPU_QUANT_GEMM", raising=False)
+    assert cpu_ops.quant_splits_prompt_rows()
+    weight = make_weight(qtype, 70, 256, seed=3)
+    packed = repack(weight)
+    bias = torch.randn(70)
+    for m in (40, 600):
+        x = torch.randn(m, 256).to(torch.bfloat16)
+        start = torch.randn(m, 70).to(torch.bfloat16)
+        tiles = [torch.empty(m, 70, dtype=torch.bfloat16) for _ in range(4)]
+        int8 = [torch.empty(m, 70, dtype=torch.bfloat16) for _ in range(4)]
+        for path, outs in (("amx_bf16", tiles), ("int8", int8)):
+            cpu_ops.gemm_quant(outs[0], x, packed, bias, path=path)
+            outs[1].copy_(start)
+            cpu_ops.gemm_quant(outs[1], x, packed, bias, accumulate=True, path=path)
+        run = torch.zeros(m, dtype=torch.bool)
+        run[m // 4:m // 2] = True  # decodes then a prefill: no gather
+        scattered = torch.rand(m, generator=torch.Generator().manual_seed(m)) < 0.5
+        for marks in (run, scattered, ~scattered, torch.ones(m, dtype=torch.bool),
+                      torch.zeros(m, dtype=torch.bool)):
+            rows = marks[:, None]
+            assert torch.equal(_marked_gemm(weight, x, marks, bias),
+                               torch.where(rows, tiles[0], int8[0]))
+            assert torch.equal(_marked_gemm(weight, x, marks, bias, start),
+                               torch.where(rows, tiles[1], int8[1]))
+
+
+def test_marks_only_where_the_tiles_run(monkeypatch) -> None:
+    """Other types, float32 x, and PAGEDLLM_CPU_QUANT_GEMM=int8 / amx_bf16 ignore the
+    marks; a mark tensor of the wrong shape or dtype is refused."""
+    q41, q50 = make_weight("Q4_1", 40, 256), make_weight("Q5_0", 40, 256)
+    x = torch.randn(6, 256).to(torch.bfloat16)
+    marks = torch.tensor([True, False, True, True, False, False])
+    bias = torch.zeros(40)
+    monkeypatch.delenv("PAGEDLLM_CPU_QUANT_GEMM", raising=False)
+    assert torch.equal(_marked_gemm(q50, x, marks, bias), run_gemm(q50, x, path="int8"))
+    assert torch.equal(_marked_gemm(q41, x.float(), marks, bias),
+                       run_gemm(q41, x.float(), path="int8"))
+    monkeypatch.setenv("PAGEDLLM_CPU_QUANT_GEMM", "int8")
+    assert not cpu_ops.quant_splits_prompt_rows()
+    assert torch.equal(_marked_gemm(q41, x, marks, bias), run_gemm(q41, x, path="int8"))
+    monkeypatch.setenv("PAGEDLLM_CPU_QUANT_GEMM", "amx_bf16")
+    assert not cpu_ops.quant_splits_prompt_rows()
+    assert torch.equal(_marked_gemm(q41, x, marks, bias), run_gemm(q41, x, path="amx_bf16"))
+    for bad in (marks.to(torch.uint8), marks[:5]):
+        with pytest.raises(RuntimeError, match="prompt_rows is a contiguous bool"):
+            _marked_gemm(q41, x, bad, bias)
 
 
 def test_refuses_what_it_cannot_run() -> None:

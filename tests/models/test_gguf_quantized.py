@@ -159,14 +159,32 @@ def test_native_matches_dequantized(tiny_path):
     _assert_close(native, plain, prompts, got, expected)
 
 
-def test_quantized_batch_invariance(tiny_path):
-    """A request's tokens are the same alone as in a batch (DESIGN.md §10)."""
+def _generate_logprobs(llm: LLM, prompts: list[list[int]]) -> list:
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids,
+             [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@pytest.mark.parametrize("native_layers", [True, False], ids=["stack", "python-layers"])
+def test_quantized_batch_invariance(tiny_path, native_layers):
+    """A request's tokens and logprobs are the same alone, in a batch and in 7-token
+    chunks beside other requests' decodes (DESIGN.md §10), through the native stack and
+    through the Python layers: where prompt rows take the bfloat16 tiles
+    (worker/prompt_rows.py), a row's kernels follow from the row alone."""
     prompts = random_prompts(5, VOCAB, 3, 41, seed=7)
-    llm = LLM(str(tiny_path), dtype="bfloat16", skip_tokenizer_init=True,
-              quantization="gguf", num_kv_blocks=128)
-    batched = _generate(llm, prompts)
-    alone = [_generate(llm, [p])[0] for p in prompts]
-    assert batched == alone
+    results = []
+    for kwargs in (dict(num_kv_blocks=128), dict(max_num_batched_tokens=7, max_num_seqs=3)):
+        llm = LLM(str(tiny_path), dtype="bfloat16", skip_tokenizer_init=True,
+                  quantization="gguf", enable_prefix_caching=False, **kwargs)
+        _model(llm).model.use_native_layers = native_layers
+        if not results:
+            results.append([_generate_logprobs(llm, [p])[0] for p in prompts])
+        results.append(_generate_logprobs(llm, prompts))
+        assert (_model(llm).model._native is not None) == native_layers
+        llm.shutdown()
+    assert results[1] == results[0] and results[2] == results[0]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -12,8 +12,8 @@ from pagedllm.kernels.cpu.build import load_cpu_kernels
 
 __all__ = ["argmax", "cpu_ops_available", "gemm_bf16", "gemm_f32", "gemm_quant",
            "llama_decoder_stack", "llama_layers", "load_cpu_kernels", "lora_apply",
-           "paged_attention",
-           "quant_rows", "rms_norm", "rotary_embedding", "silu_and_mul"]
+           "paged_attention", "quant_amx_bf16_usable", "quant_amx_usable", "quant_rows",
+           "quant_splits_prompt_rows", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
 
 def cpu_ops_available(x: torch.Tensor) -> bool:
@@ -99,21 +99,26 @@ def gemm_f32(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 def gemm_quant(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor, accumulate: bool = False, path: str = "auto") -> None:
+               bias: torch.Tensor, accumulate: bool = False, path: str = "auto",
+               prompt_rows: torch.Tensor | None = None) -> None:
     """out [M, N] = x [M, K] @ dequant(W)^T + bias, x and out bfloat16 or float32, from
     GGUF blocks repacked by kernels/cpu/quant.py (uint8 [ceil(N/16), K/32, block_bytes];
     Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K or Q6_K) and float32 bias [N] (zeros for
-    none). Each row of x is quantized to int8 blocks of 32 first (results depend on the
-    row alone). With `accumulate`, out += that. `path` picks the kernels: "auto" (AMX for
-    compute-bound calls where usable, else the widest this build has), "amx" (AMX-INT8
-    tiles: Q2_K and Q6_K take the AVX-512 kernels), "avx512" (AVX512-VNNI), "avx2" (AVX2 +
-    FMA + F16C) or "portable" (plain C++); all give the same bits, and one the build lacks
-    raises RuntimeError. "amx_bf16" (bfloat16 x on Q8_0 / Q4_0 / Q4_1, where
-    `quant_amx_bf16_usable()`) instead dequantizes the weights to bfloat16 and multiplies
-    on AMX bfloat16 tiles, unquantized x: the bits of gemm_bf16 on the dequantized weights;
-    with PAGEDLLM_CPU_QUANT_GEMM=amx_bf16 in the environment "auto" takes it for those
-    calls (csrc/quant_amx_bf16.h)."""
-    torch.ops.pagedllm_cpu.gemm_quant.default(out, x, weight, bias, accumulate, path)
+    none). With `accumulate`, out += that. `path` picks the kernels:
+    - the int8 kernels, all with the same bits: each row of x is quantized to int8 blocks
+      of 32 first. "int8" (AMX for compute-bound calls where usable, else the widest this
+      build has), "amx" (AMX-INT8 tiles: Q2_K and Q6_K take the AVX-512 kernels),
+      "avx512" (AVX512-VNNI), "avx2" (AVX2 + FMA + F16C) or "portable" (plain C++); one
+      the build lacks raises RuntimeError.
+    - "amx_bf16" (bfloat16 x on Q8_0 / Q4_0 / Q4_1, where `quant_amx_bf16_usable()`):
+      the weights dequantized to bfloat16 and multiplied on AMX bfloat16 tiles with x
+      unquantized: the bits of gemm_bf16 on the dequantized weights.
+    - "auto": "int8", except that where `quant_splits_prompt_rows()` the rows marked in
+      `prompt_rows` (bool [M]) take "amx_bf16" (for the types it runs), and with
+      PAGEDLLM_CPU_QUANT_GEMM=amx_bf16 every row does (csrc/quant_amx_bf16.h).
+    A row's result depends on that row (and its mark) alone."""
+    torch.ops.pagedllm_cpu.gemm_quant.default(out, x, weight, bias, accumulate, path,
+                                              prompt_rows)
 
 
 def quant_amx_usable() -> bool:
@@ -127,6 +132,13 @@ def quant_amx_bf16_usable() -> bool:
     """Whether gemm_quant's "amx_bf16" path is in the build (AMX-BF16 and AVX512-VBMI) and
     the OS lets this process use the tiles."""
     return bool(torch.ops.pagedllm_cpu.quant_amx_bf16_usable.default())
+
+
+def quant_splits_prompt_rows() -> bool:
+    """Whether gemm_quant's "auto" runs the prompt rows it is given on the bfloat16 tiles
+    ("amx_bf16"; the others on the int8 kernels): where those tiles are usable, unless
+    PAGEDLLM_CPU_QUANT_GEMM says "amx_bf16" (every row) or "int8" (none)."""
+    return bool(torch.ops.pagedllm_cpu.quant_splits_prompt_rows.default())
 
 
 def quant_rows(out: torch.Tensor, packed: torch.Tensor, ids: torch.Tensor,
@@ -162,17 +174,21 @@ def llama_decoder_stack(layers: torch.ScriptObject, x: torch.Tensor, positions: 
                         final_norm: torch.Tensor | None = None, final_eps: float = 0.0,
                         final_offset: float = 0.0,
                         lora_weights: list[torch.Tensor | None] | None = None,
-                        lora_rows: list[torch.Tensor | None] | None = None) -> None:
+                        lora_rows: list[torch.Tensor | None] | None = None,
+                        prompt_rows: torch.Tensor | None = None) -> None:
     """Run every decoder layer of `layers` (llama_layers) over x [T, hidden] in place,
     then the RMSNorm of weight `final_norm` (eps, offset) over x if given.
 
     LoRA adapters of the step (none by default), per adapter a: lora_rows[a] its token
     rows (int64; None: every row); per adapter, layer and linear (qkv, o, gate_up, down)
     in that nesting, two lora_weights: A^T and B^T as lora_apply takes them, or None and
-    None where the adapter leaves the linear alone."""
+    None where the adapter leaves the linear alone. prompt_rows (bool [T]): the tokens
+    that are prompt tokens of their request, which the quantized GEMMs take as
+    gemm_quant's `prompt_rows`."""
     torch.ops.pagedllm_cpu.llama_decoder_stack.default(
         layers, x, positions, slot_mapping, block_table, seq_lens, query_start_loc, cos, sin,
-        final_norm, final_eps, final_offset, lora_weights or [], lora_rows or [])
+        final_norm, final_eps, final_offset, lora_weights or [], lora_rows or [],
+        prompt_rows)
 
 
 def lora_apply(out: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,

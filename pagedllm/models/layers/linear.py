@@ -9,6 +9,8 @@ whole (one rank) and never communicate. A row-parallel layer all-reduces its out
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,6 +27,33 @@ from pagedllm.nn import Module
 
 # Output columns per panel of a native-packed weight (kernels/cpu/csrc/cpu_gemm.cpp).
 NATIVE_PANEL = 48
+
+
+class StepRows:
+    """The running step's prompt rows (bool [T]: the tokens that are prompt tokens of
+    their request; worker/prompt_rows.py), which the quantized linears given this object
+    pass to the quantized GEMM (gemm_quant's `prompt_rows`). One per model, bound by the
+    runner around each forward pass, as the LoRA manager's LoRABatch is."""
+
+    def __init__(self) -> None:
+        self.prompt: torch.Tensor | None = None
+
+    def of(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The marks of x's rows: the step's where x has one row per token of the step
+        (a decoder layer's input), None otherwise."""
+        prompt = self.prompt
+        if prompt is None or x.dim() == 0 or x.numel() != prompt.shape[0] * x.shape[-1]:
+            return None
+        return prompt
+
+    @contextlib.contextmanager
+    def bound(self, prompt: torch.Tensor | None) -> Iterator[None]:
+        """`prompt` as the step's marks for one forward pass."""
+        self.prompt = prompt
+        try:
+            yield
+        finally:
+            self.prompt = None
 
 
 class LinearBase(Module):
@@ -46,14 +75,19 @@ class LinearBase(Module):
             self.weight.quant_loader = self._load_quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        prompt = self.step_rows.of(x) if self.step_rows is not None else None
         if self.native_shards is not None:
-            y = quantized_shards_linear(x, self.native_shards)
+            y = quantized_shards_linear(x, self.native_shards, prompt)
         else:
             y = cpu_linear(x, self.weight, self.bias, self.packed_weight, self.native_weight,
-                           self.native_bias)
+                           self.native_bias, prompt)
         if self.lora is not None and self.lora.batch.active:
             self.lora.apply(x, y)
         return y
+
+    # The model's StepRows (set by the runner where the quantized GEMM runs prompt rows
+    # on other kernels: worker/prompt_rows.py); None: every row alike.
+    step_rows: StepRows | None = None
 
     # The LoRA adapters loaded for this layer (lora/layers.py LinearLoRA; set by the
     # worker's LoRA manager when an adapter targets it), applied to the rows of a step
@@ -237,16 +271,18 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed_weight: torch.Tensor | None, native_weight: torch.Tensor | None = None,
-               native_bias: torch.Tensor | None = None) -> torch.Tensor:
+               native_bias: torch.Tensor | None = None,
+               prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b, through the packed weight when there is one. x [..., in] -> [..., out].
 
     bfloat16 with a native_weight: the native GEMM (faster than oneDNN's at every row count
     measured, most at decode batches: weights stream from memory every step); float32:
     the native GEMM whose rows do not depend on the batch. A uint8
-    native_weight holds GGUF blocks: the quantized GEMM (bfloat16 or float32 x).
+    native_weight holds GGUF blocks: the quantized GEMM (bfloat16 or float32 x), given
+    `prompt_rows` (StepRows).
     """
     if native_weight is not None and native_weight.dtype == torch.uint8:
-        return quantized_shards_linear(x, ((native_weight, native_bias),))
+        return quantized_shards_linear(x, ((native_weight, native_bias),), prompt_rows)
     if native_weight is not None:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(1) != 1 or x2.stride(0) % 2:
@@ -278,18 +314,20 @@ def pack_quantized(parts: list[QuantizedWeight], bias: torch.Tensor,
 
 
 def quantized_shards_linear(x: torch.Tensor,
-                            shards: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-                            ) -> torch.Tensor:
+                            shards: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+                            prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b for W stored as GGUF blocks, in shards stacked by rows (one, or
     LinearBase.native_shards' runs of different types): each shard's quantized GEMM
-    writes its own columns of the output. x [..., in] -> [..., out]."""
+    writes its own columns of the output. x [..., in] -> [..., out]; `prompt_rows`
+    (bool, one per row of x) as gemm_quant takes them."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], sum(bias.numel() for _, bias in shards)), dtype=x.dtype)
     start = 0
     for blocks, bias in shards:
-        cpu_ops.gemm_quant(out.narrow(1, start, bias.numel()), x2, blocks, bias)
+        cpu_ops.gemm_quant(out.narrow(1, start, bias.numel()), x2, blocks, bias,
+                           prompt_rows=prompt_rows)
         start += bias.numel()
     return out.view(*x.shape[:-1], out.shape[1])
 

@@ -65,13 +65,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                  c10::string_view(""));
 }
 
+// The step's prompt rows (bool [T]: rows that are prompt tokens of their request), which
+// the quantized GEMM may run on other kernels than the rest (quant_amx_bf16.h); none:
+// every row as one.
+using PromptRows = std::optional<at::Tensor>;
+
 // out (+)= x . W^T + bias through the native GEMM of W's packing (uint8 GGUF blocks;
 // bfloat16, float16 or float32 panels, multiplied in x's dtype: float32 x may meet
 // 16-bit panels, models/layers/linear.py: pack_native).
 void native_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                 const at::Tensor& bias, bool accumulate) {
+                 const at::Tensor& bias, bool accumulate, const PromptRows& prompt) {
   if (weight.scalar_type() == at::kByte) {
-    gemm_quant(out, x, weight, bias, accumulate);
+    gemm_quant(out, x, weight, bias, accumulate, "auto", prompt);
   } else if (x.scalar_type() == at::kFloat) {
     gemm_f32(out, x, weight, bias, accumulate);
   } else {
@@ -80,7 +85,8 @@ void native_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w
 }
 
 // x [T, in] -> [T, out] through the linear whose slots start at `base`.
-at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base) {
+at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base,
+                  const PromptRows& prompt) {
   if (!w.get(shard_weight(base, 0)).has_value())
     return packed_linear(x, *w.get(base), w.get(base + 2));
   // Native: every shard's float32 bias is there (zeros for none) and gives its width.
@@ -91,7 +97,7 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base) {
   for (int64_t s = 0, start = 0; s < shards; ++s) {
     const at::Tensor bias = *w.get(shard_bias(base, s));
     native_gemm(shards == 1 ? out : out.narrow(1, start, bias.size(0)), x,
-                *w.get(shard_weight(base, s)), bias, /*accumulate=*/false);
+                *w.get(shard_weight(base, s)), bias, /*accumulate=*/false, prompt);
     start += bias.size(0);
   }
   return out;
@@ -99,12 +105,13 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t base) {
 
 // out += the linear of x (out.add_(linear(x)); the native GEMM adds in its epilogue, which
 // saves a pass over the residual stream per add: ~0.9 ms of a 64-token decode step).
-void add_linear(const at::Tensor& out, const at::Tensor& x, const Weights& w, int64_t base) {
+void add_linear(const at::Tensor& out, const at::Tensor& x, const Weights& w, int64_t base,
+                const PromptRows& prompt) {
   const std::optional<at::Tensor> native = w.get(shard_weight(base, 0));
   if (native.has_value()) {
     TORCH_CHECK(!w.get(shard_weight(base, 1)).has_value(),
                 "llama_decoder_layers: o_proj / down_proj come in one shard");
-    native_gemm(out, x, *native, *w.get(shard_bias(base, 0)), /*accumulate=*/true);
+    native_gemm(out, x, *native, *w.get(shard_bias(base, 0)), /*accumulate=*/true, prompt);
     return;
   }
   out.add_(packed_linear(x, *w.get(base), w.get(base + 2)));
@@ -148,8 +155,9 @@ enum LoRALinear : int64_t { kLoraQkv, kLoraO, kLoraGateUp, kLoraDown };
 
 // linear(), then the step's LoRA adapters of that linear.
 at::Tensor adapted_linear(const at::Tensor& x, const Weights& w, int64_t base,
-                          const LoRAStep& lora, int64_t layer, int64_t which) {
-  at::Tensor out = linear(x, w, base);
+                          const LoRAStep& lora, int64_t layer, int64_t which,
+                          const PromptRows& prompt) {
+  at::Tensor out = linear(x, w, base, prompt);
   if (!lora.empty()) lora.apply(out, x, layer, which);
   return out;
 }
@@ -157,9 +165,10 @@ at::Tensor adapted_linear(const at::Tensor& x, const Weights& w, int64_t base,
 // add_linear(), the linear's output taking the step's LoRA adapters first (then
 // out.add_(y), which is what the accumulating GEMM's epilogue computes without them).
 void add_adapted_linear(const at::Tensor& out, const at::Tensor& x, const Weights& w,
-                        int64_t base, const LoRAStep& lora, int64_t layer, int64_t which) {
-  if (lora.empty() || !lora.adapts(layer, which)) return add_linear(out, x, w, base);
-  at::Tensor y = linear(x, w, base);
+                        int64_t base, const LoRAStep& lora, int64_t layer, int64_t which,
+                        const PromptRows& prompt) {
+  if (lora.empty() || !lora.adapts(layer, which)) return add_linear(out, x, w, base, prompt);
+  at::Tensor y = linear(x, w, base, prompt);
   lora.apply(y, x, layer, which);
   out.add_(y);
 }
@@ -174,7 +183,7 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps, doubl
 // (updated in place), normed in place by final_norm when given (the model's last RMSNorm:
 // one dispatch from Python fewer per step, ~0.1 ms at one token, as the Python after a
 // decode step runs on caches the weights just flushed). kv_scales: (k_scale, v_scale) per
-// layer, used by fp8 caches.
+// layer, used by fp8 caches. prompt: the step's prompt rows (PromptRows) or none.
 void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
                           const Weights& weights, at::IntArrayRef sliding_windows,
                           const at::Tensor& slot_mapping, const at::Tensor& block_table,
@@ -184,7 +193,8 @@ void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
                           bool is_neox, double scale, double eps, double norm_offset,
                           at::ArrayRef<double> kv_scales,
                           const std::optional<at::Tensor>& final_norm, double final_eps,
-                          double final_offset, const LoRAStep& lora) {
+                          double final_offset, const LoRAStep& lora,
+                          const PromptRows& prompt) {
   const int64_t num_layers = static_cast<int64_t>(sliding_windows.size());
   TORCH_CHECK(static_cast<int64_t>(kv_scales.size()) == 2 * num_layers,
               "llama_decoder_layers: expected a (k_scale, v_scale) pair per layer");
@@ -198,7 +208,7 @@ void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
     auto w = [&](int64_t slot) { return *weights.get(base + slot); };
     // Attention block: x += o_proj(attn(rope(qkv_proj(norm(x))))).
     const at::Tensor qkv = adapted_linear(norm(x, w(kInputNorm), eps, norm_offset), weights,
-                                          base + kQkv, lora, layer, kLoraQkv);
+                                          base + kQkv, lora, layer, kLoraQkv, prompt);
     const at::Tensor q = qkv.narrow(1, 0, q_size);
     const at::Tensor k = qkv.narrow(1, q_size, kv_size);
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
@@ -210,20 +220,22 @@ void llama_decoder_layers(const at::Tensor& x, const at::Tensor& positions,
                     block_table, seq_lens, query_start_loc, scale, sliding_windows[layer], 16,
                     kv_scales[2 * layer], kv_scales[2 * layer + 1]);
     add_adapted_linear(x, attn.view({tokens, q_size}), weights, base + kO, lora, layer,
-                       kLoraO);
+                       kLoraO, prompt);
     // MLP block: x += down(silu(gate) * up), by row chunks on long prefills so the
     // [rows, 2 * intermediate] activations stay in cache between the GEMMs and the
     // element-wise op (measured: -5% MLP time at 2048 rows; rows are independent here).
     // A step with LoRA adapters takes one chunk (their rows index the whole step).
     const int64_t chunk = lora.empty() ? kMlpRows : std::max<int64_t>(tokens, 1);
     for (int64_t r0 = 0; r0 < tokens; r0 += chunk) {
-      const at::Tensor xs = x.narrow(0, r0, std::min(chunk, tokens - r0));
+      const int64_t rows = std::min(chunk, tokens - r0);
+      const at::Tensor xs = x.narrow(0, r0, rows);
+      const PromptRows ps = prompt ? PromptRows(prompt->narrow(0, r0, rows)) : std::nullopt;
       const at::Tensor gate_up = adapted_linear(norm(xs, w(kPostNorm), eps, norm_offset),
                                                 weights, base + kGateUp, lora, layer,
-                                                kLoraGateUp);
+                                                kLoraGateUp, ps);
       at::Tensor act = at::empty({xs.size(0), gate_up.size(1) / 2}, x.options());
       silu_and_mul(act, gate_up);
-      add_adapted_linear(xs, act, weights, base + kDown, lora, layer, kLoraDown);
+      add_adapted_linear(xs, act, weights, base + kDown, lora, layer, kLoraDown, ps);
     }
   }
   // In place: each row is read whole (its sum of squares) before it is written.
@@ -261,7 +273,8 @@ void llama_decoder_stack(const c10::intrusive_ptr<LlamaLayers>& layers, const at
                          const at::Tensor& query_start_loc, const at::Tensor& cos,
                          const at::Tensor& sin, const std::optional<at::Tensor>& final_norm,
                          double final_eps, double final_offset, const Weights& lora_weights,
-                         const c10::List<std::optional<at::Tensor>>& lora_rows) {
+                         const c10::List<std::optional<at::Tensor>>& lora_rows,
+                         const PromptRows& prompt_rows) {
   const LlamaLayers& l = *layers;
   const int64_t num_layers = static_cast<int64_t>(l.sliding_windows.size());
   const int64_t adapters = static_cast<int64_t>(lora_rows.size());
@@ -271,7 +284,7 @@ void llama_decoder_stack(const c10::intrusive_ptr<LlamaLayers>& layers, const at
   llama_decoder_layers(x, positions, l.weights, l.sliding_windows, slot_mapping, block_table,
                        seq_lens, query_start_loc, cos, sin, l.num_heads, l.num_kv_heads,
                        l.head_size, l.rotary_dim, l.is_neox, l.scale, l.eps, l.norm_offset,
-                       l.kv_scales, final_norm, final_eps, final_offset, lora);
+                       l.kv_scales, final_norm, final_eps, final_offset, lora, prompt_rows);
 }
 
 }  // namespace
@@ -286,7 +299,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       "Tensor(a!) x, Tensor positions, Tensor slot_mapping, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor cos, Tensor sin, "
       "Tensor? final_norm, float final_eps, float final_offset, Tensor?[] lora_weights, "
-      "Tensor?[] lora_rows) -> ()");
+      "Tensor?[] lora_rows, Tensor? prompt_rows=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {

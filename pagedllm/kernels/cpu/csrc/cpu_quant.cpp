@@ -60,6 +60,7 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "ops.h"
 #include "quant_amx.h"
@@ -118,12 +119,14 @@ inline bool amx_usable() { return false; }
 constexpr int64_t kAmxMinRows = 32;
 
 // The path named by gemm_quant's `path` argument for a call of `rows` rows on `type`
-// ("auto": AMX for compute-bound calls where usable, else the widest compiled).
+// ("auto": AMX for compute-bound calls where usable, else the widest compiled; "int8":
+// the same among the int8 kernels only).
 Path path_of(c10::string_view name, int64_t rows, QType type, bool bf16_x) {
-  if (name == "auto") {
+  if (name == "auto" || name == "int8") {
 #if defined(PAGEDLLM_QUANT_AMX_BF16)
     // Every call, whatever its rows (a row's bits may not depend on the batch).
-    if (bf16_x && amx_bf16::supports(type) && amx_bf16::chosen()) return Path::kAmxBf16;
+    if (name == "auto" && bf16_x && amx_bf16::supports(type) && amx_bf16::chosen())
+      return Path::kAmxBf16;
 #endif
 #if defined(PAGEDLLM_QUANT_AMX)
     if (rows >= kAmxMinRows && amx::supports(type) && amx_usable()) return Path::kAmx;
@@ -154,7 +157,8 @@ Path path_of(c10::string_view name, int64_t rows, QType type, bool bf16_x) {
     return avx512 ? Path::kAvx512 : Path::kAvx2;
   }
   TORCH_CHECK(false,
-              "gemm_quant: path must be auto, amx_bf16, amx, avx512, avx2 or portable, got '",
+              "gemm_quant: path must be auto, int8, amx_bf16, amx, avx512, avx2 or portable, "
+              "got '",
               std::string(name), "'");
 }
 
@@ -832,10 +836,71 @@ void gemm_quant_impl(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   }
 }
 
+// out = x . dequant(W)^T + bias on one path's kernels (gemm_quant's checks passed).
+void gemm_quant_on(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                   const float* bias, bool accumulate, Path kernels) {
+  if (x.size(0) == 0) return;
+#if defined(PAGEDLLM_QUANT_AMX_BF16)
+  if (kernels == Path::kAmxBf16) {
+    auto tiles = [&](auto kernel) {
+      kernel(x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(0), x.size(1),
+             weight.data_ptr<uint8_t>(), weight.size(0), weight.size(2), bias,
+             out.data_ptr<c10::BFloat16>(), out.stride(0), out.size(1), accumulate);
+    };
+    switch (layout_of(weight.size(2)).type) {
+      case QType::kQ8_0: return tiles(amx_bf16::run<QType::kQ8_0>);
+      case QType::kQ4_0: return tiles(amx_bf16::run<QType::kQ4_0>);
+      case QType::kQ4_1: return tiles(amx_bf16::run<QType::kQ4_1>);
+      default: TORCH_CHECK(false, "gemm_quant: no amx_bf16 kernel for this block type");
+    }
+  }
+#endif
+  if (x.scalar_type() == at::kBFloat16) {
+    gemm_quant_impl<c10::BFloat16>(out, x, weight, bias, accumulate, kernels);
+  } else {
+    gemm_quant_impl<float>(out, x, weight, bias, accumulate, kernels);
+  }
+}
+
+// The rows of a call on one path: one run [start, start + count), or (index defined)
+// scattered rows, gathered into one call (the bfloat16 tiles dequantize the weights once
+// per call, the int8 tiles spread Q4 nibbles once per call: ~5 ms a 30-layer step each).
+struct RowSet {
+  int64_t start = 0, count = 0;
+  at::Tensor index;
+};
+
+RowSet row_set(const std::vector<int64_t>& rows) {
+  RowSet set;
+  set.count = static_cast<int64_t>(rows.size());
+  if (set.count == 0) return set;
+  set.start = rows.front();
+  if (rows.back() - rows.front() + 1 != set.count)
+    set.index = at::tensor(at::ArrayRef<int64_t>(rows), at::kLong);
+  return set;
+}
+
+// gemm_quant_on over the rows of `set` only.
+void gemm_quant_rows(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                     const float* bias, bool accumulate, Path kernels, const RowSet& set) {
+  if (set.count == 0) return;
+  if (!set.index.defined()) {
+    gemm_quant_on(out.narrow(0, set.start, set.count), x.narrow(0, set.start, set.count),
+                  weight, bias, accumulate, kernels);
+    return;
+  }
+  const at::Tensor xs = x.index_select(0, set.index);
+  const at::Tensor os = accumulate ? out.index_select(0, set.index)
+                                   : at::empty({set.count, out.size(1)}, out.options());
+  gemm_quant_on(os, xs, weight, bias, accumulate, kernels);
+  out.index_copy_(0, set.index, os);
+}
+
 }  // namespace
 
 void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                const std::optional<at::Tensor>& bias, bool accumulate, c10::string_view path) {
+                const std::optional<at::Tensor>& bias, bool accumulate, c10::string_view path,
+                const std::optional<at::Tensor>& prompt_rows) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "gemm_quant: x is a bfloat16 or float32 [M, K] with contiguous rows");
@@ -851,31 +916,29 @@ void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
   TORCH_CHECK(bias.has_value() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                   bias->numel() == out.size(1),
               "gemm_quant: bias must be a contiguous float32 [N] (zeros for none)");
+  TORCH_CHECK(!prompt_rows.has_value() ||
+                  (prompt_rows->scalar_type() == at::kBool && prompt_rows->dim() == 1 &&
+                   prompt_rows->is_contiguous() && prompt_rows->size(0) == x.size(0)),
+              "gemm_quant: prompt_rows is a contiguous bool [M]");
   const QType type = layout_of(weight.size(2)).type;
   const bool bf16_x = x.scalar_type() == at::kBFloat16;
-  const Path kernels = path_of(path, x.size(0), type, bf16_x);
-  if (x.size(0) == 0) return;
   const float* bp = bias->data_ptr<float>();  // read with masks past N: never beyond it
+  const int64_t m = x.size(0);
 #if defined(PAGEDLLM_QUANT_AMX_BF16)
-  if (kernels == Path::kAmxBf16) {
-    auto tiles = [&](auto kernel) {
-      kernel(x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(0), x.size(1),
-             weight.data_ptr<uint8_t>(), weight.size(0), weight.size(2), bp,
-             out.data_ptr<c10::BFloat16>(), out.stride(0), out.size(1), accumulate);
-    };
-    switch (type) {
-      case QType::kQ8_0: return tiles(amx_bf16::run<QType::kQ8_0>);
-      case QType::kQ4_0: return tiles(amx_bf16::run<QType::kQ4_0>);
-      case QType::kQ4_1: return tiles(amx_bf16::run<QType::kQ4_1>);
-      default: TORCH_CHECK(false, "gemm_quant: no amx_bf16 kernel for this block type");
-    }
+  // The prompt rows on the bfloat16 tiles, the others on the int8 kernels (each row's
+  // path is its own: quant_amx_bf16.h).
+  if (prompt_rows.has_value() && path == "auto" && bf16_x && amx_bf16::supports(type) &&
+      amx_bf16::prompt_rows_chosen()) {
+    std::vector<int64_t> rows[2];  // [0]: the other rows, [1]: the prompt rows
+    const bool* is_prompt = prompt_rows->data_ptr<bool>();
+    for (int64_t r = 0; r < m; ++r) rows[is_prompt[r]].push_back(r);
+    gemm_quant_rows(out, x, weight, bp, accumulate, Path::kAmxBf16, row_set(rows[1]));
+    const Path int8 = path_of("int8", static_cast<int64_t>(rows[0].size()), type, bf16_x);
+    gemm_quant_rows(out, x, weight, bp, accumulate, int8, row_set(rows[0]));
+    return;
   }
 #endif
-  if (x.scalar_type() == at::kBFloat16) {
-    gemm_quant_impl<c10::BFloat16>(out, x, weight, bp, accumulate, kernels);
-  } else {
-    gemm_quant_impl<float>(out, x, weight, bp, accumulate, kernels);
-  }
+  gemm_quant_on(out, x, weight, bp, accumulate, path_of(path, m, type, bf16_x));
 }
 
 bool quant_amx_usable() { return amx_usable(); }
@@ -888,14 +951,23 @@ bool quant_amx_bf16_usable() {
 #endif
 }
 
+bool quant_splits_prompt_rows() {
+#if defined(PAGEDLLM_QUANT_AMX_BF16)
+  return amx_bf16::prompt_rows_chosen();
+#else
+  return false;
+#endif
+}
+
 }  // namespace pagedllm_ops
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def(
       "gemm_quant(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, "
-      "bool accumulate=False, str path='auto') -> ()");
+      "bool accumulate=False, str path='auto', Tensor? prompt_rows=None) -> ()");
   m.def("quant_amx_usable() -> bool", &pagedllm_ops::quant_amx_usable);
   m.def("quant_amx_bf16_usable() -> bool", &pagedllm_ops::quant_amx_bf16_usable);
+  m.def("quant_splits_prompt_rows() -> bool", &pagedllm_ops::quant_splits_prompt_rows);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("gemm_quant", &pagedllm_ops::gemm_quant); }

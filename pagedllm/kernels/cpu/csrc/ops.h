@@ -27,10 +27,13 @@ void gemm_f32(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
               const at::Tensor& bias, bool accumulate = false);
 // GGUF-quantized weight (cpu_quant.cpp): out = round(x . dequant(W)^T + bias); bias is a
 // float32 [N] (zeros for none); accumulate as gemm_bf16; path: "auto" (the widest
-// compiled), "avx512", "avx2" or "portable" (the same bits).
+// compiled), "int8", "amx", "avx512", "avx2" or "portable" (the same bits), or
+// "amx_bf16" (the dequantized weights' bits); prompt_rows (bool [M]): the rows `auto`
+// may run on the bfloat16 tiles (quant_amx_bf16.h).
 void gemm_quant(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias, bool accumulate = false,
-                c10::string_view path = "auto");
+                c10::string_view path = "auto",
+                const std::optional<at::Tensor>& prompt_rows = std::nullopt);
 // LoRA (cpu_lora.cpp): out[i] = round(out[i] + (x[i] A^T) B^T) for each row i of `rows`
 // (none: every row), A^T [K, R] and B^T [R, N] float32.
 void lora_apply(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t,

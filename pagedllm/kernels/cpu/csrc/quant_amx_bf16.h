@@ -16,12 +16,16 @@
 // has the bits of gemm_bf16 on the dequantized weights (tested): native and
 // dequantized runs of a GGUF file give the same tokens on an AMX machine.
 //
-// Chosen per process (PAGEDLLM_CPU_QUANT_GEMM=amx_bf16), every call on these types with
-// bfloat16 x then takes this path, whatever its rows: the tiles' sums are not the int8
-// path's, and a row's bits may not depend on the batch. It is not the default: at one row
-// the dequantization is the cost (~0.23 cycles a weight, where the int8 kernels stream
-// ~14 weights a cycle), so a single decode runs ~2.2x slower while batches and prefills
-// run ~20-30% faster (measured: docs/architecture.md, AMX).
+// Which rows take it (PAGEDLLM_CPU_QUANT_GEMM, read per call): its sums are not the int8
+// path's, so a row's path may depend only on the row itself, never on the batch (DESIGN
+// §10). By default (unset or "auto") a call's prompt rows take it and its other rows the
+// int8 kernels (gemm_quant's `prompt_rows`, which the decoder stack passes: a token is a
+// prompt row when it is one of its request's prompt tokens, whatever step computes it).
+// At one row the dequantization is the cost (~0.23 cycles a weight, where the int8
+// kernels stream ~14 weights a cycle: a single decode would run ~2.2x slower), while
+// prefills run ~1.8x faster: so prefills and first tokens gain, decodes keep their speed.
+// "amx_bf16" runs every row here (batches of decodes gain too, single decodes lose);
+// "int8" none (measured: docs/architecture.md, AMX).
 #pragma once
 
 #include "gemm_amx.h"
@@ -49,12 +53,19 @@ inline bool supports(QType type) {
 // Whether it is built and the OS grants the tiles.
 inline bool usable() { return pagedllm_amx::granted(); }
 
-// Whether `auto` takes this path for calls on bfloat16 x: where usable and the process
-// asks for it (PAGEDLLM_CPU_QUANT_GEMM=amx_bf16).
-inline bool chosen() {
+// The process's choice (the header comment): which rows of a call `auto` runs here.
+enum class Rows { kPrompt, kAll, kNone };
+inline Rows rows_chosen() {
   const char* mode = std::getenv("PAGEDLLM_CPU_QUANT_GEMM");
-  return mode != nullptr && std::strcmp(mode, "amx_bf16") == 0 && usable();
+  if (mode == nullptr || std::strcmp(mode, "auto") == 0) return Rows::kPrompt;
+  return std::strcmp(mode, "amx_bf16") == 0 ? Rows::kAll : Rows::kNone;
 }
+
+// Whether `auto` runs every row of calls on bfloat16 x here.
+inline bool chosen() { return rows_chosen() == Rows::kAll && usable(); }
+
+// Whether `auto` runs the prompt rows a call names here.
+inline bool prompt_rows_chosen() { return rows_chosen() == Rows::kPrompt && usable(); }
 
 // vpermb indices putting byte 4c + s + e of a group vector (column c's byte s + e) in
 // dword lane 2c' + e, c' = c - 8h: half h of a panel row's 16 columns, byte pair s / 2
