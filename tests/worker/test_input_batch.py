@@ -35,6 +35,9 @@ def make_runner(batch: InputBatch) -> ModelRunner:
     runner.lora = None  # LoRA off
     runner.images = None  # a model without images
     runner.kv_layout = build_kv_cache_layout([None], MAX_MODEL_LEN)
+    # As where the quantized GEMM runs prompt rows on other kernels: the metadata marks
+    # them (worker/prompt_rows.py).
+    runner._splits_prompt_rows = True
     return runner
 
 
@@ -132,6 +135,8 @@ def test_prepare_inputs_of_a_mixed_batch_across_two_steps():
                query_start_loc=[0, 1, 6, 8], seq_lens=[7, 13, 10],
                block_table=[[2, 5, 0, 0], [4, 6, 8, 11], [7, 3, 9, 0]],
                logits_indices=[0, 7], sample_rows=[1, 0], sample_positions=[0, 2])
+    # b's decode is a generated row; c's and a's tokens are prompt tokens.
+    assert inputs.attn_metadata.prompt_rows.tolist() == [False] + [True] * 7
 
 
 def test_placeholders_take_the_unread_steps_sampled_ids():
@@ -180,17 +185,22 @@ def test_prepare_inputs_of_a_prompt_resumed_after_preemption():
     runner = make_runner(batch)
     so = step([new_req("r", [1, 2, 3], [5, 6], output=[7, 8, 9])], [], {"r": 4})
     runner._update_states(so)
-    check_step(runner._prepare_inputs(so), req_ids=["r"], input_ids=[1, 2, 3, 7],
+    inputs = runner._prepare_inputs(so)
+    check_step(inputs, req_ids=["r"], input_ids=[1, 2, 3, 7],
                positions=[0, 1, 2, 3], slot_mapping=[20, 21, 22, 23],
                query_start_loc=[0, 4], seq_lens=[4], block_table=[[5]],
                logits_indices=[], sample_rows=[], sample_positions=[])
+    # The recomputed tokens stay generated rows, as when they were first computed.
+    assert inputs.attn_metadata.prompt_rows.tolist() == [True, True, True, False]
     so = step([], [CachedRequestData("r", new_block_ids=[[]], num_computed_tokens=4)],
               {"r": 2})
     runner._update_states(so)
-    check_step(runner._prepare_inputs(so), req_ids=["r"], input_ids=[8, 9],
+    inputs = runner._prepare_inputs(so)
+    check_step(inputs, req_ids=["r"], input_ids=[8, 9],
                positions=[4, 5], slot_mapping=[24, 25], query_start_loc=[0, 2],
                seq_lens=[6], block_table=[[5, 6]], logits_indices=[1], sample_rows=[0],
                sample_positions=[0])
+    assert inputs.attn_metadata.prompt_rows is None  # no prompt row: one path for all
 
 
 def test_add_request_fills_its_row():

@@ -131,16 +131,21 @@ inline void scale_block(const QuantRows& x, int64_t m, int64_t b, const uint8_t*
     dw = load_halves(blk + qs_bytes);
     if constexpr (has_min) mw = load_halves(blk + qs_bytes + 32);
   }
-  for (int r = 0; r < kTileRows; ++r) {
-    const int64_t i = (m + r) * x.nb + b;
+  // Row r's scales at i + r nb. Unrolled whole: acc[] stays in registers only when every
+  // index is a constant (rolled, GCC kept it on the stack, a load and a store per row).
+  const int64_t i = m * x.nb + b;
+  const float *d = x.d + i, *dsum = x.dsum + i;
+  const int32_t* sum = x.sum + i;
+#pragma GCC unroll 16
+  for (int r = 0; r < kTileRows; ++r, d += x.nb, dsum += x.nb, sum += x.nb) {
     __m512i dot = _mm512_load_si512(dots + 16 * r);
-    if constexpr (!has_min) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * x.sum[i]));
-    const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[i]));
+    if constexpr (!has_min) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * *sum));
+    const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(*d));
     acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(dot), acc[r]);
     if constexpr (k_type) {
-      acc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(x.dsum[i]), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(*dsum), acc[r]);
     } else if constexpr (has_min) {
-      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.dsum[i]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*dsum), acc[r]);
     }
   }
 }
@@ -196,6 +201,7 @@ void run(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w, int64_t b
     const int64_t cols = std::min(kGroup, n - g * kGroup);
     for (int64_t m = m0; m < m1; m += kTileRows) {
       __m512 acc[kTileRows];
+#pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
       dot_tile0(x, m, 0, tiles, 64);
       for (int64_t b = 0; b < x.nb; b += 2) {
@@ -211,9 +217,12 @@ void run(const QuantRows& x, int64_t m0, int64_t m1, const uint8_t* w, int64_t b
       }
       const __mmask16 mask = pagedllm_simd::first_lanes(cols);
       const __m512 bv = _mm512_maskz_loadu_ps(mask, bias + g * kGroup);
-      for (int64_t r = 0; r < std::min<int64_t>(kTileRows, m1 - m); ++r)
-        store16_out(out + (m + r) * ldo + g * kGroup, _mm512_add_ps(acc[r], bv), mask,
-                    accumulate);
+      const int64_t rows = std::min<int64_t>(kTileRows, m1 - m);
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r)
+        if (r < rows)
+          store16_out(out + (m + r) * ldo + g * kGroup, _mm512_add_ps(acc[r], bv), mask,
+                      accumulate);
     }
   }
 }
