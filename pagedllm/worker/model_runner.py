@@ -148,6 +148,10 @@ class ModelRunner:
         self._splits_prompt_rows = splits_prompt_rows(self.model, self.dtype, self.device,
                                                       config.device.compile)
         self._step_rows = attach_step_rows(self.model) if self._splits_prompt_rows else None
+        if self._splits_prompt_rows and parallel.is_driver:
+            logger.info("quantized GEMM: prompt tokens on AMX bfloat16 tiles, generated "
+                        "tokens on the int8 kernels (PAGEDLLM_CPU_QUANT_GEMM=int8 | "
+                        "amx_bf16: every token on one)")
         caveat = batch_invariance_caveat(config, cpu_ops_available(torch.empty(0)))
         if caveat is not None and parallel.is_driver:
             logger.info("outputs may differ with batching, chunked prefill and prefix "
