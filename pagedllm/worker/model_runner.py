@@ -39,7 +39,7 @@ from pagedllm.worker.deferred_sample import DeferredSample, HostCopy
 from pagedllm.worker.draft_proposer import DraftModelProposer
 from pagedllm.worker.ngram_proposer import NgramProposer
 from pagedllm.worker.pooler import pool_hidden_states
-from pagedllm.worker.prompt_rows import attach_step_rows, prompt_rows, splits_prompt_rows
+from pagedllm.worker.prompt_rows import attach_step_rows, prompt_rows
 from pagedllm.worker.prompt_logprobs import prompt_logprobs_chunks
 from pagedllm.worker.swap import allocate_host_kv_cache, swap_blocks
 from pagedllm.worker.weight_pages import move_to_huge_pages
@@ -143,12 +143,12 @@ class ModelRunner:
             pack_linear_weights(self.model)
             move_to_huge_pages(self.model)
         self.vocab_size = config.model.hf_config.vocab_size
-        # Prompt rows on other kernels than generated ones (worker/prompt_rows.py): the
-        # step's marks, bound around each forward pass for the Python layers' linears.
-        self._splits_prompt_rows = splits_prompt_rows(self.model, self.dtype, self.device,
-                                                      config.device.compile)
-        self._step_rows = attach_step_rows(self.model) if self._splits_prompt_rows else None
-        if self._splits_prompt_rows and parallel.is_driver:
+        # Prompt rows on other kernels than generated ones (worker/prompt_rows.py; None:
+        # every row alike): the step's marks, bound around each forward pass for the
+        # Python layers' linears.
+        self._step_rows = attach_step_rows(self.model, self.dtype, self.device,
+                                           config.device.compile)
+        if self._step_rows is not None and parallel.is_driver:
             logger.info("quantized GEMM: prompt tokens on AMX bfloat16 tiles, generated "
                         "tokens on the int8 kernels (PAGEDLLM_CPU_QUANT_GEMM=int8 | "
                         "amx_bf16: every token on one)")
@@ -257,7 +257,7 @@ class ModelRunner:
         """Whether the model computes prompt rows on other kernels than generated ones:
         the step's metadata then marks them, and prefix-cache hashes keep the two apart
         (worker/prompt_rows.py)."""
-        return self._splits_prompt_rows
+        return self._step_rows is not None
 
     def determine_num_swap_blocks(self) -> int:
         return determine_num_swap_blocks(self.model, self.config.cache,
@@ -673,7 +673,7 @@ class ModelRunner:
             input_ids_t = host_to_device(input_ids, dev)
             positions_t = host_to_device(positions, dev)
             md = AttentionMetadata.from_host(query_start_loc, seq_lens, *tables[0], dev)
-            if self._splits_prompt_rows:
+            if self._step_rows is not None:
                 md.prompt_rows = prompt_rows(positions, batch.num_prompt_tokens[token_rows])
             if len(tables) > 1:
                 md.groups = (md, *(replace(md, block_table=host_to_device(table, dev),

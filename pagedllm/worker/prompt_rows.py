@@ -23,21 +23,20 @@ from pagedllm.kernels.cpu.ops import cpu_ops_available, quant_splits_prompt_rows
 from pagedllm.models.layers.linear import LinearBase, StepRows
 
 
-def splits_prompt_rows(model: nn.Module, dtype: torch.dtype, device: torch.device,
-                       compiled: bool) -> bool:
-    """Whether `model`, run eagerly on the CPU in `dtype`, computes prompt rows on other
-    kernels than generated ones: GGUF blocks through the quantized GEMM with bfloat16
-    activations, where the kernels split (`quant_splits_prompt_rows`)."""
+def attach_step_rows(model: nn.Module, dtype: torch.dtype, device: torch.device,
+                     compiled: bool) -> StepRows | None:
+    """Where `model`, run eagerly on the CPU in `dtype`, computes prompt rows on other
+    kernels than generated ones (GGUF blocks through the quantized GEMM with bfloat16
+    activations, where the kernels split: `quant_splits_prompt_rows`): a StepRows given
+    to each of its linears holding GGUF blocks. None elsewhere."""
     if (device.type != "cpu" or compiled or dtype != torch.bfloat16
             or not cpu_ops_available(torch.empty(0))):
-        return False
-    return bool(_quantized_linears(model)) and quant_splits_prompt_rows()
-
-
-def attach_step_rows(model: nn.Module) -> StepRows:
-    """A StepRows for `model`, given to each of its linears holding GGUF blocks."""
+        return None
+    linears = _quantized_linears(model)
+    if not linears or not quant_splits_prompt_rows():
+        return None
     rows = StepRows()
-    for linear in _quantized_linears(model):
+    for linear in linears:
         linear.step_rows = rows
     return rows
 

@@ -8,6 +8,7 @@ import torch
 
 from pagedllm.core.contracts import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.core.kv_groups import build_kv_cache_layout
+from pagedllm.models.layers.linear import StepRows
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.model_runner import ModelRunner, StepInputs
@@ -37,7 +38,7 @@ def make_runner(batch: InputBatch) -> ModelRunner:
     runner.kv_layout = build_kv_cache_layout([None], MAX_MODEL_LEN)
     # As where the quantized GEMM runs prompt rows on other kernels: the metadata marks
     # them (worker/prompt_rows.py).
-    runner._splits_prompt_rows = True
+    runner._step_rows = StepRows()
     return runner
 
 
