@@ -92,6 +92,8 @@ def _built(path: str) -> bool:
     the process use the tiles)."""
     if path == "amx":
         return cpu_ops.quant_amx_usable()
+    if path == "avx512":  # quant_avx512.h's guard: AVX512-VNNI and AVX512-BW
+        return {"avx512_vnni", "avx512bw"} <= cpu_flags()
     return path != "avx2" or {"avx2", "fma", "f16c"} <= cpu_flags()
 
 
