@@ -368,9 +368,14 @@ def test_chat_structural_tag(server):
 # ------------------------------------------------------------------ load, disconnects
 
 def test_concurrent_streams_keep_health_fast(server):
-    """32 streaming requests in one batch all finish with exact counts while /health,
-    timed from another process, answers within 100 ms."""
+    """32 streaming requests sent at once all finish with exact counts while /health,
+    timed from another process, answers within 100 ms as they stream. While the 32
+    arrive it may wait longer: the event loop parses, validates and queues all 32
+    (~100 ms of CPU on a 2-core VM, shared with this client), and /health waits its
+    turn; a stall, though, would be seconds."""
     num_requests, max_tokens = 32, 8
+    first_chunk_at: list[float] = []
+    finished_at: list[float] = []
 
     async def run() -> list[tuple[int, int]]:
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY,
@@ -383,8 +388,11 @@ def test_concurrent_streams_keep_health_fast(server):
                 extra_body={"ignore_eos": True})
             num_chunks, usage = 0, None
             async for chunk in stream:
+                if chunk.choices and not num_chunks:
+                    first_chunk_at.append(time.monotonic())
                 num_chunks += bool(chunk.choices)
                 usage = chunk.usage or usage
+            finished_at.append(time.monotonic())
             return usage.completion_tokens, num_chunks
 
         return await asyncio.gather(*(one(i) for i in range(num_requests)))
@@ -395,9 +403,14 @@ def test_concurrent_streams_keep_health_fast(server):
     finally:
         latencies = probe.stop()
     assert all(tokens == max_tokens and chunks >= 1 for tokens, chunks in results), results
-    assert len(latencies) > 10 and all(status == 200 for _, status in latencies)
-    worst = max(lat for lat, _ in latencies)
-    assert worst < 0.1, f"/health took {worst * 1000:.0f} ms"
+    assert len(latencies) > 10 and all(status == 200 for _, status, _ in latencies)
+    worst = max(lat for lat, _, _ in latencies)
+    assert worst < 0.5, f"/health took {worst * 1000:.0f} ms"
+    # Probes sent once every stream had its first token and before the last one ended.
+    streaming = [lat for lat, _, start in latencies
+                 if max(first_chunk_at) <= start <= max(finished_at)]
+    assert len(streaming) >= 3, (len(streaming), max(finished_at) - max(first_chunk_at))
+    assert max(streaming) < 0.1, f"/health took {max(streaming) * 1000:.0f} ms mid-stream"
 
 
 def _wait_idle(server: RemoteServer) -> dict:

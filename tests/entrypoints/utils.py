@@ -111,11 +111,11 @@ port, stop_file = int(sys.argv[1]), sys.argv[2]
 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
 latencies, end = [], time.monotonic() + 300
 while not os.path.exists(stop_file) and time.monotonic() < end:
-    t = time.perf_counter()
+    start, t = time.monotonic(), time.perf_counter()
     conn.request("GET", "/health")
     response = conn.getresponse()
     response.read()
-    latencies.append((time.perf_counter() - t, response.status))
+    latencies.append((time.perf_counter() - t, response.status, start))
     time.sleep(0.05)
 print(json.dumps(latencies))
 """
@@ -130,8 +130,8 @@ class HealthProbe:
         self.proc = subprocess.Popen([sys.executable, "-c", HEALTH_PROBE, str(port),
                                       self._stop_file], stdout=subprocess.PIPE, text=True)
 
-    def stop(self) -> list[tuple[float, int]]:
-        """(latency in s, status) of every probe."""
+    def stop(self) -> list[tuple[float, int, float]]:
+        """(latency in s, status, time.monotonic() at its start) of every probe."""
         open(self._stop_file, "w").close()
         try:
             out, _ = self.proc.communicate(timeout=60)
