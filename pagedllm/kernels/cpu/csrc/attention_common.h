@@ -34,6 +34,9 @@ struct Params {
   int64_t sliding_window;  // 0: none
   float scale;         // softmax scale (times k_scale for an fp8 cache)
   float v_scale = 1;   // outputs are scaled by v_scale / l (fp8: the V scale)
+  // Per cache block, whether more than one request of the call reads it (nullptr: none
+  // does); the generic item loads only the others ahead (touch_step).
+  const uint8_t* shared_blocks = nullptr;
 };
 
 // Cascade attention for a decode batch whose block tables share leading blocks: every row
