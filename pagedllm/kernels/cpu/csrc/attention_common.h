@@ -34,8 +34,8 @@ struct Params {
   int64_t sliding_window;  // 0: none
   float scale;         // softmax scale (times k_scale for an fp8 cache)
   float v_scale = 1;   // outputs are scaled by v_scale / l (fp8: the V scale)
-  // Per cache block, whether more than one request of the call reads it (nullptr: none
-  // does); the generic item loads only the others ahead (touch_step).
+  // Per cache block, how many requests of the call read it, counted up to 2 (nullptr:
+  // one request); the generic item loads only the blocks of one reader ahead (touch_step).
   const uint8_t* shared_blocks = nullptr;
 };
 

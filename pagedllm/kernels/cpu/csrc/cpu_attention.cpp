@@ -406,7 +406,7 @@ void touch_step(const Params<T, C>& p, int64_t r, int64_t h0, int64_t h1, int64_
   uint8_t sink = 0;
   for (int64_t b = 0; b < n; b += bs) {  // base is a multiple of bs
     const int64_t blk = p.bt[r * p.bt_stride + (base + b) / bs];
-    if (p.shared_blocks != nullptr && p.shared_blocks[blk]) continue;
+    if (p.shared_blocks != nullptr && p.shared_blocks[blk] > 1) continue;
     const char* k0 = reinterpret_cast<const char*>(p.kc + blk * bs * p.tok_stride +
                                                    h0 * p.head_size);
     for (int64_t t = 0; t < std::min(bs, n - b); ++t) {
@@ -657,7 +657,7 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
                    [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
   const int64_t num_items = static_cast<int64_t>(items.size());
   const ItemFns<T, C> fns = pick_item_fns<T, C>(p.head_size);
-  // The blocks more than one request reads (touch_step skips them).
+  // Readers per block, up to 2 (touch_step skips blocks of more than one).
   std::vector<uint8_t> shared_blocks;
   if (fns.tile == attend_item_generic<T, C> && num_reqs > 1) {
     shared_blocks.assign(kv_cache.size(1), 0);
@@ -668,7 +668,6 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
         readers = readers == 0 ? 1 : 2;
       }
     }
-    for (uint8_t& readers : shared_blocks) readers = readers == 2;
     p.shared_blocks = shared_blocks.data();
   }
   SharedPrefix shared;
