@@ -25,6 +25,20 @@ def test_the_cache_key_covers_every_source():
     assert files == {p.name for p in (*build.SOURCES, *build.HEADERS)}
 
 
+@pytest.mark.parametrize("cpu_has_avx512", [True, False])
+def test_avx2_isa_drops_avx512_only_where_the_cpu_has_it(monkeypatch, cpu_has_avx512):
+    """PAGEDLLM_CPU_ISA=avx2 adds -mno-avx512f on an AVX-512 CPU; on one without,
+    -march=native has no AVX-512 to drop, so the flags (and the cached library's key) are
+    the native build's and that library is reused instead of built again."""
+    line = "flags\t\t: fpu sse2 avx2 fma f16c" + (" avx512f avx512bw" if cpu_has_avx512 else "")
+    monkeypatch.setattr(build, "cpu_flags_line", lambda: line)
+    monkeypatch.delenv("PAGEDLLM_CPU_ISA", raising=False)
+    native = build.flags()
+    assert "-mno-avx512f" not in native
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "avx2")
+    assert build.flags() == (native + ["-mno-avx512f"] if cpu_has_avx512 else native)
+
+
 def test_broken_source_raises_with_the_compiler_message(tmp_path):
     source = tmp_path / "broken.cpp"
     source.write_text("int main() { return undefined_name; }\n")

@@ -862,6 +862,7 @@ void gemm_quant_on(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
   }
 }
 
+#if defined(PAGEDLLM_QUANT_AMX_BF16)  // (gemm_quant's only use: built without, unused)
 // The rows of a call on one path: one run [start, start + count), or (index defined)
 // scattered rows, gathered into one call (the bfloat16 tiles dequantize the weights once
 // per call, the int8 tiles spread Q4 nibbles once per call: ~5 ms a 30-layer step each).
@@ -895,6 +896,7 @@ void gemm_quant_rows(const at::Tensor& out, const at::Tensor& x, const at::Tenso
   gemm_quant_on(os, xs, weight, bias, accumulate, kernels);
   out.index_copy_(0, set.index, os);
 }
+#endif
 
 }  // namespace
 
