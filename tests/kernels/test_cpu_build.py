@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from pagedllm.kernels.cpu import build
+from pagedllm.kernels.cpu import build, features
 
 
 def test_the_suite_requires_the_native_build():
@@ -31,7 +31,7 @@ def test_avx2_isa_drops_avx512_only_where_the_cpu_has_it(monkeypatch, cpu_has_av
     -march=native has no AVX-512 to drop, so the flags (and the cached library's key) are
     the native build's and that library is reused instead of built again."""
     line = "flags\t\t: fpu sse2 avx2 fma f16c" + (" avx512f avx512bw" if cpu_has_avx512 else "")
-    monkeypatch.setattr(build, "cpu_flags_line", lambda: line)
+    monkeypatch.setattr(features, "cpu_flags_line", lambda: line)
     monkeypatch.delenv("PAGEDLLM_CPU_ISA", raising=False)
     native = build.flags()
     assert "-mno-avx512f" not in native

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.config import cache_root, env_cpu_isa, env_cpu_kernels_mode
-from pagedllm.kernels.cpu.features import cpu_flags_line
+from pagedllm.kernels.cpu.features import cpu_flags_line, native_cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ def flags() -> list[str]:
     """FLAGS, less AVX-512 (every extension of it) under PAGEDLLM_CPU_ISA=avx2 on a CPU
     that has it. On one without, -march=native has none already: the same flags, so the
     same cached library (a second, identical build took ~2.5 min on 2 cores)."""
-    has_avx512 = "avx512f" in cpu_flags_line().partition(":")[2].split()
-    return FLAGS + (["-mno-avx512f"] if env_cpu_isa() == "avx2" and has_avx512 else [])
+    drop = env_cpu_isa() == "avx2" and "avx512f" in native_cpu_flags()
+    return FLAGS + (["-mno-avx512f"] if drop else [])
 
 
 def _build_command(compiler: str, sources: list[Path], output: str) -> list[str]:

@@ -21,8 +21,13 @@ def cpu_flags_line() -> str:
     return ""
 
 
+def native_cpu_flags() -> frozenset[str]:
+    """The CPU's own flags, whatever PAGEDLLM_CPU_ISA says."""
+    return frozenset(cpu_flags_line().partition(":")[2].split())
+
+
 def cpu_flags() -> frozenset[str]:
-    flags = frozenset(cpu_flags_line().partition(":")[2].split())
+    flags = native_cpu_flags()
     if env_cpu_isa() == "avx2":
         flags = frozenset(f for f in flags if not f.startswith("avx512"))
     return flags
