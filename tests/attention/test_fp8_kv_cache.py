@@ -118,20 +118,47 @@ SPECIAL = [float("nan"), float("inf"), -float("inf"), 448.0, 448.5, 464.0, 479.9
            2.0 ** -10, 2.0 ** -10 * 1.0001, 2.0 ** -17, 3 * 2.0 ** -11, 2.0 ** -6, 2.0 ** -14]
 
 
-@pytest.mark.skipif(not cpu_ops.load_cpu_kernels(), reason="native CPU kernels not built")
-@pytest.mark.parametrize("cache_dtype", FP8, ids=FP8_IDS)
-@pytest.mark.parametrize("scale", [1.0, 0.37, 4.0])
-def test_kernel_writes_torchs_conversion(cache_dtype, scale):
-    """Cached bytes = torch's conversion of clamp(x / scale), for every bfloat16 and
-    float16 value, and float32 values of every magnitude, NaN, inf and denormals."""
+def kernel_writes(cache_dtype: torch.dtype) -> list[tuple[torch.Tensor, float, torch.Tensor]]:
+    """(x, scale, the native kernel's cached bytes of x / scale) for every bfloat16 and
+    float16 value, and float32 values of every magnitude, NaN, inf and denormals, at three
+    scales."""
     gen = torch.Generator().manual_seed(0)
     exponents = torch.randint(-12, 6, (1 << 16,), generator=gen).float()
     floats = torch.randn(1 << 16, generator=gen) * 10 ** exponents
     special = torch.tensor(SPECIAL + [0.0] * (-len(SPECIAL) % 16))
-    for x in (_every_16_bit_value(torch.bfloat16), _every_16_bit_value(torch.float16),
-              torch.cat([floats, special])):
-        got = _kernel_write(x, cache_dtype, scale)
-        assert torch.equal(raw_bytes(got), raw_bytes(quantize_kv(x, scale, cache_dtype)))
+    return [(x, scale, raw_bytes(_kernel_write(x, cache_dtype, scale)))
+            for scale in (1.0, 0.37, 4.0)
+            for x in (_every_16_bit_value(torch.bfloat16), _every_16_bit_value(torch.float16),
+                      torch.cat([floats, special]))]
+
+
+def kernel_reads(cache_dtype: torch.dtype, dtype: torch.dtype, head_size: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the native kernel's output, the expected values) of queries whose only visible key
+    is position 0, over V rows holding all 256 fp8 codes: torch's float conversion of
+    each code times v_scale (2)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    rows = -(-256 // head_size)
+    values = torch.zeros(rows * head_size, dtype=torch.uint8)
+    values[:256] = codes
+    spec = AttentionSpec(num_heads=1, num_kv_heads=1, head_size=head_size, scale=1.0)
+    cache = torch.zeros(2, rows + 1, 1, 1, head_size, dtype=torch.uint8)
+    cache[1, 1:, 0, 0] = values.view(rows, head_size)  # V of block b at block b + 1
+    cache = cache.view(cache_dtype)
+    md = make_metadata([0] * rows, [1] * rows, 1, rows + 1)
+    md.block_table[:, 0] = torch.arange(1, rows + 1, dtype=torch.int32)
+    query = torch.ones(rows, 1, head_size, dtype=dtype)
+    # No key/value: the kernel only reads.
+    out = CpuAttention(spec, True).forward(query, None, None, cache, md, v_scale=2.0)
+    return out.float(), values.view(cache_dtype).float().view(rows, 1, head_size) * 2.0
+
+
+@pytest.mark.skipif(not cpu_ops.load_cpu_kernels(), reason="native CPU kernels not built")
+@pytest.mark.parametrize("cache_dtype", FP8, ids=FP8_IDS)
+def test_kernel_writes_torchs_conversion(cache_dtype):
+    """Cached bytes = torch's conversion of clamp(x / scale) (kernel_writes' values)."""
+    for x, scale, got in kernel_writes(cache_dtype):
+        assert torch.equal(got, raw_bytes(quantize_kv(x, scale, cache_dtype))), scale
 
 
 @pytest.mark.parametrize("cache_dtype", FP8, ids=FP8_IDS)
@@ -153,24 +180,10 @@ def test_write_kv_cache_is_torchs_conversion(cache_dtype, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_size", [64, 24])
 def test_kernel_reads_every_fp8_code_exactly(cache_dtype, dtype, head_size):
-    """A query whose only visible key is position 0 returns that key's value: V rows
-    holding all 256 fp8 codes come back as torch's float conversion times v_scale
-    (NaN codes as NaN; every finite fp8 value is exact in bfloat16)."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    rows = -(-256 // head_size)
-    values = torch.zeros(rows * head_size, dtype=torch.uint8)
-    values[:256] = codes
-    spec = AttentionSpec(num_heads=1, num_kv_heads=1, head_size=head_size, scale=1.0)
-    cache = torch.zeros(2, rows + 1, 1, 1, head_size, dtype=torch.uint8)
-    cache[1, 1:, 0, 0] = values.view(rows, head_size)  # V of block b at block b + 1
-    cache = cache.view(cache_dtype)
-    md = make_metadata([0] * rows, [1] * rows, 1, rows + 1)
-    md.block_table[:, 0] = torch.arange(1, rows + 1, dtype=torch.int32)
-    query = torch.ones(rows, 1, head_size, dtype=dtype)
-    # No key/value: the kernel only reads.
-    out = CpuAttention(spec, True).forward(query, None, None, cache, md, v_scale=2.0)
-    expected = values.view(cache_dtype).float().view(rows, 1, head_size) * 2.0
-    torch.testing.assert_close(out.float(), expected, rtol=0, atol=0, equal_nan=True)
+    """Every fp8 code reads back as torch's float conversion times v_scale (NaN codes as
+    NaN; every finite fp8 value is exact in bfloat16)."""
+    out, expected = kernel_reads(cache_dtype, dtype, head_size)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("backend", ["kernel", "torch", "torch_ref"])

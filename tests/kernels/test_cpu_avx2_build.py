@@ -5,6 +5,10 @@ compiled with -mno-avx512f, the engine ignoring AVX-512), in a subprocess of its
   as this build's widest kernels, for every block type; its AVX-512 path is not built.
 - Its fused SiLU-and-multiply (8 lanes, exp16's arithmetic) gives this build's bits in
   float32, bfloat16 and float16, a row tail included.
+- Its fp8 KV cache writes (8 lanes, fp8x8) store torch's conversion for every value
+  tests/attention/test_fp8_kv_cache.py writes, and its in-place reads (float8_of) give
+  every code's exact value, head sizes 64 and 24 (the AVX-512 build runs its own
+  conversions in the AVX-512 item and reads only head size 24 through float8_of).
 - The engine there picks float32 and the native quantized weights for the bundled GGUF.
   Dequantized (float32 weights: the generic attention item 8 lanes wide, the portable
   norms and float32 GEMM) it agrees with this build to float32 rounding: measured logprobs
@@ -29,6 +33,8 @@ import torch
 from pagedllm import LLM
 from pagedllm.kernels.cpu import ops
 from pagedllm.kernels.cpu.build import load_cpu_kernels
+from pagedllm.attention.kv_quant import quantize_kv, raw_bytes
+from tests.attention.test_fp8_kv_cache import FP8, kernel_reads, kernel_writes
 from tests.engine.partings import assert_near_tie_partings, greedy_dists
 from tests.engine.test_gguf_quantized import PROMPTS
 from tests.kernels.test_cpu_quant import QTYPES, make_weight, run_gemm
@@ -80,7 +86,11 @@ def _child(out_path: str) -> None:
     except RuntimeError as e:
         avx512_error = str(e)
     silu = [_silu(x) for x in _silu_cases()]
+    fp8_writes = [kernel_writes(dtype) for dtype in FP8]
+    fp8_reads = [kernel_reads(dtype, torch.float32, head_size)
+                 for dtype in FP8 for head_size in (64, 24)]
     torch.save({"gemm": gemm, "silu": silu, "avx512_error": avx512_error,
+                "fp8_writes": fp8_writes, "fp8_reads": fp8_reads,
                 "quantized": _greedy(False),
                 "dequantized": _greedy(True)}, out_path)
 
@@ -100,6 +110,13 @@ def test_avx2_build_same_bits_and_engine(tmp_path):
         assert torch.equal(theirs, run_gemm(make_weight(qtype, 45, 512, seed=1), x)), (qtype, dtype)
     for x, theirs in zip(_silu_cases(), got["silu"], strict=True):
         assert torch.equal(theirs, _silu(x)), x.dtype
+    for dtype, writes in zip(FP8, got["fp8_writes"], strict=True):
+        assert len(writes) == 9
+        for x, scale, stored in writes:
+            assert torch.equal(stored, raw_bytes(quantize_kv(x, scale, dtype))), (dtype, scale)
+    assert len(got["fp8_reads"]) == 4
+    for out, expected in got["fp8_reads"]:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
 
     dequantized, dtype, quantization = got["dequantized"]
     assert (dtype, quantization) == ("float32", None)

@@ -771,7 +771,7 @@ void run_item_chunks(const Params<T, C>& p, const Item& item, Span sp, Scratch& 
   const bool on_amx = tiles && amx_pass(p);
   const bool by_fma = tiles && !on_amx && bf16_attention_by_fma();
 #else
-  const bool on_amx = false, by_fma = false;
+  const bool by_fma = false;  // (no tile pass: AVX-512 without BF16)
 #endif
   load_item_queries<T, C, NV>(p, item, head_rows, sc, kBf16 && !by_fma);
   if (sh != nullptr && sh->keys > 0) {

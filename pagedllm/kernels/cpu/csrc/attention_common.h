@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "fp8.h"
@@ -110,7 +112,10 @@ struct Scratch {
   std::vector<float> q, acc, m, l, l_lanes, k, v, s, probs, alpha;
   std::vector<uint16_t> probs_b;
   std::vector<const float*> kp, vp;  // the generic item's K / V rows of its current step
-  std::vector<const uint16_t*> kp16, vp16;  // the same, read in place from a bfloat16 cache
+  // The same, read in place: from a bfloat16 cache (its bits) or an fp8 one.
+  std::vector<const uint16_t*> kp16, vp16;
+  std::vector<const c10::Float8_e4m3fn*> kp_e4m3, vp_e4m3;
+  std::vector<const c10::Float8_e5m2*> kp_e5m2, vp_e5m2;
   std::vector<uint32_t> qt;  // the AMX pass's queries as tile operands (attention_amx.h)
   // The item this thread runs after the current one, when it is already claimed: the
   // current item's last steps prefetch its first keys (nullptr: none known).
@@ -120,7 +125,20 @@ struct Scratch {
         l_lanes(max_rows * 16),
         k(keys * head_size), v(keys * head_size), s(2 * (keys + 8)), probs(max_rows * 16),
         alpha(max_rows), probs_b(max_rows * 16 + 2), kp(keys), vp(keys), kp16(keys),
-        vp16(keys) {}
+        vp16(keys), kp_e4m3(keys), vp_e4m3(keys), kp_e5m2(keys), vp_e5m2(keys) {}
+
+  // The (K, V) row pointers of in-place element type E (uint16_t: bfloat16 bits).
+  template <typename E>
+  std::pair<const E**, const E**> rows_in_place() {
+    if constexpr (std::is_same_v<E, uint16_t>) {
+      return {kp16.data(), vp16.data()};
+    } else if constexpr (std::is_same_v<E, c10::Float8_e4m3fn>) {
+      return {kp_e4m3.data(), vp_e4m3.data()};
+    } else {
+      static_assert(std::is_same_v<E, c10::Float8_e5m2>, "no in-place reads of this type");
+      return {kp_e5m2.data(), vp_e5m2.data()};
+    }
+  }
 };
 
 // Load the queries of KV head h as float32 times `scale`, rows i * G + g.

@@ -13,6 +13,14 @@
 // of shifting the bits into a float16 / float32 and rescaling by a power of two, which
 // passes fp8 subnormals through float32 denormals that MXCSR.DAZ would flush to zero.
 // Write: c10's fp8e4m3fn_from_fp32_value / fp8e5m2_from_fp32_value, 16 lanes at a time.
+//
+// With AVX2 only (F16C): 8 values at a time both ways (float8_of, fp8x8). Read: e5m2 is
+// the high byte of the float16 of the same value; e4m3fn's exponent and mantissa bits,
+// moved into a float16's, give the value / 2^8 (biases 7 and 15), and one float32
+// multiply by 2^8 restores it exactly. F16C widens float16 subnormals to float32 normals
+// whatever MXCSR.DAZ says (checked on Zen 3 with DAZ and FTZ set), and the smallest fp8
+// magnitude (e4m3fn 2^-9, e5m2 2^-16) is a float32 normal, so no denormal is ever flushed.
+// Write: fp8x16's arithmetic on 8 lanes.
 #pragma once
 
 #include <c10/util/Float8_e4m3fn.h>
@@ -202,4 +210,59 @@ inline __m512 load16(const C* src, __mmask16 mask) {
 }
 
 }  // namespace pagedllm_simd
+#endif
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+
+namespace pagedllm_fp8 {
+
+// 8 fp8 values (the low 8 bytes of `bytes`, in order) -> float32 lanes, exactly (NaN codes
+// as NaN, e5m2's infinities as infinities).
+template <typename C>
+inline __m256 float8_of(__m128i bytes) {
+  if constexpr (std::is_same_v<C, c10::Float8_e5m2>) {
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
+  } else {
+    // Sign-extended and shifted by 7, a byte's bits 6:0 land on the float16's exponent
+    // and mantissa and its sign on bit 15; bit 14 (a copy of the sign) is cleared.
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7),
+                                    _mm_set1_epi16(static_cast<short>(0xBF80)));
+    const __m256 x = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    // S.1111.111 (NaN) reads as +-480, which no finite code does: all ones (a NaN) there.
+    const __m256 nan = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x),
+                                     _mm256_set1_ps(480.0f), _CMP_EQ_OQ);
+    return _mm256_or_ps(x, nan);
+  }
+}
+
+// 8 float32 lanes (already divided by the scale) -> fp8 bytes (the low 8 of the result):
+// fp8x16's steps. Every lane's magnitude is below 2^31, so signed compares order them.
+template <typename C>
+inline __m128i fp8x8(__m256 x) {
+  using F = Format<C>;
+  constexpr int mb = F::kMantBits, shift = 23 - mb;
+  // VMAXPS / VMINPS return their second operand when either is NaN: a NaN stays NaN.
+  x = _mm256_min_ps(_mm256_set1_ps(F::kMax), _mm256_max_ps(_mm256_set1_ps(-F::kMax), x));
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  const __m256 denorm = _mm256_castsi256_ps(_mm256_set1_epi32((127 + 24 - F::kBias - mb) << 23));
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(mag), denorm)),
+      _mm256_castps_si256(denorm));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(mag, shift), _mm256_set1_epi32(1));
+  const __m256i rebias = _mm256_set1_epi32(-((127 - F::kBias) << 23) + (1 << (shift - 1)) - 1);
+  const __m256i normal =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(mag, rebias), odd), shift);
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32((128 - F::kBias) << 23), mag);
+  __m256i r = _mm256_blendv_epi8(normal, sub, is_sub);
+  const __m256i is_nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7F800000));
+  r = _mm256_or_si256(_mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F), is_nan), sign);
+  // Lanes hold 0 .. 255: two unsigned packs keep them, in order.
+  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  return _mm_packus_epi16(w, w);
+}
+
+}  // namespace pagedllm_fp8
 #endif
