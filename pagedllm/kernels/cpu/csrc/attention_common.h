@@ -123,7 +123,7 @@ struct Scratch {
   Scratch(int64_t max_rows, int64_t head_size, int64_t keys)
       : q(max_rows * head_size), acc(max_rows * head_size), m(max_rows), l(max_rows),
         l_lanes(max_rows * 16),
-        k(keys * head_size), v(keys * head_size), s(2 * (keys + 8)), probs(max_rows * 16),
+        k(keys * head_size), v(keys * head_size), s(3 * (keys + 8)), probs(max_rows * 16),
         alpha(max_rows), probs_b(max_rows * 16 + 2), kp(keys), vp(keys), kp16(keys),
         vp16(keys), kp_e4m3(keys), vp_e4m3(keys), kp_e5m2(keys), vp_e5m2(keys) {}
 
