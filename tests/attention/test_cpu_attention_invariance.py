@@ -34,6 +34,8 @@ def _tables():
 
 
 CACHE, QUERIES = _tables()
+# 8 query heads (a group of 4 per KV head) from the same table: its 6 and two more.
+QUERIES8 = torch.cat([QUERIES, QUERIES[:, :2].flip(-1)], dim=1)
 # The subject's blocks: 1, 2, ... in order; other requests share its first blocks or
 # own blocks from 100 on.
 SUBJECT_BLOCKS = list(range(1, -(-LEN // BLOCK) + 1))
@@ -42,13 +44,14 @@ SUBJECT_BLOCKS = list(range(1, -(-LEN // BLOCK) + 1))
 def _attend(reqs: list[tuple[list[int], int, int]], sliding_window: int | None,
             subject_query: int = 0, dtype: torch.dtype = torch.bfloat16,
             cache_dtype: torch.dtype = torch.bfloat16, block: int = BLOCK,
-            head_size: int = HEAD_SIZE) -> torch.Tensor:
+            head_size: int = HEAD_SIZE, num_heads: int = HEADS) -> torch.Tensor:
     """Attention of a batch of (block ids, num_computed, query_len) requests, request
     `subject_query` being the subject; returns the subject's output rows. Every request's
     keys are its blocks' cached K/V (the step writes back the same values: an fp8 value
     is exact in bfloat16 and converts back to itself). Block ids count blocks of 16; with
     `block` = 8 each is split in two (the same slots, so the same cache bytes). A
-    `head_size` below HEAD_SIZE takes the first dims of the tables."""
+    `head_size` below HEAD_SIZE takes the first dims of the tables; `num_heads` (6 or
+    8) the first query heads of QUERIES8."""
     seq_lens = np.array([c + q for _, c, q in reqs])
     max_blocks = max(len(b) for b, _, _ in reqs)
     table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
@@ -60,7 +63,7 @@ def _attend(reqs: list[tuple[list[int], int, int]], sliding_window: int | None,
         pos = np.arange(computed, computed + qlen)
         slots.append(table[i, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK)
         # Other requests' queries: any values (they must not matter).
-        queries = QUERIES[..., :head_size]
+        queries = QUERIES8[:, :num_heads, :head_size]
         q_rows.append(queries[pos % LEN] if i == subject_query else
                       queries[(pos * 7 + 3) % LEN].flip(-1))
     if block != BLOCK:
@@ -82,10 +85,10 @@ def _attend(reqs: list[tuple[list[int], int, int]], sliding_window: int | None,
     k = flat[0, slot_mapping].to(dtype)
     v = flat[1, slot_mapping].to(dtype)
     cache = cache.contiguous().view(2, -1, block, KV_HEADS, head_size)
-    spec = AttentionSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=head_size,
+    spec = AttentionSpec(num_heads=num_heads, num_kv_heads=KV_HEADS, head_size=head_size,
                          scale=head_size ** -0.5, sliding_window=sliding_window)
     out = CpuAttention(spec, True).forward(torch.cat(q_rows).to(dtype), k, v, cache, md)
-    out = out.view(-1, HEADS, head_size)
+    out = out.view(-1, num_heads, head_size)
     return out[qsl[subject_query]:qsl[subject_query + 1]]
 
 
@@ -98,24 +101,29 @@ def _other(i: int, shared_blocks: int, length: int) -> tuple[list[int], int, int
 
 BF16 = torch.bfloat16
 F32 = torch.float32
-# (query dtype, cache dtype, block size, head size)
+# (query dtype, cache dtype, block size, head size[, query heads: 6 by default]). With 8
+# query heads (groups of 4) the generic item on AVX2 groups a row with different others
+# (rows in threes, then pairs or alone) by where the row's token and step fall.
 CASES = {"bf16": (BF16, BF16, 16, 64), "e4m3": (BF16, torch.float8_e4m3fn, 16, 64),
          "e5m2": (BF16, torch.float8_e5m2, 16, 64), "bf16-block8": (BF16, BF16, 8, 64),
          "f32": (F32, F32, 16, 64), "f32-block8": (F32, F32, 8, 64),
          "f16": (torch.float16, torch.float16, 16, 64),
          "f32-head40": (F32, F32, 16, 40), "f32-head40-block8": (F32, F32, 8, 40),
-         "bf16-head40": (BF16, BF16, 16, 40)}
+         "bf16-head40": (BF16, BF16, 16, 40),
+         "bf16-group4": (BF16, BF16, 16, 64, 8),
+         "f32-e4m3-group4": (F32, torch.float8_e4m3fn, 16, 64, 8),
+         "f32-group4": (F32, F32, 16, 64, 8)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("sliding_window", [None, 37])
 def test_a_row_is_bit_identical_in_every_batch_shape(sliding_window, case):
-    dtype, cache_dtype, block, head_size = CASES[case]
+    dtype, cache_dtype, block, head_size, *heads = CASES[case]
 
 
     def attend(reqs, subject_query=0):
         return _attend(reqs, sliding_window, subject_query, dtype, cache_dtype, block,
-                       head_size)
+                       head_size, *heads)
 
     # Reference: every position decoded alone.
     alone = {p: attend([(SUBJECT_BLOCKS, p, 1)])[0]
