@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -63,15 +64,35 @@ def flags() -> list[str]:
     return FLAGS + (["-mno-avx512f"] if drop else [])
 
 
-def _build_command(compiler: str, sources: list[Path], output: str) -> list[str]:
+def _torch_flags() -> tuple[list[str], list[str]]:
+    """(compile, link) flags for building against this torch."""
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()]
     rpath = [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]
-    return [compiler, *flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
-            *map(str, sources), *libs, *rpath, "-lc10", "-ltorch_cpu", "-o", output]
+    return [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes], [*libs, *rpath, "-lc10",
+                                                             "-ltorch_cpu"]
+
+
+def _compile_command(compiler: str, source: Path, output: Path) -> list[str]:
+    return [compiler, *flags(), *_torch_flags()[0], "-c", str(source), "-o", str(output)]
+
+
+def _link_command(compiler: str, objects: list[Path], output: str) -> list[str]:
+    return [compiler, *flags(), *map(str, objects), *_torch_flags()[1], "-o", output]
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True)
+    except OSError as e:
+        raise KernelBuildError(f"cannot run {command[0]}: {e}") from e
+    if done.returncode != 0:
+        raise KernelBuildError(f"{command[0]} failed (exit {done.returncode}):\n"
+                               f"{done.stderr[-3000:]}")
+    return done
 
 
 def library_path(compiler: str) -> Path:
@@ -93,23 +114,22 @@ def build_library(compiler: str, sources: list[Path], path: Path) -> None:
         if path.exists():
             return
         logger.info("building CPU kernels (once per machine) -> %s", path)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        try:
-            try:
-                done = subprocess.run(_build_command(compiler, sources, tmp),
-                                      capture_output=True, text=True)
-            except OSError as e:
-                raise KernelBuildError(f"cannot run {compiler}: {e}") from e
-            if done.returncode != 0:
-                raise KernelBuildError(f"{compiler} failed (exit {done.returncode}):\n"
-                                       f"{done.stderr[-3000:]}")
-            if "warning:" in done.stderr:
-                logger.warning("CPU kernels built with warnings:\n%s", done.stderr[-3000:])
-            os.replace(tmp, path)  # atomic: readers never see a half-written library
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        # Each source compiles on its own, all at once up to the core count, then one
+        # link: the build takes about as long as its slowest file (cpu_quant.cpp) where
+        # there are enough cores, instead of the sum of all (2 cores, Zen 3: ~190 ->
+        # ~110 s; the sources compile separately either way, so the library is the same).
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            objects = [Path(tmp) / f"{i}-{src.stem}.o" for i, src in enumerate(sources)]
+            workers = max(1, min(len(sources), len(os.sched_getaffinity(0))))
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                compiled = list(pool.map(_run, [_compile_command(compiler, src, obj)
+                                                for src, obj in zip(sources, objects)]))
+            output = str(Path(tmp) / "lib.so")
+            linked = _run(_link_command(compiler, objects, output))
+            warnings = "".join(d.stderr for d in (*compiled, linked) if "warning:" in d.stderr)
+            if warnings:
+                logger.warning("CPU kernels built with warnings:\n%s", warnings[-3000:])
+            os.replace(output, path)  # atomic: readers never see a half-written library
 
 
 @functools.lru_cache(maxsize=1)
