@@ -101,9 +101,14 @@ def _other(i: int, shared_blocks: int, length: int) -> tuple[list[int], int, int
 
 BF16 = torch.bfloat16
 F32 = torch.float32
-# (query dtype, cache dtype, block size, head size[, query heads: 6 by default]). With 8
-# query heads (groups of 4) the generic item on AVX2 groups a row with different others
-# (rows in threes, then pairs or alone) by where the row's token and step fall.
+# (query dtype, cache dtype, block size, head size[, query heads: 6 by default]). On AVX2
+# the generic item runs rows that see the same keys of a step together: with an fp8
+# cache, in fours or threes, with a float32 one in pairs. With groups of 3 a prefill
+# chunk's step that every token sees fully runs rows in fours across tokens, where a
+# decode runs its 3 rows as a three: float32 outputs (f32-e4m3, f32-e5m2) show any
+# difference in those passes' arithmetic, which bfloat16 rounding hides. Groups of 4
+# (8 query heads) run each token's rows as a four everywhere; with a float32 cache, in
+# pairs, or alone where a pair's partner sees none of the step.
 CASES = {"bf16": (BF16, BF16, 16, 64), "e4m3": (BF16, torch.float8_e4m3fn, 16, 64),
          "e5m2": (BF16, torch.float8_e5m2, 16, 64), "bf16-block8": (BF16, BF16, 8, 64),
          "f32": (F32, F32, 16, 64), "f32-block8": (F32, F32, 8, 64),
@@ -111,6 +116,8 @@ CASES = {"bf16": (BF16, BF16, 16, 64), "e4m3": (BF16, torch.float8_e4m3fn, 16, 6
          "f32-head40": (F32, F32, 16, 40), "f32-head40-block8": (F32, F32, 8, 40),
          "bf16-head40": (BF16, BF16, 16, 40),
          "bf16-group4": (BF16, BF16, 16, 64, 8),
+         "f32-e4m3": (F32, torch.float8_e4m3fn, 16, 64),
+         "f32-e5m2": (F32, torch.float8_e5m2, 16, 64),
          "f32-e4m3-group4": (F32, torch.float8_e4m3fn, 16, 64, 8),
          "f32-group4": (F32, F32, 16, 64, 8)}
 

@@ -107,38 +107,68 @@ inline void to_float(const C* src, float* dst, int64_t n) {
 // exp for the softmax rescaling (arguments are <= 0 there).
 using pagedllm_simd::exp_poly;
 
-// Per-thread buffers, sized for the largest item.
+// Per-thread buffers, sized for the largest item. The generic item's K / V rows (pointers,
+// and float32 copies where it converts) are sized on first use: a call builds one Scratch
+// per thread, and each path needs at most one of those sets (two 32 KB copies zeroed per
+// thread and layer cost every AVX-512 decode, which never touches them).
 struct Scratch {
-  std::vector<float> q, acc, m, l, l_lanes, k, v, s, probs, alpha;
+  std::vector<float> q, acc, m, l, l_lanes, s, probs, alpha;
   std::vector<uint16_t> probs_b;
-  std::vector<const float*> kp, vp;  // the generic item's K / V rows of its current step
-  // The same, read in place: from a bfloat16 cache (its bits) or an fp8 one.
-  std::vector<const uint16_t*> kp16, vp16;
-  std::vector<const c10::Float8_e4m3fn*> kp_e4m3, vp_e4m3;
-  std::vector<const c10::Float8_e5m2*> kp_e5m2, vp_e5m2;
   std::vector<uint32_t> qt;  // the AMX pass's queries as tile operands (attention_amx.h)
   // The item this thread runs after the current one, when it is already claimed: the
   // current item's last steps prefetch its first keys (nullptr: none known).
   const Item* next = nullptr;
   Scratch(int64_t max_rows, int64_t head_size, int64_t keys)
       : q(max_rows * head_size), acc(max_rows * head_size), m(max_rows), l(max_rows),
-        l_lanes(max_rows * 16),
-        k(keys * head_size), v(keys * head_size), s(3 * (keys + 8)), probs(max_rows * 16),
-        alpha(max_rows), probs_b(max_rows * 16 + 2), kp(keys), vp(keys), kp16(keys),
-        vp16(keys), kp_e4m3(keys), vp_e4m3(keys), kp_e5m2(keys), vp_e5m2(keys) {}
+        l_lanes(max_rows * 16), s(4 * (keys + 8)), probs(max_rows * 16), alpha(max_rows),
+        probs_b(max_rows * 16 + 2), keys_(keys), head_size_(head_size) {}
 
-  // The (K, V) row pointers of in-place element type E (uint16_t: bfloat16 bits).
+  // The K and V row pointers of a step of keys, of element type E: float32 (a float32
+  // cache's rows, or the converted copies), or a cache read in place (uint16_t: bfloat16
+  // bits; fp8).
   template <typename E>
-  std::pair<const E**, const E**> rows_in_place() {
-    if constexpr (std::is_same_v<E, uint16_t>) {
-      return {kp16.data(), vp16.data()};
+  std::pair<const E**, const E**> rows() {
+    auto& [k, v] = row_pointers<E>();
+    if (k.empty()) {
+      k.resize(keys_);
+      v.resize(keys_);
+    }
+    return {k.data(), v.data()};
+  }
+
+  // Room for a step's K and V rows converted to float32.
+  std::pair<float*, float*> converted() {
+    if (k_.empty()) {
+      k_.resize(keys_ * head_size_);
+      v_.resize(keys_ * head_size_);
+    }
+    return {k_.data(), v_.data()};
+  }
+
+ private:
+  template <typename E>
+  using Pointers = std::pair<std::vector<const E*>, std::vector<const E*>>;
+
+  template <typename E>
+  Pointers<E>& row_pointers() {
+    if constexpr (std::is_same_v<E, float>) {
+      return f32_;
+    } else if constexpr (std::is_same_v<E, uint16_t>) {
+      return bf16_;
     } else if constexpr (std::is_same_v<E, c10::Float8_e4m3fn>) {
-      return {kp_e4m3.data(), vp_e4m3.data()};
+      return e4m3_;
     } else {
-      static_assert(std::is_same_v<E, c10::Float8_e5m2>, "no in-place reads of this type");
-      return {kp_e5m2.data(), vp_e5m2.data()};
+      static_assert(std::is_same_v<E, c10::Float8_e5m2>, "no reads of this type");
+      return e5m2_;
     }
   }
+
+  int64_t keys_, head_size_;
+  std::vector<float> k_, v_;
+  Pointers<float> f32_;
+  Pointers<uint16_t> bf16_;
+  Pointers<c10::Float8_e4m3fn> e4m3_;
+  Pointers<c10::Float8_e5m2> e5m2_;
 };
 
 // Load the queries of KV head h as float32 times `scale`, rows i * G + g.

@@ -198,6 +198,35 @@ inline void key_scores3(const float* const q[3], const E* const* k, int64_t d, i
     _mm_storeu_ps(s[2] + t0, _mm256_castps256_ps128(row2));
   }
 }
+
+// key_scores3 for four rows (groups of 4 query heads per KV head: Llama 3, Mistral), 2 keys
+// at a time so the 8 accumulators leave registers for the loads: one K conversion per
+// four rows. A score's arithmetic is still key_scores'.
+template <typename E>
+inline void key_scores4(const float* const q[4], const E* const* k, int64_t d, int64_t t_lo,
+                        int64_t t_hi, float* const s[4]) {
+  for (int64_t t0 = t_lo / 2 * 2; t0 < t_hi; t0 += 2) {
+    const E* kr[2];
+    for (int i = 0; i < 2; ++i) kr[i] = k[std::clamp<int64_t>(t0 + i, t_lo, t_hi - 1)];
+    __m256 a[8];  // a[2 r + i]: row r, key t0 + i
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < d; j += 8) {
+      for (int i = 0; i < 2; ++i) {
+        __m256 kv = load8(kr[i] + j);
+        pagedllm_simd::in_register(kv);  // one conversion for the four rows
+        for (int r = 0; r < 4; ++r)
+          a[2 * r + i] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + j), kv, a[2 * r + i]);
+      }
+    }
+    // Lanes: row 0's two keys, row 1's, row 2's, row 3's.
+    const __m256 sums = pagedllm_simd::hsum8x8(a);
+    const __m128 rows01 = _mm256_castps256_ps128(sums), rows23 = _mm256_extractf128_ps(sums, 1);
+    _mm_storel_pi(reinterpret_cast<__m64*>(s[0] + t0), rows01);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(s[1] + t0), rows01);
+    _mm_storel_pi(reinterpret_cast<__m64*>(s[2] + t0), rows23);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(s[3] + t0), rows23);
+  }
+}
 #endif
 
 // One row's online softmax over the step's keys [t_lo, t_hi): the running max m (the
@@ -330,27 +359,28 @@ inline void add_pv2(float* acc0, float* acc1, const float* p0, const float* p1,
   add_pv(acc1, p1, v, d, hi, hi1);
 }
 
-// add_pv for three rows that see the same keys [t_lo, t_hi) (d % 8 == 0; a cache read in
-// place: each V conversion serves all three), 2 column chains per row: each column
+// add_pv for R rows (3 or 4) that see the same keys [t_lo, t_hi) (d % 8 == 0; a cache
+// read in place: each V conversion serves all R), 2 column chains per row: each column
 // still adds its keys in order with add_pv's arithmetic.
-template <typename E>
-inline void add_pv3(float* const acc[3], const float* const p[3], const E* const* v,
-                    int64_t d, int64_t t_lo, int64_t t_hi) {
+template <int R, typename E>
+inline void add_pv_rows(float* const acc[R], const float* const p[R], const E* const* v,
+                        int64_t d, int64_t t_lo, int64_t t_hi) {
+  static_assert(R == 3 || R == 4, "2 chains x 4 rows fill the accumulator registers");
   for (int64_t j0 = 0; j0 < d; j0 += 16) {
     const int n = d - j0 >= 16 ? 2 : 1;
-    __m256 a[3][2];
-    for (int r = 0; r < 3; ++r)
+    __m256 a[R][2];
+    for (int r = 0; r < R; ++r)
       for (int i = 0; i < n; ++i) a[r][i] = _mm256_loadu_ps(acc[r] + j0 + 8 * i);
     for (int64_t t = t_lo; t < t_hi; ++t) {
       const E* vr = v[t] + j0;
       for (int i = 0; i < n; ++i) {
         __m256 vv = load8(vr + 8 * i);
         pagedllm_simd::in_register(vv);
-        for (int r = 0; r < 3; ++r)
+        for (int r = 0; r < R; ++r)
           a[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(p[r][t]), vv, a[r][i]);
       }
     }
-    for (int r = 0; r < 3; ++r)
+    for (int r = 0; r < R; ++r)
       for (int i = 0; i < n; ++i) _mm256_storeu_ps(acc[r] + j0 + 8 * i, a[r][i]);
   }
 }
@@ -380,36 +410,75 @@ constexpr bool reads_in_place(int64_t d) {
 template <typename C>
 using InPlace = std::conditional_t<std::is_same_v<C, c10::BFloat16>, uint16_t, C>;
 
-// Pointers to the K and V rows of keys [base, base + n) of request r, KV head h: into the
-// cache itself (float32: kp / vp; bfloat16 and fp8 where reads_in_place: rows_in_place)
-// or into the scratch after conversion to float32 (kp / vp).
+// Pointers to the K and V rows of keys [base, base + n) of request r, KV head h
+// (Scratch::rows): into the cache itself (float32; bfloat16 and fp8 where
+// reads_in_place) or into the scratch after conversion to float32.
 template <typename T, typename C>
 void step_rows(const Params<T, C>& p, int64_t r, int64_t h, int64_t base, int64_t n,
                Scratch& sc) {
   const int64_t d = p.head_size, bs = p.block_size;
-  for (int64_t b = 0; b < n; b += bs) {  // base is a multiple of bs
-    const C* kb = p.kc + slot_of(p, r, base + b) * p.tok_stride + h * d;
-    for (int64_t t = b; t < std::min(n, b + bs); ++t) {
-      const C* kr = kb + (t - b) * p.tok_stride;
-      if constexpr (std::is_same_v<C, float>) {
-        sc.kp[t] = kr;
-        sc.vp[t] = kr + p.cache_half;
-        continue;
-      } else if constexpr (kInPlaceType<C>) {
-        if (reads_in_place<C>(d)) {
-          const auto [kin, vin] = sc.rows_in_place<InPlace<C>>();
-          kin[t] = reinterpret_cast<const InPlace<C>*>(kr);
-          vin[t] = reinterpret_cast<const InPlace<C>*>(kr + p.cache_half);
-          continue;
-        }
-      }
-      to_float(kr, sc.k.data() + t * d, d);
-      to_float(kr + p.cache_half, sc.v.data() + t * d, d);
-      sc.kp[t] = sc.k.data() + t * d;
-      sc.vp[t] = sc.v.data() + t * d;
+  // row(t, K row) for each key t of the step (its V row is cache_half further).
+  const auto each_row = [&](auto&& row) {
+    for (int64_t b = 0; b < n; b += bs) {  // base is a multiple of bs
+      const C* kb = p.kc + slot_of(p, r, base + b) * p.tok_stride + h * d;
+      for (int64_t t = b; t < std::min(n, b + bs); ++t) row(t, kb + (t - b) * p.tok_stride);
+    }
+  };
+  if constexpr (std::is_same_v<C, float>) {
+    const auto [kp, vp] = sc.rows<float>();
+    each_row([&](int64_t t, const C* kr) {
+      kp[t] = kr;
+      vp[t] = kr + p.cache_half;
+    });
+    return;
+  } else if constexpr (kInPlaceType<C>) {
+    if (reads_in_place<C>(d)) {
+      const auto [kp, vp] = sc.rows<InPlace<C>>();
+      each_row([&](int64_t t, const C* kr) {
+        kp[t] = reinterpret_cast<const InPlace<C>*>(kr);
+        vp[t] = reinterpret_cast<const InPlace<C>*>(kr + p.cache_half);
+      });
+      return;
     }
   }
+  const auto [kp, vp] = sc.rows<float>();
+  const auto [kf, vf] = sc.converted();
+  each_row([&](int64_t t, const C* kr) {
+    to_float(kr, kf + t * d, d);
+    to_float(kr + p.cache_half, vf + t * d, d);
+    kp[t] = kf + t * d;
+    vp[t] = vf + t * d;
+  });
 }
+
+#if defined(PAGEDLLM_SIMD_AVX2)
+// Rows [row, row + R) of one KV head over one step, all seeing its keys [lo, hi) (a
+// decode's query heads of that KV head): scores, softmax and P x V for the R at once, so
+// each K / V conversion serves R rows (the same results as one by one); their scores go
+// to s, step_keys apart.
+template <int R, typename E>
+void rows_together(const float* q, float* acc, float* m, float* l, const E* const* kp,
+                   const E* const* vp, float* s, int64_t step_keys, int64_t d, int64_t row,
+                   int64_t lo, int64_t hi) {
+  float* sr[R];
+  float* ar[R];
+  const float* qr[R];
+  const float* pr[R];
+  for (int r = 0; r < R; ++r) {
+    sr[r] = s + r * step_keys;
+    pr[r] = sr[r];
+    ar[r] = acc + (row + r) * d;
+    qr[r] = q + (row + r) * d;
+  }
+  if constexpr (R == 4) {
+    key_scores4(qr, kp, d, lo, hi, sr);
+  } else {
+    key_scores3(qr, kp, d, lo, hi, sr);
+  }
+  for (int r = 0; r < R; ++r) softmax_step(sr[r], lo, hi, m[row + r], l[row + r], ar[r], d);
+  add_pv_rows<R>(ar, pr, vp, d, lo, hi);
+}
+#endif
 
 // The rows of one KV head over one step of keys [base, base + n) (step_rows done: its K
 // and V rows kp / vp): q, acc, m and l are that head's.
@@ -434,25 +503,25 @@ void step_head_rows(const Params<T, C>& p, const Span& sp, int64_t base, int64_t
       continue;
     }
 #if defined(PAGEDLLM_SIMD_AVX2)
-    // A cache read in place (converted per load): rows in threes where all three see
-    // the same keys of this step (a decode's query heads of one KV head), so each
-    // conversion serves three rows (the same results as one by one). Measured on Zen 3
+    // A cache read in place (converted per load): rows in fours, else threes, where all
+    // see the same keys of this step (a decode's query heads of one KV head), so each
+    // conversion serves them all (the same results as one by one). Threes measured on Zen 3
     // (30 layers, 64 decodes x 240 keys, against pairs, old and new builds alternated):
     // fp8_e4m3 74-79 -> 38-41 ms, fp8_e5m2 32-38 -> 30-35 ms; batch64's decode step
     // 139 -> 101 ms (e4m3), 101 -> 91 ms (e5m2). A float32 cache stays in pairs: in
     // threes it measured even or slower (its steps wait on memory, not on conversions).
     if constexpr (!std::is_same_v<E, float>) {
-      if (d % 8 == 0 && row + 2 < rows && visible(row + 1) == visible(row) &&
-          visible(row + 2) == visible(row)) {
-        const int64_t step_keys = generic_step(p.block_size) + 8;
-        float* const sr[3] = {s, s + step_keys, s + 2 * step_keys};
-        float* const ar[3] = {a0, a0 + d, a0 + 2 * d};
-        const float* const qr[3] = {q + row * d, q + (row + 1) * d, q + (row + 2) * d};
-        key_scores3(qr, kp, d, lo0, hi0, sr);
-        for (int r = 0; r < 3; ++r)
-          softmax_step(sr[r], lo0, hi0, m[row + r], l[row + r], ar[r], d);
-        const float* const pr[3] = {sr[0], sr[1], sr[2]};
-        add_pv3(ar, pr, vp, d, lo0, hi0);
+      int64_t same = 1;  // rows from `row` on that see this row's keys, up to 4
+      while (d % 8 == 0 && same < 4 && row + same < rows && visible(row + same) == visible(row))
+        ++same;
+      const int64_t step_keys = generic_step(p.block_size) + 8;
+      if (same == 4) {
+        rows_together<4>(q, acc, m, l, kp, vp, s, step_keys, d, row, lo0, hi0);
+        row += 4;
+        continue;
+      }
+      if (same == 3) {
+        rows_together<3>(q, acc, m, l, kp, vp, s, step_keys, d, row, lo0, hi0);
         row += 3;
         continue;
       }
@@ -545,12 +614,13 @@ void attend_item_generic(const Params<T, C>& p, const Item& item, Scratch& sc) {
       float *m = sc.m.data() + i * rows, *l = sc.l.data() + i * rows;
       if constexpr (kInPlaceType<C>) {
         if (reads_in_place<C>(d)) {
-          const auto [kin, vin] = sc.rows_in_place<InPlace<C>>();
-          step_head_rows(p, sp, base, n, rows, q, acc, m, l, kin, vin, sc);
+          const auto [kp, vp] = sc.rows<InPlace<C>>();
+          step_head_rows(p, sp, base, n, rows, q, acc, m, l, kp, vp, sc);
           continue;
         }
       }
-      step_head_rows(p, sp, base, n, rows, q, acc, m, l, sc.kp.data(), sc.vp.data(), sc);
+      const auto [kp, vp] = sc.rows<float>();
+      step_head_rows(p, sp, base, n, rows, q, acc, m, l, kp, vp, sc);
     }
   }
   for (int64_t i = 0; i < heads; ++i)
