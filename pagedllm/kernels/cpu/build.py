@@ -116,8 +116,8 @@ def build_library(compiler: str, sources: list[Path], path: Path) -> None:
         logger.info("building CPU kernels (once per machine) -> %s", path)
         # Each source compiles on its own, all at once up to the core count, then one
         # link: the build takes about as long as its slowest file (cpu_quant.cpp) where
-        # there are enough cores, instead of the sum of all (2 cores, Zen 3: ~190 ->
-        # ~110 s; the sources compile separately either way, so the library is the same).
+        # there are enough cores, instead of the sum of all (2 cores, Zen 3: 189 ->
+        # 95-103 s; the sources compile separately either way: the same machine code).
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             objects = [Path(tmp) / f"{i}-{src.stem}.o" for i, src in enumerate(sources)]
             workers = max(1, min(len(sources), len(os.sched_getaffinity(0))))
