@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from pagedllm.errors import ModelLoadError
 from pagedllm.loader import gguf_cache, iter_weights
+from pagedllm.loader import gguf as gguf_loader
 from pagedllm.loader.gguf import GGUFWeights
 
 QT = gguf.GGMLQuantizationType
@@ -209,7 +210,8 @@ def _forbid_conversion(monkeypatch) -> None:
     def boom(*args, **kwargs):
         raise AssertionError("GGUF parsed or dequantized although the cache should serve")
 
-    monkeypatch.setattr(gguf, "GGUFReader", boom)
+    monkeypatch.setattr(gguf, "GGUFReader", boom)  # transformers' parses
+    monkeypatch.setattr(gguf_loader, "open_reader", boom)  # ours
     monkeypatch.setattr(gguf.quants, "dequantize", boom)
 
 
@@ -245,8 +247,8 @@ def test_changed_file_invalidates_cache(tiny_gguf, cache_dir, monkeypatch):
     try:
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
         calls = []
-        real = gguf.GGUFReader
-        monkeypatch.setattr(gguf, "GGUFReader", lambda *a: calls.append(a) or real(*a))
+        real = gguf_loader.open_reader
+        monkeypatch.setattr(gguf_loader, "open_reader", lambda *a: calls.append(a) or real(*a))
         got = dict(iter_weights(str(path), None, torch.float32))
     finally:
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the file is module-shared

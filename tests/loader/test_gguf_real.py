@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedllm.config import default_model_path
 from pagedllm.loader import iter_weights, load_tokenizer
+from pagedllm.loader import gguf as gguf_loader
 from pagedllm.loader.gguf import GGUFWeights
 from pagedllm.loader.gguf_cache import entry_dir, load_gguf_config
 
@@ -68,6 +69,7 @@ def test_cached_stream_equals_transformers(real_path, hf_state, monkeypatch):
         raise AssertionError("GGUF parsed although the cache should serve")
 
     monkeypatch.setattr(gguf, "GGUFReader", boom)
+    monkeypatch.setattr(gguf_loader, "open_reader", boom)
     second = dict(iter_weights(str(real_path), None, torch.bfloat16))
     assert set(first) == set(second) == set(hf_state) - {"lm_head.weight"}
     for name, ref in hf_state.items():
