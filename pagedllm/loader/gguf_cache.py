@@ -50,7 +50,7 @@ import torch
 from pagedllm.config import cache_root
 from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu.quant import QuantizedWeight
-from pagedllm.loader.gguf import GGUFWeights, complete_hf_config
+from pagedllm.loader.gguf import GGUFWeights, complete_hf_config, transformers_parse_fast
 from pagedllm.loader.safetensors import iter_safetensors_file
 
 logger = logging.getLogger(__name__)
@@ -335,7 +335,8 @@ def _parse_config(path: str) -> Any:
 
     directory, name = _split(path)
     try:
-        cfg = AutoConfig.from_pretrained(directory, gguf_file=name)
+        with transformers_parse_fast():
+            cfg = AutoConfig.from_pretrained(directory, gguf_file=name)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot read the model config of {path!r}: {e}") from e
     as_dict = cfg.to_dict()
@@ -412,7 +413,8 @@ def load_gguf_tokenizer(path: str) -> Any:
         return cached
     directory, name = _split(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        with transformers_parse_fast():
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot read the tokenizer of {path!r}: {e}") from e
     if _ensure_entry(entry, path):

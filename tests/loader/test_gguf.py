@@ -210,8 +210,9 @@ def _forbid_conversion(monkeypatch) -> None:
     def boom(*args, **kwargs):
         raise AssertionError("GGUF parsed or dequantized although the cache should serve")
 
-    monkeypatch.setattr(gguf, "GGUFReader", boom)  # transformers' parses
-    monkeypatch.setattr(gguf_loader, "open_reader", boom)  # ours
+    # Every header parse, ours and transformers' (through gguf-py's class or our subclass of
+    # it, which transformers_parse_fast swaps in), runs this __init__.
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", boom)
     monkeypatch.setattr(gguf.quants, "dequantize", boom)
 
 
@@ -299,6 +300,21 @@ def test_config_is_cached(tiny_gguf, cache_dir, monkeypatch):
     monkeypatch.setattr(gguf_cache, "_parse_config", boom)
     second = gguf_cache.load_gguf_config(str(path))
     assert second.to_dict() == first.to_dict()
+
+
+def test_transformers_parse_fast_swaps_the_reader_only_within(tiny_gguf):
+    path, _, _ = tiny_gguf
+    original = gguf.GGUFReader
+    assert isinstance(original(str(path)).data, np.memmap)
+    with gguf_loader.transformers_parse_fast():
+        # What transformers' load_gguf_checkpoint builds: the plain-ndarray reader.
+        reader = gguf.GGUFReader(str(path))
+        assert isinstance(reader, original) and not isinstance(reader.data, np.memmap)
+    assert gguf.GGUFReader is original
+    with pytest.raises(RuntimeError, match="inside"):
+        with gguf_loader.transformers_parse_fast():
+            raise RuntimeError("inside")
+    assert gguf.GGUFReader is original
 
 
 def _write_minimal(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -61,6 +62,23 @@ def test_weights_equal_transformers_gguf_loading(real_path, hf_state):
     assert torch.equal(hf_state["lm_head.weight"], ours["model.embed_tokens.weight"])
 
 
+def test_fast_reader_parses_what_gguf_py_parses(real_path):
+    """open_reader's reader (also transformers' within transformers_parse_fast) gives every
+    field (the 49k-token vocabulary and merges included) and tensor as gguf-py's own does."""
+    ref, ours = gguf.GGUFReader(str(real_path)), gguf_loader.open_reader(str(real_path))
+    assert not isinstance(ours.data, np.memmap) and np.array_equal(ours.data, ref.data)
+    assert list(ours.fields) == list(ref.fields)
+    for name, f in ref.fields.items():
+        g = ours.fields[name]
+        assert (g.name, g.offset, g.types, g.data) == (f.name, f.offset, f.types, f.data), name
+        assert len(g.parts) == len(f.parts), name
+        assert all(a.dtype == b.dtype and np.array_equal(a, b)
+                   for a, b in zip(g.parts, f.parts)), name
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in ours.tensors] \
+        == [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in ref.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, ref.tensors))
+
+
 def test_cached_stream_equals_transformers(real_path, hf_state, monkeypatch):
     first = dict(iter_weights(str(real_path), None, torch.bfloat16))
     assert (entry_dir(str(real_path)) / "weights-bfloat16.safetensors").is_file()
@@ -68,8 +86,7 @@ def test_cached_stream_equals_transformers(real_path, hf_state, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("GGUF parsed although the cache should serve")
 
-    monkeypatch.setattr(gguf, "GGUFReader", boom)
-    monkeypatch.setattr(gguf_loader, "open_reader", boom)
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", boom)  # every parse: ours, transformers'
     second = dict(iter_weights(str(real_path), None, torch.bfloat16))
     assert set(first) == set(second) == set(hf_state) - {"lm_head.weight"}
     for name, ref in hf_state.items():
