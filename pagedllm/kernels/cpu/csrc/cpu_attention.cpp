@@ -172,59 +172,32 @@ inline void key_scores2(const float* q0, const float* q1, const E* const* k, int
   }
 }
 
-// key_scores2 for three rows (a cache read in place: each K conversion serves all three).
-// A score's arithmetic is still key_scores' (hsum8x8's tree reduces each accumulator on
-// its own, whatever its neighbours).
-template <typename E>
-inline void key_scores3(const float* const q[3], const E* const* k, int64_t d, int64_t t_lo,
-                        int64_t t_hi, float* const s[3]) {
-  for (int64_t t0 = t_lo / 4 * 4; t0 < t_hi; t0 += 4) {
-    const E* kr[4];
-    for (int i = 0; i < 4; ++i) kr[i] = k[std::clamp<int64_t>(t0 + i, t_lo, t_hi - 1)];
-    __m256 a[16];  // a[4 r + i]: row r, key t0 + i; a[12, 16) stay zero
-    for (int i = 0; i < 16; ++i) a[i] = _mm256_setzero_ps();
+// key_scores2 for R rows that all see keys [t_lo, t_hi) (a cache read in place: each K
+// conversion serves the R rows), K keys a pass: R = 3 takes 4 (12 accumulators), R = 4
+// (groups of 4 query heads per KV head: Llama 3, Mistral) takes 2, so its 8 accumulators
+// leave registers for the loads. A score's arithmetic is still key_scores' (hsum8x8's tree
+// reduces each accumulator on its own, whatever its neighbours).
+template <int R, int K, typename E>
+inline void key_scores_rows(const float* const q[R], const E* const* k, int64_t d,
+                            int64_t t_lo, int64_t t_hi, float* const s[R]) {
+  constexpr int G = (R * K + 7) / 8;  // groups of 8 accumulators, one hsum8x8 each
+  for (int64_t t0 = t_lo / K * K; t0 < t_hi; t0 += K) {
+    const E* kr[K];
+    for (int i = 0; i < K; ++i) kr[i] = k[std::clamp<int64_t>(t0 + i, t_lo, t_hi - 1)];
+    __m256 a[8 * G];  // a[K r + i]: row r, key t0 + i; those past R K stay zero
+    for (int i = 0; i < 8 * G; ++i) a[i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < d; j += 8) {
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < K; ++i) {
         __m256 kv = load8(kr[i] + j);
-        pagedllm_simd::in_register(kv);  // one conversion for the three rows
-        for (int r = 0; r < 3; ++r)
-          a[4 * r + i] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + j), kv, a[4 * r + i]);
+        pagedllm_simd::in_register(kv);  // one conversion for the R rows
+        for (int r = 0; r < R; ++r)
+          a[K * r + i] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + j), kv, a[K * r + i]);
       }
     }
-    const __m256 rows01 = pagedllm_simd::hsum8x8(a), row2 = pagedllm_simd::hsum8x8(a + 8);
-    _mm_storeu_ps(s[0] + t0, _mm256_castps256_ps128(rows01));
-    _mm_storeu_ps(s[1] + t0, _mm256_extractf128_ps(rows01, 1));
-    _mm_storeu_ps(s[2] + t0, _mm256_castps256_ps128(row2));
-  }
-}
-
-// key_scores3 for four rows (groups of 4 query heads per KV head: Llama 3, Mistral), 2 keys
-// at a time so the 8 accumulators leave registers for the loads: one K conversion per
-// four rows. A score's arithmetic is still key_scores'.
-template <typename E>
-inline void key_scores4(const float* const q[4], const E* const* k, int64_t d, int64_t t_lo,
-                        int64_t t_hi, float* const s[4]) {
-  for (int64_t t0 = t_lo / 2 * 2; t0 < t_hi; t0 += 2) {
-    const E* kr[2];
-    for (int i = 0; i < 2; ++i) kr[i] = k[std::clamp<int64_t>(t0 + i, t_lo, t_hi - 1)];
-    __m256 a[8];  // a[2 r + i]: row r, key t0 + i
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < d; j += 8) {
-      for (int i = 0; i < 2; ++i) {
-        __m256 kv = load8(kr[i] + j);
-        pagedllm_simd::in_register(kv);  // one conversion for the four rows
-        for (int r = 0; r < 4; ++r)
-          a[2 * r + i] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + j), kv, a[2 * r + i]);
-      }
-    }
-    // Lanes: row 0's two keys, row 1's, row 2's, row 3's.
-    const __m256 sums = pagedllm_simd::hsum8x8(a);
-    const __m128 rows01 = _mm256_castps256_ps128(sums), rows23 = _mm256_extractf128_ps(sums, 1);
-    _mm_storel_pi(reinterpret_cast<__m64*>(s[0] + t0), rows01);
-    _mm_storeh_pi(reinterpret_cast<__m64*>(s[1] + t0), rows01);
-    _mm_storel_pi(reinterpret_cast<__m64*>(s[2] + t0), rows23);
-    _mm_storeh_pi(reinterpret_cast<__m64*>(s[3] + t0), rows23);
+    alignas(32) float sums[8 * G];  // lane K r + i: row r's score of key t0 + i
+    for (int g = 0; g < G; ++g) _mm256_store_ps(sums + 8 * g, pagedllm_simd::hsum8x8(a + 8 * g));
+    for (int r = 0; r < R; ++r) std::memcpy(s[r] + t0, sums + K * r, K * sizeof(float));
   }
 }
 #endif
@@ -470,11 +443,7 @@ void rows_together(const float* q, float* acc, float* m, float* l, const E* cons
     ar[r] = acc + (row + r) * d;
     qr[r] = q + (row + r) * d;
   }
-  if constexpr (R == 4) {
-    key_scores4(qr, kp, d, lo, hi, sr);
-  } else {
-    key_scores3(qr, kp, d, lo, hi, sr);
-  }
+  key_scores_rows<R, R == 4 ? 2 : 4>(qr, kp, d, lo, hi, sr);
   for (int r = 0; r < R; ++r) softmax_step(sr[r], lo, hi, m[row + r], l[row + r], ar[r], d);
   add_pv_rows<R>(ar, pr, vp, d, lo, hi);
 }
