@@ -65,10 +65,6 @@ class AttentionMetadata:
             max_query_len=int(np.diff(query_start_loc).max()), max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
 
-    @property
-    def is_all_decode(self) -> bool:
-        return self.max_query_len == 1
-
 
 def host_to_device(array: np.ndarray, device: torch.device,
                    dtype: torch.dtype | None = None) -> torch.Tensor:

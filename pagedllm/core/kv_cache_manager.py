@@ -66,13 +66,6 @@ class KVCacheManager:
         """Fraction of usable blocks held by requests (0.0 .. 1.0)."""
         return self.block_pool.get_usage()
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Fraction of queried tokens served from the prefix cache."""
-        if self.prefix_cache_queries == 0:
-            return 0.0
-        return self.prefix_cache_hits / self.prefix_cache_queries
-
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 

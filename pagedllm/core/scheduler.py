@@ -235,10 +235,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
-    def has_finished_requests(self) -> bool:
-        """True while finished ids wait to be sent to the runner by the next schedule()."""
-        return bool(self.finished_req_ids)
-
     def can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the last one's output is back:
         no live request needs its previous token on the host first (a penalty, bad words

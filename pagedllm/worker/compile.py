@@ -56,7 +56,6 @@ class CompiledForward:
         # freezing: weights become constants, so inductor can pre-pack them for oneDNN.
         self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                        options={"freezing": freezing})
-        self.compile_time_s = 0.0
         self._seen: set[bool] = set()
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -74,8 +73,6 @@ class CompiledForward:
             hidden = self._compiled(input_ids, positions)
         if start is not None:
             self._seen.add(is_single)
-            elapsed = time.perf_counter() - start
-            self.compile_time_s += elapsed
             logger.info("compiled the %s graph in %.1f s", "T=1" if is_single else "dynamic-T",
-                        elapsed)
+                        time.perf_counter() - start)
         return hidden

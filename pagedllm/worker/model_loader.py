@@ -7,6 +7,7 @@ import ctypes
 import gc
 import inspect
 import itertools
+import logging
 import time
 from collections.abc import Iterator
 
@@ -19,6 +20,8 @@ from pagedllm.errors import ModelLoadError
 from pagedllm.loader import iter_weights
 from pagedllm.models.layers.linear import finalize_quantized_weights
 from pagedllm.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
@@ -93,7 +96,7 @@ def load_model(model_config: ModelConfig, attn_backend: str, device: torch.devic
     if model is None:
         raise _weights_do_not_fit(cls, kwargs, model_config, attn_backend, device, dtype)
     model.eval()
-    model.load_time_s = time.perf_counter() - start
+    logger.info("loaded %s in %.1f s", cls.__name__, time.perf_counter() - start)
     return model
 
 
