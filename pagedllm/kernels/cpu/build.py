@@ -35,7 +35,8 @@ SOURCES = [CSRC / name for name in ("cpu_attention.cpp", "cpu_ops.cpp", "cpu_dec
                                      "cpu_gemm.cpp", "cpu_quant.cpp",
                                      "cpu_quant_rows.cpp", "cpu_lora.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "fp8.h", "attention_common.h",
-                                     "attention_avx512.h", "attention_amx.h", "ops.h",
+                                     "attention_avx512.h", "attention_amx.h", "attention_generic.h",
+                                     "ops.h",
                                      "quant_avx2.h",
                                      "quant_avx512.h", "quant_amx.h", "quant_amx_bf16.h", "amx.h",
                                      "gemm_amx.h",
