@@ -79,12 +79,12 @@ def tokenizer_pairs(vocab_files) -> Callable[[str], tuple[Any, Any]]:
 
 
 def _load_pair(path: Path) -> tuple[Any, Any]:
-    """Parsing a vocabulary takes seconds (~11 s for 150k tokens), so it is parsed once:
-    pagedllm's first load calls `AutoTokenizer.from_pretrained(dir, gguf_file=name)` (its
-    header parsed by `open_reader`'s reader, which test_gguf_real checks field by field
-    against gguf-py's own); that call's result is kept as the reference (pagedllm gets a
-    deep copy to cache). pagedllm
-    serves its cached copy from the first load on; the second load reads only the cache."""
+    """Parsing a vocabulary takes seconds (10-17 s for 150k tokens on 2 cores), so it is
+    parsed once: pagedllm's first load calls `AutoTokenizer.from_pretrained(dir,
+    gguf_file=name)` (its header parsed by `open_reader`'s reader, which test_gguf_real
+    checks field by field against gguf-py's own); that call's result is kept as the
+    reference (pagedllm gets a deep copy to cache). pagedllm serves its cached copy from
+    the first load on; the second load reads only the cache."""
     from transformers import AutoTokenizer
 
     real = AutoTokenizer.from_pretrained
