@@ -317,20 +317,12 @@ def test_transformers_parse_fast_swaps_the_reader_only_within(tiny_gguf):
     assert gguf.GGUFReader is original
 
 
-def test_a_first_config_load_parses_through_the_fast_reader(tiny_gguf, monkeypatch):
+def test_a_first_config_load_parses_through_the_fast_reader(tiny_gguf, memmapped_readers):
     """Every header parse of a first config load, transformers' own included, builds the
     plain-ndarray reader (`open_reader`'s), not gguf-py's np.memmap one."""
     path, _, _ = tiny_gguf
-    memmapped = []
-    real_init = gguf.GGUFReader.__init__
-
-    def spy(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        memmapped.append(isinstance(self.data, np.memmap))
-
-    monkeypatch.setattr(gguf.GGUFReader, "__init__", spy)
     gguf_cache.load_gguf_config(str(path))
-    assert memmapped and not any(memmapped), memmapped
+    assert memmapped_readers and not any(memmapped_readers), memmapped_readers
 
 
 def _write_minimal(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> None:

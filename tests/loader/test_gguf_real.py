@@ -105,9 +105,13 @@ def test_config_from_gguf_and_cache(real_path):
     assert second.to_dict() == first.to_dict()
 
 
-def test_tokenizer_matches_transformers(real_path):
+def test_tokenizer_matches_transformers(real_path, request):
+    """Our first (parsed) and second (cached) tokenizer against transformers' own; the
+    first load's header parse, transformers' own, goes through the plain-ndarray reader."""
     ref = AutoTokenizer.from_pretrained(real_path.parent, gguf_file=real_path.name)
+    memmapped = request.getfixturevalue("memmapped_readers")  # from here on, not ref's
     first = load_tokenizer(str(real_path))
+    assert memmapped == [False]  # one parse (transformers'), on the fast reader
     assert (entry_dir(str(real_path)) / "tokenizer").is_dir()
     second = load_tokenizer(str(real_path))  # served from the cache directory
     messages = [{"role": "user", "content": "What is the capital of France?"}]

@@ -35,12 +35,11 @@ SOURCES = [CSRC / name for name in ("cpu_attention.cpp", "cpu_ops.cpp", "cpu_dec
                                      "cpu_gemm.cpp", "cpu_quant.cpp",
                                      "cpu_quant_rows.cpp", "cpu_lora.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "fp8.h", "attention_common.h",
-                                     "attention_avx512.h", "attention_amx.h", "attention_generic.h",
-                                     "ops.h",
-                                     "quant_avx2.h",
-                                     "quant_avx512.h", "quant_amx.h", "quant_amx_bf16.h", "amx.h",
-                                     "gemm_amx.h",
-                                     "quant_layout.h", "work_split.h")]
+                                     "attention_avx512.h", "attention_amx.h",
+                                     "attention_generic.h", "ops.h", "quant_avx2.h",
+                                     "quant_avx512.h", "quant_amx.h", "quant_amx_bf16.h",
+                                     "amx.h", "gemm_amx.h", "quant_layout.h",
+                                     "work_split.h")]
 # -ffp-contract=off: no fused multiply-adds the source does not spell out, so float32
 # element-wise ops round like torch's. -Wall, less GCC 12's (-Wmaybe-)uninitialized: they
 # fire only inside its own AVX-512 intrinsics, whose pass-through operand is
