@@ -77,3 +77,48 @@ def test_failed_build_by_mode(monkeypatch, tmp_path, caplog, mode):
             assert not (tmp_path / "cache").exists()
     finally:
         build.load_cpu_kernels.cache_clear()
+
+
+
+def _two_sources(tmp_path, own_definition: str = ""):
+    """Two sources calling `from_header`, which only the forced header declares (unless
+    `own_definition` gives each its own)."""
+    sources = []
+    for name in ("a", "b"):
+        src = tmp_path / f"{name}.cpp"
+        src.write_text(f"{own_definition}int {name}() {{ return from_header(); }}\n")
+        sources.append(src)
+    return sources
+
+
+def test_sources_compile_against_the_precompiled_header(tmp_path, monkeypatch, caplog):
+    """Every source is compiled with the header forced in first, from its .gch: the
+    header's text is replaced by an #error once the .gch is built, so a compile that
+    parsed the text instead (a .gch made with other flags) would fail."""
+    header = tmp_path / "pch.h"
+    header.write_text("#pragma once\ninline int from_header() { return 7; }\n")
+    monkeypatch.setattr(build, "PCH_HEADER", header)
+    precompile = build._precompile_header
+
+    def precompile_then_hide_the_text(compiler, tmp):
+        copied = precompile(compiler, tmp)
+        assert copied is not None and copied.with_name(copied.name + ".gch").is_file()
+        copied.write_text('#error "parsed the text, not the precompiled header"\n')
+        return copied
+
+    monkeypatch.setattr(build, "_precompile_header", precompile_then_hide_the_text)
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        build.build_library("g++", _two_sources(tmp_path), tmp_path / "out.so")
+    assert (tmp_path / "out.so").is_file()
+    assert "warning" not in caplog.text  # -Winvalid-pch: a .gch found but unusable
+
+
+def test_a_header_that_cannot_be_precompiled_is_left_out(tmp_path, monkeypatch):
+    """Where the header does not precompile, the sources compile as they are (the real
+    ones include torch's headers themselves); forced in, this header would fail them."""
+    header = tmp_path / "pch.h"
+    header.write_text("this is not C++\n")
+    monkeypatch.setattr(build, "PCH_HEADER", header)
+    own = "static int from_header() { return 7; }\n"
+    build.build_library("g++", _two_sources(tmp_path, own), tmp_path / "out.so")
+    assert (tmp_path / "out.so").is_file()

@@ -39,7 +39,8 @@ HEADERS = [CSRC / name for name in ("simd.h", "fp8.h", "attention_common.h",
                                      "attention_generic.h", "ops.h", "quant_avx2.h",
                                      "quant_avx512.h", "quant_amx.h", "quant_amx_bf16.h",
                                      "amx.h", "gemm_amx.h", "quant_layout.h",
-                                     "work_split.h")]
+                                     "work_split.h", "torch_headers.h")]
+PCH_HEADER = CSRC / "torch_headers.h"
 # -ffp-contract=off: no fused multiply-adds the source does not spell out, so float32
 # element-wise ops round like torch's. -Wall, less GCC 12's (-Wmaybe-)uninitialized: they
 # fire only inside its own AVX-512 intrinsics, whose pass-through operand is
@@ -76,8 +77,35 @@ def _torch_flags() -> tuple[list[str], list[str]]:
                                                              "-ltorch_cpu"]
 
 
-def _compile_command(compiler: str, source: Path, output: Path) -> list[str]:
-    return [compiler, *flags(), *_torch_flags()[0], "-c", str(source), "-o", str(output)]
+def _compile_command(compiler: str, source: Path, output: Path,
+                     pch: Path | None = None) -> list[str]:
+    """The command compiling `source`; with `pch` (a header next to its compiled .gch),
+    that header comes first: the compiler loads the .gch instead of parsing it again, or
+    parses it when it cannot use the .gch (-Winvalid-pch says so)."""
+    first = ["-include", str(pch), "-Winvalid-pch"] if pch is not None else []
+    return [compiler, *flags(), *_torch_flags()[0], *first, "-c", str(source), "-o",
+            str(output)]
+
+
+def _precompile_header(compiler: str, tmp: Path) -> Path | None:
+    """PCH_HEADER compiled into `tmp` (with the sources' flags: a .gch is only used by
+    compiles with the same ones), or None where the compiler cannot (the sources then
+    parse the headers themselves, with the same result).
+
+    -w: compiled on its own, the header instantiates templates of torch's that no source
+    uses, and some of them warn (-Wsign-compare in c10's overflow checks); warnings do not
+    change the .gch, and the sources' own compiles still warn about their own code.
+    """
+    header = tmp / PCH_HEADER.name
+    shutil.copyfile(PCH_HEADER, header)
+    command = [compiler, *flags(), *_torch_flags()[0], "-w", "-x", "c++-header",
+               str(header), "-o", f"{header}.gch"]
+    try:
+        _run(command)
+    except KernelBuildError as e:
+        logger.info("building the CPU kernels without a precompiled header: %s", e)
+        return None
+    return header
 
 
 def _link_command(compiler: str, objects: list[Path], output: str) -> list[str]:
@@ -119,10 +147,12 @@ def build_library(compiler: str, sources: list[Path], path: Path) -> None:
         # there are enough cores, instead of the sum of all (2 cores, Zen 3: 189 ->
         # 95-103 s; the sources compile separately either way: the same machine code).
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            # One parse of torch's headers for all sources (only pays off for two or more).
+            pch = _precompile_header(compiler, Path(tmp)) if len(sources) > 1 else None
             objects = [Path(tmp) / f"{i}-{src.stem}.o" for i, src in enumerate(sources)]
             workers = max(1, min(len(sources), len(os.sched_getaffinity(0))))
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                compiled = list(pool.map(_run, [_compile_command(compiler, src, obj)
+                compiled = list(pool.map(_run, [_compile_command(compiler, src, obj, pch)
                                                 for src, obj in zip(sources, objects)]))
             output = str(Path(tmp) / "lib.so")
             linked = _run(_link_command(compiler, objects, output))

@@ -10,7 +10,9 @@
 // when that weight is GGUF blocks (uint8, cpu_quant.cpp), oneDNN's packed GEMM otherwise
 // (models/layers/linear.py: cpu_linear).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>

@@ -14,7 +14,7 @@
 // the row (the K parts, then the output columns); more rows go to the threads in tiles
 // of kTile rows that share each weight load (AVX-512), the rest one by one.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <omp.h>

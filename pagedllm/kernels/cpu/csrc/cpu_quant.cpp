@@ -47,7 +47,9 @@
 // weight once per call), also at M = 1; calls of a few rows claim the runs in turn
 // (work_split.h).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>

@@ -6,7 +6,7 @@
 // Python version costs ~15 torch ops (~0.1-0.15 ms a decode step, ~1 ms a 128-token
 // prefill on SmolLM2); this one a few microseconds per row.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>

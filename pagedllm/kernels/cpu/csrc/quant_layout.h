@@ -4,7 +4,7 @@
 // (cpu_quant_rows.cpp); and the GEMM's quantized activations (QuantRows).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
