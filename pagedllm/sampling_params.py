@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm import json_limits
 from pagedllm.errors import InvalidRequestError
 
 
@@ -54,25 +55,29 @@ class StructuredOutputsParams:
     """JSON without free whitespace between tokens (compact; small models loop less)."""
 
     def __post_init__(self) -> None:
+        for name, types in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, types):
+                raise InvalidRequestError(
+                    f"structured_outputs.{name} must be {_TYPE_NAMES[types]}, got "
+                    f"{type(value).__name__}")
         kinds = [name for name in _CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
         if len(kinds) != 1:
             raise InvalidRequestError(
                 "structured_outputs needs exactly one of json, regex, choice, grammar, "
                 f"json_object or structural_tag, got {kinds or 'none'}")
         if self.choice is not None:
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) for c in self.choice)):
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
                 raise InvalidRequestError(
                     f"structured_outputs.choice must be a non-empty list of strings, "
                     f"got {self.choice!r}")
             self.choice = list(self.choice)
         for name in ("json", "structural_tag"):
-            if isinstance(getattr(self, name), str):
-                try:
-                    json.loads(getattr(self, name))
-                except ValueError as e:
-                    raise InvalidRequestError(
-                        f"structured_outputs.{name} is not valid JSON: {e}") from e
+            value = getattr(self, name)
+            if isinstance(value, str):
+                json_limits.loads(value, f"structured_outputs.{name}")
+            elif value is not None:
+                json_limits.check_depth(value, f"structured_outputs.{name}")
 
     @property
     def kind(self) -> str:
@@ -94,6 +99,13 @@ class StructuredOutputsParams:
 
 
 _CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# What each field may hold (None aside): a list where a string belongs was an unhashable
+# cache key (a 500), a string where a flag belongs read as true.
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "json": (str, dict), "regex": str, "choice": (list, tuple), "grammar": str,
+    "json_object": bool, "structural_tag": (str, dict), "disable_any_whitespace": bool}
+_TYPE_NAMES = {(str, dict): "a JSON text or object", str: "a string",
+               (list, tuple): "a list of strings", bool: "true or false"}
 
 
 def check_truncate_prompt_tokens(value: int | None) -> None:

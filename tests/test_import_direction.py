@@ -23,8 +23,8 @@ The top-level modules and subpackages of pagedllm/, by rank (higher imports lowe
                    kernels/cpu: the native CPU kernels (build, CPU features, typed ops);
                    distributed: tensor-parallel groups and collectives the layers call
   0  core          scheduler and KV block accounting: pure Python (tests/core/test_no_torch.py)
-  -1 config, errors, sampling_params, pooling_params, lora_request, request, outputs,
-     metrics, reasoning, mm_inputs
+  -1 config, errors, json_limits, sampling_params, pooling_params, lora_request, request,
+     outputs, metrics, reasoning, mm_inputs
                    leaf modules, importing only each other: core/ and everything above use
                    them (metrics reads the engine core's messages through Protocols)
 
@@ -52,7 +52,7 @@ RANKS: dict[str, int] = {
     "models": 2, "attention": 2, "loader": 2, "sample": 2, "lora": 2, "multimodal": 2,
     "nn": 1, "kernels": 1, "distributed": 1,
     "core": 0,
-    "config": -1, "errors": -1, "sampling_params": -1, "pooling_params": -1,
+    "config": -1, "errors": -1, "json_limits": -1, "sampling_params": -1, "pooling_params": -1,
     "lora_request": -1, "reasoning": -1, "mm_inputs": -1,
     "request": -1, "outputs": -1, "metrics": -1,
 }

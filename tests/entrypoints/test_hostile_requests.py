@@ -36,6 +36,17 @@ DEEP_LOOP_TEMPLATE = "".join("{% for i" + str(k) + " in range(100000) %}" for k 
     + "y" + "{% endfor %}" * 6
 
 
+# JSON nested past Python's recursion limit (its decoder, pickling and recursive walks
+# raised RecursionError: a 500), and a dict nested past the request depth limit.
+TOO_DEEP_TEXT = "[" * 5000 + "]" * 5000
+DEEP_DICT: dict = {}
+for _ in range(500):
+    DEEP_DICT = {"type": "array", "items": DEEP_DICT}
+DEEP_LIST: list = []
+for _ in range(300):
+    DEEP_LIST = [DEEP_LIST]
+
+
 @dataclass
 class Case:
     """One hostile request and the status it must get (any 4xx when None)."""
@@ -81,15 +92,20 @@ BAD_SAMPLING_VALUES: dict[str, list[Any]] = {
     "prompt_logprobs": [21, 49152, -1, "x"],
     "structured_outputs": [{"regex": "("}, {"json": "{bad"}, {}, {"choice": []},
                            {"json": {"type": "nonsense"}}, {"grammar": "root ::= ("},
-                           {"regex": "a", "choice": ["b"]}, "x"],
+                           {"regex": "a", "choice": ["b"]}, "x",
+                           # unhashable where a string belongs: the cache key (a 500)
+                           {"regex": [[1]]}, {"json": [[1]]}, {"json_object": [[1]]},
+                           {"regex": "a", "disable_any_whitespace": []},
+                           {"json_object": "yes"}, {"json": DEEP_DICT},
+                           {"json": TOO_DEEP_TEXT}, {"structural_tag": TOO_DEEP_TEXT}],
     "guided_regex": ["(", 5],
-    "guided_json": ["{bad", 5],
+    "guided_json": ["{bad", 5, TOO_DEEP_TEXT],
     "guided_choice": [[], "x"],
     "priority": ["x", 1, 1.5],
     "timeout": [-1, 0, "x", float("nan"), float("inf")],
     "model": ["nope", 5],
     "stream": ["maybe", 2],
-    "stream_options": [{"foo": 1}, "x"],
+    "stream_options": [{"foo": 1}, "x", {"include_usage": True}],  # the last: no stream
     "ignore_eos": ["x"],
     "skip_special_tokens": [[]],
     "user": [123],
@@ -122,21 +138,31 @@ CHAT_ONLY: dict[str, list[Any]] = {
                    "tool_calls": [{"id": "1", "type": "function",
                                    "function": {"name": "f", "arguments": "{}"}}]}],
                  [{"role": "tool", "content": "r", "tool_call_id": "1"}],
-                 [{"role": "user", "content": "word " * 600}]],
+                 [{"role": "user", "content": "word " * 600}],
+                 [{"role": "user", "content": "x"},
+                  {"role": "assistant", "content": None,
+                   "tool_calls": [{"id": "c1", "type": "function",
+                                   "function": {"name": "f", "arguments": TOO_DEEP_TEXT}}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "r"}],
+                 [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+                 [{"role": "user", "content": [{"type": "text"}]}]],
     "logprobs": ["x", 3],
     "top_logprobs": [21, -1, 5],  # 5 without logprobs=true is an error too
     "max_completion_tokens": [-1, "x", 10**6],
     "response_format": [{"type": "xml"}, "json", {"type": "json_schema",
                                                   "json_schema": {"schema": "x"}},
                         {"type": "json_schema", "json_schema": {"name": "s", "extra": 1}}],
-    "tools": [[{"type": "function", "function": {"name": "f", "parameters": {}}}], "x"],
+    "tools": [[{"type": "function", "function": {"name": "f", "parameters": {}}}], "x",
+              [{"type": "function", "function": {"name": "f", "parameters": {"$schema": [1]}}}],
+              [{"type": "function", "function": {"name": "f", "parameters": {"$schema": {}}}}]],
     "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}],
     "functions": [[{"name": "f"}]],
     "function_call": ["auto"],
     "audio": [{"voice": "alloy"}],
     "modalities": [["audio"]],
     "reasoning_effort": ["high"],
-    "chat_template_kwargs": [{"chat_template": "{{ 1 }}"}, {"tokenize": True}, "x"],
+    "chat_template_kwargs": [{"chat_template": "{{ 1 }}"}, {"tokenize": True}, "x",
+                             {"x": DEEP_LIST}],
     "chat_template": ["{% if %}", "{{ raise_exception('no') }}", 5,
                       NESTED_LOOP_TEMPLATE, DEEP_LOOP_TEMPLATE],
     "add_generation_prompt": ["x"],
@@ -206,6 +232,30 @@ def _route_cases() -> list[Case]:
             prompt=list(range(1, 101)), prompt_logprobs=VOCAB_SIZE)),
         Case("echo + logprobs 49152", body=_completion(echo=True, logprobs=VOCAB_SIZE)),
         Case("best_of < n", body=_completion(n=3, best_of=2)),
+        # Each bad item was an error of every union member: a 3.5 MB answer, built on
+        # the event loop.
+        Case("prompt of 20k objects", body=_completion(prompt=[{}] * 20_000)),
+        Case("chat of 20k empty messages", path="/v1/chat/completions",
+             body=_chat(messages=[{}] * 20_000)),
+        # Two constraints: one was silently dropped.
+        Case("guided_choice and guided_regex",
+             body=_completion(guided_choice=["yes", "no"], guided_regex="[0-9]+")),
+        Case("structured_outputs and guided_json", body=_completion(
+            structured_outputs={"regex": "a"}, guided_json={"type": "object"})),
+        Case("response_format and guided_json", path="/v1/chat/completions",
+             body=_chat(response_format={"type": "json_object"},
+                        guided_json={"type": "array"})),
+        Case("chat echo of a non-string text part", path="/v1/chat/completions",
+             body=_chat(echo=True, messages=[
+                 {"role": "user", "content": "x"},
+                 {"role": "assistant", "content": [{"type": "text", "text": None}]}])),
+        Case("responses deep call arguments", path="/v1/responses", body={"input": [
+            {"type": "function_call", "call_id": "c1", "name": "f",
+             "arguments": TOO_DEEP_TEXT},
+            {"type": "function_call_output", "call_id": "c1", "output": "r"}]}),
+        Case("responses tool $schema not a string", path="/v1/responses", body={
+            "input": "x", "tools": [{"type": "function", "name": "f",
+                                     "parameters": {"$schema": [1]}}]}),
         Case("prompt + max_tokens > max_model_len",
              body=_completion(prompt=list(range(1, 500)), max_tokens=100)),
         Case("score 2049 pairs", path="/v1/score", body={"text_1": "q", "text_2": ["d"] * 2049}),
@@ -281,6 +331,8 @@ def check_error_response(case: Case, r: httpx.Response) -> str | None:
         error = r.json()["error"]
     except (ValueError, KeyError, TypeError):
         return f"not an OpenAI error body: {r.text[:200]}"
+    if len(r.content) > 16384:  # a message naming every bad item of a list was 52 MB
+        return f"an error body of {len(r.content)} bytes: {r.text[:200]}"
     if not (isinstance(error.get("message"), str) and error["message"]
             and isinstance(error.get("type"), str) and error.get("code") == r.status_code):
         return f"bad error fields: {error}"

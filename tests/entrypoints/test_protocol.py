@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from pagedllm.engine.core_proc import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_common import OpenAIServing
 from pagedllm.errors import InvalidRequestError
+from pagedllm.json_limits import MAX_JSON_DEPTH
 from pagedllm.metrics import EngineMetrics
 from pagedllm.request import Request
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import (RequestOutputKind, SamplingParams,
+                                      StructuredOutputsParams)
 
 
 def test_completion_fields_map_to_sampling_params():
@@ -200,3 +207,103 @@ def test_large_responses_are_built_and_encoded_off_the_event_loop():
             "8": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}]
     finally:
         serving.offloader.shutdown()
+
+
+def _nested(depth: int) -> list:
+    """A list nested `depth` levels deep (the innermost one empty)."""
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def test_request_values_nest_at_most_max_json_depth():
+    # The body is level 1 and `chat_template_kwargs` level 2: its value may nest 98 more.
+    messages = [{"role": "user", "content": "x"}]
+    ChatCompletionRequest(messages=messages, chat_template_kwargs={"x": _nested(98)})
+    with pytest.raises(ValueError, match=r"chat_template_kwargs\.x(\[0\]){98} is nested "
+                                         rf"more than {MAX_JSON_DEPTH} levels deep"):
+        ChatCompletionRequest(messages=messages, chat_template_kwargs={"x": _nested(99)})
+    # ~1000 deep took the recursive walk past Python's recursion limit (a 500).
+    with pytest.raises(ValueError, match="nested more than"):
+        ChatCompletionRequest(messages=messages, chat_template_kwargs={"x": _nested(5000)})
+
+
+def test_json_texts_in_a_request_nest_at_most_max_json_depth():
+    deep = json.dumps(_nested(MAX_JSON_DEPTH + 1))
+    too_deep_for_python = "[" * 5000 + "]" * 5000  # json.loads: RecursionError
+    for text in (deep, too_deep_for_python):
+        with pytest.raises(InvalidRequestError, match="structured_outputs.json is nested"):
+            StructuredOutputsParams(json=text)
+        with pytest.raises(ValueError, match="the arguments is nested"):
+            ChatCompletionRequest(messages=[
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                      "function": {"name": "f",
+                                                                   "arguments": text}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "r"}])
+    with pytest.raises(InvalidRequestError, match="structured_outputs.json is nested"):
+        StructuredOutputsParams(json={"a": _nested(MAX_JSON_DEPTH)})  # offline: no body check
+    StructuredOutputsParams(json=json.dumps({"type": "array", "items": {}}))
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"regex": [[1]]}, "structured_outputs.regex must be a string, got list"),
+    ({"json": [[1]]}, "structured_outputs.json must be a JSON text or object, got list"),
+    ({"json_object": [[1]]}, "structured_outputs.json_object must be true or false"),
+    ({"json_object": "yes"}, "structured_outputs.json_object must be true or false"),
+    ({"regex": "a", "disable_any_whitespace": []}, "disable_any_whitespace must be true"),
+    ({"choice": "ab"}, "structured_outputs.choice must be a list of strings, got str"),
+])
+def test_structured_outputs_fields_have_their_types(fields, fragment):
+    # An unhashable value was a 500 (the compile cache's key); "yes" read as true.
+    with pytest.raises(InvalidRequestError, match=re.escape(fragment)):
+        StructuredOutputsParams(**fields)
+
+
+def test_two_constraints_in_one_request_are_refused():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for fields in ({"guided_choice": ["yes"], "guided_regex": "[0-9]+"},
+                   {"structured_outputs": {"regex": "a"}, "guided_json": {"type": "object"}},
+                   {"guided_json": {}, "guided_regex": "a"}):
+        for request in (CompletionRequest(prompt="x", **fields),
+                        ChatCompletionRequest(**chat, **fields)):
+            with pytest.raises(InvalidRequestError, match="give only one constraint"):
+                request.structured_outputs_kwargs()
+    request = ChatCompletionRequest(**chat, response_format={"type": "json_object"},
+                                    guided_json={"type": "array"})
+    with pytest.raises(InvalidRequestError, match="got response_format and guided_json"):
+        request.structured_outputs_kwargs()
+
+
+def test_text_parts_need_text_strings():
+    for part in ({"type": "text", "text": 5}, {"type": "text", "text": None},
+                 {"type": "text"}, {"text": "x"}):
+        with pytest.raises(ValueError, match=r"content\[0\]"):
+            ChatCompletionRequest(messages=[{"role": "user", "content": [part]}])
+    ok = ChatCompletionRequest(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert ok.messages[0].text() == "ab"
+
+
+def test_a_list_reports_only_its_first_bad_item():
+    # Each bad item of each union member was an error of its own: 900k for this prompt.
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest(prompt=[{}] * 300_000)
+    assert info.value.error_count() == 4  # the union's four members, one item each
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest(messages=[{}] * 10_000)
+    assert info.value.error_count() == 1
+
+
+def test_stream_options_need_stream():
+    with pytest.raises(ValueError, match="stream_options is only allowed with stream"):
+        CompletionRequest(prompt="x", stream_options={"include_usage": True})
+    CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": True})
+
+
+def test_a_responses_input_without_messages_is_named_as_input():
+    for items in ([], [{"type": "reasoning", "summary": [{"type": "summary_text",
+                                                         "text": "hm"}]}]):
+        with pytest.raises(InvalidRequestError, match="input has no message"):
+            ResponsesRequest(input=items).to_chat_request()

@@ -126,7 +126,7 @@ def test_text_format_json_schema(server):
      "only text content parts are supported by this model, got 'image_url'"),
     ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]},
      "must answer a call"),
-    ({"input": []}, "messages must not be empty"),
+    ({"input": []}, "input has no message"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"model": "nope"}, "nope"),
 ])

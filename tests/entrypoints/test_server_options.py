@@ -82,7 +82,7 @@ def test_cached_tokens_in_usage(server):
     chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": LONG_PROMPT}],
             "max_tokens": 2, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    _post(server, "/v1/chat/completions", chat | {"stream": False})
+    _post(server, "/v1/chat/completions", chat | {"stream": False, "stream_options": None})
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=chat,
                       headers=server.headers, verify=server.verify, timeout=60) as r:
         usage = [line for line in r.iter_lines() if '"usage":{' in line]

@@ -21,7 +21,7 @@ from pydantic import (Field, ValidationInfo, field_validator, model_serializer,
 from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel
 # Re-exported: this module stays the one place to import the API's models from.
 from pagedllm.entrypoints.openai.protocol_base import (  # noqa: F401
-    UNSUPPORTED_FIELDS, check_unicode, random_id)
+    UNSUPPORTED_FIELDS, check_json_value, random_id)
 from pagedllm.entrypoints.openai.tool_protocol import (DeltaToolCall, NamedToolChoice,
                                                        ToolCall, ToolCallParam, ToolParam,
                                                        check_message_tool_fields,
@@ -93,6 +93,11 @@ class StreamOptions(RequestModel):
 
 # ------------------------------------------------------------------ sampling fields
 
+# vLLM's older constraint fields, and the structured_outputs key each stands for.
+_GUIDED_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"),
+                  ("guided_choice", "choice"), ("guided_grammar", "grammar"))
+
+
 class SamplingFields(RequestModel):
     """Fields shared by completions and chat requests (OpenAI's and vLLM's)."""
 
@@ -144,6 +149,13 @@ class SamplingFields(RequestModel):
     guided_grammar: str | None = None
     request_id: str | None = None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            # As OpenAI and vLLM: options of a stream that will not be sent are a mistake.
+            raise InvalidRequestError("stream_options is only allowed with stream: true")
+        return self
+
     def common_sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams keywords of the shared fields (None = the engine's default)."""
         kw: dict[str, Any] = {
@@ -166,15 +178,23 @@ class SamplingFields(RequestModel):
         return kw
 
     def structured_outputs_kwargs(self) -> dict[str, Any] | None:
-        """StructuredOutputsParams keywords from structured_outputs / guided_* fields."""
+        """StructuredOutputsParams keywords from structured_outputs / guided_* fields;
+        InvalidRequestError when more than one is set (one would be silently lost)."""
+        given = self.constraint_fields()
+        if len(given) > 1:
+            raise InvalidRequestError(f"give only one constraint, got {' and '.join(given)}")
         if self.structured_outputs is not None:
             return dict(self.structured_outputs)
-        for field, key in (("guided_json", "json"), ("guided_regex", "regex"),
-                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        for field, key in _GUIDED_FIELDS:
             value = getattr(self, field)
             if value is not None:
                 return {key: value}
         return None
+
+    def constraint_fields(self) -> list[str]:
+        """The request's fields that ask for a constraint on the output."""
+        return [name for name in ("structured_outputs", *(f for f, _ in _GUIDED_FIELDS))
+                if getattr(self, name) is not None]
 
     @property
     def include_usage(self) -> bool:
@@ -266,6 +286,17 @@ class ChatMessage(RequestModel):
     function_call: Any = None
     audio: Any = None
 
+    @field_validator("content")
+    @classmethod
+    def _content_parts(cls, content: Any) -> Any:
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            if not isinstance(part.get("type"), str):
+                raise InvalidRequestError(f"content[{i}] needs a `type` string")
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"content[{i}].text must be a string, got "
+                                          f"{type(part.get('text')).__name__}")
+        return content
+
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
         check_message_tool_fields(self.role, self.content, self.tool_calls,
@@ -303,7 +334,7 @@ class ChatMessage(RequestModel):
             raise InvalidRequestError(f"only text content parts are supported by this "
                                       f"model, got "
                                       f"{other[0]!r}")
-        return "".join(str(p.get("text", "")) for p in self.content)
+        return "".join(p["text"] for p in self.content)
 
 
 class JsonSchemaFormat(RequestModel):
@@ -402,6 +433,9 @@ class ChatCompletionRequest(SamplingFields):
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
             return super().structured_outputs_kwargs()
+        if self.constraint_fields():
+            raise InvalidRequestError(f"give only one constraint, got response_format and "
+                                      f"{' and '.join(self.constraint_fields())}")
         if fmt.type == "json_object":
             return {"json_object": True}
         if fmt.type == "structural_tag":

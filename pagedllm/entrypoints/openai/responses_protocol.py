@@ -212,8 +212,12 @@ class ResponsesRequest(RequestModel):
     def to_chat_request(self) -> ChatCompletionRequest:
         """The chat request that asks for the same reply; InvalidRequestError for a
         conversation the chat API would refuse (a call output without its call...)."""
+        messages = _messages(self.instructions, self.input)
+        if not messages:  # the chat request would name `messages`, which was not sent
+            raise InvalidRequestError("input has no message: give a text or at least one "
+                                      "message, function call or call output item")
         body: dict[str, Any] = {
-            "model": self.model, "messages": _messages(self.instructions, self.input),
+            "model": self.model, "messages": messages,
             "max_completion_tokens": self.max_output_tokens, "stream": self.stream}
         for name in ("temperature", "top_p", "parallel_tool_calls", "user", "request_id",
                      "priority", "timeout", "seed", "top_k", "min_p", "repetition_penalty",

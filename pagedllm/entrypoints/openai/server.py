@@ -79,14 +79,22 @@ def error_response(message: str, status: int, param: str | None = None,
                         headers=headers)
 
 
+# Errors named in a 400's message; the rest only make it longer.
+MAX_ERRORS_SHOWN = 8
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable line from pydantic's errors, and the offending field."""
+    """One readable line from pydantic's (first few) errors, and the offending field."""
     parts, param = [], None
     for err in exc.errors():
         if err.get("type") == "json_invalid":
             reason = (err.get("ctx") or {}).get("error")
             return "Invalid JSON in the request body" + (f": {reason}" if reason else ""), None
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if not loc and err.get("type") == "model_attributes_type":
+            # A body FastAPI did not parse as JSON: no JSON Content-Type.
+            return ("The request body must be a JSON object sent with Content-Type: "
+                    "application/json"), None
         if loc and param is None:
             param = loc[-1] if err.get("type") == "extra_forbidden" else loc[0]
         if err.get("type") == "extra_forbidden":
@@ -96,7 +104,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         # A ValueError raised by a validator reads "Value error, <our message>".
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
         parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
-    return "; ".join(parts) or "invalid request", param
+    return "; ".join(parts[:MAX_ERRORS_SHOWN]) or "invalid request", param
 
 
 async def _cancel_on_disconnect(raw_request: Request, work: Awaitable[Any]) -> Any:
@@ -337,7 +345,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(exc.detail), exc.status_code)
+        detail = str(exc.detail)
+        if detail == "There was an error parsing the body":  # FastAPI's, for any cause
+            detail = ("The request body could not be read as JSON: it must be UTF-8 text, "
+                      "uncompressed, with integers of at most 4300 digits")
+        return error_response(detail, exc.status_code)
 
     async def on_error(_: Request, exc: Exception) -> JSONResponse:
         status = int(error_status(exc))

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import field_validator, model_serializer
 
+from pagedllm import json_limits
 from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel
 from pagedllm.errors import InvalidRequestError
 
@@ -45,6 +46,10 @@ class FunctionDefinition(RequestModel):
             return None
         import jsonschema
 
+        if not isinstance(schema.get("$schema", ""), str):
+            # jsonschema looks the dialect up by it (a list or dict was a TypeError).
+            raise InvalidRequestError(f"the parameters schema's $schema must be a URI "
+                                      f"string, got {type(schema['$schema']).__name__}")
         try:
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as e:
@@ -84,10 +89,7 @@ class FunctionCallParam(RequestModel):
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, arguments: str) -> str:
-        try:
-            value = json.loads(arguments)
-        except ValueError as e:
-            raise InvalidRequestError(f"must be a JSON text of an object: {e}") from None
+        value = json_limits.loads(arguments, "the arguments")
         if not isinstance(value, dict):
             raise InvalidRequestError(f"must be a JSON object, got "
                                       f"{type(value).__name__}")
