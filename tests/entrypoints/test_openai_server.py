@@ -60,6 +60,26 @@ def test_tokenize_detokenize(server):
     assert "<|im_start|>user\nHi<|im_end|>" in text["prompt"]
 
 
+def test_tokenize_takes_the_chat_fields(server):
+    """continue_final_message, chat_template_kwargs and return_token_strs as on a chat
+    request (vLLM's /tokenize); a conversation a chat request would refuse is a 400."""
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(server.url + path, headers=server.headers, json=body)
+
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    r = post("/tokenize", {"messages": messages, "continue_final_message": True,
+                           "add_generation_prompt": False, "return_token_strs": True,
+                           "chat_template_kwargs": {"unused": 1}}).json()
+    text = post("/detokenize", {"tokens": r["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nHello")  # left open, to be continued
+    assert len(r["token_strs"]) == r["count"] and r["token_strs"][-1] == "Hello"
+    assert post("/tokenize", {"prompt": "Hi"}).json()["token_strs"] is None
+    unanswered = [{"role": "user", "content": "Hi"},
+                  {"role": "tool", "tool_call_id": "nope", "content": "r"}]
+    r = post("/tokenize", {"messages": unanswered})
+    assert r.status_code == 400 and "nope" in r.json()["error"]["message"], r.text
+
+
 # ------------------------------------------------------------------ completions
 
 def test_completion_usage_and_logprobs(server, client):

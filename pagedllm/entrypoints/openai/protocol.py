@@ -531,13 +531,27 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 # ------------------------------------------------------------------ tokenize
 
 class TokenizeRequest(RequestModel):
+    """A prompt, or a conversation rendered as a chat request with the same fields
+    would render it (vLLM's /tokenize)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[ToolParam] | None = None
-    """Rendered by the chat template with `messages` (as a chat request would be)."""
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+    """Also answer each token's text (`token_strs`)."""
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_exchanges(cls, messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        if messages is not None:
+            check_tool_exchanges(messages)
+        return messages
 
     @field_validator("tools")
     @classmethod
@@ -549,6 +563,7 @@ class TokenizeResponse(OpenAIBaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(RequestModel):

@@ -59,7 +59,7 @@ def check_json_value(value: Any, path: str = "") -> None:
         # items or past the depth limit (a list of 300k `{}` or ASCII strings: ~30-80 ms).
         if isinstance(item, dict):
             for key, child in item.items():
-                if _may_fail(key, depth - 1):
+                if _may_fail(key, depth):
                     stack.append((key, where, None, depth))
                 if _may_fail(child, depth):
                     stack.append((child, where, key, depth + 1))
