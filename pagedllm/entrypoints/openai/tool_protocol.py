@@ -89,7 +89,7 @@ class FunctionCallParam(RequestModel):
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, arguments: str) -> str:
-        value = json_limits.loads(arguments, "the arguments")
+        value = json_limits.loads(arguments, "the JSON text")
         if not isinstance(value, dict):
             raise InvalidRequestError(f"must be a JSON object, got "
                                       f"{type(value).__name__}")
