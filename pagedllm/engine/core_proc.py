@@ -13,11 +13,13 @@ sampling fields keep growing, so an explicit schema would only lag behind.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import pickle
 import signal
+import sys
 import time
 import traceback
 from typing import Any
@@ -357,6 +359,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which stops us
     proc = None
+    code = 0
     try:
         proc = EngineCoreProc(config, input_addr, output_addr, parent_pid)
         proc.run()
@@ -366,7 +369,24 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         logger.error("engine core failed:\n%s", traceback.format_exc())
         if proc is not None:
             proc._send(EngineDead(f"engine core failed: {e!r}"))
-        raise SystemExit(1) from e
+        code = 1
     finally:
-        if proc is not None:
-            proc.close()
+        try:
+            if proc is not None:
+                proc.close()
+        finally:
+            _exit_without_teardown(code)
+
+
+def _exit_without_teardown(code: int) -> None:
+    """End the process now that it has closed what it owns (sockets, workers, the
+    grammar compiler), skipping the interpreter's teardown: that teardown ends the
+    daemon threads still running, and one inside native code aborts the process
+    instead (the grammar warm-up's xgrammar call: a server stopped in its first
+    seconds printed "terminate called without an active exception" and its core
+    died of SIGABRT). multiprocessing's fork children leave the same way."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

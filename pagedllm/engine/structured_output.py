@@ -45,11 +45,19 @@ class StructuredOutputManager:
         # Requests with a matcher, until they finish (pruned by fill_bitmask): a step
         # with none skips the per-request loops below.
         self._live: dict[str, Request] = {}
+        self._closed = False
 
     def warm_up(self) -> None:
         """Prepare the grammar compiler in the background (the compile thread), so the
         first grammar request does not wait for it; compiles queue behind it."""
-        self._pool.submit(-1, _log_failure, self.grammar.warm_up)
+        self._pool.submit(-1, self._warm_up)
+
+    def _warm_up(self) -> None:
+        try:
+            self.grammar.warm_up()
+        except Exception:  # the first compile will try again, and fail its request
+            if not self._closed:  # else: stopped by shutdown(), nothing went wrong
+                logger.exception("preparing the grammar compiler failed")
 
     def submit(self, request: Request) -> None:
         """Start compiling the request's grammar; it waits here until `pop_ready`."""
@@ -154,6 +162,7 @@ class StructuredOutputManager:
                                    req_id, token_id)
 
     def shutdown(self) -> None:
+        self._closed = True
         self._pool.shutdown()
         self.grammar.shutdown()
 
@@ -174,13 +183,6 @@ def constraint_size(key: tuple) -> int:
     if isinstance(value, tuple):  # choices
         return sum(len(choice) for choice in value)
     return 0  # json_object
-
-
-def _log_failure(fn: Any) -> None:
-    try:
-        fn()
-    except Exception:  # the first compile will try again, and fail its request
-        logger.exception("preparing the grammar compiler failed")
 
 
 def _lower_priority() -> None:

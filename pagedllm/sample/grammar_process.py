@@ -82,6 +82,7 @@ class GrammarCompileProcess:
         # [process, connection] of the running child, emptied when it is stopped.
         self._child: list[Any] = []
         self._finalizer = weakref.finalize(self, _stop, self._child)
+        self._closed = False
 
     def compile(self, kind: str, spec: str, any_whitespace: bool) -> str:
         reused = bool(self._child)
@@ -138,6 +139,8 @@ class GrammarCompileProcess:
     def start(self) -> tuple[subprocess.Popen, Connection]:
         """The running child, started (and waited for) if there is none or it died
         between compiles."""
+        if self._closed:
+            raise GrammarCompileError("the grammar compiler was shut down", lasting=False)
         if self._child:
             if self._child[0].poll() is None:
                 return self._child[0], self._child[1]
@@ -177,6 +180,7 @@ class GrammarCompileProcess:
         _stop(self._child)
 
     def shutdown(self) -> None:
+        self._closed = True
         self._finalizer()
 
 

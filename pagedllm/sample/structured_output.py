@@ -138,6 +138,7 @@ class GrammarManager:
         # sample of the same request, the same client again) would fail alike, a minute
         # later.
         self._failed: OrderedDict[bytes, str] = OrderedDict()
+        self._closed = False
 
     @property
     def uses_process(self) -> bool:
@@ -151,6 +152,9 @@ class GrammarManager:
             # vocab_size = the model's (may exceed the tokenizer's: padded embeddings).
             self._info = xgr.TokenizerInfo.from_huggingface(tokenizer,
                                                             vocab_size=self.vocab_size)
+            if self._closed:  # shut down while the above ran (seconds): start nothing
+                raise GrammarCompileError("the grammar compiler was shut down",
+                                          lasting=False)
             if self.uses_process:
                 self._compiler = GrammarCompileProcess(
                     self._info.serialize_json(), self.compile_cpu_limit_s,
@@ -222,6 +226,7 @@ class GrammarManager:
         return compiled
 
     def shutdown(self) -> None:
+        self._closed = True
         if isinstance(self._compiler, GrammarCompileProcess):
             self._compiler.shutdown()
 

@@ -176,6 +176,33 @@ def test_warm_up_starts_the_compiler_process_before_any_request(smollm2_tokenize
         manager.shutdown()
 
 
+def test_a_warm_up_cut_short_by_shutdown_starts_nothing_and_logs_no_error(
+        smollm2_tokenizer, caplog):
+    """A server stopped in its first seconds stops its core during the grammar warm-up:
+    the warm-up then started a compiler process after the shutdown (left running until
+    the core exited), or, stopped while that process started, logged its failure as
+    an error."""
+    loading = threading.Event()
+    release = threading.Event()
+
+    def load_tokenizer():
+        loading.set()
+        assert release.wait(60), "the test never released the warm-up"
+        return smollm2_tokenizer
+
+    manager = StructuredOutputManager(GrammarManager(load_tokenizer, 49152,
+                                                     compile_cpu_limit_s=60.0))
+    with caplog.at_level("WARNING", logger="pagedllm"):
+        manager.warm_up()
+        assert loading.wait(60)
+        manager.shutdown()
+        release.set()
+        manager._pool._thread.join(60)
+    assert not manager._pool._thread.is_alive()
+    assert manager.grammar._compiler is None
+    assert not caplog.records, caplog.text
+
+
 def test_grammar_state_survives_recompute_preemption(default_llm):
     """The matcher lives on the request, so a preempted request resumes in its grammar
     where it left off: the same outputs as with a cache big enough for all."""
