@@ -240,7 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, datefmt="%m-%d %H:%M:%S",
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     ns = build_parser().parse_args(argv)
-    return ns.func(ns)
+    try:
+        return ns.func(ns)
+    except KeyboardInterrupt:
+        # Ctrl-C: the commands release what they hold on the way out (the server stops
+        # gracefully, then uvicorn raises the SIGINT again); a traceback would read as
+        # a crash. 130: the shell's code for a SIGINT.
+        return 130
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ the bundled model."""
 
 from __future__ import annotations
 
+import signal
+
 import httpx
 import pytest
 
@@ -106,3 +108,14 @@ def test_tokens_as_token_ids(server):
     token_id = int(content[0]["token"].removeprefix("token_id:"))
     assert content[0]["bytes"] == list(f"token_id:{token_id}".encode())
     assert all(t["token"].startswith("token_id:") for t in content[0]["top_logprobs"])
+
+
+# Runs last in this module: it stops the server.
+def test_ctrl_c_stops_the_server_quietly(server):
+    """SIGINT (Ctrl-C in a terminal) shuts the server down as SIGTERM does; uvicorn
+    raises the signal again once it is down, which printed a KeyboardInterrupt
+    traceback."""
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(30) == 130
+    log = server.read_log()
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
