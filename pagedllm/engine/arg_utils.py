@@ -21,7 +21,7 @@ from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES,
                              StructuredOutputsConfig,
                              cache_root, default_model_path, env_kv_cache_space,
                              env_num_threads)
-from pagedllm.errors import ModelLoadError
+from pagedllm.errors import ConfigError, ModelLoadError
 from pagedllm.kernels.cpu.features import has_avx512_bf16, has_quant_simd
 from pagedllm.reasoning import REASONING_FORMATS
 
@@ -249,7 +249,7 @@ class EngineArgs:
             ("more than one worker (the adapters are not sharded)", parallel.world_size > 1),
             ("an encoder-only model", model.is_encoder_only)) if applies]
         if reasons:
-            raise ValueError(f"enable_lora is not supported with {reasons[0]}")
+            raise ConfigError(f"enable_lora is not supported with {reasons[0]}")
         from pagedllm.lora.adapter import lora_targets
 
         lora_targets(model.hf_config)  # raises for an architecture without LoRA support
@@ -267,7 +267,7 @@ class EngineArgs:
         if self.async_scheduling is None:
             return device == "cuda" and not reasons
         if self.async_scheduling and reasons:
-            raise ValueError(f"async_scheduling is not supported with {reasons[0]}")
+            raise ConfigError(f"async_scheduling is not supported with {reasons[0]}")
         return bool(self.async_scheduling)
 
     def _generation_defaults(self, model: ModelConfig) -> None:
@@ -282,8 +282,8 @@ class EngineArgs:
                 defaults, model.generation_eos_token_ids = load_generation_config(model.path)
         elif source != "vllm":
             if not os.path.isdir(source):
-                raise ValueError(f"generation_config must be auto, vllm or a directory, "
-                                 f"got {source!r}")
+                raise ConfigError(f"generation_config must be auto, vllm or a directory, "
+                                  f"got {source!r}")
             defaults, model.generation_eos_token_ids = load_generation_config(source)
         model.sampling_defaults = override_sampling_defaults(
             defaults, self.override_generation_config)
@@ -296,8 +296,8 @@ class EngineArgs:
         limit = self.limit_mm_per_prompt
         if limit is not None:
             if not isinstance(limit, dict) or set(limit) - {"image"}:
-                raise ValueError(f"limit_mm_per_prompt must be a dict such as "
-                                 f"{{'image': 2}}, got {limit!r}")
+                raise ConfigError(f"limit_mm_per_prompt must be a dict such as "
+                                  f"{{'image': 2}}, got {limit!r}")
             model.max_images_per_prompt = limit.get("image", model.max_images_per_prompt)
             model.__post_init__()  # checks the limit
         if model.image_token_id is None:
@@ -308,35 +308,35 @@ class EngineArgs:
             ("a draft model", bool(self.speculative_config)
              and "model" in self.speculative_config)) if used]
         if refused:
-            raise ValueError(f"{model.architecture} (a model with images) does not run "
-                             f"with {refused[0]} yet")
+            raise ConfigError(f"{model.architecture} (a model with images) does not run "
+                              f"with {refused[0]} yet")
 
     def _speculative_config(self, parallel: ParallelConfig, target: ModelConfig,
                             device: str) -> SpeculativeConfig | None:
         if not self.speculative_config:
             return None
         if not isinstance(self.speculative_config, dict):
-            raise ValueError(f"speculative_config must be a dict (JSON object), got "
-                             f"{self.speculative_config!r}")
+            raise ConfigError(f"speculative_config must be a dict (JSON object), got "
+                              f"{self.speculative_config!r}")
         spec = SpeculativeConfig.from_dict(self.speculative_config)
         if parallel.pipeline_parallel_size > 1:
-            raise ValueError("speculative decoding with pipeline parallelism is not "
-                             "supported (the stages overlap steps; a step's proposals "
-                             "would arrive a step late)")
+            raise ConfigError("speculative decoding with pipeline parallelism is not "
+                              "supported (the stages overlap steps; a step's proposals "
+                              "would arrive a step late)")
         if self.compile:
-            raise ValueError("speculative decoding with compile=True is not supported")
+            raise ConfigError("speculative decoding with compile=True is not supported")
         if spec.method == "draft_model" and parallel.world_size > 1:
-            raise ValueError("a draft model with tensor parallelism is not supported yet "
-                             "(prompt lookup, method 'ngram', is)")
+            raise ConfigError("a draft model with tensor parallelism is not supported yet "
+                              "(prompt lookup, method 'ngram', is)")
         if spec.model is not None:
             from pagedllm.loader.hf_config import load_hf_config
 
             spec.model = self._resolve_path(spec.model)
             hf_config = load_hf_config(spec.model)
             if hf_config.vocab_size != target.hf_config.vocab_size:
-                raise ValueError(f"the draft model's vocabulary ({hf_config.vocab_size} "
-                                 f"tokens) differs from the model's "
-                                 f"({target.hf_config.vocab_size})")
+                raise ConfigError(f"the draft model's vocabulary ({hf_config.vocab_size} "
+                                  f"tokens) differs from the model's "
+                                  f"({target.hf_config.vocab_size})")
             spec.draft = ModelConfig(path=spec.model, hf_config=hf_config,
                                      dtype=target.dtype, max_model_len=target.max_model_len,
                                      seed=self.seed,
@@ -347,10 +347,10 @@ class EngineArgs:
     def _resolve_quantization(self, path: str, device: str, dtype: str) -> str | None:
         """ModelConfig.quantization: "gguf" where asked for or (auto) where it runs."""
         if self.quantization not in _QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, "
-                             f"got {self.quantization!r}")
+            raise ConfigError(f"quantization must be one of {_QUANTIZATIONS}, "
+                              f"got {self.quantization!r}")
         if self.dequantize and self.quantization == "gguf":
-            raise ValueError("dequantize=True contradicts quantization='gguf'")
+            raise ConfigError("dequantize=True contradicts quantization='gguf'")
         if self.dequantize or self.quantization == "none" or not path.endswith(".gguf"):
             return "gguf" if self.quantization == "gguf" else None  # ModelConfig checks
         from pagedllm.kernels.cpu.build import load_cpu_kernels
@@ -367,7 +367,7 @@ class EngineArgs:
         elif not load_cpu_kernels():
             why = "the native CPU kernels are unavailable"
         if why is not None and self.quantization == "gguf":
-            raise ValueError(f"quantization='gguf' cannot run here: {why}")
+            raise ConfigError(f"quantization='gguf' cannot run here: {why}")
         if why is None and (self.quantization == "gguf" or has_quant_simd()):
             return "gguf"
         # auto only: without AVX2 the kernel's portable path is many times slower than the
@@ -383,11 +383,11 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend)
         parallel.verify_with_model(hf_config)
         if parallel.world_size > 1 and self.compile:
-            raise ValueError("compile=True with tensor_parallel_size > 1 is not supported "
-                             "yet (the compiled graph has no collectives)")
+            raise ConfigError("compile=True with tensor_parallel_size > 1 is not supported "
+                              "yet (the compiled graph has no collectives)")
         if parallel.world_size > 1 and device != "cpu":
-            raise ValueError("tensor parallelism runs on CPU (gloo) only so far; "
-                             "NCCL on CUDA is not implemented yet")
+            raise ConfigError("tensor parallelism runs on CPU (gloo) only so far; "
+                              "NCCL on CUDA is not implemented yet")
         return parallel
 
     def _resolve_model_path(self) -> str:
@@ -418,23 +418,23 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None,
     if not overrides:
         return hf_config
     if not isinstance(overrides, dict):
-        raise ValueError(f"hf_overrides must be a dict (JSON object), got {overrides!r}")
+        raise ConfigError(f"hf_overrides must be a dict (JSON object), got {overrides!r}")
     for key, value in overrides.items():
         setattr(hf_config, key, value)
     tokens = overrides.get("classifier_from_token")
     if tokens is not None:
         if (not isinstance(tokens, list) or len(tokens) < 2
                 or not all(isinstance(t, str) for t in tokens)):
-            raise ValueError(f"classifier_from_token must list two or more tokens, got "
-                             f"{tokens!r}")
+            raise ConfigError(f"classifier_from_token must list two or more tokens, got "
+                              f"{tokens!r}")
         from pagedllm.loader import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_path)
         ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
         unknown = [t for t, i in zip(tokens, ids) if i is None or i == tokenizer.unk_token_id]
         if unknown:
-            raise ValueError(f"classifier_from_token: {unknown[0]!r} is not one token of "
-                             f"the model's vocabulary")
+            raise ConfigError(f"classifier_from_token: {unknown[0]!r} is not one token of "
+                              f"the model's vocabulary")
         hf_config.classifier_token_ids = ids
         hf_config.num_labels = 1 if len(ids) == 2 else len(ids)
     return hf_config
@@ -449,8 +449,8 @@ def _set_embedding_traits(model: ModelConfig, compile: bool) -> None:
 
     model.is_encoder_only = is_encoder_only(model.architecture)
     if model.is_encoder_only and compile:
-        raise ValueError(f"compile is not supported for the encoder model "
-                         f"{model.architecture} (its attention runs eagerly per request)")
+        raise ConfigError(f"compile is not supported for the encoder model "
+                          f"{model.architecture} (its attention runs eagerly per request)")
     if is_sequence_classifier(model.architecture):
         one_label = getattr(model.hf_config, "num_labels", 1) == 1
         model.pooling_task = "score" if one_label else "classify"
@@ -487,7 +487,7 @@ def _resolve_num_threads(requested: int | None) -> int:
         requested = env_num_threads()
     if requested is not None:
         if requested < 1:
-            raise ValueError(f"num_threads must be >= 1, got {requested}")
+            raise ConfigError(f"num_threads must be >= 1, got {requested}")
         return requested
     import psutil
 
@@ -502,14 +502,14 @@ def _resolve_num_threads(requested: int | None) -> int:
 
 def _resolve_device(device: str) -> str:
     if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+        raise ConfigError(f"device must be auto, cpu or cuda, got {device!r}")
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
         build = "this torch is a CPU-only build" if torch.version.cuda is None else \
             "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES?)"
-        raise ValueError(f"device 'cuda' was requested but no CUDA GPU is available: {build}. "
-                         f"Use device 'cpu' or 'auto'.")
+        raise ConfigError(f"device 'cuda' was requested but no CUDA GPU is available: "
+                          f"{build}. Use device 'cpu' or 'auto'.")
     if device != "auto":
         return device
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -517,7 +517,7 @@ def _resolve_device(device: str) -> str:
 
 def _resolve_dtype(dtype: str, device: str, hf_config: Any) -> str:
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        raise ConfigError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
     if dtype != "auto":
         return dtype
     if device == "cuda":
@@ -538,10 +538,10 @@ def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     if requested is None:
         return min(derived, 8192)
     if requested < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {requested}")
+        raise ConfigError(f"max_model_len must be >= 1, got {requested}")
     if (requested > derived
             and getattr(hf_config, "model_type", None) in _LEARNED_POSITION_MODEL_TYPES):
-        raise ValueError(f"User-specified max_model_len ({requested}) is greater than the "
-                         f"derived max_model_len ({derived}): this model's learned position "
-                         f"embeddings cover {derived} positions")
+        raise ConfigError(f"User-specified max_model_len ({requested}) is greater than the "
+                          f"derived max_model_len ({derived}): this model's learned position "
+                          f"embeddings cover {derived} positions")
     return requested

@@ -14,6 +14,7 @@ import typing
 from typing import Any
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.errors import ConfigError, ModelLoadError
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -247,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         # gracefully, then uvicorn raises the SIGINT again); a traceback would read as
         # a crash. 130: the shell's code for a SIGINT.
         return 130
+    except (ConfigError, ModelLoadError) as e:
+        # Options or a model that cannot run as given: the message names what is wrong,
+        # and a traceback through the start-up code would bury it (argparse's format).
+        print(f"pagedllm {ns.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.entrypoints.cli import build_parser, engine_args_from
+from pagedllm.entrypoints.cli import build_parser, engine_args_from, main
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -66,3 +70,48 @@ def test_chat_reads_stdin_lines():
     assert "Paris" in stdout.getvalue()
     assert "[conversation cleared]" in lines
     assert "ignored" not in stdout.getvalue()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--max-model-len", "-5"], "max_model_len must be >= 1, got -5"),
+    (["generate", "--model", "/nonexistent"], "model path does not exist: '/nonexistent'"),
+    (["serve", "--port", "0", "--lora-modules", "x"], "--lora-modules 'x': expected name=path"),
+])
+def test_options_that_cannot_run_get_one_line_and_code_2(argv, message, capsys):
+    """Not a traceback through the start-up code, with the message on its last line."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagedllm {argv[0]}: error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_serve_on_a_port_in_use_fails_before_loading_the_model():
+    """The socket is bound first: the port's failure comes in seconds, not after the
+    model's load (minutes for a big one)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port)],
+            capture_output=True, text=True, timeout=120,
+            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert result.returncode == 2, result.stderr
+    assert (f"pagedllm serve: error: cannot listen on 127.0.0.1:{port}: Address already "
+            f"in use") in result.stderr
+    assert "engine core" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_listens_on_every_address_of_its_host():
+    """As asyncio's create_server bound them when uvicorn did: "" is every interface (of
+    both families where the machine has IPv6), an IPv4 literal one socket."""
+    from pagedllm.entrypoints.openai.server import listen_sockets
+
+    everywhere = listen_sockets("", 0)
+    one = listen_sockets("127.0.0.1", 0)
+    try:
+        assert socket.AF_INET in {s.family for s in everywhere}
+        assert [s.getsockname()[0] for s in one] == ["127.0.0.1"]
+    finally:
+        for s in everywhere + one:
+            s.close()

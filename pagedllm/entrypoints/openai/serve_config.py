@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSER_NAMES
+from pagedllm.errors import ConfigError
 
 
 def _flag(default: Any, help: str) -> Any:
@@ -80,23 +81,23 @@ class ServeConfig:
     def __post_init__(self) -> None:
         for name in ("max_n", "max_stop", "max_prompt_bytes", "max_body_bytes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("render_timeout", "request_timeout"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got "
-                             f"{self.max_queued_requests}")
+            raise ConfigError(f"max_queued_requests must be >= 0, got "
+                              f"{self.max_queued_requests}")
         if self.tool_call_parser not in (None, *TOOL_PARSER_NAMES):
-            raise ValueError(f"tool_call_parser must be one of "
-                             f"{', '.join(TOOL_PARSER_NAMES)}, got {self.tool_call_parser!r}")
+            raise ConfigError(f"tool_call_parser must be one of "
+                              f"{', '.join(TOOL_PARSER_NAMES)}, got {self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+            raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
         if (self.chat_template is not None and not is_template_text(self.chat_template)
                 and not os.path.isfile(self.chat_template)):
-            raise ValueError(f"chat_template is neither a template nor a file: "
-                             f"{self.chat_template!r}")
+            raise ConfigError(f"chat_template is neither a template nor a file: "
+                              f"{self.chat_template!r}")
 
     def load_chat_template(self) -> str | None:
         """The --chat-template text (read from its file if it names one)."""

@@ -14,7 +14,7 @@ import itertools
 import json
 from collections.abc import Callable, Iterator
 
-from pagedllm.errors import InvalidRequestError
+from pagedllm.errors import ConfigError, InvalidRequestError
 from pagedllm.lora_request import LoRARequest
 
 
@@ -29,15 +29,15 @@ def parse_lora_module(text: str) -> tuple[str, str]:
         try:
             entry = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--lora-modules {text!r}: not valid JSON: {e}") from None
+            raise ConfigError(f"--lora-modules {text!r}: not valid JSON: {e}") from None
         if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
                 and isinstance(entry.get("path"), str)):
-            raise ValueError(f"--lora-modules {text!r}: expected an object with string "
-                             f"\"name\" and \"path\"")
+            raise ConfigError(f"--lora-modules {text!r}: expected an object with string "
+                              f"\"name\" and \"path\"")
         return entry["name"], entry["path"]
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise ValueError(f"--lora-modules {text!r}: expected name=path")
+        raise ConfigError(f"--lora-modules {text!r}: expected name=path")
     return name, path
 
 

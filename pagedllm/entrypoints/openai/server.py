@@ -27,6 +27,7 @@ import hmac
 import json
 import logging
 import os
+import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -63,7 +64,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
-from pagedllm.errors import EngineDeadError, InvalidRequestError
+from pagedllm.errors import ConfigError, EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -453,6 +454,33 @@ def served_names(args: argparse.Namespace, model: str | None, model_path: str) -
     return [os.path.basename(model_path).split(".")[0]]
 
 
+def listen_sockets(host: str, port: int) -> list[socket.socket]:
+    """The server's TCP sockets, bound: one per address of `host`, as asyncio's
+    create_server (which uvicorn calls when given no sockets) binds them ("localhost":
+    127.0.0.1 and ::1; "": every interface, both families)."""
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:
+                continue  # a family this machine lacks (IPv6 turned off), as asyncio does
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # else "::" would take the IPv4 port too
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+        if not sockets:
+            raise OSError(f"no socket of the address family of {host!r} can be opened")
+    except OSError as e:  # socket.gaierror too: a host that does not resolve
+        for sock in sockets:
+            sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sockets
+
+
 def _server_with_deadline(uv_config: Any, engine: AsyncLLM) -> Any:
     """A uvicorn.Server whose shutdown on SIGTERM/SIGINT has a deadline.
 
@@ -486,6 +514,22 @@ def _server_with_deadline(uv_config: Any, engine: AsyncLLM) -> Any:
 async def serve(args: argparse.Namespace, engine_args: Any,
                 serve_config: ServeConfig | None = None) -> None:
     """Start the engine, then serve HTTP until SIGINT/SIGTERM."""
+    # Bound, and the flags read, before the model loads: a port in use or a bad flag
+    # fails in a second, not after the load.
+    sockets = listen_sockets(args.host, args.port)
+    try:
+        lora_modules = [parse_lora_module(m) for m in args.lora_modules or ()]
+        config = engine_args.create_engine_config()
+        names = served_names(args, engine_args.model, config.model.path)
+        await _serve_on(sockets, args, config, names, serve_config, lora_modules)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, config: Any,
+                    names: list[str], serve_config: ServeConfig | None,
+                    lora_modules: list[tuple[str, str]]) -> None:
     import torch
     import uvicorn
 
@@ -493,8 +537,6 @@ async def serve(args: argparse.Namespace, engine_args: Any,
 
     # The engine process owns the cores; this process only parses and detokenizes.
     torch.set_num_threads(1)
-    config = engine_args.create_engine_config()
-    names = served_names(args, engine_args.model, config.model.path)
     engine = AsyncLLM(config, model_name=names[0],
                       log_stats_interval_s=args.log_stats_interval)
     try:
@@ -507,7 +549,6 @@ async def serve(args: argparse.Namespace, engine_args: Any,
         # them out of the collector so a full collection cannot stall /health.
         gc.collect()
         gc.freeze()
-        lora_modules = [parse_lora_module(m) for m in args.lora_modules or ()]
         app = build_app(engine, names, api_key=args.api_key or env_api_key(),
                         shutdown_engine=True, serve_config=serve_config,
                         lora_modules=lora_modules, root_path=args.root_path)
@@ -521,6 +562,6 @@ async def serve(args: argparse.Namespace, engine_args: Any,
         server = _server_with_deadline(uv_config, engine)
         scheme = "https" if args.ssl_certfile else "http"
         logger.info("serving %s on %s://%s:%d/v1", names[0], scheme, args.host, args.port)
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         engine.shutdown()
