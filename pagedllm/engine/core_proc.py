@@ -374,8 +374,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         try:
             if proc is not None:
                 proc.close()
-        finally:
-            _exit_without_teardown(code)
+        except BaseException:  # reported here: the exit below would drop it unseen
+            logger.error("closing the engine core failed:\n%s", traceback.format_exc())
+            code = code or 1
+        _exit_without_teardown(code)
 
 
 def _exit_without_teardown(code: int) -> None:
