@@ -45,7 +45,6 @@ class StructuredOutputManager:
         # Requests with a matcher, until they finish (pruned by fill_bitmask): a step
         # with none skips the per-request loops below.
         self._live: dict[str, Request] = {}
-        self._closed = False
 
     def warm_up(self) -> None:
         """Prepare the grammar compiler in the background (the compile thread), so the
@@ -56,7 +55,7 @@ class StructuredOutputManager:
         try:
             self.grammar.warm_up()
         except Exception:  # the first compile will try again, and fail its request
-            if not self._closed:  # else: stopped by shutdown(), nothing went wrong
+            if not self.grammar.closed:  # else: stopped by shutdown(), nothing went wrong
                 logger.exception("preparing the grammar compiler failed")
 
     def submit(self, request: Request) -> None:
@@ -162,7 +161,6 @@ class StructuredOutputManager:
                                    req_id, token_id)
 
     def shutdown(self) -> None:
-        self._closed = True
         self._pool.shutdown()
         self.grammar.shutdown()
 

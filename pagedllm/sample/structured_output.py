@@ -141,6 +141,12 @@ class GrammarManager:
         self._closed = False
 
     @property
+    def closed(self) -> bool:
+        """Whether shutdown() was called (a warm-up or compile failing after it is no
+        error)."""
+        return self._closed
+
+    @property
     def uses_process(self) -> bool:
         return bool(self.compile_cpu_limit_s or self.compile_memory_limit_bytes)
 

@@ -78,7 +78,8 @@ def test_chat_reads_stdin_lines():
     (["serve", "--port", "0", "--lora-modules", "x"], "--lora-modules 'x': expected name=path"),
 ])
 def test_options_that_cannot_run_get_one_line_and_code_2(argv, message, capsys):
-    """Not a traceback through the start-up code, with the message on its last line."""
+    """One argparse-style line naming what is wrong, not a traceback through the
+    start-up code."""
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"pagedllm {argv[0]}: error: ") and err.count("\n") == 1
