@@ -32,6 +32,7 @@ from pagedllm.metrics import EngineMetrics
 from pagedllm.multimodal.processor import ImageProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.reasoning import ReasoningTokens
+from pagedllm.sample.constraint_check import ConstraintChecker
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,12 +58,16 @@ class AsyncLLM:
     """
 
     def __init__(self, config: EngineConfig, model_name: str = "",
-                 log_stats_interval_s: float = 10.0) -> None:
+                 log_stats_interval_s: float = 10.0,
+                 constraints: ConstraintChecker | None = None) -> None:
+        """`constraints`: the structured-output checks (the server's parse in a child
+        process under limits; default: in the caller's thread), shut down with this."""
         self.config = config
         # The core starts loading the model while this process loads the tokenizer.
         self.core_client = EngineCoreClient(config)
         try:
-            self.engine = LLMEngine(config, engine_core=self.core_client)
+            self.engine = LLMEngine(config, engine_core=self.core_client,
+                                    constraints=constraints)
         except BaseException:
             self.core_client.shutdown()
             raise
@@ -129,6 +134,12 @@ class AsyncLLM:
     def reasoning_tokens(self) -> ReasoningTokens | None:
         """The reasoning parser's format and tag ids (None without one)."""
         return self.engine.input_processor.reasoning
+
+    @property
+    def constraints(self) -> ConstraintChecker:
+        """What checks a request's structured-output constraint (the server runs it off
+        the event loop before add_request, which then finds the outcome remembered)."""
+        return self.engine.input_processor.constraints
 
     @property
     def image_processor(self) -> ImageProcessor | None:
@@ -286,3 +297,4 @@ class AsyncLLM:
             task.cancel()
         self._tasks.clear()
         self.core_client.shutdown()
+        self.constraints.shutdown()

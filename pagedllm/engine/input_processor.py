@@ -15,6 +15,7 @@ from pagedllm.pooling_params import PoolingParams
 from pagedllm.reasoning import (ReasoningGate, ReasoningTokens, get_reasoning_format,
                                 tokens_of)
 from pagedllm.request import Request
+from pagedllm.sample.constraint_check import ConstraintChecker
 from pagedllm.sampling_params import SamplingParams
 
 # A prompt: text, {"prompt": text}, {"prompt_token_ids": [...]}, or a list of token ids;
@@ -25,7 +26,10 @@ PromptType = Union[str, dict, list]
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any | None,
                  lora_config: LoRAConfig | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None,
+                 constraints: ConstraintChecker | None = None) -> None:
+        """`constraints` checks structured-output constraints (default: parsed in the
+        caller's thread, no limits)."""
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.hf_config.vocab_size
         self.max_logprobs = model_config.max_logprobs
@@ -40,6 +44,7 @@ class InputProcessor:
         self.default_pooling_type = model_config.default_pooling_type
         self.pooling_task = model_config.pooling_task
         self.can_generate = model_config.can_generate
+        self.constraints = constraints or ConstraintChecker()
         # None: LoRA is off and a request naming an adapter is refused.
         self.adapters = (AdapterChecks(model_config.hf_config, lora_config.max_lora_rank)
                          if lora_config is not None else None)
@@ -237,9 +242,7 @@ class InputProcessor:
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
         if params.structured_outputs is not None:
-            from pagedllm.sample.structured_output import validate_structured_outputs
-
-            validate_structured_outputs(params.structured_outputs)
+            self.constraints.check(params.structured_outputs)
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word as it would appear at the start of the text and after a space (the

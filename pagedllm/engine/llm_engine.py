@@ -18,6 +18,7 @@ from pagedllm.errors import InvalidRequestError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.sample.constraint_check import ConstraintChecker
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,11 +30,13 @@ class LLMEngine:
     A request that fails validation raises InvalidRequestError from add_request and
     leaves every other request untouched. `engine_core` defaults to an in-process
     EngineCore; the server passes an EngineCoreClient (same interface, the core runs in
-    another process and step() returns what arrived from it).
+    another process and step() returns what arrived from it). `constraints` checks
+    structured-output constraints (InputProcessor's default: in the caller's thread).
     """
 
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False,
-                 engine_core: Any = None) -> None:
+                 engine_core: Any = None, constraints: ConstraintChecker | None = None,
+                 ) -> None:
         self.config = config
         self.tokenizer = None
         if not skip_tokenizer_init:
@@ -42,7 +45,8 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.model.path, config.model.tokenizer)
         self.input_processor = InputProcessor(
             config.model, self.tokenizer, config.lora,
-            reasoning_parser=config.structured_outputs.reasoning_parser)
+            reasoning_parser=config.structured_outputs.reasoning_parser,
+            constraints=constraints)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Samples 2..n of n > 1 requests, waiting for sample 1 to fill the prefix cache.
         self.deferred = DeferredSiblings()

@@ -1,4 +1,4 @@
-"""Grammars compiled in a child process, under a CPU-time and a memory limit.
+"""Grammars compiled (or only parsed) in a child process, under CPU-time and memory limits.
 
 What a constraint costs xgrammar to compile is not what it costs to send: a JSON-schema
 enum of 200,000 short strings (1.9 MB) takes ~27 s of CPU and 5.6 GB of memory at its
@@ -7,14 +7,19 @@ that overruns is killed (the process is started again for the next one), so one 
 can neither hold the compiler for minutes nor take the engine's memory. The compiled
 grammar comes back serialized (xgrammar's JSON; deserializing releases the GIL).
 
+Parsing alone can cost as much: a JSON schema's `pattern` of `(a|b){1,10000}` (31 bytes)
+takes xgrammar ~12 s to turn into a grammar, and the time grows with the square of the
+count. A child given no tokenizer info only parses (the server's check of a request's
+constraint before it is queued, constraint_check.py).
+
 Started by `GrammarCompileProcess` as `python -c BOOT FD ROOT` (as the multiprocess
 executor starts its workers: the engine core may itself be a daemonic multiprocessing
 child, which may not have children of its own). Messages over the socket pair, pickled:
 
-  engine  -> compiler   tokenizer info (xgrammar JSON)     once, first
+  engine  -> compiler   tokenizer info (xgrammar JSON)     once, first (None: parse only)
                         (kind, spec, any_whitespace)      one compile
   compiler -> engine    ("ready", None)                   once the compiler is built
-                        ("ok", compiled grammar JSON)     per compile
+                        ("ok", compiled grammar JSON)     per compile (None: it parsed)
                         ("error", message)                per compile that raised
 
 The child exits when the engine's end of the socket closes, or (mid-compile) within a
@@ -59,32 +64,41 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 class GrammarCompileError(Exception):
     """A compile failed, ran over a limit, or its process died; the message says which.
     `lasting`: the same constraint would fail again (not so when the process died or
-    did not start: something else may have killed it)."""
+    did not start: something else may have killed it). `over_limit`: it ran over the
+    CPU-time or memory limit (otherwise xgrammar refused the constraint)."""
 
-    def __init__(self, message: str, lasting: bool = True) -> None:
+    def __init__(self, message: str, lasting: bool = True, over_limit: bool = False) -> None:
         super().__init__(message)
         self.lasting = lasting
+        self.over_limit = over_limit
 
 
 class GrammarCompileProcess:
     """One compile at a time in a child process; `compile` returns the serialized grammar.
 
+    `tokenizer_info_json`: None for a child that only parses (`compile` returns None).
     `cpu_limit_s`: CPU seconds one compile may use (its threads together); 0: no limit.
     `memory_limit_bytes`: resident memory of the process during a compile; 0: no limit.
+    `what` and `limit_names` word the errors of a limit: what ran over, and the options
+    that set the time and the memory limit.
     Not thread-safe: the engine calls it from its one compile thread.
     """
 
-    def __init__(self, tokenizer_info_json: str, cpu_limit_s: float,
-                 memory_limit_bytes: int) -> None:
+    def __init__(self, tokenizer_info_json: str | None, cpu_limit_s: float,
+                 memory_limit_bytes: int, what: str = "compiling the grammar",
+                 limit_names: tuple[str, str] = ("grammar_compile_timeout",
+                                                 "grammar_compile_memory")) -> None:
         self.tokenizer_info_json = tokenizer_info_json
         self.cpu_limit_s = cpu_limit_s
         self.memory_limit_bytes = memory_limit_bytes
+        self.what = what
+        self.limit_names = limit_names
         # [process, connection] of the running child, emptied when it is stopped.
         self._child: list[Any] = []
         self._finalizer = weakref.finalize(self, _stop, self._child)
         self._closed = False
 
-    def compile(self, kind: str, spec: str, any_whitespace: bool) -> str:
+    def compile(self, kind: str, spec: str, any_whitespace: bool) -> str | None:
         reused = bool(self._child)
         try:
             return self._compile(kind, spec, any_whitespace)
@@ -96,7 +110,7 @@ class GrammarCompileProcess:
             logger.warning("grammar compiler process lost (%s); compiling again", e)
             return self._compile(kind, spec, any_whitespace)
 
-    def _compile(self, kind: str, spec: str, any_whitespace: bool) -> str:
+    def _compile(self, kind: str, spec: str, any_whitespace: bool) -> str | None:
         proc, conn = self.start()
         try:
             conn.send((kind, spec, any_whitespace))
@@ -113,15 +127,15 @@ class GrammarCompileProcess:
             if self.cpu_limit_s and used > self.cpu_limit_s:
                 self._stop()
                 raise GrammarCompileError(
-                    f"compiling the grammar took more than {self.cpu_limit_s:g} s "
-                    f"(grammar_compile_timeout)")
+                    f"{self.what} took more than {self.cpu_limit_s:g} s of CPU time "
+                    f"({self.limit_names[0]})", over_limit=True)
             rss = _resident_bytes(proc.pid)
             if self.memory_limit_bytes and rss is not None and rss > self.memory_limit_bytes:
                 self._stop()
                 raise GrammarCompileError(
-                    f"compiling the grammar needed more than "
+                    f"{self.what} needed more than "
                     f"{self.memory_limit_bytes / (1 << 30):g} GiB of memory "
-                    f"(grammar_compile_memory)")
+                    f"({self.limit_names[1]})", over_limit=True)
             if proc.poll() is not None:
                 break
         try:
@@ -170,6 +184,11 @@ class GrammarCompileProcess:
                                       lasting=False)
         logger.info("grammar compiler process started (pid %d)", proc.pid)
         return proc, parent
+
+    @property
+    def closed(self) -> bool:
+        """Whether shutdown() was called (nothing starts after it)."""
+        return self._closed
 
     @property
     def pid(self) -> int | None:
@@ -244,12 +263,14 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 def _serve(conn: Connection) -> None:
     info_json = conn.recv()
+    compiler = None  # parse only
     try:
         import xgrammar as xgr
 
-        info = xgr.TokenizerInfo.deserialize_json(info_json)
-        # Its own cache is unbounded: the engine's (by constraint, bounded) replaces it.
-        compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        if info_json is not None:
+            info = xgr.TokenizerInfo.deserialize_json(info_json)
+            # Its own cache is unbounded: the engine's (by constraint, bounded) replaces it.
+            compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
     except Exception as e:
         conn.send(("error", repr(e)))
         return
@@ -257,8 +278,12 @@ def _serve(conn: Connection) -> None:
     while True:
         kind, spec, any_whitespace = conn.recv()
         try:
-            compiled = compile_constraint(compiler, kind, spec, any_whitespace)
-            reply = ("ok", compiled.serialize_json())
+            if compiler is None:
+                parse_constraint(kind, spec, any_whitespace)
+                reply = ("ok", None)
+            else:
+                compiled = compile_constraint(compiler, kind, spec, any_whitespace)
+                reply = ("ok", compiled.serialize_json())
         except Exception as e:  # xgrammar reports a grammar it cannot handle this way
             reply = ("error", xgrammar_message(e))
         conn.send(reply)
@@ -286,3 +311,20 @@ def compile_constraint(compiler: Any, kind: str, spec: str, any_whitespace: bool
     if kind == "structural_tag":
         return compiler.compile_structural_tag(spec)
     raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+def parse_constraint(kind: str, spec: str, any_whitespace: bool) -> None:
+    """Parse one constraint into xgrammar's grammar, without a tokenizer (what a compile
+    does first); xgrammar's exception if it is malformed."""
+    import xgrammar as xgr
+
+    if kind == "json":
+        xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace)
+    elif kind == "regex":
+        xgr.Grammar.from_regex(spec)
+    elif kind == "grammar":
+        xgr.Grammar.from_ebnf(spec)
+    elif kind == "structural_tag":
+        xgr.Grammar.from_structural_tag(spec)
+    elif kind != "json_object":
+        raise ValueError(f"unknown constraint kind {kind!r}")

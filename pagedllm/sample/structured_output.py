@@ -14,7 +14,6 @@ scheduler's ordinary EOS check. xgrammar is imported lazily (only when used).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -67,40 +66,22 @@ def structural_tag_text(tag: str | dict) -> str:
         "type": "triggered_tags", "triggers": triggers, "tags": tags}})
 
 
-def validate_structured_outputs(params: StructuredOutputsParams) -> None:
-    """Parse the constraint without a tokenizer; InvalidRequestError if it is malformed.
-
-    Run by the input processor, so a bad schema fails its request up front instead of
-    inside the engine step (the server runs it first off the event loop: a large schema
-    takes a while). Valid constraints are remembered, so a repeat costs nothing.
-    """
-    _validate_constraint(params.cache_key())
-
-
-@functools.lru_cache(maxsize=512)
-def _validate_constraint(key: tuple) -> None:
-    """`key` is StructuredOutputsParams.cache_key(): (kind, value, disable_any_whitespace),
-    with a JSON schema as sorted JSON text and choices as a tuple."""
-    import xgrammar as xgr
-
-    kind, value, disable_any_whitespace = key
-    try:
-        if kind == "json":
-            xgr.Grammar.from_json_schema(_json_schema_text(value),
-                                         any_whitespace=not disable_any_whitespace)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(value)
-        elif kind == "choice":
-            xgr.Grammar.from_ebnf(choice_to_ebnf(list(value)))
-        elif kind == "grammar":
-            xgr.Grammar.from_ebnf(value)
-        elif kind == "structural_tag":
-            xgr.Grammar.from_structural_tag(structural_tag_text(value))
-    except InvalidRequestError:
-        raise
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise InvalidRequestError(
-            f"invalid structured_outputs.{kind}: {xgrammar_message(e)}") from e
+def constraint_spec(params: StructuredOutputsParams) -> tuple[str, str, bool]:
+    """(kind, spec, any_whitespace) as xgrammar takes the constraint: a JSON schema's
+    text, a regex, EBNF (choices as EBNF, kind "grammar"), a structural tag's JSON, or ""
+    for "json_object". InvalidRequestError for a structural tag of neither form."""
+    kind, spec = params.kind, ""
+    if kind == "json":
+        spec = _json_schema_text(params.json)
+    elif kind == "regex":
+        spec = params.regex
+    elif kind == "choice":
+        kind, spec = "grammar", choice_to_ebnf(params.choice)
+    elif kind == "grammar":
+        spec = params.grammar
+    elif kind == "structural_tag":
+        spec = structural_tag_text(params.structural_tag)
+    return kind, spec, not params.disable_any_whitespace
 
 
 # Compiled grammars kept for reuse: a big enum or schema compiles to tens of MB, and a
@@ -207,18 +188,7 @@ class GrammarManager:
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         compiler = self._get_compiler()
-        kind, spec = params.kind, ""
-        if kind == "json":
-            spec = _json_schema_text(params.json)
-        elif kind == "regex":
-            spec = params.regex
-        elif kind == "choice":
-            kind, spec = "grammar", choice_to_ebnf(params.choice)
-        elif kind == "grammar":
-            spec = params.grammar
-        elif kind == "structural_tag":
-            spec = structural_tag_text(params.structural_tag)
-        any_whitespace = not params.disable_any_whitespace
+        kind, spec, any_whitespace = constraint_spec(params)
         if self.uses_process:
             import xgrammar as xgr
 

@@ -469,6 +469,64 @@ def test_a_grammar_compiling_for_seconds_holds_back_only_its_own_request(server)
     assert len(set(answers)) == 1
 
 
+def _tree_cpu_seconds(pid: int) -> float:
+    """CPU time used so far by the process and its live descendants."""
+    import psutil
+
+    total = 0.0
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def _wait_until_idle(pid: int, timeout_s: float = 60.0) -> None:
+    """Until the server's processes use under a tenth of a core for a second (a server
+    just started still warms up its grammar compiler)."""
+    deadline = time.monotonic() + timeout_s
+    cpu = _tree_cpu_seconds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        cpu, before = _tree_cpu_seconds(pid), cpu
+        if cpu - before < 0.1:
+            return
+    raise AssertionError(f"the server was still busy after {timeout_s} s")
+
+
+def test_a_constraint_that_parses_for_minutes_is_cut_off_and_nothing_works_on_it(server):
+    """A JSON schema of ~3 KB whose 60 patterns xgrammar expands for about a minute
+    (quadratic in the count of `(a|b){1,3000}`, which parsing cannot interrupt) is
+    refused once it has used --render-timeout of CPU, and then nothing of the server
+    works on it any more (its parse ran in a thread that went on for the minute); sent
+    again it is refused at once, and grammar requests are served after it."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    schema = {"type": "object", "properties": {
+        f"p{i}": {"type": "string", "pattern": "(a|b){1,3000}"} for i in range(60)}}
+    _wait_until_idle(server.proc.pid)
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        r = c.post("/v1/completions", headers=auth, json=_completion(
+            prompt="Fill in:", max_tokens=8, structured_outputs={"json": schema}))
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "--render-timeout" in message
+        cpu = _tree_cpu_seconds(server.proc.pid)
+        time.sleep(2)
+        assert _tree_cpu_seconds(server.proc.pid) - cpu < 0.5
+        start = time.monotonic()
+        r = c.post("/v1/chat/completions", headers=auth, json=_chat(
+            max_tokens=8, structured_outputs={"json": schema}))
+        assert r.status_code == 400 and r.json()["error"]["message"] == message
+        assert time.monotonic() - start < 1
+        r = c.post("/v1/completions", headers=auth, json=_completion(
+            prompt="My phone number is", max_tokens=12, temperature=0,
+            structured_outputs={"regex": r"\d{3}-\d{4}"}))
+        assert r.status_code == 200, r.text
+        assert re.fullmatch(r"\d{3}-\d{4}", r.json()["choices"][0]["text"])
+
+
 def test_a_grammar_over_the_compile_limit_gets_a_400_and_the_compiler_recovers():
     """A grammar whose compile runs over --grammar-compile-timeout is killed (with the
     compiler process) and its request answered as invalid, naming the limit, for every

@@ -56,6 +56,10 @@ class Offloader:
     def __init__(self, timeout_s: float, num_threads: int = 2) -> None:
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="pagedllm-front")
+        # Structured-output constraint checks wait on their child process, one at a time
+        # (seconds for a hostile one): a lane of their own, so the waits never hold the
+        # threads that tokenize other requests.
+        self._checks = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-check")
 
     async def run(self, what: str, size: int, fn: Callable[..., T], *args: Any,
                   untrusted: bool = False, **kw: Any) -> T:
@@ -83,5 +87,15 @@ class Offloader:
         by what it was asked for, only too long to run on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    async def run_check(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in the constraint checks' thread: no time limit here, as the check
+        limits its own child process's CPU time; checks queue in arrival order."""
+        return await asyncio.get_running_loop().run_in_executor(self._checks, fn, *args)
+
+    def start_check(self, fn: Callable[[], Any]) -> None:
+        """Queue fn() in the checks' thread without waiting for it (a warm-up)."""
+        self._checks.submit(fn)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._checks.shutdown(wait=False, cancel_futures=True)

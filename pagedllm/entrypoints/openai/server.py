@@ -55,6 +55,7 @@ from pagedllm.entrypoints.openai.score_protocol import (ClassifyRequest, RerankR
                                                        ScoreRequest)
 from pagedllm.entrypoints.openai.offload import Offloader
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
+from pagedllm.sample.constraint_check import ConstraintChecker
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.served_models import (ModelNotFoundError, ServedModels,
                                                        parse_lora_module)
@@ -157,6 +158,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # The dashboard's history (front-end counters, once a second).
         sampler = asyncio.create_task(dashboard.run_sampler(), name="dashboard-sampler")
+        # The constraint checker's process (importing xgrammar: seconds) starts now,
+        # not when the first structured-output request waits for it.
+        offloader.start_check(engine.constraints.warm_up)
         yield
         sampler.cancel()
         offloader.shutdown()
@@ -537,14 +541,16 @@ async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, conf
 
     # The engine process owns the cores; this process only parses and detokenizes.
     torch.set_num_threads(1)
+    # Constraints are parsed in a child process, each under --render-timeout of CPU time
+    # (constraint_check.py: a few bytes of JSON schema can take xgrammar minutes).
+    constraints = ConstraintChecker(
+        (serve_config or ServeConfig()).render_timeout,
+        int(config.structured_outputs.compile_memory_gib * (1 << 30)),
+        limit_names=("--render-timeout", "--grammar-compile-memory"))
     engine = AsyncLLM(config, model_name=names[0],
-                      log_stats_interval_s=args.log_stats_interval)
+                      log_stats_interval_s=args.log_stats_interval, constraints=constraints)
     try:
         await engine.start()
-        # xgrammar is imported on the first structured-output request otherwise: a
-        # long import inside a request handler (it stalled /health ~90 ms).
-        import xgrammar  # noqa: F401
-
         # Start-up objects (torch, transformers, the tokenizer) are permanent: keep
         # them out of the collector so a full collection cannot stall /health.
         gc.collect()

@@ -167,16 +167,12 @@ class OpenAIServing:
                                         add_special_tokens=add_special_tokens)
 
     async def check_constraints(self, params: SamplingParams) -> None:
-        """Parse a structured-output constraint off the event loop (a large schema, or
-        xgrammar's first import, takes a while); the input processor's own check then
-        finds it remembered."""
-        if params.structured_outputs is None:
-            return
-        from pagedllm.sample.structured_output import validate_structured_outputs
-
-        await self.offloader.run("checking the structured output constraint",
-                                 INLINE_BYTES, validate_structured_outputs,
-                                 params.structured_outputs)
+        """Parse a structured-output constraint off the event loop, in the checker's
+        child process (constraint_check.py); the input processor's own check then finds
+        it remembered."""
+        if params.structured_outputs is not None:
+            await self.offloader.run_check(self.engine.constraints.check,
+                                           params.structured_outputs)
 
     def truncate(self, text: str | None, ids: list[int], truncate_prompt_tokens: int | None,
                  ) -> tuple[str | None, list[int]]:
