@@ -56,8 +56,9 @@ class SamplingMetadata:
     # (row index [B], token id [B]) pairs set to -inf: EOS / stop ids until min_tokens,
     # the last token of a bad word whose prefix was just generated.
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
-    # (row index [B], token id [B], bias [B]) added to the logits.
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (logits row index [B], bias [B, V]) added to those rows (zero where a token has
+    # no bias), for the rows with a logit_bias.
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     # [N, V] bool, True where a token is NOT allowed (rows without a list: all False).
     disallowed_mask: torch.Tensor | None = None
     # xgrammar token bitmask of the structured-output rows, and those rows.

@@ -69,8 +69,8 @@ class Sampler:
             xgrammar.apply_token_bitmask_inplace(logits, md.grammar_bitmask,
                                                  indices=md.grammar_rows)
         if md.logit_bias is not None:
-            rows, ids, bias = md.logit_bias
-            logits.index_put_((rows, ids), bias, accumulate=True)
+            rows, bias = md.logit_bias  # zero where a token has no bias: x + 0 == x
+            logits.index_add_(0, rows, bias)
         if md.penalties is not None:
             logits = apply_penalties(logits, md.penalties)
         return logits
