@@ -19,6 +19,30 @@ def test_find_stop_string_only_in_the_new_tail():
     assert find_stop_string("abcdef", 3, ["ef", "de"]) == ("de", 3)  # earliest wins
 
 
+def test_find_stop_string_equals_a_scan_of_every_position():
+    """Random texts over a 3-letter alphabet (stops overlap, repeat and straddle) against
+    the definition: of the matches ending in the new characters, the earliest start,
+    the first stop of the list on a tie."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab ") for _ in range(rng.randint(0, 30)))
+        new = rng.randint(1, max(1, len(text)))
+        stops = ["".join(rng.choice("ab ") for _ in range(rng.randint(1, 6)))
+                 for _ in range(rng.randint(1, 5))]
+        expected = None
+        for start in range(len(text)):
+            for stop in stops:
+                end = start + len(stop)
+                if len(text) - new < end <= len(text) and text[start:end] == stop:
+                    expected = (stop, start)
+                    break
+            if expected is not None:
+                break
+        assert find_stop_string(text, new, stops) == expected, (text, new, stops)
+
+
 def stream(tokenizer, params: SamplingParams, text: str = TEXT, prompt: str = "Say:"):
     """Feed the tokens of `text` one per step through an OutputProcessor."""
     processor = OutputProcessor(tokenizer)
