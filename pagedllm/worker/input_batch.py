@@ -75,10 +75,16 @@ class InputBatch:
             self.pooling_params[new.req_id] = new.pooling_params
         return row
 
-    def remove_request(self, req_id: str) -> None:
+    def remove_request(self, req_id: str, preempted: bool = False) -> None:
+        """Free the request's row; a `preempted` one will be added again (its seeded
+        generator's state is kept for then)."""
         row = self.req_id_to_row.pop(req_id, None)
+        if not preempted:
+            self.sampling.forget(req_id)
         if row is None:
             return
+        if preempted:
+            self.sampling.save_generator(row, req_id)
         self.generation[row] += 1
         self.sampling.remove(row)
         self.is_pooling[row] = False

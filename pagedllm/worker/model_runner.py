@@ -552,7 +552,7 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         for req_id in so.finished_req_ids | so.preempted_req_ids:
-            batch.remove_request(req_id)
+            batch.remove_request(req_id, preempted=req_id not in so.finished_req_ids)
             if self.images is not None:
                 self.images.remove_request(req_id)
         for new in so.scheduled_new_reqs:

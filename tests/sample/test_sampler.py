@@ -182,6 +182,54 @@ def test_a_full_vocabulary_bias_costs_a_step_what_a_one_token_bias_costs():
     assert full < 5 * one + 0.005, (full, one)
 
 
+def test_a_preempted_seeded_request_resumes_its_generator_without_replaying():
+    """A seeded row's generator is saved when the row is preempted and restored when the
+    request comes back with the same output tokens; with fewer (a token sampled here
+    was dropped since) the draws are replayed, one of V per output token."""
+    params = SamplingParams(temperature=0.8, seed=7)
+    state, rows = make_state([(params, [1, 2], [])])
+    row = int(rows[0])
+    draws = torch.empty(VOCAB)
+    for _ in range(5):  # an arbitrary state, not what 3 tokens' replay gives
+        draws.exponential_(generator=state.generators[row])
+    saved = state.generators[row].get_state()
+    state.num_tokens[row] += 3  # 3 tokens sampled
+    state.save_generator(row, str(row))
+    state.remove(row)
+
+    def resume(num_output: int) -> torch.Tensor:
+        state.add(row, NewRequestData(req_id=str(row), prompt_token_ids=[1, 2],
+                                      output_token_ids=[9] * num_output,
+                                      sampling_params=params, block_ids=[[]],
+                                      num_computed_tokens=0, eos_token_id=EOS))
+        restored = state.generators[row].get_state()
+        state.remove(row)
+        return restored
+
+    assert torch.equal(resume(3), saved)
+    replay = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        draws.exponential_(generator=replay)
+    assert torch.equal(resume(3), replay.get_state())  # used once: replayed now
+    state.add(row, NewRequestData(req_id=str(row), prompt_token_ids=[1, 2],
+                                  output_token_ids=[], sampling_params=params,
+                                  block_ids=[[]], num_computed_tokens=0, eos_token_id=EOS))
+    state.num_tokens[row] = 2 + 3
+    state.save_generator(row, str(row))
+    state.remove(row)
+    replay = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        draws.exponential_(generator=replay)
+    assert torch.equal(resume(2), replay.get_state())  # a token dropped: replayed
+    state.add(row, NewRequestData(req_id="gone", prompt_token_ids=[1, 2],
+                                  output_token_ids=[], sampling_params=params,
+                                  block_ids=[[]], num_computed_tokens=0, eos_token_id=EOS))
+    state.save_generator(row, "gone")
+    assert "gone" in state._saved_generators
+    state.forget("gone")  # finished while preempted
+    assert not state._saved_generators
+
+
 def test_min_tokens_and_bad_words_bans():
     params = SamplingParams(min_tokens=3, stop_token_ids=[4])
     words = SamplingParams(bad_words=["x"])
