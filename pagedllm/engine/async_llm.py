@@ -22,7 +22,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_client import EngineCoreClient
+from pagedllm.engine.core_client import EngineCoreClient, EngineProcess
 from pagedllm.engine.core_proc import EngineCoreOutputs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
@@ -59,12 +59,15 @@ class AsyncLLM:
 
     def __init__(self, config: EngineConfig, model_name: str = "",
                  log_stats_interval_s: float = 10.0,
-                 constraints: ConstraintChecker | None = None) -> None:
+                 constraints: ConstraintChecker | None = None,
+                 core_process: EngineProcess | None = None) -> None:
         """`constraints`: the structured-output checks (the server's parse in a child
-        process under limits; default: in the caller's thread), shut down with this."""
+        process under limits; default: in the caller's thread), shut down with this.
+        `core_process`: the engine-core process when it was started already (the
+        server's, during its start-up)."""
         self.config = config
         # The core starts loading the model while this process loads the tokenizer.
-        self.core_client = EngineCoreClient(config)
+        self.core_client = EngineCoreClient(config, core_process)
         try:
             self.engine = LLMEngine(config, engine_core=self.core_client,
                                     constraints=constraints)

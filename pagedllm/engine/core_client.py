@@ -29,17 +29,51 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.core_proc import (GROWING_ATTRS, AddRequest, CoreInput, CoreOutput,
                                        EngineCoreOutputs, EngineDead, EngineReady,
                                        FinishRequests, Shutdown, UtilityCall,
-                                       run_engine_core)
+                                       run_engine_core_when_configured)
 from pagedllm.errors import EngineDeadError
 from pagedllm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 
-class EngineCoreClient:
-    """Spawns the engine-core process and talks to it over two ipc sockets."""
+class EngineProcess:
+    """The engine-core process, spawned before its config is known: it imports torch,
+    transformers and the model runner (~2.5 s) while the front end reads the model's
+    config (as long again), and waits for `configure`. `cancel` ends it if the config
+    never comes."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        reader, self._writer = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(
+            target=run_engine_core_when_configured, name="pagedllm-engine-core",
+            daemon=True, args=(reader, os.getpid(),
+                               logging.getLogger("pagedllm").getEffectiveLevel()))
+        self.proc.start()
+        reader.close()
+
+    def configure(self, config: EngineConfig, input_addr: str, output_addr: str) -> None:
+        self._writer.send((config, input_addr, output_addr))
+        self._writer.close()
+
+    def cancel(self) -> None:
+        """End the process unless it was configured (then its client stops it). It
+        holds nothing yet, so it is not waited for: a refused option fails at once."""
+        if not self._writer.closed:
+            self._writer.close()  # once past its imports it would read EOF and exit
+            self.proc.terminate()
+            self.proc.join(5.0)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+
+
+class EngineCoreClient:
+    """Spawns the engine-core process (or takes one spawned earlier: EngineProcess) and
+    talks to it over two ipc sockets."""
+
+    def __init__(self, config: EngineConfig, process: EngineProcess | None = None,
+                 ) -> None:
         self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-")
         input_addr = f"ipc://{self._tmpdir}/input"
         output_addr = f"ipc://{self._tmpdir}/output"
@@ -58,12 +92,9 @@ class EngineCoreClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreOutput)
 
-        ctx = multiprocessing.get_context("spawn")
-        self.proc = ctx.Process(
-            target=run_engine_core, name="pagedllm-engine-core", daemon=True,
-            args=(config, input_addr, output_addr, os.getpid(),
-                  logging.getLogger("pagedllm").getEffectiveLevel()))
-        self.proc.start()
+        process = process or EngineProcess()
+        process.configure(config, input_addr, output_addr)
+        self.proc = process.proc
         self.num_blocks = 0
         self.block_size = config.cache.block_size
         self.engine_pid: int | None = None

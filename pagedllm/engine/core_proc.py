@@ -380,6 +380,23 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         _exit_without_teardown(code)
 
 
+def run_engine_core_when_configured(conn: Any, parent_pid: int,
+                                    log_level: int = logging.INFO) -> None:
+    """Entry point of an engine process started before its config is known (the server
+    starts it first: its imports, ~2.5 s, then overlap the front end's reading the
+    model's config); then run_engine_core with the (config, input_addr, output_addr)
+    that arrives on `conn`, or a quiet exit if the front end closes it instead."""
+    import transformers.activations  # noqa: F401  (what a model config's import pulls in)
+
+    import pagedllm.worker.model_runner  # noqa: F401
+    try:
+        config, input_addr, output_addr = conn.recv()
+    except (EOFError, OSError):  # the front end stopped first (an option it refused)
+        os._exit(0)
+    conn.close()
+    run_engine_core(config, input_addr, output_addr, parent_pid, log_level)
+
+
 def _exit_without_teardown(code: int) -> None:
     """End the process now that it has closed what it owns (sockets, workers, the
     grammar compiler), skipping the interpreter's teardown: that teardown ends the

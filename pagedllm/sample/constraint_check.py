@@ -49,7 +49,8 @@ class ConstraintChecker:
         self._process = None
         if cpu_limit_s or memory_limit_bytes:
             self._process = GrammarCompileProcess(None, cpu_limit_s, memory_limit_bytes,
-                                                  what=WHAT, limit_names=limit_names)
+                                                  what=WHAT, limit_names=limit_names,
+                                                  name="constraint checker")
         # Guards the two memories (held for dictionary updates only, never for a parse:
         # a remembered constraint is answered while another one is parsed).
         self._memo_lock = threading.Lock()
@@ -120,7 +121,7 @@ class ConstraintChecker:
                 self._process.start()
             except GrammarCompileError as e:  # the first check starts it again
                 if not self._process.closed:
-                    logger.warning("%s: the process did not start: %s", WHAT, e)
+                    logger.warning("%s", e)
 
     def shutdown(self) -> None:
         if self._process is not None:

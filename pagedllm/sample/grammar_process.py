@@ -80,19 +80,21 @@ class GrammarCompileProcess:
     `cpu_limit_s`: CPU seconds one compile may use (its threads together); 0: no limit.
     `memory_limit_bytes`: resident memory of the process during a compile; 0: no limit.
     `what` and `limit_names` word the errors of a limit: what ran over, and the options
-    that set the time and the memory limit.
+    that set the time and the memory limit; `name` is the process's in messages.
     Not thread-safe: the engine calls it from its one compile thread.
     """
 
     def __init__(self, tokenizer_info_json: str | None, cpu_limit_s: float,
                  memory_limit_bytes: int, what: str = "compiling the grammar",
                  limit_names: tuple[str, str] = ("grammar_compile_timeout",
-                                                 "grammar_compile_memory")) -> None:
+                                                 "grammar_compile_memory"),
+                 name: str = "grammar compiler") -> None:
         self.tokenizer_info_json = tokenizer_info_json
         self.cpu_limit_s = cpu_limit_s
         self.memory_limit_bytes = memory_limit_bytes
         self.what = what
         self.limit_names = limit_names
+        self.name = name
         # [process, connection] of the running child, emptied when it is stopped.
         self._child: list[Any] = []
         self._finalizer = weakref.finalize(self, _stop, self._child)
@@ -107,7 +109,7 @@ class GrammarCompileProcess:
                 raise
             # A child killed from outside between compiles can still look alive to
             # start() (its threads are still exiting): once more, on a new child.
-            logger.warning("grammar compiler process lost (%s); compiling again", e)
+            logger.warning("%s process lost (%s); compiling again", self.name, e)
             return self._compile(kind, spec, any_whitespace)
 
     def _compile(self, kind: str, spec: str, any_whitespace: bool) -> str | None:
@@ -116,7 +118,7 @@ class GrammarCompileProcess:
             conn.send((kind, spec, any_whitespace))
         except OSError:  # it died after start() looked (the OOM killer, say)
             self._stop()
-            raise GrammarCompileError("the grammar compiler process died",
+            raise GrammarCompileError(f"the {self.name} process died",
                                      lasting=False) from None
         start = time.monotonic()
         cpu_start = _cpu_seconds(proc.pid)
@@ -144,7 +146,7 @@ class GrammarCompileProcess:
             code = proc.wait()
             self._stop()
             raise GrammarCompileError(
-                f"the grammar compiler process died (exit code {code})", lasting=False,
+                f"the {self.name} process died (exit code {code})", lasting=False,
             ) from None
         if status == "error":
             raise GrammarCompileError(payload)
@@ -154,12 +156,12 @@ class GrammarCompileProcess:
         """The running child, started (and waited for) if there is none or it died
         between compiles."""
         if self._closed:
-            raise GrammarCompileError("the grammar compiler was shut down", lasting=False)
+            raise GrammarCompileError(f"the {self.name} was shut down", lasting=False)
         if self._child:
             if self._child[0].poll() is None:
                 return self._child[0], self._child[1]
-            logger.warning("the grammar compiler process had exited (code %s); starting "
-                           "another", self._child[0].returncode)
+            logger.warning("the %s process had exited (code %s); starting another",
+                           self.name, self._child[0].returncode)
             self._stop()
         parent, child = Pipe()  # duplex: a socket pair on POSIX
         fd = child.fileno()
@@ -170,19 +172,19 @@ class GrammarCompileProcess:
         parent.send(self.tokenizer_info_json)
         if not parent.poll(START_TIMEOUT_S):
             self._stop()
-            raise GrammarCompileError("the grammar compiler process did not start",
+            raise GrammarCompileError(f"the {self.name} process did not start",
                                       lasting=False)
         try:
             status, payload = parent.recv()
         except (EOFError, OSError):
             self._stop()
-            raise GrammarCompileError("the grammar compiler process failed to start "
+            raise GrammarCompileError(f"the {self.name} process failed to start "
                                       f"(exit code {proc.wait()})", lasting=False) from None
         if status != "ready":
             self._stop()
-            raise GrammarCompileError(f"the grammar compiler failed to start: {payload}",
+            raise GrammarCompileError(f"the {self.name} failed to start: {payload}",
                                       lasting=False)
-        logger.info("grammar compiler process started (pid %d)", proc.pid)
+        logger.info("%s process started (pid %d)", self.name, proc.pid)
         return proc, parent
 
     @property

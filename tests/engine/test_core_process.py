@@ -1,5 +1,6 @@
 """The engine-core process (engine/core_proc.py) ends without the interpreter's
-teardown once it has closed what it owns."""
+teardown once it has closed what it owns; one started before its config is known
+(EngineProcess, the server's) ends when the config never comes."""
 
 from __future__ import annotations
 
@@ -46,3 +47,21 @@ def test_the_core_ends_cleanly_with_a_thread_in_native_code():
     ended = _end("exit")
     assert ended.returncode == 0, ended.stderr
     assert ended.stdout == "closed\n" and "terminate" not in ended.stderr
+
+
+def test_an_engine_process_whose_config_never_comes_ends():
+    """The server starts the engine process before reading the model's config: a
+    refused option cancels it at once (it holds nothing yet), and a front end that
+    goes away (its end of the pipe closed) ends it too, quietly."""
+    import time
+
+    from pagedllm.engine.core_client import EngineProcess
+
+    cancelled = EngineProcess()
+    start = time.monotonic()
+    cancelled.cancel()
+    assert not cancelled.proc.is_alive() and time.monotonic() - start < 5
+    abandoned = EngineProcess()
+    abandoned._writer.close()  # as when the front end's process ends
+    abandoned.proc.join(120)
+    assert abandoned.proc.exitcode == 0
