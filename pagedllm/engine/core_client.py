@@ -53,8 +53,12 @@ class EngineProcess:
         reader.close()
 
     def configure(self, config: EngineConfig, input_addr: str, output_addr: str) -> None:
-        self._writer.send((config, input_addr, output_addr))
-        self._writer.close()
+        try:
+            self._writer.send((config, input_addr, output_addr))
+        except OSError:  # it died in its imports: waiting for it reports the exit code
+            pass
+        finally:
+            self._writer.close()
 
     def cancel(self) -> None:
         """End the process unless it was configured (then its client stops it). It

@@ -56,7 +56,6 @@ from pagedllm.entrypoints.openai.score_protocol import (ClassifyRequest, RerankR
                                                        ScoreRequest)
 from pagedllm.entrypoints.openai.offload import Offloader
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
-from pagedllm.sample.constraint_check import ConstraintChecker
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.served_models import (ModelNotFoundError, ServedModels,
                                                        parse_lora_module)
@@ -67,6 +66,7 @@ from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.errors import ConfigError, EngineDeadError, InvalidRequestError
+from pagedllm.sample.constraint_check import ConstraintChecker
 
 logger = logging.getLogger(__name__)
 
