@@ -544,4 +544,9 @@ def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
         raise ConfigError(f"User-specified max_model_len ({requested}) is greater than the "
                           f"derived max_model_len ({derived}): this model's learned position "
                           f"embeddings cover {derived} positions")
+    if requested > derived:
+        # Rotary positions extend past training, as llama.cpp allows a larger context:
+        # said once, since outputs past the trained length are usually poor.
+        logger.warning("max_model_len %d is greater than the %d positions this model was "
+                       "trained on: outputs past them may be poor", requested, derived)
     return requested
