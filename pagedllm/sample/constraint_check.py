@@ -69,11 +69,12 @@ class ConstraintChecker:
         not or ran over a limit; RuntimeError if the child process could not parse it
         (it died or did not start: nothing is known about the constraint)."""
         key = params.cache_key()
-        digest = hashlib.sha256(repr(key).encode()).digest()
         with self._memo_lock:
-            if key in self._valid:
+            if key in self._valid:  # the input processor's check after the server's
                 self._valid.move_to_end(key)
                 return
+        digest = hashlib.sha256(repr(key).encode()).digest()
+        with self._memo_lock:
             refused = self._refused.get(digest)
         if refused is not None:
             raise InvalidRequestError(refused)

@@ -519,15 +519,10 @@ def _server_with_deadline(uv_config: Any, engine: AsyncLLM) -> Any:
 async def serve(args: argparse.Namespace, engine_args: Any,
                 serve_config: ServeConfig | None = None) -> None:
     """Start the engine, then serve HTTP until SIGINT/SIGTERM."""
-    # Bound, and the flags read, before the model loads: a port in use or a bad flag
+    # The flags read, and bound, before the model loads: a bad flag or a port in use
     # fails in a second, not after the load.
+    lora_modules = [parse_lora_module(m) for m in args.lora_modules or ()]
     sockets = listen_sockets(args.host, args.port)
-    try:
-        lora_modules = [parse_lora_module(m) for m in args.lora_modules or ()]
-    except BaseException:
-        for sock in sockets:
-            sock.close()
-        raise
     # The engine process starts now: its imports overlap reading the model's config
     # here (~2.5 s each; the bundled model's server was healthy after 6.8-7.0 s, now
     # 4.8-5.8 s).
