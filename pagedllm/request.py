@@ -112,8 +112,9 @@ class Request:
         self.stop_reason: int | str | None = None
         # Hashes of this request's full blocks, extended lazily by the KV cache manager.
         self.block_hashes: list[bytes] = []
-        # Logprobs of each output token (logprobs requests only), parallel to
-        # output_token_ids.
+        # Logprobs of the output tokens (logprobs requests only) not yet taken by their
+        # reader (`take_output_logprobs`: the core's sender, or the output processor),
+        # in order: the last len(output_logprobs) output tokens' when none is pending.
         self.output_logprobs: list[TokenLogprobs] = []
         # Logprobs of prompt tokens 1.. (prompt_logprobs requests only); entry i scores
         # prompt token i + 1. Filled chunk by chunk as the prompt is prefilled.
@@ -181,6 +182,12 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def take_output_logprobs(self) -> list[TokenLogprobs]:
+        """The output logprobs added since the last call (each is read once: kept, the
+        entries of 128 samples of 8,000 tokens at 20 logprobs were 2 GB per process)."""
+        taken, self.output_logprobs = self.output_logprobs, []
+        return taken
 
     def add_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
         """Record a chunk of prompt logprobs; entries already held (a prompt recomputed

@@ -2,12 +2,13 @@
 
     API process (event loop)                          engine-core process
     generate() -> LLMEngine.add_request -> EngineCoreClient --ZMQ--> EngineCore loop
-    per-request asyncio.Queue <- LLMEngine.step() <- output loop <--ZMQ--/
+    per-request collector <- LLMEngine.step() <- output loop <--ZMQ--/
 
 Tokenization, detokenization and stop strings run here, in the LLMEngine's input and
 output processors; the engine process only schedules and runs the model, so the event
 loop stays free to answer HTTP while a batch runs. One output-loop task receives the
-core's batches, records metrics, and routes each RequestOutput to its request's queue.
+core's batches, records metrics, and routes each RequestOutput to its request's collector (one output waiting per request,
+however slowly its reader reads: output_collector.py).
 If the core process dies, every waiting request gets EngineDeadError within
 `POLL_INTERVAL_S` and new requests are refused.
 """
@@ -26,6 +27,7 @@ from pagedllm.engine.core_client import EngineCoreClient, EngineProcess
 from pagedllm.engine.core_proc import EngineCoreOutputs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.output_collector import RequestOutputCollector
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
@@ -33,7 +35,7 @@ from pagedllm.multimodal.processor import ImageProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.reasoning import ReasoningTokens
 from pagedllm.sample.constraint_check import ConstraintChecker
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.metrics = EngineMetrics(model_name or config.model.path)
         self.log_stats_interval_s = log_stats_interval_s
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._collectors: dict[str, RequestOutputCollector] = {}
         self._utility_futures: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -166,31 +168,35 @@ class AsyncLLM:
         never iterated must be aborted with `abort(request_id)`.
         """
         self.check_health()
-        if request_id in self._queues:
+        if request_id in self._collectors:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        # Embedding requests (PoolingParams) have one output, their last.
+        collector = RequestOutputCollector(
+            getattr(params, "output_kind", RequestOutputKind.FINAL_ONLY))
+        self._collectors[request_id] = collector
         try:
             self.engine.add_request(request_id, prompt, params, priority=priority,
                                     timeout=timeout, lora_request=lora_request)
         except BaseException:
-            self._queues.pop(request_id, None)
+            self._collectors.pop(request_id, None)
             raise
-        return self._stream(request_id, queue)
+        return self._stream(request_id, collector)
 
     async def _stream(self, request_id: str,
-                      queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+                      collector: RequestOutputCollector) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine has already dropped it
-                    raise item
+                try:
+                    item = await collector.get()
+                except BaseException as e:
+                    # An error from the engine: it has already dropped the request.
+                    finished = not isinstance(e, asyncio.CancelledError)
+                    raise
                 finished = item.finished
                 yield item
         finally:
-            self._queues.pop(request_id, None)
+            self._collectors.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
@@ -257,18 +263,18 @@ class AsyncLLM:
             # compile): drop the front end's state of the whole user request too.
             request_id = self.engine.output_processor.parent_id(err.req_id)
             self.engine.abort_request([request_id])
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(InvalidRequestError(err.message) if err.is_invalid
+            collector = self._collectors.get(request_id)
+            if collector is not None:
+                collector.put(InvalidRequestError(err.message) if err.is_invalid
                                  else EngineGenerateError(err.message))
         self.core_client.push_outputs(batch)
         # Applies the batch; also hands held-back n > 1 siblings to the core once their
         # leader has its first token.
         outputs = self.engine.step()
         for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            collector = self._collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
         self._drain_local_finishes()
 
     def _drain_local_finishes(self) -> None:
@@ -280,8 +286,8 @@ class AsyncLLM:
     def _fail_all(self) -> None:
         self.metrics.mark_engine_dead()
         error = EngineDeadError(self.dead_reason or "engine core is dead")
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+        for collector in self._collectors.values():
+            collector.put(error)
         for future in self._utility_futures.values():
             if not future.done():
                 future.set_exception(error)

@@ -197,7 +197,7 @@ class EngineCoreClient:
                 req.num_cached_tokens = out.num_cached_tokens
                 if out.extras is not None:
                     for attr, values in pickle.loads(out.extras).items():
-                        if attr in GROWING_ATTRS:
+                        if attr in GROWING_ATTRS or attr == "output_logprobs":
                             getattr(req, attr).extend(values)
                 if req.is_finished:
                     del self.requests[out.req_id]

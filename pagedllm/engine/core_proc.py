@@ -35,7 +35,9 @@ logger = logging.getLogger(__name__)
 # Request list attributes that only grow (besides output_token_ids) and must reach the
 # front end's mirror of the request: only their new entries travel each step. An
 # embedding request's pooled vector goes from [] to the whole vector in its one step.
-GROWING_ATTRS = ("output_logprobs", "prompt_logprobs", "pooler_output")
+# The output tokens' logprobs travel too, and are dropped here once sent
+# (Request.take_output_logprobs).
+GROWING_ATTRS = ("prompt_logprobs", "pooler_output")
 
 
 # ------------------------------------------------------------------ front end -> core
@@ -268,6 +270,8 @@ class EngineCoreProc:
         first_scheduled = self._first_scheduled.get(req.req_id)
         self._first_scheduled[req.req_id] = None
         extras: dict[str, Any] = {}
+        if req.output_logprobs:
+            extras["output_logprobs"] = req.take_output_logprobs()
         for attr in GROWING_ATTRS:
             values = getattr(req, attr, None)
             if values and len(values) > sent.get(attr, 0):

@@ -7,7 +7,7 @@ children are aggregated into one RequestOutput with one CompletionOutput each.
 Per child and step: new tokens are detokenized incrementally, stop strings searched in
 the new text (a match ends the child: text cut, finish_reason "stop", stop_reason the
 string, and the child id is queued in `reqs_to_stop` for the engine to finish it in the
-scheduler), and logprobs converted to `Logprob` dicts. While streaming, the last
+scheduler), and logprobs stored (`FlatLogprobs`). While streaming, the last
 len(longest stop) - 1 characters are held back so a stop string is never half-sent.
 """
 
@@ -21,7 +21,7 @@ from pagedllm.core.contracts import TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
-                              Logprob, RequestOutput)
+                              FlatLogprobs, Logprob, RequestOutput)
 from pagedllm.request import Request
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -59,7 +59,9 @@ class ChildState:
     detokenizer: IncrementalDetokenizer | None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
+    # Every position's so far; a DELTA request's only since its last output (a stream's
+    # reader has taken the rest: kept, they grew with the whole output).
+    logprobs: FlatLogprobs | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -205,7 +207,7 @@ class OutputProcessor:
         if new_ids and parent.first_token_time is None:
             parent.first_token_time = now
         if child.params.logprobs is not None:
-            self._add_logprobs(child, req.output_logprobs[len(child.token_ids):])
+            self._add_logprobs(child, req.take_output_logprobs())
         child.token_ids.extend(new_ids)
         if child.detokenizer is not None and new_ids:
             delta = child.detokenizer.add_tokens(new_ids)
@@ -233,9 +235,11 @@ class OutputProcessor:
 
     def _add_logprobs(self, child: ChildState, entries: list[TokenLogprobs]) -> None:
         if child.logprobs is None:
-            child.logprobs, child.cumulative_logprob = [], 0.0
+            child.logprobs, child.cumulative_logprob = FlatLogprobs(), 0.0
+        decode = child.detokenizer is not None
         for entry in entries:
-            child.logprobs.append(self._logprob_dict(entry, child.detokenizer is not None))
+            texts = [self._decode_token(t) for t in entry.token_ids] if decode else None
+            child.logprobs.append(entry.token_ids, entry.logprobs, entry.ranks, texts)
             child.cumulative_logprob += entry.logprobs[0]
 
     def _logprob_dict(self, entry: TokenLogprobs, decode: bool) -> dict[int, Logprob]:
@@ -318,19 +322,19 @@ class OutputProcessor:
         return CompletionOutput(
             index=child.index, text=child.visible_text(), token_ids=list(child.token_ids),
             cumulative_logprob=child.cumulative_logprob,
-            logprobs=list(child.logprobs) if child.logprobs is not None else None,
+            logprobs=child.logprobs.head() if child.logprobs is not None else None,
             finish_reason=child.finish_reason, stop_reason=child.stop_reason)
 
     @staticmethod
     def _delta_completion(child: ChildState) -> CompletionOutput:
         text = child.visible_text()
-        start_tok = child.num_sent_tokens
         delta = CompletionOutput(
             index=child.index, text=text[child.num_sent_chars:],
-            token_ids=child.token_ids[start_tok:],
-            cumulative_logprob=child.cumulative_logprob,
-            logprobs=child.logprobs[start_tok:] if child.logprobs is not None else None,
+            token_ids=child.token_ids[child.num_sent_tokens:],
+            cumulative_logprob=child.cumulative_logprob, logprobs=child.logprobs,
             finish_reason=child.finish_reason, stop_reason=child.stop_reason)
+        if child.logprobs is not None:
+            child.logprobs = FlatLogprobs()  # the positions after this delta's
         child.num_sent_chars = len(text)
         child.num_sent_tokens = len(child.token_ids)
         return delta

@@ -8,9 +8,11 @@ ends it within seconds even while a hostile template is rendering.
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -557,3 +559,50 @@ def test_a_grammar_over_the_compile_limit_gets_a_400_and_the_compiler_recovers()
             assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     finally:
         srv.stop()
+
+
+def test_a_client_that_stops_reading_its_stream_costs_one_output_per_request(server):
+    """A streamed n=16 request with logprobs whose client sends it and then reads
+    nothing until it is done. The engine makes an output every step regardless; they
+    were queued for the client one by one (each cumulative: every token so far), so the
+    server grew with the square of the length for as long as the client held on. Now the
+    newest output replaces the one waiting, and the logprobs are stored flat: when the
+    client reads at last it gets every token in fewer events than tokens, and the front
+    end has not grown by more than 8 MB meanwhile (it grew by 33 MB before; 0.1 MB now)."""
+    n, max_tokens = 16, 400
+    body = json.dumps(_completion(prompt="Once upon a time", n=n, max_tokens=max_tokens,
+                                  ignore_eos=True, temperature=0, logprobs=20,
+                                  stream=True)).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few events
+    sock.connect(("127.0.0.1", server.port))
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     + f"Authorization: Bearer {API_KEY}\r\n".encode()
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        rss_before = _rss(server)[0]
+        deadline = time.monotonic() + 240
+        time.sleep(1)
+        while server.stats()["num_running"] or server.stats()["num_waiting"]:
+            assert time.monotonic() < deadline, "the stalled request did not finish"
+            time.sleep(0.5)
+        api_growth = _rss(server)[0] - rss_before
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        assert response.status == 200
+        events = [line[len(b"data: "):] for line in response.read().split(b"\n\n")
+                  if line.startswith(b"data: ")]
+    finally:
+        sock.close()
+    assert events[-1] == b"[DONE]"
+    tokens = {i: 0 for i in range(n)}
+    for event in events[:-1]:
+        for choice in json.loads(event)["choices"]:
+            tokens[choice["index"]] += len((choice["logprobs"] or {}).get("tokens") or [])
+    assert tokens == {i: max_tokens for i in range(n)}  # nothing lost
+    assert api_growth < 8 * 2**20, api_growth
+    # One event per token and choice was queued before (6,400); now the socket buffers'
+    # worth (~3,100 of these events: the server's send buffer, Linux's tcp_wmem up to
+    # 4 MB) and then one event per choice with everything since.
+    assert len(events) < 0.8 * n * max_tokens, len(events)

@@ -344,6 +344,55 @@ def test_chat_logprobs_full(client):
         assert tok.bytes == list(tok.token.encode())
 
 
+def test_large_logprobs_responses_equal_their_streams(server, client):
+    """Non-streaming responses whose logprobs are large (here 2 x 40 tokens x 21 entries,
+    ~130 KB) are built a choice at a time in a worker thread and sent as they are built:
+    the body is the same JSON as the streamed deltas add up to (greedy, seeded)."""
+    common = dict(model=MODEL_NAME, max_tokens=40, temperature=0.7, seed=11, n=2,
+                  extra_body={"ignore_eos": True})
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    full = client.chat.completions.create(messages=messages, logprobs=True,
+                                          top_logprobs=20, **common)
+    streamed: dict[int, list] = {0: [], 1: []}
+    texts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(messages=messages, logprobs=True,
+                                                top_logprobs=20, stream=True, **common):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.logprobs and choice.logprobs.content:
+                streamed[choice.index] += choice.logprobs.content
+    assert sorted(c.index for c in full.choices) == [0, 1]
+    for choice in full.choices:
+        assert choice.message.content == texts[choice.index]
+        assert [t.model_dump() for t in choice.logprobs.content] == [
+            t.model_dump() for t in streamed[choice.index]]
+        assert all(len(t.top_logprobs) == 20 for t in choice.logprobs.content)
+    assert full.usage.completion_tokens == 80
+
+    prompt = "The sea is"
+    body = dict(common.pop("extra_body"), prompt=prompt, logprobs=20, echo=True, **common)
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers,
+                   timeout=120)
+    assert r.status_code == 200 and "content-length" not in r.headers  # sent as built
+    lines = httpx.post(server.url + "/v1/completions", json=body | {"stream": True},
+                       headers=server.headers, timeout=120).text.split("\n\n")
+    pieces: dict[int, dict] = {}
+    for line in lines:
+        if not line.startswith("data: {"):
+            continue
+        for choice in json.loads(line[len("data: "):])["choices"]:
+            got = pieces.setdefault(choice["index"], {"text": "", "tokens": [],
+                                                      "top_logprobs": []})
+            got["text"] += choice["text"]
+            got["tokens"] += choice["logprobs"]["tokens"]
+            got["top_logprobs"] += choice["logprobs"]["top_logprobs"]
+    for choice in r.json()["choices"]:
+        got = pieces[choice["index"]]
+        assert choice["text"] == got["text"] and choice["text"].startswith(prompt)
+        assert choice["logprobs"]["tokens"] == got["tokens"]
+        assert choice["logprobs"]["top_logprobs"] == got["top_logprobs"]
+
+
 def test_chat_json_schema(client):
     schema = {"type": "object", "properties": {"name": {"type": "string"},
                                                "age": {"type": "integer"}},

@@ -21,7 +21,8 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
                                                   ChatStreamChoice, DeltaMessage,
                                                   prompt_logprobs_field, random_id)
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSEResponse,
-                                                        clamp_logprob, merge_streams,
+                                                        clamp_logprob, logprobs_bytes,
+                                                        merge_streams,
                                                         prompt_logprobs_bytes, sse,
                                                         sse_error)
 from pagedllm.entrypoints.openai.tool_calling import (ToolCallReader, ToolPlan, plan_tools,
@@ -89,30 +90,36 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         echo = _echo_text(request)
         for out in sorted(final.outputs, key=lambda o: o.index):
-            logprobs = (self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
-                                       self.tokens_as_ids(request))
-                        if request.logprobs else None)
             message, finish_reason = self._message(out, self._reasoning_reader(phase),
                                                    plan.new_reader())
             if not request.include_reasoning:
                 message.reasoning = message.reasoning_content = None
             if echo:
                 message.content = echo + (message.content or "")
-            choices.append(ChatCompletionResponseChoice(
-                index=out.index, message=message, logprobs=logprobs,
-                finish_reason=finish_reason, stop_reason=out.stop_reason))
+
+            def choice(out=out, message=message, finish_reason=finish_reason,
+                       ) -> ChatCompletionResponseChoice:
+                logprobs = (self._logprobs(out.token_ids, out.logprobs,
+                                           request.top_logprobs or 0,
+                                           self.tokens_as_ids(request))
+                            if request.logprobs else None)
+                return ChatCompletionResponseChoice(
+                    index=out.index, message=message, logprobs=logprobs,
+                    finish_reason=finish_reason, stop_reason=out.stop_reason)
+            choices.append(choice)
         num_completion = sum(len(o.token_ids) for o in final.outputs)
         usage = self.usage(len(final.prompt_token_ids), num_completion,
                            final.num_cached_tokens)
         k = request.prompt_logprobs
 
-        def build() -> ChatCompletionResponse:
+        def envelope() -> ChatCompletionResponse:
             field = prompt_logprobs_field(final.prompt_logprobs) if k is not None else None
             return ChatCompletionResponse(id=request_id, model=self.response_model(request.model),
-                                          choices=choices, usage=usage, prompt_logprobs=field)
+                                          choices=[], usage=usage, prompt_logprobs=field)
 
-        return await self.json_response(
-            build, prompt_logprobs_bytes(k, 1, len(final.prompt_token_ids)))
+        size = prompt_logprobs_bytes(k, 1, len(final.prompt_token_ids)) + logprobs_bytes(
+            request.top_logprobs or 0 if request.logprobs else None, num_completion)
+        return await self.choices_response(envelope, choices, size)
 
     async def final_output(self, request_id: str, streams: list) -> RequestOutput:
         """The finished output of a non-streaming request (aborted if the caller is

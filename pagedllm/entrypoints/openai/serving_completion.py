@@ -4,8 +4,10 @@ echo, logprobs, stop, seed, streaming with usage."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.responses import Response
 
@@ -14,7 +16,8 @@ from pagedllm.entrypoints.openai.protocol import (CompletionLogprobs, Completion
                                                   CompletionResponseChoice,
                                                   prompt_logprobs_field, random_id)
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSEResponse,
-                                                        clamp_logprob, merge_streams,
+                                                        clamp_logprob, logprobs_bytes,
+                                                        merge_streams,
                                                         prompt_logprobs_bytes, sse,
                                                         sse_error)
 from pagedllm.errors import InvalidRequestError
@@ -80,10 +83,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 finals[i] = out
         finally:
             self.abort_all(request_id, len(prompts))  # no-op unless cancelled
-        size = prompt_logprobs_bytes(request.prompt_logprobs, request.n,
-                                      sum(len(ids) for _, ids in prompts))
-        return await self.json_response(
-            lambda: self._response(request, request_id, prompts, finals), size)
+        num_prompt_tokens = sum(len(ids) for _, ids in prompts)
+        num_tokens = sum(len(o.token_ids) for ro in finals for o in ro.outputs)
+        size = (prompt_logprobs_bytes(request.prompt_logprobs, request.n, num_prompt_tokens)
+                + logprobs_bytes(request.logprobs,
+                                 num_tokens + request.echo * request.n * num_prompt_tokens))
+        envelope, choices = self._response(request, request_id, prompts, finals)
+        return await self.choices_response(envelope, choices, size)
 
     async def _parse_prompts(self, request: CompletionRequest) -> list[Prompt]:
         prompt = request.prompt
@@ -111,36 +117,49 @@ class OpenAIServingCompletion(OpenAIServing):
     # ------------------------------------------------------------------ full response
 
     def _response(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
-                  finals: list[RequestOutput | None]) -> CompletionResponse:
+                  finals: list[RequestOutput | None],
+                  ) -> tuple[Callable[[], CompletionResponse],
+                             list[Callable[[], CompletionResponseChoice]]]:
+        """The response without its choices, and a builder of each choice."""
         choices = []
         num_prompt_tokens = num_completion_tokens = 0
         for i, ro in enumerate(finals):
             assert ro is not None, "every stream ends with a finished output"
             num_prompt_tokens += len(ro.prompt_token_ids)
-            prompt_field = (prompt_logprobs_field(ro.prompt_logprobs)
-                            if request.prompt_logprobs is not None else None)
+            # The prompt's logprobs: converted once for its n choices, when first built.
+            prompt_field = functools.cache(lambda ro=ro: prompt_logprobs_field(
+                ro.prompt_logprobs) if request.prompt_logprobs is not None else None)
             for out in sorted(_visible(request, ro.outputs), key=lambda o: o.index):
                 num_completion_tokens += len(out.token_ids)
-                text, logprobs = out.text, None
-                prefix, prompt_lp = "", None
-                if request.echo:
-                    prefix = self._prompt_text(prompts[i])
-                    if request.logprobs is not None:
-                        prompt_lp = self._logprobs(ro.prompt_token_ids,
-                                                   ro.prompt_logprobs, request.logprobs, 0,
-                                                   as_ids=self.tokens_as_ids(request))
-                if request.logprobs is not None:
-                    logprobs = self._logprobs(out.token_ids, out.logprobs, request.logprobs,
-                                              len(prefix), prompt_lp,
-                                              as_ids=self.tokens_as_ids(request))
-                choices.append(CompletionResponseChoice(
-                    index=i * request.n + out.index, text=prefix + text, logprobs=logprobs,
-                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                    prompt_logprobs=prompt_field))
+                choices.append(functools.partial(self._choice, request, prompts[i], ro, out,
+                                                 i * request.n + out.index, prompt_field))
         usage = self.usage(num_prompt_tokens, num_completion_tokens,
                            sum(ro.num_cached_tokens for ro in finals))
-        return CompletionResponse(id=request_id, model=self.response_model(request.model), choices=choices,
-                                  usage=usage)
+
+        def envelope() -> CompletionResponse:
+            return CompletionResponse(id=request_id, model=self.response_model(request.model),
+                                      choices=[], usage=usage)
+        return envelope, choices
+
+    def _choice(self, request: CompletionRequest, prompt: Prompt, ro: RequestOutput,
+                out: CompletionOutput, index: int, prompt_field: Callable[[], Any],
+                ) -> CompletionResponseChoice:
+        logprobs = prompt_lp = None
+        prefix = ""
+        if request.echo:
+            prefix = self._prompt_text(prompt)
+            if request.logprobs is not None:
+                prompt_lp = self._logprobs(ro.prompt_token_ids, ro.prompt_logprobs,
+                                           request.logprobs, 0,
+                                           as_ids=self.tokens_as_ids(request))
+        if request.logprobs is not None:
+            logprobs = self._logprobs(out.token_ids, out.logprobs, request.logprobs,
+                                      len(prefix), prompt_lp,
+                                      as_ids=self.tokens_as_ids(request))
+        return CompletionResponseChoice(
+            index=index, text=prefix + out.text, logprobs=logprobs,
+            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+            prompt_logprobs=prompt_field())
 
     def _prompt_text(self, prompt: Prompt) -> str:
         text, ids = prompt
