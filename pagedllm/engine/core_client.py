@@ -26,8 +26,8 @@ import zmq
 import zmq.asyncio
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core_proc import (GROWING_ATTRS, AddRequest, CoreInput, CoreOutput,
-                                       EngineCoreOutputs, EngineDead, EngineReady,
+from pagedllm.engine.core_proc import (GROWING_ATTRS, USER_ERRORS, AddRequest, CoreInput,
+                                       CoreOutput, EngineCoreOutputs, EngineDead, EngineReady,
                                        FinishRequests, Shutdown, UtilityCall,
                                        run_engine_core_when_configured)
 from pagedllm.errors import EngineDeadError
@@ -129,6 +129,10 @@ class EngineCoreClient:
                             time.monotonic() - deadline + timeout_s)
                 return
             if isinstance(msg, EngineDead):
+                if msg.user_error is not None:
+                    # The model or the options: raised as such (the CLI prints one line).
+                    self.dead_reason = msg.message
+                    raise {e.__name__: e for e in USER_ERRORS}[msg.user_error](msg.message)
                 self.mark_dead(msg.message)
                 raise EngineDeadError(msg.message)
         self.mark_dead(f"engine core did not start within {timeout_s:.0f} s")

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from pagedllm.config import EngineConfig
-from pagedllm.errors import InvalidRequestError
+from pagedllm.errors import ConfigError, InvalidRequestError, ModelLoadError
 from pagedllm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 # The output tokens' logprobs travel too, and are dropped here once sent
 # (Request.take_output_logprobs).
 GROWING_ATTRS = ("prompt_logprobs", "pooler_output")
+
+# Errors a user fixes in the model or the options, reported by name at start-up.
+USER_ERRORS = (ModelLoadError, ConfigError)
 
 
 # ------------------------------------------------------------------ front end -> core
@@ -138,6 +141,9 @@ class EngineReady(msgspec.Struct, tag="ready"):
 
 class EngineDead(msgspec.Struct, tag="dead"):
     message: str
+    user_error: str | None = None
+    """At start-up, "ModelLoadError" or "ConfigError" when the model or the options are
+    what failed (the front end raises the same, `message` being the error's own)."""
 
 
 CoreOutput = EngineCoreOutputs | EngineReady | EngineDead
@@ -165,6 +171,9 @@ class EngineCoreProc:
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
         try:
             self.core = EngineCore(config)
+        except USER_ERRORS as e:
+            self._send(EngineDead(str(e), user_error=type(e).__name__))
+            raise
         except BaseException as e:
             self._send(EngineDead(f"engine start-up failed: {e!r}"))
             raise
@@ -369,6 +378,13 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         proc.run()
     except SystemExit:
         pass
+    except USER_ERRORS as e:
+        # The model or the options: the front end reports the message (a traceback
+        # through the loader would bury it).
+        logger.debug("engine start-up failed:\n%s", traceback.format_exc())
+        if proc is not None:
+            proc._send(EngineDead(f"engine core failed: {e!r}"))
+        code = 1
     except BaseException as e:
         logger.error("engine core failed:\n%s", traceback.format_exc())
         if proc is not None:

@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedllm.attention.layer import Attention
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.errors import ConfigError
 from pagedllm.core.kv_groups import KVCacheLayout, max_blocks_per_request
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def determine_num_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerC
     fit = int(cache.kv_cache_space * GiB) // per_block
     num_blocks = min(fit, _num_useful_blocks(cache, sched, layout))
     if num_blocks < 2:
-        raise ValueError(f"kv_cache_space={cache.kv_cache_space} GiB holds {fit} blocks of "
+        raise ConfigError(f"kv_cache_space={cache.kv_cache_space} GiB holds {fit} blocks of "
                          f"{per_block} bytes; at least 2 are needed")
     return num_blocks
 
@@ -102,7 +103,7 @@ def blocks_from_profile(total_bytes: int, utilization: float, weights_bytes: int
     kv_bytes = budget - weights_bytes - peak_activation_bytes - non_torch_bytes
     fit = max(kv_bytes, 0) // bytes_per_block
     if fit < 2:  # block 0 is the null block: one usable block at least
-        raise ValueError(
+        raise ConfigError(
             f"no memory left for the KV cache: gpu_memory_utilization={utilization} x "
             f"{_gib(total_bytes)} GiB total is {_gib(budget)} GiB, of which the weights "
             f"take {_gib(weights_bytes)} GiB, the activation peak of a step "
@@ -254,7 +255,11 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int,
         if layout is not None:
             layer.kv_group = layout.layer_group[first_layer + index]
     caches = []
-    for layers in cache_slots(model, layout, first_layer).values():
+    slots = cache_slots(model, layout, first_layer)
+    if device.type == "cpu":
+        _check_host_memory(num_blocks, kv_bytes_per_block(model, block_size, dtype, layout,
+                                                          first_layer))
+    for layers in slots.values():
         spec = layers[0].spec
         shape = (2, num_blocks, block_size, spec.num_kv_heads, spec.head_size)
         # Zeroed: padded reads of unused slots must be finite (masked later).
@@ -271,6 +276,22 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int,
             layer.kv_cache = cache
         caches.append(cache)
     return caches
+
+
+def _check_host_memory(num_blocks: int, bytes_per_block: int) -> None:
+    """Refuse a CPU KV cache larger than the machine's memory. Its pages are mapped
+    lazily (`lazy_zeros`), so one that is merely too large would start and be killed
+    when requests filled it; one past what the kernel maps failed with a bare
+    OSError(ENOMEM) and a traceback."""
+    import psutil
+
+    need = num_blocks * bytes_per_block
+    total = psutil.virtual_memory().total
+    if need > total:
+        raise ConfigError(
+            f"a KV cache of {num_blocks} blocks ({_gib(need)} GiB) is larger than this "
+            f"machine's memory ({_gib(total)} GiB): lower num_kv_blocks or kv_cache_space "
+            f"(--num-kv-blocks, --kv-cache-space)")
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

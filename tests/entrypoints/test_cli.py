@@ -103,6 +103,41 @@ def test_serve_on_a_port_in_use_fails_before_loading_the_model():
     assert "engine core" not in result.stderr and "Traceback" not in result.stderr
 
 
+def _broken_model(path) -> str:
+    """A tiny Llama with a tokenizer whose weights file is cut in half."""
+    from tests.utils import save_tiny_model, tiny_llama_config, word_tokenizer
+
+    save_tiny_model(path, tiny_llama_config(vocab_size=256))
+    word_tokenizer([f"w{i}" for i in range(200)]).save_pretrained(path)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["broken weights", "kv cache past memory"])
+def test_serve_reports_what_the_engine_could_not_load_in_one_line(case, tmp_path):
+    """The engine process fails on the model or on an option only it can check (its
+    weights, its KV cache's size): the server prints that error as one line, code 2.
+    It printed the engine's traceback, then its own (74 lines; a KV cache past memory:
+    a bare "OSError: [Errno 12] Cannot allocate memory")."""
+    if case == "broken weights":
+        args = ["--model", _broken_model(tmp_path / "broken")]
+        message = "cannot open safetensors file"
+    else:
+        args = ["--num-kv-blocks", "100000000"]
+        message = "is larger than this machine's memory"
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0", *args],
+        capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines()
+              if not line.startswith("INFO ") and not line.startswith("WARNING ")]
+    assert len(errors) == 1 and errors[0].startswith("pagedllm serve: error: "), errors
+    assert message in errors[0]
+    assert "--num-kv-blocks" in errors[0] or case == "broken weights"
+
+
 def test_serve_listens_on_every_address_of_its_host():
     """As asyncio's create_server bound them when uvicorn did: "" is every interface (of
     both families where the machine has IPv6), an IPv4 literal one socket."""
