@@ -89,19 +89,46 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
+def inverse_cdf_draw(probs: torch.Tensor, generators: dict[int, torch.Generator],
                      ) -> torch.Tensor:
-    """Sample one id per row: argmax(p / q) with q ~ Exp(1) is a draw from p.
+    """Sample one id per row of `probs` [N, V]: the token whose interval of the row's
+    cumulative distribution holds u * total, u ~ U[0, 1) (one draw per row).
 
-    Seeded rows draw their q from their own generator (V draws per step, whatever the
-    batch), so their choice depends only on their seed and their own history.
+    The cumulative sums are float64, so a token's interval is as wide as its probability
+    to ~1e-16 (float32 would round away the tail tokens' ~1e-8 widths next to a sum near
+    1), and a token of probability 0 (masked) has an empty interval: never drawn. Rows are
+    summed independently, so a row's draw does not depend on the batch. Seeded rows take
+    their u from their own generator (`draw_uniforms`).
+
+    An exponential race (argmax(p / q), q ~ Exp(1)) draws from p too, but needs V random
+    numbers per row: 53 ms of the step for 64 rows of a 49k vocabulary on 2 cores,
+    against 4.4 ms for the cumulative sums here (greedy decoding ran 2.5x faster than
+    sampled).
     """
-    q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        q.exponential_()
+    n, vocab = probs.shape
+    u = draw_uniforms(n, generators, probs.device)
+    cum = probs.cumsum(dim=-1, dtype=torch.float64)
+    target = (u * cum[:, -1])[:, None]
+    return torch.searchsorted(cum, target, right=True).squeeze(1).clamp_(max=vocab - 1)
+
+
+def draw_uniforms(n: int, generators: dict[int, torch.Generator],
+                  device: torch.device) -> torch.Tensor:
+    """n float64 draws from U[0, 1): row r's from generators[r] when it has one (one draw
+    per sampled token: `skip_draws` replays them), the others' from torch's generator."""
+    u = torch.empty(n, dtype=torch.float64, device=device)
+    if len(generators) < n:
+        u.uniform_()
     for row, gen in generators.items():
-        q[row].exponential_(generator=gen)
-    return argmax_rows(probs / q)
+        u[row:row + 1].uniform_(generator=gen)
+    return u
+
+
+def skip_draws(gen: torch.Generator, count: int, device: torch.device) -> None:
+    """Advance `gen` as `count` sampled tokens did (one `draw_uniforms` draw each)."""
+    scratch = torch.empty(1, dtype=torch.float64, device=device)
+    for _ in range(count):
+        scratch.uniform_(generator=gen)
 
 
 def output_token_counts(token_ids: torch.Tensor, start: torch.Tensor, end: torch.Tensor,

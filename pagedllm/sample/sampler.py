@@ -6,8 +6,9 @@ Steps (vLLM's order; each is skipped when no row of the step uses it):
     then logit_bias
  3. penalties: repetition, frequency, presence
  4. greedy rows: argmax of the result
- 5. random rows: temperature, min_p, top_k, top_p, then the exponential race
-    argmax(p / q), q ~ Exp(1); seeded rows draw q from their own generator
+ 5. random rows: temperature, min_p, top_k, top_p, then one draw per row from the
+    softmax (inverse CDF: u ~ U[0, 1) against its cumulative sums); seeded rows draw u
+    from their own generator
  6. logprobs of the chosen token (with its rank) and the top-k, from step 1
 """
 
@@ -20,7 +21,7 @@ import torch
 from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import (apply_min_p, apply_penalties, apply_top_k_top_p,
-                                 argmax_rows, exponential_race)
+                                 argmax_rows, inverse_cdf_draw)
 
 
 @dataclass
@@ -109,4 +110,4 @@ class Sampler:
         if min_p is not None:
             logits = apply_min_p(logits, min_p)
         logits = apply_top_k_top_p(logits, top_k, top_p, max_top_k)
-        return exponential_race(torch.softmax(logits, dim=-1), generators)
+        return inverse_cdf_draw(torch.softmax(logits, dim=-1), generators)

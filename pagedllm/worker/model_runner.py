@@ -22,6 +22,7 @@ from pagedllm.lora_request import LoRARequest
 from pagedllm.models.layers.linear import pack_linear_weights
 from pagedllm.sample.logprobs import LogprobsTensors
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.ops import skip_draws
 from pagedllm.sample.rejection_sampler import accept_drafts
 from pagedllm.sample.sampler import Sampler
 from pagedllm.models.pipeline import layer_range
@@ -517,9 +518,7 @@ class ModelRunner:
                 continue
             gen = generators[start]
             gen.set_state(saved[start])
-            scratch = torch.empty(self.vocab_size, device=self.device)
-            for _ in tokens:
-                scratch.exponential_(generator=gen)
+            skip_draws(gen, len(tokens), self.device)
 
     def _propose(self, inputs: StepInputs, output: ModelRunnerOutput) -> None:
         """Speculative decoding: tokens to verify next step for the requests that just

@@ -17,7 +17,7 @@ import torch
 from pagedllm.attention.metadata import host_to_device
 from pagedllm.core.contracts import NewRequestData
 from pagedllm.sample.metadata import PenaltyMetadata, SamplingMetadata
-from pagedllm.sample.ops import output_token_counts
+from pagedllm.sample.ops import output_token_counts, skip_draws
 
 
 class SamplingState:
@@ -52,8 +52,7 @@ class SamplingState:
         self.generators: dict[int, torch.Generator] = {}
         # req_id -> (its output tokens then, its generator's state) of a seeded request
         # preempted here: it resumes its draws from there, instead of replaying one draw
-        # of V per output token (0.8 ms each at V = 49,152: 6.7 s of the step for a
-        # request preempted after 8,000 tokens, 21 s at V = 152,064).
+        # per output token.
         self._saved_generators: dict[str, tuple[int, torch.Tensor]] = {}
         self.min_tokens_ids: dict[int, list[int]] = {}  # masked until min_tokens
         # Per row, built once when the row is added (a request may bias or allow the
@@ -118,14 +117,12 @@ class SamplingState:
         # tokens already sampled (one per token), so a seeded request's output does not
         # depend on preemption. Its saved state when it has the same tokens as then (a
         # token sampled here may have been dropped since: then, and in another process,
-        # the draws are replayed, V per token).
+        # the draws are replayed).
         saved = self._saved_generators.pop(new.req_id, None)
         if saved is not None and saved[0] == len(new.output_token_ids):
             gen.set_state(saved[1])
         else:
-            scratch = torch.empty(self.vocab_size, device=self.device)
-            for _ in new.output_token_ids:
-                scratch.exponential_(generator=gen)
+            skip_draws(gen, len(new.output_token_ids), self.device)
         self.generators[row] = gen
 
     def save_generator(self, row: int, req_id: str) -> None:

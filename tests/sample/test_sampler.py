@@ -12,7 +12,7 @@ from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
 from pagedllm.core.contracts import NewRequestData
 from pagedllm.sample.logprobs import gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.ops import apply_min_p, apply_top_k_top_p
+from pagedllm.sample.ops import apply_min_p, apply_top_k_top_p, draw_uniforms, inverse_cdf_draw
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampling_state import SamplingState
@@ -185,7 +185,7 @@ def test_a_full_vocabulary_bias_costs_a_step_what_a_one_token_bias_costs():
 def test_a_preempted_seeded_request_resumes_its_generator_without_replaying():
     """A seeded row's generator is saved when the row is preempted and restored when the
     request comes back with the same output tokens; with fewer (a token sampled here
-    was dropped since) the draws are replayed, one of V per output token."""
+    was dropped since) the draws are replayed, one per output token (as sampling draws)."""
     params = SamplingParams(temperature=0.8, seed=7)
     state, rows = make_state([(params, [1, 2], [])])
     row = int(rows[0])
@@ -209,7 +209,7 @@ def test_a_preempted_seeded_request_resumes_its_generator_without_replaying():
     assert torch.equal(resume(3), saved)
     replay = torch.Generator().manual_seed(7)
     for _ in range(3):
-        draws.exponential_(generator=replay)
+        draw_uniforms(1, {0: replay}, torch.device("cpu"))
     assert torch.equal(resume(3), replay.get_state())  # used once: replayed now
     state.add(row, NewRequestData(req_id=str(row), prompt_token_ids=[1, 2],
                                   output_token_ids=[], sampling_params=params,
@@ -219,7 +219,7 @@ def test_a_preempted_seeded_request_resumes_its_generator_without_replaying():
     state.remove(row)
     replay = torch.Generator().manual_seed(7)
     for _ in range(2):
-        draws.exponential_(generator=replay)
+        draw_uniforms(1, {0: replay}, torch.device("cpu"))
     assert torch.equal(resume(2), replay.get_state())  # a token dropped: replayed
     state.add(row, NewRequestData(req_id="gone", prompt_token_ids=[1, 2],
                                   output_token_ids=[], sampling_params=params,
@@ -414,3 +414,25 @@ def test_plain_greedy_fast_path_equals_the_general_metadata(extra) -> None:
             assert (a is None) == (b is None), f.name
     state.remove(int(rows[0]))
     assert not state.is_plain_greedy[rows[0]]
+
+
+def test_inverse_cdf_draw_never_picks_a_token_of_probability_zero():
+    """Masked tokens (probability 0) have empty intervals of the cumulative sums, even
+    next to tokens of ~1e-9 probability; a one-hot row always gives its token; a row's
+    draw is the same alone or in a batch with the same uniform."""
+    vocab = 50_000
+    probs = torch.zeros(64, vocab)
+    probs[:, 1::2] = 1e-9  # odd tokens tiny, even ones masked
+    probs[:, 7] = 0.0
+    probs[:, 9] = 1.0
+    probs[0] = 0.0
+    probs[0, vocab - 1] = 1.0  # one-hot at the last token
+    probs /= probs.sum(dim=-1, keepdim=True)
+    generators = {r: torch.Generator().manual_seed(r) for r in range(64)}
+    for _ in range(200):
+        drawn = inverse_cdf_draw(probs, generators)
+        assert drawn[0] == vocab - 1
+        assert bool((drawn[1:] % 2 == 1).all()) and not bool((drawn == 7).any())
+    alone = inverse_cdf_draw(probs[5:6], {0: torch.Generator().manual_seed(5)})
+    batched = inverse_cdf_draw(probs, {r: torch.Generator().manual_seed(r) for r in range(64)})
+    assert alone[0] == batched[5]
