@@ -43,10 +43,18 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
+# Top-p looks for each row's nucleus among its largest this many logits (sorted by
+# topk: 6 ms for 64 rows of a 49k vocabulary, against 101 ms to sort them whole); only
+# rows whose nucleus may reach past them are sorted whole.
+NUCLEUS_CANDIDATES = 256
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                       top_p: torch.Tensor | None, max_top_k: int | None = None,
                       ) -> torch.Tensor:
-    """Mask (-inf) tokens outside each row's top-k, then outside its top-p nucleus.
+    """Mask (-inf) tokens outside each row's top-k, then outside its top-p nucleus: the
+    most likely tokens while the mass of those before each (its probability renormalized
+    over the row's top-k) is below top_p; the most likely always stays.
 
     max_top_k: an upper bound of top_k known on the host (else read from the tensor,
     a device sync on a GPU)."""
@@ -61,19 +69,45 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         top_values = logits.topk(width, dim=-1).values
         kth = top_values.gather(1, (k - 1)[:, None])
         return logits.masked_fill(logits < kth, _NEG_INF)
-    sorted_logits, order = logits.sort(dim=-1, descending=False)  # ascending
-    if top_k is not None:
-        # Ascending order: the k largest are the last k; the threshold is at index V - k.
-        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab))[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        cum = probs.cumsum(dim=-1)
-        # Drop the low tail whose total mass is <= 1 - top_p; the top token always stays.
-        drop = cum <= (1 - top_p[:, None])
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    width = min(vocab, NUCLEUS_CANDIDATES)
+    values, order = logits.topk(width, dim=-1)  # descending
+    k = (top_k.clamp(1, vocab) if top_k is not None
+         else torch.full_like(order[:, 0], vocab))
+    has_k = k < vocab
+    kth = values.gather(1, (k.clamp(max=width) - 1)[:, None])
+    values = values.masked_fill(has_k[:, None] & (values < kth), _NEG_INF)
+    # Probabilities over the row's top-k (all among the candidates when its last
+    # candidate is masked), else over the whole row.
+    lse = torch.where(has_k, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    probs = (values - lse[:, None]).exp()
+    cum = probs.cumsum(dim=-1)
+    keep = ((cum - probs) < top_p[:, None]) | (top_p[:, None] >= 1)  # mass before each
+    keep[:, 0] = True
+    plain = ~has_k & (top_p >= 1)  # rows that use neither: unchanged
+    inside = torch.where(has_k, values[:, -1] == _NEG_INF, cum[:, -1] >= top_p)
+    out = torch.full_like(logits, _NEG_INF).scatter_(
+        1, order, values.masked_fill(~keep, _NEG_INF))
+    out[plain] = logits[plain]
+    rest = (~plain & ~inside).nonzero().squeeze(1)
+    if len(rest):
+        out[rest] = _sorted_top_k_top_p(logits[rest], k[rest], has_k[rest], top_p[rest])
+    return out
+
+
+def _sorted_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, has_k: torch.Tensor,
+                        top_p: torch.Tensor) -> torch.Tensor:
+    """apply_top_k_top_p by sorting the whole rows (those whose nucleus or top-k may
+    reach past the candidates)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    kth = sorted_logits.gather(1, (k - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(has_k[:, None] & (sorted_logits < kth),
+                                              _NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)
+    cum = probs.cumsum(dim=-1)
+    keep = ((cum - probs) < top_p[:, None]) | (top_p[:, None] >= 1)
+    keep[:, 0] = True
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(~keep,
+                                                                                 _NEG_INF))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

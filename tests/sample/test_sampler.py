@@ -12,7 +12,8 @@ from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
 from pagedllm.core.contracts import NewRequestData
 from pagedllm.sample.logprobs import gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.ops import apply_min_p, apply_top_k_top_p, draw_uniforms, inverse_cdf_draw
+from pagedllm.sample.ops import (NUCLEUS_CANDIDATES, apply_min_p, apply_top_k_top_p,
+                                 draw_uniforms, inverse_cdf_draw)
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampling_state import SamplingState
@@ -436,3 +437,26 @@ def test_inverse_cdf_draw_never_picks_a_token_of_probability_zero():
     alone = inverse_cdf_draw(probs[5:6], {0: torch.Generator().manual_seed(5)})
     batched = inverse_cdf_draw(probs, {r: torch.Generator().manual_seed(r) for r in range(64)})
     assert alone[0] == batched[5]
+
+
+def test_top_p_over_a_large_vocabulary_matches_transformers_in_a_mixed_batch():
+    """A vocabulary wider than the nucleus candidates (NUCLEUS_CANDIDATES): peaked rows
+    find their nucleus among them, flat ones (and a top-k past them) are sorted whole,
+    rows with neither option are left alone; every row as transformers' warpers."""
+    vocab = 5000
+    gen = torch.Generator().manual_seed(4)
+    scales = [6.0, 6.0, 0.05, 6.0, 0.05, 3.0, 6.0, 1.0]
+    logits = torch.stack([torch.randn(vocab, generator=gen) * s for s in scales])
+    top_k = [vocab, 40, vocab, 1000, 20, vocab, vocab, 300]
+    top_p = [0.9, 0.95, 0.9, 0.8, 1.0, 1.0, 0.5, 0.99]
+    actual = apply_top_k_top_p(logits.clone(), torch.tensor(top_k), torch.tensor(top_p))
+    for i in range(len(scales)):
+        expected = logits[i:i + 1].clone()
+        if top_k[i] < vocab:
+            expected = TopKLogitsWarper(top_k[i])(None, expected)
+        if top_p[i] < 1:
+            expected = TopPLogitsWarper(top_p[i])(None, expected)
+        assert_same_logits(actual[i:i + 1], expected)
+    assert torch.equal(actual[5], logits[5])  # neither option: untouched
+    kept = torch.isfinite(actual).sum(dim=1).tolist()
+    assert kept[0] < NUCLEUS_CANDIDATES < kept[2]  # both paths taken
