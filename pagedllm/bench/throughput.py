@@ -29,6 +29,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "the fastest on a short probe runs the workload")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the short untimed request run before measuring")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample the workload at this temperature (default 0: greedy, "
+                             "as the shared workloads are defined)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="and with this top_p (sampled runs only)")
 
 
 def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
@@ -40,8 +45,9 @@ def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, A
     requests = workload_from_args(ns, config.model.hf_config.vocab_size)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     detokenize = not ns.skip_tokenizer_init
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True,
-                             detokenize=detokenize) for r in requests]
+    params = [SamplingParams(temperature=ns.temperature, top_p=ns.top_p,
+                             max_tokens=r.max_tokens, ignore_eos=True, detokenize=detokenize)
+              for r in requests]
     if not ns.no_warmup:
         # One short request first: one-time costs (first allocations, lazy imports) are
         # start-up, not throughput. Its prompt shares no prefix with the workload's.
