@@ -7,8 +7,9 @@
 Tokenization, detokenization and stop strings run here, in the LLMEngine's input and
 output processors; the engine process only schedules and runs the model, so the event
 loop stays free to answer HTTP while a batch runs. One output-loop task receives the
-core's batches, records metrics, and routes each RequestOutput to its request's collector (one output waiting per request,
-however slowly its reader reads: output_collector.py).
+core's batches, records metrics, and routes each RequestOutput to its request's
+collector (one output waits per request, however slowly its reader reads:
+output_collector.py).
 If the core process dies, every waiting request gets EngineDeadError within
 `POLL_INTERVAL_S` and new requests are refused.
 """
@@ -266,7 +267,7 @@ class AsyncLLM:
             collector = self._collectors.get(request_id)
             if collector is not None:
                 collector.put(InvalidRequestError(err.message) if err.is_invalid
-                                 else EngineGenerateError(err.message))
+                              else EngineGenerateError(err.message))
         self.core_client.push_outputs(batch)
         # Applies the batch; also hands held-back n > 1 siblings to the core once their
         # leader has its first token.
