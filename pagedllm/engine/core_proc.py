@@ -378,15 +378,13 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         proc.run()
     except SystemExit:
         pass
-    except USER_ERRORS as e:
-        # The model or the options: the front end reports the message (a traceback
-        # through the loader would bury it).
-        logger.debug("engine start-up failed:\n%s", traceback.format_exc())
-        if proc is not None:
-            proc._send(EngineDead(f"engine core failed: {e!r}"))
-        code = 1
     except BaseException as e:
-        logger.error("engine core failed:\n%s", traceback.format_exc())
+        if proc is None and isinstance(e, USER_ERRORS):
+            # At start-up, the model or the options: the front end reports the message
+            # (EngineDead.user_error; a traceback through the loader would bury it).
+            logger.debug("engine start-up failed:\n%s", traceback.format_exc())
+        else:
+            logger.error("engine core failed:\n%s", traceback.format_exc())
         if proc is not None:
             proc._send(EngineDead(f"engine core failed: {e!r}"))
         code = 1

@@ -69,11 +69,28 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         top_values = logits.topk(width, dim=-1).values
         kth = top_values.gather(1, (k - 1)[:, None])
         return logits.masked_fill(logits < kth, _NEG_INF)
-    width = min(vocab, NUCLEUS_CANDIDATES)
-    values, order = logits.topk(width, dim=-1)  # descending
     k = (top_k.clamp(1, vocab) if top_k is not None
-         else torch.full_like(order[:, 0], vocab))
+         else torch.full(top_p.shape, vocab, dtype=torch.long, device=logits.device))
     has_k = k < vocab
+    out, inside = _top_k_top_p_among(logits, min(vocab, NUCLEUS_CANDIDATES), k, has_k,
+                                     top_p)
+    plain = ~has_k & (top_p >= 1)  # rows that use neither: unchanged
+    out[plain] = logits[plain]
+    rest = (~plain & ~inside).nonzero().squeeze(1)
+    if len(rest):
+        out[rest] = _top_k_top_p_among(logits[rest], vocab, k[rest], has_k[rest],
+                                       top_p[rest])[0]
+    return out
+
+
+def _top_k_top_p_among(logits: torch.Tensor, width: int, k: torch.Tensor,
+                       has_k: torch.Tensor, top_p: torch.Tensor,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_top_k_top_p looking only among each row's `width` largest logits (all of
+    them: a full sort); also whether each row's top-k and nucleus lie among them."""
+    vocab = logits.shape[-1]
+    values, order = (logits.sort(dim=-1, descending=True) if width == vocab
+                     else logits.topk(width, dim=-1))
     kth = values.gather(1, (k.clamp(max=width) - 1)[:, None])
     values = values.masked_fill(has_k[:, None] & (values < kth), _NEG_INF)
     # Probabilities over the row's top-k (all among the candidates when its last
@@ -83,31 +100,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     cum = probs.cumsum(dim=-1)
     keep = ((cum - probs) < top_p[:, None]) | (top_p[:, None] >= 1)  # mass before each
     keep[:, 0] = True
-    plain = ~has_k & (top_p >= 1)  # rows that use neither: unchanged
     inside = torch.where(has_k, values[:, -1] == _NEG_INF, cum[:, -1] >= top_p)
     out = torch.full_like(logits, _NEG_INF).scatter_(
         1, order, values.masked_fill(~keep, _NEG_INF))
-    out[plain] = logits[plain]
-    rest = (~plain & ~inside).nonzero().squeeze(1)
-    if len(rest):
-        out[rest] = _sorted_top_k_top_p(logits[rest], k[rest], has_k[rest], top_p[rest])
-    return out
-
-
-def _sorted_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, has_k: torch.Tensor,
-                        top_p: torch.Tensor) -> torch.Tensor:
-    """apply_top_k_top_p by sorting the whole rows (those whose nucleus or top-k may
-    reach past the candidates)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    kth = sorted_logits.gather(1, (k - 1)[:, None])
-    sorted_logits = sorted_logits.masked_fill(has_k[:, None] & (sorted_logits < kth),
-                                              _NEG_INF)
-    probs = sorted_logits.softmax(dim=-1)
-    cum = probs.cumsum(dim=-1)
-    keep = ((cum - probs) < top_p[:, None]) | (top_p[:, None] >= 1)
-    keep[:, 0] = True
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(~keep,
-                                                                                 _NEG_INF))
+    return out, inside
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
