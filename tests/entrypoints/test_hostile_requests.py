@@ -28,7 +28,10 @@ MAX_MODEL_LEN = 512
 RENDER_TIMEOUT_S = 2
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
                "--num-kv-blocks", "128", "--max-num-seqs", "16",
-               "--trust-request-chat-template", "--render-timeout", str(RENDER_TIMEOUT_S)]
+               "--trust-request-chat-template", "--render-timeout", str(RENDER_TIMEOUT_S),
+               # The stalled-stream test's client reads nothing until its request is
+               # done; the write timeout itself is test_slow_clients.py's.
+               "--write-timeout", "600"]
 VOCAB_SIZE = 49152
 
 # A template that loops for ever (well: 10^15 iterations) and one that nests deeper.

@@ -38,6 +38,18 @@ class ServeConfig:
                "one can loop; it is still cut off after --render-timeout)")
     request_timeout: float | None = _flag(None, "default deadline in seconds of a request "
                                                 "that gives no `timeout` (default: none)")
+    keep_alive_timeout: float = _flag(5.0, "seconds a connection may sit idle, before its "
+                                           "first request or between two, before it is "
+                                           "closed")
+    read_timeout: float = _flag(60.0, "seconds a client has to send a request's headers once "
+                                      "its connection waits for one, and again for its body "
+                                      "(408 beyond)")
+    write_timeout: float = _flag(60.0, "seconds a response waits on a client that reads none "
+                                       "of it; beyond, the connection is closed and its "
+                                       "request aborted")
+    max_connections: int | None = _flag(None, "most open connections: past it the one that "
+                                              "has waited longest for a request is closed "
+                                              "(default: the open-file limit less 256)")
     max_queued_requests: int | None = _flag(None, "most requests waiting to be scheduled; "
                                                   "beyond, 503 with Retry-After (default: "
                                                   "unbounded)")
@@ -82,10 +94,13 @@ class ServeConfig:
         for name in ("max_n", "max_stop", "max_prompt_bytes", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("render_timeout", "request_timeout"):
+        for name in ("render_timeout", "request_timeout", "keep_alive_timeout", "read_timeout",
+                     "write_timeout"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ConfigError(f"max_queued_requests must be >= 0, got "
                               f"{self.max_queued_requests}")

@@ -50,6 +50,8 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
 from pagedllm.engine.async_llm import QueueFullError
 from pagedllm.entrypoints.openai.dashboard import (PAGE_PATHS, STATE_PATH, DashboardFeed,
                                                    add_dashboard_routes)
+from pagedllm.entrypoints.openai.connections import (ConnectionGuard, default_max_connections,
+                                                     raise_open_file_limit)
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.score_protocol import (ClassifyRequest, RerankRequest,
@@ -178,7 +180,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
         open_paths = {"/health"} | PAGE_PATHS | (
             {"/metrics", STATE_PATH} if serve_config.metrics_without_key else set())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=serve_config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=serve_config.max_body_bytes,
+                       read_timeout=serve_config.read_timeout)
     # Outermost: browsers' preflight requests are answered before the key check, and
     # every answer (401 and 413 included) carries the CORS headers.
     app.add_middleware(CORSMiddleware, allow_origins=serve_config.allowed_origins,
@@ -358,7 +361,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         if detail == "There was an error parsing the body":  # FastAPI's, for any cause
             detail = ("The request body could not be read as JSON: it must be UTF-8 text, "
                       "uncompressed, with integers of at most 4300 digits")
-        return error_response(detail, exc.status_code)
+        return error_response(detail, exc.status_code, headers=exc.headers)
 
     async def on_error(_: Request, exc: Exception) -> JSONResponse:
         status = int(error_status(exc))
@@ -399,17 +402,20 @@ class APIKeyMiddleware:
 
 class BodyLimitMiddleware:
     """413 for a request body over `max_bytes`: by its Content-Length up front, or, for a
-    chunked body, as soon as the bytes received pass the limit (never buffered whole)."""
+    chunked body, as soon as the bytes received pass the limit (never buffered whole).
+    408 for a body not received within `read_timeout` seconds of its headers (a client
+    trickling its body held the connection for ever; connections.py has the rest of
+    the slow-client rules). Either way the connection is closed after the answer: the
+    rest of the body would have to be read first."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout = read_timeout
 
-    def _too_large_message(self) -> str:
-        return f"The request body is larger than {self.max_bytes} bytes (--max-body-bytes)."
-
-    def _too_large(self) -> JSONResponse:
-        return error_response(self._too_large_message(), 413)
+    def _too_large(self) -> _BodyRejected:
+        return _BodyRejected(413, f"The request body is larger than {self.max_bytes} bytes "
+                                  f"(--max-body-bytes).", headers=CLOSE)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -417,10 +423,12 @@ class BodyLimitMiddleware:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await self._too_large()(scope, receive, send)
+            await _rejection_response(self._too_large())(scope, receive, send)
             return
         received = 0
+        body_done = False
         started = False
+        deadline = asyncio.get_running_loop().time() + self.read_timeout
 
         async def send_wrapper(message: dict) -> None:
             nonlocal started
@@ -428,24 +436,43 @@ class BodyLimitMiddleware:
             await send(message)
 
         async def limited_receive() -> dict:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # a response listening for the client leaving: no deadline
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise _BodyRejected(408, f"The request body did not arrive within "
+                                         f"{self.read_timeout:g} s of its headers "
+                                         f"(--read-timeout).", headers=CLOSE) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _BodyTooLarge(413, self._too_large_message())
+                    raise self._too_large()
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
             return message
 
         try:
             await self.app(scope, limited_receive, send_wrapper)
-        except _BodyTooLarge:
+        except _BodyRejected as e:
             if not started:
-                await self._too_large()(scope, receive, send)
+                await _rejection_response(e)(scope, receive, send)
 
 
-class _BodyTooLarge(StarletteHTTPException):
+# Sent with an answer given before the request's body was read.
+CLOSE = {"Connection": "close"}
+
+
+class _BodyRejected(StarletteHTTPException):
     """Raised while the body is read: FastAPI passes HTTP exceptions through to the
     error handlers (anything else would become its generic 400)."""
+
+
+def _rejection_response(e: _BodyRejected) -> JSONResponse:
+    return error_response(str(e.detail), e.status_code, headers=e.headers)
 
 
 # ------------------------------------------------------------------ running
@@ -547,10 +574,14 @@ async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, conf
 
     # The engine process owns the cores; this process only parses and detokenizes.
     torch.set_num_threads(1)
+    serve_config = serve_config or ServeConfig()
+    guard = ConnectionGuard(serve_config.read_timeout, serve_config.write_timeout,
+                            serve_config.max_connections
+                            or default_max_connections(raise_open_file_limit()))
     # Constraints are parsed in a child process, each under --render-timeout of CPU time
     # (constraint_check.py: a few bytes of JSON schema can take xgrammar minutes).
     constraints = ConstraintChecker(
-        (serve_config or ServeConfig()).render_timeout,
+        serve_config.render_timeout,
         int(config.structured_outputs.compile_memory_gib * (1 << 30)),
         limit_names=("--render-timeout", "--grammar-compile-memory"))
     engine = AsyncLLM(config, model_name=names[0],
@@ -566,12 +597,15 @@ async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, conf
                         shutdown_engine=True, serve_config=serve_config,
                         lora_modules=lora_modules, root_path=args.root_path)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port,
+                                   http=guard.protocol_class(),
+                                   timeout_keep_alive=serve_config.keep_alive_timeout,
                                    log_level=args.uvicorn_log_level,
                                    timeout_graceful_shutdown=3, access_log=False,
                                    ssl_keyfile=args.ssl_keyfile,
                                    ssl_certfile=args.ssl_certfile,
                                    ssl_ca_certs=args.ssl_ca_certs,
                                    ssl_cert_reqs=args.ssl_cert_reqs)
+        guard.quiet_accept_errors(asyncio.get_running_loop())
         server = _server_with_deadline(uv_config, engine)
         scheme = "https" if args.ssl_certfile else "http"
         logger.info("serving %s on %s://%s:%d/v1", names[0], scheme, args.host, args.port)
