@@ -69,25 +69,62 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         top_values = logits.topk(width, dim=-1).values
         kth = top_values.gather(1, (k - 1)[:, None])
         return logits.masked_fill(logits < kth, _NEG_INF)
-    k = (top_k.clamp(1, vocab) if top_k is not None
-         else torch.full(top_p.shape, vocab, dtype=torch.long, device=logits.device))
-    has_k = k < vocab
-    out, inside = _top_k_top_p_among(logits, min(vocab, NUCLEUS_CANDIDATES), k, has_k,
-                                     top_p)
-    plain = ~has_k & (top_p >= 1)  # rows that use neither: unchanged
+    k, has_k, plain = _top_k_rows(logits, top_k, top_p)
+    values, order, inside = _top_k_top_p_among(logits, min(vocab, NUCLEUS_CANDIDATES), k,
+                                               has_k, top_p)
+    out = torch.full_like(logits, _NEG_INF).scatter_(1, order, values)
     out[plain] = logits[plain]
     rest = (~plain & ~inside).nonzero().squeeze(1)
     if len(rest):
-        out[rest] = _top_k_top_p_among(logits[rest], vocab, k[rest], has_k[rest],
-                                       top_p[rest])[0]
+        values, order, _ = _top_k_top_p_among(logits[rest], vocab, k[rest], has_k[rest],
+                                              top_p[rest])
+        out[rest] = torch.full_like(values, _NEG_INF).scatter_(1, order, values)
     return out
+
+
+def draw_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                     top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from the softmax of apply_top_k_top_p(logits, top_k,
+    top_p) with the uniforms u, without building the masked rows: a row draws among its
+    kept candidates in their sorted order (the 256 largest, or the whole row sorted
+    when its nucleus may reach past them), a row with neither option from the whole
+    row. Each row's path depends on that row alone, so its draw does not depend on the
+    batch."""
+    n, vocab = logits.shape
+    k, has_k, plain = _top_k_rows(logits, top_k, top_p)
+    ones = torch.ones(n, dtype=torch.float32, device=logits.device)
+    values, order, inside = _top_k_top_p_among(logits, min(vocab, NUCLEUS_CANDIDATES), k,
+                                               has_k, top_p)
+    tokens = order.gather(1, draw_tempered(values, ones, u)[:, None]).squeeze(1)
+    rest = (~plain & ~inside).nonzero().squeeze(1)
+    if len(rest):
+        values, order, _ = _top_k_top_p_among(logits[rest], vocab, k[rest], has_k[rest],
+                                              top_p[rest])
+        drawn = draw_tempered(values, ones[rest], u[rest])
+        tokens[rest] = order.gather(1, drawn[:, None]).squeeze(1)
+    plain = plain.nonzero().squeeze(1)
+    if len(plain):
+        tokens[plain] = draw_tempered(logits[plain], ones[plain], u[plain])
+    return tokens
+
+
+def _top_k_rows(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's k (the vocabulary without top-k), whether it has a top-k, and whether
+    it uses neither option."""
+    vocab = logits.shape[-1]
+    k = (top_k.clamp(1, vocab) if top_k is not None
+         else torch.full(top_p.shape, vocab, dtype=torch.long, device=logits.device))
+    has_k = k < vocab
+    return k, has_k, ~has_k & (top_p >= 1)
 
 
 def _top_k_top_p_among(logits: torch.Tensor, width: int, k: torch.Tensor,
                        has_k: torch.Tensor, top_p: torch.Tensor,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """apply_top_k_top_p looking only among each row's `width` largest logits (all of
-    them: a full sort); also whether each row's top-k and nucleus lie among them."""
+    them: a full sort): their values, -inf where masked, and token ids [N, width], in
+    descending order; also whether each row's top-k and nucleus lie among them."""
     vocab = logits.shape[-1]
     values, order = (logits.sort(dim=-1, descending=True) if width == vocab
                      else logits.topk(width, dim=-1))
@@ -101,9 +138,7 @@ def _top_k_top_p_among(logits: torch.Tensor, width: int, k: torch.Tensor,
     keep = ((cum - probs) < top_p[:, None]) | (top_p[:, None] >= 1)  # mass before each
     keep[:, 0] = True
     inside = torch.where(has_k, values[:, -1] == _NEG_INF, cum[:, -1] >= top_p)
-    out = torch.full_like(logits, _NEG_INF).scatter_(
-        1, order, values.masked_fill(~keep, _NEG_INF))
-    return out, inside
+    return values.masked_fill(~keep, _NEG_INF), order, inside
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -123,25 +158,36 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 DRAW_BLOCK = 256
 
 
-def inverse_cdf_draw(probs: torch.Tensor, generators: dict[int, torch.Generator],
-                     ) -> torch.Tensor:
-    """Sample one id per row of `probs` [N, V]: the token whose interval of the row's
-    cumulative distribution holds u * total, u ~ U[0, 1) (one draw per row).
+def draw_tempered(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                  ) -> torch.Tensor:
+    """One token per row of `logits` [N, V] drawn from softmax(logits / temperature)
+    with the uniforms u (float64 [N]): inverse_cdf_draw's token. On CPU one native pass
+    per row (cpu_ops.sample_draw: torch's five passes over [N, V] tensors took ~9 ms of
+    a 64-row step over a 49k vocabulary); elsewhere torch."""
+    if logits.dim() == 2 and logits.stride(1) == 1 and cpu_ops_available(logits):
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        cpu_ops.sample_draw(out, logits, temperature.float().contiguous(), u)
+        return out
+    return inverse_cdf_draw(torch.softmax(logits / temperature[:, None], dim=-1), u)
+
+
+def inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One id per row of `probs` [N, V] (each row's total need not be 1): the token whose
+    interval of the row's cumulative distribution holds u * total, u [N] float64 in
+    [0, 1) (`draw_uniforms`).
 
     In two levels: the block of DRAW_BLOCK tokens whose interval holds it (cumulative
     sums of the blocks' sums), then the token within that block. The sums are float64,
     so a token's interval is as wide as its probability to ~1e-16 (float32 would round
     away the tail tokens' ~1e-8 widths next to a sum near 1), and a token of probability
     0 (masked) has an empty interval: never drawn. Rows are summed independently, so a
-    row's draw does not depend on the batch. Seeded rows take their u from their own
-    generator (`draw_uniforms`).
+    row's draw does not depend on the batch.
 
     An exponential race (argmax(p / q), q ~ Exp(1)) draws from p too, but needs V random
     numbers per row: 53 ms of the step for 64 rows of a 49k vocabulary on 2 cores; one
     float64 cumulative sum of the whole rows took 12 ms, these two levels ~3.
     """
     n, vocab = probs.shape
-    u = draw_uniforms(n, generators, probs.device)
     if vocab % DRAW_BLOCK:
         probs = torch.nn.functional.pad(probs, (0, -vocab % DRAW_BLOCK))
     blocks = probs.view(n, -1, DRAW_BLOCK)

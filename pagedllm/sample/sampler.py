@@ -7,8 +7,9 @@ Steps (vLLM's order; each is skipped when no row of the step uses it):
  3. penalties: repetition, frequency, presence
  4. greedy rows: argmax of the result
  5. random rows: temperature, min_p, top_k, top_p, then one draw per row from the
-    softmax (inverse CDF: u ~ U[0, 1) against its cumulative sums); seeded rows draw u
-    from their own generator
+    softmax (inverse CDF: u ~ U[0, 1) against its cumulative sums; on CPU one native
+    pass does temperature, softmax and draw); seeded rows draw u from their own
+    generator; with top-p a row draws among its sorted candidates
  6. logprobs of the chosen token (with its rank) and the top-k, from step 1
 """
 
@@ -21,7 +22,8 @@ import torch
 from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import (apply_min_p, apply_penalties, apply_top_k_top_p,
-                                 argmax_rows, inverse_cdf_draw)
+                                 argmax_rows, draw_tempered, draw_top_k_top_p,
+                                 draw_uniforms)
 
 
 @dataclass
@@ -106,8 +108,13 @@ class Sampler:
               generators: dict[int, torch.Generator], max_top_k: int | None = None,
               ) -> torch.Tensor:
         """One draw per row of `logits` [R, V] from its tempered, truncated softmax."""
+        u = draw_uniforms(logits.shape[0], generators, logits.device)
+        if min_p is None and top_k is None and top_p is None:
+            return draw_tempered(logits, temperature, u)
         logits = logits / temperature[:, None]
         if min_p is not None:
             logits = apply_min_p(logits, min_p)
-        logits = apply_top_k_top_p(logits, top_k, top_p, max_top_k)
-        return inverse_cdf_draw(torch.softmax(logits, dim=-1), generators)
+        ones = torch.ones_like(temperature)
+        if top_p is None:
+            return draw_tempered(apply_top_k_top_p(logits, top_k, None, max_top_k), ones, u)
+        return draw_top_k_top_p(logits, top_k, top_p, u)

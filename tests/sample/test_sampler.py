@@ -10,6 +10,8 @@ from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                           SequenceBiasLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper)
 
 from pagedllm.core.contracts import NewRequestData
+from pagedllm.kernels.cpu import ops as cpu_ops
+from pagedllm.kernels.cpu.build import load_cpu_kernels
 from pagedllm.sample.logprobs import gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import (NUCLEUS_CANDIDATES, apply_min_p, apply_top_k_top_p,
@@ -430,13 +432,119 @@ def test_inverse_cdf_draw_never_picks_a_token_of_probability_zero():
     probs[0, vocab - 1] = 1.0  # one-hot at the last token
     probs /= probs.sum(dim=-1, keepdim=True)
     generators = {r: torch.Generator().manual_seed(r) for r in range(64)}
+    cpu = torch.device("cpu")
     for _ in range(200):
-        drawn = inverse_cdf_draw(probs, generators)
+        drawn = inverse_cdf_draw(probs, draw_uniforms(64, generators, cpu))
         assert drawn[0] == vocab - 1
         assert bool((drawn[1:] % 2 == 1).all()) and not bool((drawn == 7).any())
-    alone = inverse_cdf_draw(probs[5:6], {0: torch.Generator().manual_seed(5)})
-    batched = inverse_cdf_draw(probs, {r: torch.Generator().manual_seed(r) for r in range(64)})
-    assert alone[0] == batched[5]
+    u = draw_uniforms(64, {}, cpu)
+    assert inverse_cdf_draw(probs[5:6], u[5:6])[0] == inverse_cdf_draw(probs, u)[5]
+
+
+needs_native = pytest.mark.skipif(not load_cpu_kernels(),
+                                  reason="the native CPU kernels did not build")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_draw_is_the_torch_draw(dtype):
+    """cpu_ops.sample_draw (temperature, softmax and the two-level draw in one pass)
+    against softmax(x / T) then inverse_cdf_draw, on 64 rows of a vocabulary that is no
+    multiple of the block (a partial last block) with masked tokens, and the same row
+    alone. The exps differ in the last bit (a polynomial against torch's), so a draw may
+    differ where u * total falls within ~1e-7 of an interval's end: none did in 2,000."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 50_001
+    x = torch.randn(64, vocab, generator=gen) * 4
+    x[:, 100:300] = float("-inf")
+    x = x.to(dtype)
+    temperature = torch.rand(64, generator=gen) * 1.5 + 0.2
+    same = total = 0
+    for _ in range(32):
+        u = torch.rand(64, dtype=torch.float64, generator=gen)
+        native = torch.empty(64, dtype=torch.int64)
+        cpu_ops.sample_draw(native, x, temperature, u)
+        expected = inverse_cdf_draw(torch.softmax(x.float() / temperature[:, None], dim=-1),
+                                    u)
+        same += int((native == expected).sum())
+        total += 64
+        assert not bool(((native >= 100) & (native < 300)).any())
+        alone = torch.empty(1, dtype=torch.int64)
+        cpu_ops.sample_draw(alone, x[9:10], temperature[9:10], u[9:10])
+        assert alone[0] == native[9]
+    assert same >= total - 2, (same, total)
+
+
+@needs_native
+def test_native_draw_edges():
+    """Masked tokens next to ones of ~1e-13 probability are never drawn; a u just below
+    1 takes the last token with mass, not the masked tail after it; a row whose x / T
+    overflows, and a NaN row, give their argmax."""
+    vocab = 1000
+    x = torch.full((4, vocab), float("-inf"))
+    x[0, 1::2] = -30.0  # odd tokens tiny, even ones masked
+    x[0, 9] = 0.0
+    x[1, :700] = torch.linspace(-3, 3, 700)  # tokens 700.. masked
+    x[2, 5], x[2, 6] = 1.0, 2.0
+    x[3, :] = 0.0
+    x[3, 17] = float("nan")
+    temperature = torch.tensor([1.0, 1.0, 1e-38, 1.0])
+    out = torch.empty(4, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        u = torch.rand(4, dtype=torch.float64, generator=gen)
+        cpu_ops.sample_draw(out, x, temperature, u)
+        assert out[0] % 2 == 1 and out[1] < 700 and out[2] == 6 and out[3] == 17
+    cpu_ops.sample_draw(out, x, temperature, torch.full((4,), 1 - 2**-53, dtype=torch.float64))
+    assert out[1] == 699
+
+
+def _chi2_limit(df: int, z: float = 3.09) -> float:
+    """The 0.999 quantile of chi2(df) (Wilson-Hilferty's approximation)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_top_p_draws_follow_the_truncated_softmax_chi_square():
+    """Through the sampler, 8,000 draws from each of three rows of a 600-token
+    vocabulary: a peaked one (its nucleus among the 256 candidates: drawn among them in
+    sorted order), a flat one (its nucleus past them: the row sorted whole) and one
+    without top-p (the whole row). Each row's draws stay in its kept set and follow
+    softmax(apply_top_k_top_p(logits / T)) by Pearson's test (0.999 quantile); the
+    peaked row's are far from its untruncated softmax (the test has power)."""
+    torch.manual_seed(1)
+    vocab, draws = 600, 8000
+    gen = torch.Generator().manual_seed(2)
+    rows = torch.stack([torch.randn(vocab, generator=gen) * 3,
+                        torch.randn(vocab, generator=gen) * 0.1,
+                        torch.randn(vocab, generator=gen)])
+    temperature, top_p = torch.tensor([0.8, 1.0, 1.2]), torch.tensor([0.9, 0.5, 1.0])
+    md = SamplingMetadata(temperature=temperature.repeat_interleave(draws),
+                          is_greedy=torch.zeros(3 * draws, dtype=torch.bool),
+                          all_greedy=False, all_random=True,
+                          top_p=top_p.repeat_interleave(draws))
+    tokens = Sampler()(rows.repeat_interleave(draws, dim=0), md).sampled_token_ids
+    truncated = apply_top_k_top_p(rows / temperature[:, None], None, top_p)
+    kept = torch.isfinite(truncated).sum(dim=1).tolist()
+    assert kept[0] < NUCLEUS_CANDIDATES < kept[1] and kept[2] == vocab  # all paths
+    for i in range(3):
+        drawn = tokens[i * draws:(i + 1) * draws]
+        assert bool(torch.isfinite(truncated[i, drawn]).all())
+        observed = torch.bincount(drawn, minlength=vocab).double()
+
+        def chi2(probs: torch.Tensor) -> tuple[float, int]:
+            # Tokens expected fewer than 5 times are pooled into one category.
+            expected = probs.double() * draws
+            small = expected < 5
+            obs = torch.cat([observed[~small], observed[small].sum()[None]])
+            exp = torch.cat([expected[~small], expected[small].sum()[None]])
+            obs, exp = obs[exp > 0], exp[exp > 0]
+            return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
+
+        stat, df = chi2(torch.softmax(truncated[i], dim=0))
+        assert stat < _chi2_limit(df), (i, stat, df)
+        if i == 0:
+            stat, df = chi2(torch.softmax(rows[0] / temperature[0], dim=0))
+            assert stat > 2 * _chi2_limit(df)
 
 
 def test_top_p_over_a_large_vocabulary_matches_transformers_in_a_mixed_batch():

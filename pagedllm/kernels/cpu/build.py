@@ -209,5 +209,6 @@ def _unavailable(mode: str, reason: str) -> bool:
 def _register_fakes() -> None:
     """Shape-only versions of the ops, so torch.compile can trace through them."""
     for name in ("paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul",
-                 "gemm_bf16", "gemm_f32", "gemm_quant", "quant_rows", "argmax"):
+                 "gemm_bf16", "gemm_f32", "gemm_quant", "quant_rows", "argmax",
+                 "sample_draw"):
         torch.library.register_fake(f"pagedllm_cpu::{name}")(lambda *args, **kwargs: None)

@@ -13,7 +13,8 @@ from pagedllm.kernels.cpu.build import load_cpu_kernels
 __all__ = ["argmax", "cpu_ops_available", "gemm_bf16", "gemm_f32", "gemm_quant",
            "llama_decoder_stack", "llama_layers", "load_cpu_kernels", "lora_apply",
            "paged_attention", "quant_amx_bf16_usable", "quant_amx_usable", "quant_rows",
-           "quant_splits_prompt_rows", "rms_norm", "rotary_embedding", "silu_and_mul"]
+           "quant_splits_prompt_rows", "rms_norm", "rotary_embedding", "sample_draw",
+           "silu_and_mul"]
 
 
 def cpu_ops_available(x: torch.Tensor) -> bool:
@@ -152,6 +153,15 @@ def quant_rows(out: torch.Tensor, packed: torch.Tensor, ids: torch.Tensor,
 def argmax(out: torch.Tensor, x: torch.Tensor) -> None:
     """out [N] (int64) = the first index of each row's maximum of x [N, V]."""
     torch.ops.pagedllm_cpu.argmax.default(out, x)
+
+
+def sample_draw(out: torch.Tensor, x: torch.Tensor, temperature: torch.Tensor,
+                u: torch.Tensor) -> None:
+    """out [N] (int64) = one token per row of x [N, V] drawn from softmax(x / temperature)
+    with the uniform u (float64 [N], in [0, 1)): the token whose interval of the row's
+    cumulative distribution holds u times its total (sample/ops.py, inverse_cdf_draw);
+    temperature float32 [N]."""
+    torch.ops.pagedllm_cpu.sample_draw.default(out, x, temperature, u)
 
 
 def llama_layers(weights: list[torch.Tensor | None], sliding_windows: list[int],
