@@ -40,8 +40,6 @@ class SamplingMetadata:
     top_p: torch.Tensor | None = None
     # [N] int64 (vocab size = disabled), None when no row uses top-k.
     top_k: torch.Tensor | None = None
-    # The largest top_k of the step (known on the host: a GPU sampler never syncs for it).
-    max_top_k: int | None = None
     # [N] float32, None when no row uses min-p (> 0).
     min_p: torch.Tensor | None = None
     # row -> torch.Generator for requests with a seed (reproducible whatever the batch).

@@ -83,19 +83,27 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
 
 
 def draw_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                     top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+                     top_p: torch.Tensor | None, u: torch.Tensor,
+                     candidates: bool = True) -> torch.Tensor:
     """One token per row drawn from the softmax of apply_top_k_top_p(logits, top_k,
     top_p) with the uniforms u, without building the masked rows: a row draws among its
     kept candidates in their sorted order (the 256 largest, or the whole row sorted
-    when its nucleus may reach past them), a row with neither option from the whole
-    row. Each row's path depends on that row alone, so its draw does not depend on the
-    batch."""
+    when its top-k or nucleus may reach past them), a row with neither option from the
+    whole row. Each row's path depends on that row alone, so its draw does not depend
+    on the batch.
+
+    candidates=False sorts every row whole, so that nothing depends on a row count
+    read back from the device (a GPU sorts fast and should never wait)."""
     n, vocab = logits.shape
+    if top_p is None:
+        top_p = torch.ones(n, dtype=torch.float32, device=logits.device)
     k, has_k, plain = _top_k_rows(logits, top_k, top_p)
     ones = torch.ones(n, dtype=torch.float32, device=logits.device)
-    values, order, inside = _top_k_top_p_among(logits, min(vocab, NUCLEUS_CANDIDATES), k,
-                                               has_k, top_p)
+    width = min(vocab, NUCLEUS_CANDIDATES) if candidates else vocab
+    values, order, inside = _top_k_top_p_among(logits, width, k, has_k, top_p)
     tokens = order.gather(1, draw_tempered(values, ones, u)[:, None]).squeeze(1)
+    if not candidates:
+        return tokens
     rest = (~plain & ~inside).nonzero().squeeze(1)
     if len(rest):
         values, order, _ = _top_k_top_p_among(logits[rest], vocab, k[rest], has_k[rest],
@@ -159,15 +167,25 @@ DRAW_BLOCK = 256
 
 
 def draw_tempered(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
-                  ) -> torch.Tensor:
+                  top_p: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of `logits` [N, V] drawn from softmax(logits / temperature)
-    with the uniforms u (float64 [N]): inverse_cdf_draw's token. On CPU one native pass
-    per row (cpu_ops.sample_draw: torch's five passes over [N, V] tensors took ~9 ms of
-    a 64-row step over a 49k vocabulary); elsewhere torch."""
+    with the uniforms u (float64 [N]), within each row's top-p nucleus when given.
+
+    On CPU one native call (cpu_ops.sample_draw): temperature, softmax and the two-level
+    draw in a row's thread-local buffer; the nucleus from a histogram of the
+    probabilities (1/32-octave buckets: only the bucket where it ends is sorted). torch
+    took ~9 ms of a 64-row step over a 49k vocabulary for the plain draw (five passes over
+    [N, V] tensors) and up to ~100 ms for top-p (a full sort of rows whose nucleus passes
+    the 256 candidates). Elsewhere torch: softmax then inverse_cdf_draw, or
+    draw_top_k_top_p."""
     if logits.dim() == 2 and logits.stride(1) == 1 and cpu_ops_available(logits):
         out = torch.empty(logits.shape[0], dtype=torch.int64)
-        cpu_ops.sample_draw(out, logits, temperature.float().contiguous(), u)
+        cpu_ops.sample_draw(out, logits, temperature.float().contiguous(),
+                            None if top_p is None else top_p.float().contiguous(), u)
         return out
+    if top_p is not None:
+        return draw_top_k_top_p(logits / temperature[:, None], None, top_p, u,
+                                candidates=logits.device.type == "cpu")
     return inverse_cdf_draw(torch.softmax(logits / temperature[:, None], dim=-1), u)
 
 

@@ -8,8 +8,8 @@ Steps (vLLM's order; each is skipped when no row of the step uses it):
  4. greedy rows: argmax of the result
  5. random rows: temperature, min_p, top_k, top_p, then one draw per row from the
     softmax (inverse CDF: u ~ U[0, 1) against its cumulative sums; on CPU one native
-    pass does temperature, softmax and draw); seeded rows draw u from their own
-    generator; with top-p a row draws among its sorted candidates
+    call does temperature, top-p, softmax and draw); seeded rows draw u from their own
+    generator
  6. logprobs of the chosen token (with its rank) and the top-k, from step 1
 """
 
@@ -86,7 +86,7 @@ class Sampler:
             return greedy
         if greedy is None or md.random_rows is None:
             sampled = Sampler._draw(logits, md.temperature, md.min_p, md.top_k, md.top_p,
-                                    md.generators, md.max_top_k)
+                                    md.generators)
             return sampled if greedy is None else torch.where(md.is_greedy, greedy, sampled)
         # A mixed step: only the random rows pay for softmax and the [R, V] draw (a few
         # sampled rows in a large greedy batch would otherwise cost a full-batch draw).
@@ -98,23 +98,36 @@ class Sampler:
 
         sampled = Sampler._draw(logits[rows], md.temperature[rows], pick(md.min_p),
                                 pick(md.top_k), pick(md.top_p),
-                                {positions[r]: g for r, g in md.generators.items()},
-                                md.max_top_k)
+                                {positions[r]: g for r, g in md.generators.items()})
         return greedy.index_copy_(0, rows, sampled)
 
     @staticmethod
     def _draw(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor | None,
               top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-              generators: dict[int, torch.Generator], max_top_k: int | None = None,
-              ) -> torch.Tensor:
+              generators: dict[int, torch.Generator]) -> torch.Tensor:
         """One draw per row of `logits` [R, V] from its tempered, truncated softmax."""
         u = draw_uniforms(logits.shape[0], generators, logits.device)
-        if min_p is None and top_k is None and top_p is None:
-            return draw_tempered(logits, temperature, u)
-        logits = logits / temperature[:, None]
-        if min_p is not None:
-            logits = apply_min_p(logits, min_p)
-        ones = torch.ones_like(temperature)
-        if top_p is None:
-            return draw_tempered(apply_top_k_top_p(logits, top_k, None, max_top_k), ones, u)
-        return draw_top_k_top_p(logits, top_k, top_p, u)
+        if min_p is not None or top_k is not None:
+            # Divided here (the same bits as the draw's own division): min_p and top-k
+            # look at the tempered logits.
+            logits = logits / temperature[:, None]
+            temperature = torch.ones_like(temperature)
+            if min_p is not None:
+                logits = apply_min_p(logits, min_p)
+        # Each row's path follows its own options, never the batch's (batch invariance):
+        # rows without top-k draw over the row (within its nucleus with top-p), rows
+        # with one among their sorted candidates.
+        sampled = draw_tempered(logits, temperature, u, top_p)
+        if top_k is None:
+            return sampled
+        has_k = top_k < logits.shape[-1]
+        if logits.device.type != "cpu":
+            # Every row drawn both ways: picking the top-k rows would read a row count
+            # back from the device.
+            return torch.where(has_k, draw_top_k_top_p(logits, top_k, top_p, u,
+                                                       candidates=False), sampled)
+        rows = has_k.nonzero().squeeze(1)
+        if len(rows):
+            sampled[rows] = draw_top_k_top_p(logits[rows], top_k[rows],
+                                             None if top_p is None else top_p[rows], u[rows])
+        return sampled

@@ -187,7 +187,6 @@ class SamplingState:
                 md.top_p = host_to_device(top_p, dev)
             if (top_k < self.vocab_size).any():
                 md.top_k = host_to_device(top_k, dev)
-                md.max_top_k = int(top_k.max())
             if (min_p > 0).any():
                 md.min_p = host_to_device(min_p, dev)
             seeded = np.nonzero(self.has_generator[rows])[0]

@@ -15,7 +15,7 @@ from pagedllm.kernels.cpu.build import load_cpu_kernels
 from pagedllm.sample.logprobs import gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import (NUCLEUS_CANDIDATES, apply_min_p, apply_top_k_top_p,
-                                 draw_uniforms, inverse_cdf_draw)
+                                 draw_top_k_top_p, draw_uniforms, inverse_cdf_draw)
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampling_state import SamplingState
@@ -259,9 +259,9 @@ def test_greedy_rows_equal_argmax_in_a_mixed_batch():
 
 
 def _sample_n(params_list: list[SamplingParams], logits: torch.Tensor, num_steps: int,
-              ) -> list[list[int]]:
+              vocab: int = VOCAB) -> list[list[int]]:
     """num_steps draws per request from fixed logits (rows keep their generators)."""
-    state, rows = make_state([(p, [1], []) for p in params_list])
+    state, rows = make_state([(p, [1], []) for p in params_list], vocab)
     sampler, draws = Sampler(), [[] for _ in params_list]
     for _ in range(num_steps):
         out = sampler(logits.clone(), state.metadata(rows)).sampled_token_ids.tolist()
@@ -281,6 +281,26 @@ def test_seed_reproducible_whatever_the_batch():
     assert in_batch == alone
     assert _sample_n([SamplingParams(temperature=1.0, top_p=0.9, seed=43)], logits,
                      20)[0] != alone
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 1000])
+def test_every_kind_of_seeded_row_draws_alike_alone_and_in_any_batch(vocab):
+    """A row's draw path (the whole row, its nucleus, its top-k candidates; after
+    min-p) follows its own options only: each kind of seeded row draws the same tokens
+    alone and beside rows of every other kind (which route the batch through min-p and
+    top-k), over a vocabulary narrower and one wider than the 256 candidates."""
+    kinds = [SamplingParams(temperature=0.9, seed=1),
+             SamplingParams(temperature=1.0, top_p=0.8, seed=2),
+             SamplingParams(temperature=0.7, top_k=20, seed=3),
+             SamplingParams(temperature=1.1, top_k=300, top_p=0.9, seed=4),
+             SamplingParams(temperature=1.0, min_p=0.05, seed=5),
+             SamplingParams(temperature=0.8, min_p=0.02, top_p=0.95, seed=6),
+             SamplingParams(temperature=0)]
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(len(kinds), vocab, generator=gen) * 2
+    batched = _sample_n(kinds, logits, 12, vocab)
+    for i, params in enumerate(kinds):
+        assert _sample_n([params], logits[i:i + 1], 12, vocab)[0] == batched[i], params
 
 
 def test_temperature_sampling_follows_softmax_chi_square():
@@ -463,14 +483,14 @@ def test_native_draw_is_the_torch_draw(dtype):
     for _ in range(32):
         u = torch.rand(64, dtype=torch.float64, generator=gen)
         native = torch.empty(64, dtype=torch.int64)
-        cpu_ops.sample_draw(native, x, temperature, u)
+        cpu_ops.sample_draw(native, x, temperature, None, u)
         expected = inverse_cdf_draw(torch.softmax(x.float() / temperature[:, None], dim=-1),
                                     u)
         same += int((native == expected).sum())
         total += 64
         assert not bool(((native >= 100) & (native < 300)).any())
         alone = torch.empty(1, dtype=torch.int64)
-        cpu_ops.sample_draw(alone, x[9:10], temperature[9:10], u[9:10])
+        cpu_ops.sample_draw(alone, x[9:10], temperature[9:10], None, u[9:10])
         assert alone[0] == native[9]
     assert same >= total - 2, (same, total)
 
@@ -493,9 +513,10 @@ def test_native_draw_edges():
     gen = torch.Generator().manual_seed(0)
     for _ in range(300):
         u = torch.rand(4, dtype=torch.float64, generator=gen)
-        cpu_ops.sample_draw(out, x, temperature, u)
+        cpu_ops.sample_draw(out, x, temperature, None, u)
         assert out[0] % 2 == 1 and out[1] < 700 and out[2] == 6 and out[3] == 17
-    cpu_ops.sample_draw(out, x, temperature, torch.full((4,), 1 - 2**-53, dtype=torch.float64))
+    cpu_ops.sample_draw(out, x, temperature, None,
+                        torch.full((4,), 1 - 2**-53, dtype=torch.float64))
     assert out[1] == 699
 
 
@@ -504,11 +525,14 @@ def _chi2_limit(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
 
 
-def test_top_p_draws_follow_the_truncated_softmax_chi_square():
-    """Through the sampler, 8,000 draws from each of three rows of a 600-token
-    vocabulary: a peaked one (its nucleus among the 256 candidates: drawn among them in
-    sorted order), a flat one (its nucleus past them: the row sorted whole) and one
-    without top-p (the whole row). Each row's draws stay in its kept set and follow
+@pytest.mark.parametrize("path", ["sampler", "candidates", "sorted"])
+def test_top_p_draws_follow_the_truncated_softmax_chi_square(path):
+    """8,000 draws from each of three rows of a 600-token vocabulary: a peaked one (its
+    nucleus among the 256 candidates), a flat one (its nucleus past them: torch sorts
+    the row whole) and one without top-p (the whole row); through the sampler (on CPU
+    the native draw, its nucleus from a histogram) and through torch's
+    draw_top_k_top_p (with candidates as on CPU, or sorting every row as on a GPU).
+    Each row's draws stay in its kept set and follow
     softmax(apply_top_k_top_p(logits / T)) by Pearson's test (0.999 quantile); the
     peaked row's are far from its untruncated softmax (the test has power)."""
     torch.manual_seed(1)
@@ -518,11 +542,18 @@ def test_top_p_draws_follow_the_truncated_softmax_chi_square():
                         torch.randn(vocab, generator=gen) * 0.1,
                         torch.randn(vocab, generator=gen)])
     temperature, top_p = torch.tensor([0.8, 1.0, 1.2]), torch.tensor([0.9, 0.5, 1.0])
-    md = SamplingMetadata(temperature=temperature.repeat_interleave(draws),
-                          is_greedy=torch.zeros(3 * draws, dtype=torch.bool),
-                          all_greedy=False, all_random=True,
-                          top_p=top_p.repeat_interleave(draws))
-    tokens = Sampler()(rows.repeat_interleave(draws, dim=0), md).sampled_token_ids
+    logits = rows.repeat_interleave(draws, dim=0)
+    if path == "sampler":
+        md = SamplingMetadata(temperature=temperature.repeat_interleave(draws),
+                              is_greedy=torch.zeros(3 * draws, dtype=torch.bool),
+                              all_greedy=False, all_random=True,
+                              top_p=top_p.repeat_interleave(draws))
+        tokens = Sampler()(logits, md).sampled_token_ids
+    else:
+        tokens = draw_top_k_top_p(logits / temperature.repeat_interleave(draws)[:, None],
+                                  None, top_p.repeat_interleave(draws),
+                                  draw_uniforms(3 * draws, {}, torch.device("cpu")),
+                                  candidates=path == "candidates")
     truncated = apply_top_k_top_p(rows / temperature[:, None], None, top_p)
     kept = torch.isfinite(truncated).sum(dim=1).tolist()
     assert kept[0] < NUCLEUS_CANDIDATES < kept[1] and kept[2] == vocab  # all paths
@@ -545,6 +576,33 @@ def test_top_p_draws_follow_the_truncated_softmax_chi_square():
         if i == 0:
             stat, df = chi2(torch.softmax(rows[0] / temperature[0], dim=0))
             assert stat > 2 * _chi2_limit(df)
+
+
+@needs_native
+def test_native_top_p_reaches_exactly_the_nucleus():
+    """Sweeping u over a grid of 4,000 values, the native top-p draw reaches every token
+    of apply_top_k_top_p's nucleus whose share exceeds the grid's step, and nothing
+    else: from peaked rows (a few tokens) to flat ones (thousands, many per bucket of
+    the histogram), bfloat16 logits, and a vocabulary past one block."""
+    gen = torch.Generator().manual_seed(6)
+    vocab, grid = 3001, 4000
+    for scale, temperature, top_p in ((4.0, 0.7, 0.9), (1.0, 1.0, 0.95), (0.05, 1.0, 0.5),
+                                      (2.0, 0.3, 0.99), (3.0, 1.5, 0.2)):
+        x = (torch.randn(1, vocab, generator=gen) * scale).to(torch.bfloat16)
+        x[0, 7::13] = float("-inf")
+        reference = apply_top_k_top_p(x.float() / temperature, None,
+                                      torch.tensor([top_p]))[0]
+        kept = torch.isfinite(reference)
+        u = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+        out = torch.empty(grid, dtype=torch.int64)
+        cpu_ops.sample_draw(out, x.expand(grid, -1).contiguous(),
+                            torch.full((grid,), temperature), torch.full((grid,), top_p), u)
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[out] = True
+        assert not bool((seen & ~kept).any()), (scale, top_p)
+        large = kept & (torch.softmax(reference, dim=0) > 2 / grid)
+        assert bool(seen[large].all()), (scale, top_p)
+        assert int(kept.sum()) > 1 or int(seen.sum()) == 1
 
 
 def test_top_p_over_a_large_vocabulary_matches_transformers_in_a_mixed_batch():

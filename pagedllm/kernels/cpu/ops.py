@@ -156,12 +156,13 @@ def argmax(out: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def sample_draw(out: torch.Tensor, x: torch.Tensor, temperature: torch.Tensor,
-                u: torch.Tensor) -> None:
+                top_p: torch.Tensor | None, u: torch.Tensor) -> None:
     """out [N] (int64) = one token per row of x [N, V] drawn from softmax(x / temperature)
     with the uniform u (float64 [N], in [0, 1)): the token whose interval of the row's
     cumulative distribution holds u times its total (sample/ops.py, inverse_cdf_draw);
-    temperature float32 [N]."""
-    torch.ops.pagedllm_cpu.sample_draw.default(out, x, temperature, u)
+    with top_p, within the row's nucleus (rows at 1: the whole row). temperature and
+    top_p float32 [N]."""
+    torch.ops.pagedllm_cpu.sample_draw.default(out, x, temperature, top_p, u)
 
 
 def llama_layers(weights: list[torch.Tensor | None], sliding_windows: list[int],

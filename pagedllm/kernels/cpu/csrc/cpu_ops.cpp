@@ -16,6 +16,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -323,10 +325,12 @@ void argmax(const at::Tensor& out, const at::Tensor& x) {
 }
 
 // ---- sampling: one draw per row from softmax(x / t), by its inverse CDF (sample/ops.py's
-// draw_tempered and inverse_cdf_draw, which this replaces on CPU). torch spent ~9 ms of a
-// 64-row step over a 49k vocabulary on it in five passes, each writing a [64, V] tensor
-// (float32 copy, division, softmax, block sums, the chosen block's cumulative sums); this
-// reads the row twice and writes nothing but the token.
+// draw_tempered and inverse_cdf_draw, which this replaces on CPU), optionally within the
+// row's top-p nucleus. torch spent ~9 ms of a 64-row step over a 49k vocabulary on the
+// plain draw in five passes, each writing a [64, V] tensor (float32 copy, division,
+// softmax, block sums, the chosen block's cumulative sums), and up to ~100 ms on top-p,
+// whose nucleus was found by sorting the rows; this keeps a row's probabilities in a
+// buffer of its thread and writes nothing but the token.
 
 constexpr int64_t kDrawBlock = 256;  // sample/ops.py's DRAW_BLOCK
 
@@ -370,36 +374,51 @@ inline double draw_block_sum(const float* p, int64_t n) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-// The token of row x [n] whose interval of the cumulative distribution holds u * total:
+// A thread's buffers, reused from row to row.
+struct DrawScratch {
+  std::vector<float> p;            // the row's probabilities, zero-padded to 8
+  std::vector<double> block_sums;  // of kDrawBlock tokens each
+  std::vector<double> mass;        // top-p: of each probability bucket
+  std::vector<std::pair<float, int64_t>> edge;  // top-p: the nucleus's last bucket
+
+  explicit DrawScratch(int64_t n)
+      : p((n + 7) / 8 * 8), block_sums((n + kDrawBlock - 1) / kDrawBlock) {}
+};
+
+// p = exp(x / t - m) of the whole row, m = max(x) / t; false when m is not finite (a
+// NaN or all -inf row, or x / t overflowing).
+template <typename T>
+bool row_probs(const T* x, int64_t n, float t, int64_t top, DrawScratch& s) {
+  const float m = load_f(x, top) / t;
+  if (!std::isfinite(m)) return false;
+  for (int64_t b = 0; b < n; b += kDrawBlock) {
+    draw_block_probs(x + b, std::min(kDrawBlock, n - b), t, m, s.p.data() + b);
+  }
+  return true;
+}
+
+// The token of s.p[0, n) whose interval of the cumulative distribution holds u * total:
 // the block of kDrawBlock tokens first (float64 block sums), then the token within it
 // (its float64 cumulative sums; a target past them, by a last-bit difference from the
-// block's sum, takes the block's last token of nonzero probability). A row whose maximum
-// is NaN or -inf, or whose x / t overflows, gives its argmax.
-template <typename T>
-int64_t draw_row(const T* x, int64_t n, float t, double u) {
-  const int64_t top = argmax_row(x, n);
-  const float mx = load_f(x, top);
-  const float m = mx / t;
-  if (!std::isfinite(m)) return top;
+// block's sum, takes the block's last token of nonzero probability); -1 when the total
+// is not positive and finite.
+inline int64_t pick_token(int64_t n, double u, DrawScratch& s) {
   const int64_t num_blocks = (n + kDrawBlock - 1) / kDrawBlock;
-  std::vector<double> sums(num_blocks);
-  alignas(64) float p[kDrawBlock];
   double total = 0.0;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t len = std::min(kDrawBlock, n - b * kDrawBlock);
-    draw_block_probs(x + b * kDrawBlock, len, t, m, p);
-    sums[b] = draw_block_sum(p, (len + 7) / 8 * 8);
-    total += sums[b];
+    s.block_sums[b] = draw_block_sum(s.p.data() + b * kDrawBlock, (len + 7) / 8 * 8);
+    total += s.block_sums[b];
   }
-  if (!(total > 0.0) || !std::isfinite(total)) return top;
+  if (!(total > 0.0) || !std::isfinite(total)) return -1;
   const double target = u * total;
   // The block b with cum[b - 1] <= target < cum[b] (cum: the running sums, as a
   // float64 cumsum), else the last with mass.
   double before = 0.0, cum = 0.0, last_before = 0.0;
   int64_t chosen = -1, last = -1;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const double next = cum + sums[b];
-    if (sums[b] > 0.0) last = b, last_before = cum;
+    const double next = cum + s.block_sums[b];
+    if (s.block_sums[b] > 0.0) last = b, last_before = cum;
     if (next > target) {
       chosen = b, before = cum;
       break;
@@ -409,7 +428,7 @@ int64_t draw_row(const T* x, int64_t n, float t, double u) {
   if (chosen < 0) chosen = last, before = last_before;
   const int64_t base = chosen * kDrawBlock;
   const int64_t len = std::min(kDrawBlock, n - base);
-  draw_block_probs(x + base, len, t, m, p);
+  const float* p = s.p.data() + base;
   const double inner_target = target - before;
   double inner = 0.0;
   int64_t last_nonzero = 0;
@@ -421,36 +440,114 @@ int64_t draw_row(const T* x, int64_t n, float t, double u) {
   return base + last_nonzero;
 }
 
+// A probability's bucket for top-p: its float32 bits' exponent and 5 leading mantissa
+// bits (buckets 1/32 of an octave wide, ordered as the probabilities; p <= 1).
+constexpr int kBucketShift = 18;
+constexpr int64_t kNumBuckets = (0x3F800000 >> kBucketShift) + 1;
+
+inline int64_t prob_bucket(float p) {
+  uint32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  return bits >> kBucketShift;
+}
+
+// Zero the probabilities outside the top-p nucleus of s.p[0, n): the most likely tokens
+// while the mass before each (in descending order, ties by id) is below top_p * total.
+// Without sorting the row: the buckets' masses, walked from the most likely, find the
+// bucket where the nucleus ends; only that bucket's tokens are sorted.
+inline void keep_nucleus(int64_t n, float top_p, DrawScratch& s) {
+  float* p = s.p.data();
+  s.mass.assign(kNumBuckets, 0.0);
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) s.mass[prob_bucket(p[i])] += p[i];
+  for (int64_t b = 0; b < kNumBuckets; ++b) total += s.mass[b];
+  const double threshold = static_cast<double>(top_p) * total;
+  double above = 0.0;  // the mass of the buckets above the edge: all kept
+  int64_t edge = -1;
+  for (int64_t b = kNumBuckets - 1; b >= 0; --b) {
+    if (s.mass[b] == 0.0) continue;
+    if (above + s.mass[b] < threshold) {
+      above += s.mass[b];
+      continue;
+    }
+    edge = b;
+    break;
+  }
+  if (edge < 0) return;  // rounding: the whole row is the nucleus
+  s.edge.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    if (prob_bucket(p[i]) == edge) s.edge.emplace_back(p[i], i);
+  }
+  std::sort(s.edge.begin(), s.edge.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  // above < threshold (else the walk had stopped a bucket earlier), so the edge's first
+  // token stays.
+  double before = above;
+  size_t kept = 0;
+  while (kept < s.edge.size() && before < threshold) before += s.edge[kept++].first;
+  kept = std::max<size_t>(kept, 1);  // top_p 0: the edge is the top bucket, its first stays
+  // A token of the edge bucket stays iff it sorts at or before the last kept one.
+  const float cut_p = s.edge[kept - 1].first;
+  const int64_t cut_id = s.edge[kept - 1].second;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t b = prob_bucket(p[i]);
+    if (b < edge || (b == edge && (p[i] < cut_p || (p[i] == cut_p && i > cut_id)))) {
+      p[i] = 0.0f;
+    }
+  }
+}
+
+// One row: its argmax when its probabilities cannot be formed (NaN, all -inf, overflow).
+template <typename T>
+int64_t draw_row(const T* x, int64_t n, float t, float top_p, double u, DrawScratch& s) {
+  const int64_t top = argmax_row(x, n);
+  if (!row_probs(x, n, t, top, s)) return top;
+  if (top_p < 1.0f) keep_nucleus(n, top_p, s);
+  const int64_t token = pick_token(n, u, s);
+  return token < 0 ? top : token;
+}
+
 template <typename T>
 void sample_draw_impl(const at::Tensor& out, const at::Tensor& x,
-                      const at::Tensor& temperature, const at::Tensor& u) {
+                      const at::Tensor& temperature, const float* top_p,
+                      const at::Tensor& u) {
   const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
   const T* xp = x.data_ptr<T>();
   const float* tp = temperature.data_ptr<float>();
   const double* up = u.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
-#pragma omp parallel for if (rows * n > 4 * kMinElemsPerThread)
-  for (int64_t r = 0; r < rows; ++r) op[r] = draw_row(xp + r * xs, n, tp[r], up[r]);
+#pragma omp parallel if (rows * n > 4 * kMinElemsPerThread)
+  {
+    DrawScratch scratch(n);
+#pragma omp for
+    for (int64_t r = 0; r < rows; ++r) {
+      op[r] = draw_row(xp + r * xs, n, tp[r], top_p ? top_p[r] : 1.0f, up[r], scratch);
+    }
+  }
 }
 
 void sample_draw(const at::Tensor& out, const at::Tensor& x, const at::Tensor& temperature,
-                 const at::Tensor& u) {
+                 const std::optional<at::Tensor>& top_p, const at::Tensor& u) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
               "sample_draw: x is [N, V] with contiguous rows");
   const int64_t rows = x.size(0);
   TORCH_CHECK(out.dim() == 1 && out.size(0) == rows && out.is_contiguous() &&
                   out.scalar_type() == at::kLong,
               "sample_draw: out is a contiguous int64 [N]");
-  TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == rows &&
-                  temperature.is_contiguous() && temperature.scalar_type() == at::kFloat,
-              "sample_draw: temperature is a contiguous float32 [N]");
+  for (const at::Tensor* f : {&temperature, top_p ? &*top_p : &temperature}) {
+    TORCH_CHECK(f->dim() == 1 && f->size(0) == rows && f->is_contiguous() &&
+                    f->scalar_type() == at::kFloat,
+                "sample_draw: temperature and top_p are contiguous float32 [N]");
+  }
   TORCH_CHECK(u.dim() == 1 && u.size(0) == rows && u.is_contiguous() &&
                   u.scalar_type() == at::kDouble,
               "sample_draw: u is a contiguous float64 [N]");
+  const float* tp = top_p ? top_p->data_ptr<float>() : nullptr;
   switch (x.scalar_type()) {
-    case at::kFloat: return sample_draw_impl<float>(out, x, temperature, u);
-    case at::kBFloat16: return sample_draw_impl<c10::BFloat16>(out, x, temperature, u);
-    case at::kHalf: return sample_draw_impl<c10::Half>(out, x, temperature, u);
+    case at::kFloat: return sample_draw_impl<float>(out, x, temperature, tp, u);
+    case at::kBFloat16: return sample_draw_impl<c10::BFloat16>(out, x, temperature, tp, u);
+    case at::kHalf: return sample_draw_impl<c10::Half>(out, x, temperature, tp, u);
     default: TORCH_CHECK(false, "sample_draw: unsupported dtype ", x.scalar_type());
   }
 }
@@ -464,7 +561,9 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       "Tensor sin, int head_size, int rotary_dim, bool is_neox) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("argmax(Tensor(a!) out, Tensor x) -> ()");
-  m.def("sample_draw(Tensor(a!) out, Tensor x, Tensor temperature, Tensor u) -> ()");
+  m.def(
+      "sample_draw(Tensor(a!) out, Tensor x, Tensor temperature, Tensor? top_p, Tensor u) "
+      "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
