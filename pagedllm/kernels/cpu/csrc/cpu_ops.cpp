@@ -474,9 +474,15 @@ inline void keep_nucleus(int64_t n, float top_p, DrawScratch& s) {
     break;
   }
   if (edge < 0) return;  // rounding: the whole row is the nucleus
+  // One pass: tokens below the edge bucket go, the edge's are collected.
   s.edge.clear();
   for (int64_t i = 0; i < n; ++i) {
-    if (prob_bucket(p[i]) == edge) s.edge.emplace_back(p[i], i);
+    const int64_t b = prob_bucket(p[i]);
+    if (b < edge) {
+      p[i] = 0.0f;
+    } else if (b == edge) {
+      s.edge.emplace_back(p[i], i);
+    }
   }
   std::sort(s.edge.begin(), s.edge.end(), [](const auto& a, const auto& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
@@ -487,15 +493,7 @@ inline void keep_nucleus(int64_t n, float top_p, DrawScratch& s) {
   size_t kept = 0;
   while (kept < s.edge.size() && before < threshold) before += s.edge[kept++].first;
   kept = std::max<size_t>(kept, 1);  // top_p 0: the edge is the top bucket, its first stays
-  // A token of the edge bucket stays iff it sorts at or before the last kept one.
-  const float cut_p = s.edge[kept - 1].first;
-  const int64_t cut_id = s.edge[kept - 1].second;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t b = prob_bucket(p[i]);
-    if (b < edge || (b == edge && (p[i] < cut_p || (p[i] == cut_p && i > cut_id)))) {
-      p[i] = 0.0f;
-    }
-  }
+  for (size_t j = kept; j < s.edge.size(); ++j) p[s.edge[j].second] = 0.0f;
 }
 
 // One row: its argmax when its probabilities cannot be formed (NaN, all -inf, overflow).
