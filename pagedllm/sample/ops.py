@@ -50,14 +50,14 @@ NUCLEUS_CANDIDATES = 256
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None, max_top_k: int | None = None,
-                      ) -> torch.Tensor:
+                      top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask (-inf) tokens outside each row's top-k, then outside its top-p nucleus: the
     most likely tokens while the mass of those before each (its probability renormalized
     over the row's top-k) is below top_p; the most likely always stays.
 
-    max_top_k: an upper bound of top_k known on the host (else read from the tensor,
-    a device sync on a GPU)."""
+    The masked-logits form of what the sampler draws from (`draw_top_k_top_p` and the
+    native nucleus never build it): the definition the tests hold the draws and
+    transformers' warpers to."""
     if top_k is None and top_p is None:
         return logits
     vocab = logits.shape[-1]
@@ -65,8 +65,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         # Top-k alone needs no full sort: the k-th largest value of each row is the
         # threshold (ties with it stay, as transformers' TopKLogitsWarper).
         k = top_k.clamp(1, vocab)
-        width = max(1, min(max_top_k, vocab)) if max_top_k is not None else int(k.max())
-        top_values = logits.topk(width, dim=-1).values
+        top_values = logits.topk(int(k.max()), dim=-1).values
         kth = top_values.gather(1, (k - 1)[:, None])
         return logits.masked_fill(logits < kth, _NEG_INF)
     k, has_k, plain = _top_k_rows(logits, top_k, top_p)

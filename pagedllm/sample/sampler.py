@@ -21,9 +21,8 @@ import torch
 
 from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.ops import (apply_min_p, apply_penalties, apply_top_k_top_p,
-                                 argmax_rows, draw_tempered, draw_top_k_top_p,
-                                 draw_uniforms)
+from pagedllm.sample.ops import (apply_min_p, apply_penalties, argmax_rows, draw_tempered,
+                                 draw_top_k_top_p, draw_uniforms)
 
 
 @dataclass

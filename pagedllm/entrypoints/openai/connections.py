@@ -33,6 +33,7 @@ import json
 import logging
 import resource
 import time
+from http import HTTPStatus
 from typing import Any
 
 from pagedllm.entrypoints.openai.serving_common import error_body
@@ -42,7 +43,8 @@ logger = logging.getLogger(__name__)
 # Open files kept for the engine's side of the process (model files, pipes, the
 # tokenizer's) when --max-connections is not given.
 RESERVED_FILES = 256
-# Connections closed to make room are logged at most this often.
+# Each kind of warning (connections closed to make room, failed accepts) is logged at
+# most this often.
 LOG_EVERY_S = 10.0
 
 
@@ -63,11 +65,12 @@ def default_max_connections(open_file_limit: int) -> int:
     return max(open_file_limit - RESERVED_FILES, open_file_limit // 2)
 
 
-def _raw_response(status: int, reason: str, message: str) -> bytes:
+def _raw_response(status: int, message: str) -> bytes:
     """A whole HTTP/1.1 error response that closes the connection, written directly:
     h11 sends a response only after it has parsed a request."""
     body = json.dumps(error_body(message, status)).encode()
-    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+            f"content-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
 
 
@@ -84,7 +87,15 @@ class ConnectionGuard:
         # counted, or a burst of connections would close one waiting connection each.
         self.closing: set[Any] = set()
         self.num_evicted = 0
-        self._logged_at = 0.0
+        self._logged_at: dict[str, float] = {}  # per kind of warning
+
+    def _log_due(self, kind: str) -> bool:
+        """Whether a `kind` warning may be logged now (at most one per LOG_EVERY_S)."""
+        now = time.monotonic()
+        if now - self._logged_at.get(kind, -LOG_EVERY_S) < LOG_EVERY_S:
+            return False
+        self._logged_at[kind] = now
+        return True
 
     def make_room(self, newcomer: Any, num_open: int) -> bool:
         """Close the connection waiting longest if `num_open` passes the limit; False
@@ -98,12 +109,11 @@ class ConnectionGuard:
         self.closing.add(victim)
         victim.transport.close()
         self.num_evicted += 1
-        now = time.monotonic()
-        if now - self._logged_at >= LOG_EVERY_S:
-            self._logged_at = now
+        if self._log_due("evicted"):
             logger.warning("%d open connections passed --max-connections %d: closed the "
-                           "ones waiting longest for a request (%d so far)", num_open - 1,
-                           self.max_connections, self.num_evicted)
+                           "ones waiting longest for a request (%d so far)",
+                           num_open - len(self.closing) + 1, self.max_connections,
+                           self.num_evicted)
         return True
 
     def quiet_accept_errors(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -111,19 +121,15 @@ class ConnectionGuard:
         logs each failed accept with a traceback, a whole backlog's worth (uvicorn's:
         2,048) at a time, while connections arrive faster than the guard closes them."""
         default = loop.get_exception_handler()
-        logged_at = -LOG_EVERY_S
 
         def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-            nonlocal logged_at
             if not context.get("message", "").startswith("socket.accept() out of system"):
                 if default is not None:
                     default(loop, context)
                 else:
                     loop.default_exception_handler(context)
                 return
-            now = time.monotonic()
-            if now - logged_at >= LOG_EVERY_S:
-                logged_at = now
+            if self._log_due("accept"):
                 logger.warning("cannot accept connections: %s (raise the open-file limit, "
                                "ulimit -n, or lower --max-connections, now %d)",
                                context.get("exception"), self.max_connections)
@@ -151,8 +157,7 @@ class ConnectionGuard:
                     self.timeout_keep_alive, self.timeout_keep_alive_handler)
                 if not guard.make_room(self, len(self.connections)):
                     transport.write(_raw_response(
-                        503, "Service Unavailable",
-                        f"The server has {len(self.connections) - 1} open connections, "
+                        503, f"The server has {len(self.connections) - 1} open connections, "
                         f"every one with a request in flight (--max-connections "
                         f"{guard.max_connections})."))
                     guard.closing.add(self)
@@ -195,8 +200,7 @@ class ConnectionGuard:
                 if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
                     # Part of a request's line or headers came.
                     self.transport.write(_raw_response(
-                        408, "Request Timeout",
-                        f"The request's headers did not arrive within "
+                        408, f"The request's headers did not arrive within "
                         f"{guard.read_timeout:g} s (--read-timeout)."))
                 self.transport.close()
 

@@ -400,6 +400,10 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+# Sent with an answer given before the request's body was read.
+CLOSE = {"Connection": "close"}
+
+
 class BodyLimitMiddleware:
     """413 for a request body over `max_bytes`: by its Content-Length up front, or, for a
     chunked body, as soon as the bytes received pass the limit (never buffered whole).
@@ -460,10 +464,6 @@ class BodyLimitMiddleware:
         except _BodyRejected as e:
             if not started:
                 await _rejection_response(e)(scope, receive, send)
-
-
-# Sent with an answer given before the request's body was read.
-CLOSE = {"Connection": "close"}
 
 
 class _BodyRejected(StarletteHTTPException):
