@@ -22,6 +22,8 @@ import httpx
 import pytest
 
 from pagedllm.entrypoints.openai.connections import ConnectionGuard
+from pagedllm.entrypoints.openai.serve_config import ServeConfig
+from pagedllm.errors import ConfigError
 from tests.entrypoints.utils import MODEL_NAME, RemoteServer
 
 READ_TIMEOUT_S = 4
@@ -315,3 +317,29 @@ def test_running_out_of_files_to_accept_is_logged_once_not_per_connection(caplog
     assert len(warnings) == 1
     assert "--max-connections, now 100" in warnings[0].getMessage()
     assert passed_on == ["something else"]
+
+
+def test_a_body_refused_by_its_length_closes_the_connection_at_once(server):
+    """A Content-Length past --max-body-bytes gets its 413 before any body is read, with
+    `Connection: close`, and the server closes the connection then: the unread body
+    would otherwise hold it (read by nobody) for as long as its client trickled."""
+    sock = _connect(server)
+    try:
+        sock.sendall(_request_head("/v1/completions", 3 << 20) + b'{"prompt": "')
+        started = time.monotonic()
+        raw, closed_at = _read_until_closed(sock)
+    finally:
+        sock.close()
+    status, headers, body = _status_and_body(raw)
+    assert status == 413 and headers["connection"] == "close"
+    assert "--max-body-bytes" in body["error"]["message"]
+    assert closed_at - started < READ_TIMEOUT_S - 0.5  # not by the read timeout
+
+
+@pytest.mark.parametrize("field,value", [("keep_alive_timeout", 0.0),
+                                         ("read_timeout", -1.0),
+                                         ("write_timeout", float("nan")),
+                                         ("max_connections", 0)])
+def test_connection_limits_must_be_positive(field, value):
+    with pytest.raises(ConfigError, match=field):
+        ServeConfig(**{field: value})
