@@ -23,26 +23,29 @@ time grows steeply with depth (arrays nested 300 deep took ~3 s to check, 800 de
 over a minute; 100 deep ~0.1 s)."""
 
 
-def nesting_depth(value: Any) -> int:
-    """Levels of list / dict nesting of `value` (0 for a scalar), without recursion."""
+def nesting_depth(value: Any, limit: int | None = None) -> int:
+    """Levels of list / dict nesting of `value` (0 for a scalar), without recursion;
+    with `limit`, the walk stops at the first container deeper than it (and returns its
+    depth). Only containers are visited."""
+    if not isinstance(value, (dict, list, tuple)):
+        return 0
     deepest = 0
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, (list, tuple)):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children)
+        if depth > deepest:
+            deepest = depth
+            if limit is not None and depth > limit:
+                break
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, (dict, list, tuple)):
+                stack.append((child, depth + 1))
     return deepest
 
 
 def check_depth(value: Any, what: str) -> None:
     """InvalidRequestError when `value` nests deeper than MAX_JSON_DEPTH."""
-    if nesting_depth(value) > MAX_JSON_DEPTH:
+    if nesting_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise InvalidRequestError(f"{what} is nested more than {MAX_JSON_DEPTH} levels deep")
 
 

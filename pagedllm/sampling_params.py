@@ -53,6 +53,9 @@ class StructuredOutputsParams:
     blocks)."""
     disable_any_whitespace: bool = False
     """JSON without free whitespace between tokens (compact; small models loop less)."""
+    _key: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    """cache_key(), once taken (pickled with the params: the engine core need not take
+    it again)."""
 
     def __post_init__(self) -> None:
         for name, types in _FIELD_TYPES.items():
@@ -89,13 +92,18 @@ class StructuredOutputsParams:
         raise AssertionError("validated on construction")
 
     def cache_key(self) -> tuple:
-        """Hashable identity of the constraint (compiled grammars are cached by it)."""
-        value: Any = getattr(self, self.kind)
-        if isinstance(value, dict):
-            value = json.dumps(value, sort_keys=True)
-        elif isinstance(value, list):
-            value = tuple(value)
-        return (self.kind, value, self.disable_any_whitespace)
+        """Hashable identity of the constraint (compiled grammars are cached by it).
+        Taken once: a large schema's canonical text is tens of milliseconds of one C call
+        (~60 ms for 60,000 properties), and the server's check, the input processor and
+        the engine core each ask for it; the constraint is not to change after."""
+        if self._key is None:
+            value: Any = getattr(self, self.kind)
+            if isinstance(value, dict):
+                value = json.dumps(value, sort_keys=True)
+            elif isinstance(value, list):
+                value = tuple(value)
+            self._key = (self.kind, value, self.disable_any_whitespace)
+        return self._key
 
 
 _CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")

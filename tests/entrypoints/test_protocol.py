@@ -14,7 +14,7 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, Completi
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_common import OpenAIServing
 from pagedllm.errors import InvalidRequestError
-from pagedllm.json_limits import MAX_JSON_DEPTH
+from pagedllm.json_limits import MAX_JSON_DEPTH, nesting_depth
 from pagedllm.metrics import EngineMetrics
 from pagedllm.request import Request
 from pagedllm.sampling_params import (RequestOutputKind, SamplingParams,
@@ -245,6 +245,67 @@ def test_json_texts_in_a_request_nest_at_most_max_json_depth():
     with pytest.raises(InvalidRequestError, match="structured_outputs.json is nested"):
         StructuredOutputsParams(json={"a": _nested(MAX_JSON_DEPTH)})  # offline: no body check
     StructuredOutputsParams(json=json.dumps({"type": "array", "items": {}}))
+
+
+def test_a_requests_constraint_is_read_off_the_loop_once_for_all_its_prompts(monkeypatch):
+    import asyncio
+    import threading
+
+    from pagedllm.entrypoints.openai.offload import Offloader
+
+    serving = OpenAIServing.__new__(OpenAIServing)  # read_constraint needs the offloader only
+    serving.offloader = Offloader(timeout_s=5)
+    built_in = []
+    original = StructuredOutputsParams.__post_init__
+    monkeypatch.setattr(StructuredOutputsParams, "__post_init__",
+                        lambda self: built_in.append(threading.get_ident()) or original(self))
+
+    async def read(kwargs: dict) -> int:
+        await serving.read_constraint(kwargs)
+        return threading.get_ident()
+
+    try:
+        kwargs = {"structured_outputs": {"json": {"type": "object"}}, "temperature": 0.0}
+        loop_thread = asyncio.run(read(kwargs))
+        assert len(built_in) == 1 and built_in[0] != loop_thread
+        constraint = kwargs["structured_outputs"]
+        assert isinstance(constraint, StructuredOutputsParams)
+        params = [OpenAIServing.sampling_params(kwargs | {"max_tokens": n}, False)
+                  for n in (1, 2, 3)]
+        assert all(p.structured_outputs is constraint for p in params)
+        assert len(built_in) == 1  # not once a prompt
+        with pytest.raises(InvalidRequestError, match="invalid structured_outputs"):
+            asyncio.run(read({"structured_outputs": {"regexp": "a"}}))
+    finally:
+        serving.offloader.shutdown()
+
+
+def test_nesting_depth_stops_past_its_limit():
+    assert [nesting_depth(v) for v in (3, "s", [], {}, [[()]], {"a": [1, {"b": {}}]})] == [
+        0, 0, 1, 1, 3, 4]
+    assert nesting_depth(_nested(500)) == 500
+    assert nesting_depth(_nested(500), limit=10) == 11  # the first level past it
+
+
+def test_a_constraints_cache_key_is_taken_once_and_travels_with_it(monkeypatch):
+    import pickle
+
+    from pagedllm import sampling_params
+
+    schema = {"type": "object", "properties": {"b": {"type": "string"}, "a": {}}}
+    params = StructuredOutputsParams(json=schema)
+    dumps, real_dumps = [], json.dumps
+    monkeypatch.setattr(sampling_params.json, "dumps",
+                        lambda *a, **kw: dumps.append(1) or real_dumps(*a, **kw))
+    key = params.cache_key()
+    assert params.cache_key() is key and len(dumps) == 1
+    assert key == ("json", real_dumps(schema, sort_keys=True), False)
+    moved = pickle.loads(pickle.dumps(SamplingParams(structured_outputs=params)))
+    assert moved.structured_outputs.cache_key() == key and len(dumps) == 1
+    assert moved.structured_outputs == params  # the key is not part of its identity
+    # Equal constraints give equal keys whatever their key order.
+    again = StructuredOutputsParams(json=dict(reversed(schema.items())))
+    assert again.cache_key() == key
 
 
 @pytest.mark.parametrize("fields, fragment", [

@@ -57,6 +57,7 @@ from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.score_protocol import (ClassifyRequest, RerankRequest,
                                                        ScoreRequest)
 from pagedllm.entrypoints.openai.offload import Offloader
+from pagedllm.entrypoints.openai.request_body import BodyRoutes
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.served_models import (ModelNotFoundError, ServedModels,
@@ -253,48 +254,46 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
             return Response(f"Success: LoRA adapter '{request.lora_name}' removed "
                             f"successfully.", media_type="text/plain")
 
-    @app.post("/v1/completions")
+    post = BodyRoutes(app, offloader).post
+
+    @post("/v1/completions", body=CompletionRequest)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
         if request.stream:
             return await completions.create_completion(request)
         return await _cancel_on_disconnect(raw_request, completions.create_completion(request))
 
-    @app.post("/v1/chat/completions")
+    @post("/v1/chat/completions", body=ChatCompletionRequest)
     async def create_chat_completion(request: ChatCompletionRequest,
                                      raw_request: Request) -> Any:
         if request.stream:
             return await chat.create_chat_completion(request)
         return await _cancel_on_disconnect(raw_request, chat.create_chat_completion(request))
 
-    @app.post("/v1/embeddings")
+    @post("/v1/embeddings", body=EmbeddingRequest)
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Any:
         return await _cancel_on_disconnect(raw_request,
                                            embeddings.create_embedding(request))
 
-    @app.post("/v1/responses")
+    @post("/v1/responses", body=ResponsesRequest)
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Any:
         if request.stream:
             return await responses.create_response(request)
         return await _cancel_on_disconnect(raw_request, responses.create_response(request))
 
-    @app.post("/score")
-    @app.post("/v1/score")
+    @post("/score", "/v1/score", body=ScoreRequest)
     async def create_score(request: ScoreRequest, raw_request: Request) -> Any:
         return await _cancel_on_disconnect(raw_request, scores.create_score(request))
 
-    @app.post("/classify")
-    @app.post("/v1/classify")
+    @post("/classify", "/v1/classify", body=ClassifyRequest)
     async def create_classify(request: ClassifyRequest, raw_request: Request) -> Any:
         return await _cancel_on_disconnect(raw_request, scores.create_classify(request))
 
-    @app.post("/rerank")
-    @app.post("/v1/rerank")
-    @app.post("/v2/rerank")
+    @post("/rerank", "/v1/rerank", "/v2/rerank", body=RerankRequest)
     async def create_rerank(request: RerankRequest, raw_request: Request) -> Any:
         return await _cancel_on_disconnect(raw_request, scores.create_rerank(request))
 
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+    @post("/tokenize", body=TokenizeRequest, response_model=TokenizeResponse)
+    async def tokenize(request: TokenizeRequest, _: Request) -> TokenizeResponse:
         chat.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages")
@@ -319,8 +318,8 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
         /tokenizer_info: harnesses set up a client-side tokenizer from it)."""
         return tokenizer_info_of(engine.tokenizer, engine.max_model_len)
 
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+    @post("/detokenize", body=DetokenizeRequest, response_model=DetokenizeResponse)
+    async def detokenize(request: DetokenizeRequest, _: Request) -> DetokenizeResponse:
         chat.check_model(request.model)
         vocab_size = engine.config.model.hf_config.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab_size]

@@ -36,6 +36,9 @@ from pagedllm.reasoning import Phase, ReasoningReader
 from pagedllm.sampling_params import SamplingParams
 
 
+# What reading one message into the template's form costs, counted as bytes of input
+# for the offloader (~2 us: past a few dozen messages, a worker thread does it).
+_MESSAGE_COST_BYTES = 256
 # Parameters of apply_chat_template itself: chat_template_kwargs may only add template
 # variables, never change how it renders (or smuggle in a template).
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -167,6 +170,7 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = request.sampling_kwargs(max_tokens)
         if plan.constraint is not None:
             kwargs["structured_outputs"] = plan.constraint
+        await self.read_constraint(kwargs)
         params = self.sampling_params(kwargs, request.stream,
                                       self.engine.config.model.sampling_defaults)
         try:
@@ -221,6 +225,27 @@ class OpenAIServingChat(OpenAIServing):
         # Never inline: even a small image is resized to the model's input size.
         return await self.offloader.run("decoding images", size + (1 << 20), work)
 
+    def _conversation(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
+                      ) -> tuple[list[dict[str, Any]], list[Any], int]:
+        """The messages as the template reads them, their images (multimodal models),
+        and the bytes the template will print of them (a JSON estimate of calls and
+        tools)."""
+        sources: list[Any] = []
+        if self.engine.image_processor is None:
+            conversation = [m.template_dict() for m in messages]
+        else:
+            conversation = []
+            for m in messages:
+                parts, found = template_parts(m.content)
+                conversation.append(m.template_dict(content=parts))
+                sources += found
+        num_bytes = sum(_text_bytes(m["content"]) + len(m["role"])
+                        + len(m.get("reasoning", "").encode("utf-8"))
+                        for m in conversation)
+        num_bytes += sum(len(json.dumps(m.get("tool_calls", ""))) for m in conversation)
+        num_bytes += len(json.dumps(tools)) if tools else 0
+        return conversation, sources, num_bytes
+
     async def render_chat(self, messages: list[ChatMessage],
                           add_generation_prompt: bool = True,
                           continue_final_message: bool = False,
@@ -248,21 +273,9 @@ class OpenAIServingChat(OpenAIServing):
         reserved = sorted(kwargs.keys() & _RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved[0]!r}")
-        sources: list[Any] = []
-        if self.engine.image_processor is None:
-            conversation = [m.template_dict() for m in messages]
-        else:
-            conversation = []
-            for m in messages:
-                parts, found = template_parts(m.content)
-                conversation.append(m.template_dict(content=parts))
-                sources += found
-        # Contents, plus the calls and tools the template will print (a JSON estimate).
-        num_bytes = sum(_text_bytes(m["content"]) + len(m["role"])
-                        + len(m.get("reasoning", "").encode("utf-8"))
-                        for m in conversation)
-        num_bytes += sum(len(json.dumps(m.get("tool_calls", ""))) for m in conversation)
-        num_bytes += len(json.dumps(tools)) if tools else 0
+        conversation, sources, num_bytes = await self.offloader.run(
+            "reading the conversation", _MESSAGE_COST_BYTES * len(messages),
+            self._conversation, messages, tools)
         self.check_prompt_bytes(num_bytes, kind="conversation")
         try:
             text = await self.offloader.run(

@@ -31,7 +31,8 @@ from pagedllm.entrypoints.openai.served_models import ModelNotFoundError, Served
 from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import SamplingParams, check_truncate_prompt_tokens
+from pagedllm.sampling_params import (SamplingParams, StructuredOutputsParams,
+                                      check_truncate_prompt_tokens)
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,14 @@ def exception_message(exc: BaseException) -> str:
     if isinstance(exc, EngineDeadError):
         return f"The engine is not running: {exc}"
     return str(exc) or type(exc).__name__
+
+
+def _constraint(spec: dict[str, Any]) -> StructuredOutputsParams:
+    """StructuredOutputsParams(**spec), an unknown field a 400."""
+    try:
+        return StructuredOutputsParams(**spec)
+    except TypeError as e:
+        raise InvalidRequestError(f"invalid structured_outputs: {e}") from e
 
 
 class OpenAIServing:
@@ -238,6 +247,17 @@ class OpenAIServing:
                 f"Please reduce the length of the {kind} or completion.")
         return max_tokens
 
+    async def read_constraint(self, kwargs: dict[str, Any]) -> None:
+        """Turn kwargs' structured_outputs (the request's dict) into its
+        StructuredOutputsParams in a worker thread: its schema is walked for its depth
+        and canonicalized for its cache key, tens of milliseconds each for a large one
+        (60,000 properties). The params of a request's prompts then share it, so the
+        key is taken once, not once a prompt."""
+        spec = kwargs.get("structured_outputs")
+        if isinstance(spec, dict):
+            kwargs["structured_outputs"] = await self.offloader.run_in_thread(
+                _constraint, spec)
+
     @staticmethod
     def sampling_params(kwargs: dict[str, Any], stream: bool,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -258,12 +278,7 @@ class OpenAIServing:
                 raise InvalidRequestError(f"`{name}` is not supported by this server.")
             kw[name] = value
         if isinstance(kw.get("structured_outputs"), dict):
-            from pagedllm.sampling_params import StructuredOutputsParams
-
-            try:
-                kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
-            except TypeError as e:
-                raise InvalidRequestError(f"invalid structured_outputs: {e}") from e
+            kw["structured_outputs"] = _constraint(kw["structured_outputs"])
         if "output_kind" in _SAMPLING_FIELDS:
             from pagedllm.sampling_params import RequestOutputKind
 

@@ -66,6 +66,7 @@ class OpenAIServingCompletion(OpenAIServing):
         # echo with max_tokens 0 scores the prompt: the engine samples one token, which
         # the response leaves out (vLLM does the same).
         requested = 1 if _is_echo_only(request) else request.max_tokens
+        await self.read_constraint(kwargs)
         params = []
         for _, ids in prompts:
             max_tokens = self.check_length(len(ids), requested, kind="prompt")
