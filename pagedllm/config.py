@@ -269,6 +269,12 @@ class SchedulerConfig:
     a step's chunks may cost what max_num_batched_tokens fresh prompt tokens cost: deep
     into a long prompt the chunks shrink, so its steps (the other requests' time between
     tokens) do not grow with it. 0: the budget counts tokens only."""
+    prompt_logprob_cost: float = 0.0
+    """What scoring one prompt position for prompt logprobs costs (its row of logits
+    through the LM head; the log-softmax is ~10x cheaper on CPU) in tokens through the
+    linear layers (set from the model: vocab / (layers (4 hidden + 3 intermediate))).
+    With the cost budget on, a prompt-logprobs request's chunks count it: its steps
+    are not longer than others'."""
     max_loras: int | None = None
     """Most distinct LoRA adapters among the running requests (LoRAConfig.max_loras; a
     waiting request with another adapter waits); None: LoRA is off."""

@@ -39,7 +39,8 @@ Cost budget (`SchedulerConfig.attention_pairs_per_token` > 0): a prefill chunk a
 costs its attention over the tokens before it, so besides the token budget a step's
 chunks may cost only what a fresh prompt of the whole budget costs (StepState
 .chunk_cost); deep into a long prompt its chunks shrink, and every step, with the
-decodes that share it, stays about as long as the first.
+decodes that share it, stays about as long as the first. A request that wants prompt
+logprobs pays for scoring its positions too (`prompt_logprob_cost` a token).
 
 KV cache groups (core/kv_groups.py): with sliding-window layers a request holds blocks
 per group; block ids, allocation and preemption span the groups, and `CachedRequestData`
@@ -123,6 +124,7 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.attention_pairs_per_token = scheduler_config.attention_pairs_per_token
+        self.prompt_logprob_cost = scheduler_config.prompt_logprob_cost
         self.policy = scheduler_config.policy
         self.max_loras = scheduler_config.max_loras
         self.clock = clock
@@ -256,7 +258,8 @@ class Scheduler:
         self._victims_in_flight = False
         step = StepState(self.max_num_batched_tokens, self.max_num_tokens,
                          self.enable_chunked_prefill, self.num_lookahead_tokens,
-                         attention_pairs_per_token=self.attention_pairs_per_token)
+                         attention_pairs_per_token=self.attention_pairs_per_token,
+                         prompt_logprob_cost=self.prompt_logprob_cost)
         if self.policy == "priority":
             # Before _schedule_running, so no scheduled request has to be undone.
             self._preempt_for_waiting_head(step)

@@ -37,6 +37,8 @@ class StepState:
     is_short_of_blocks: bool = False
     # SchedulerConfig.attention_pairs_per_token (0: prefill chunks cost their tokens).
     attention_pairs_per_token: int = 0
+    # SchedulerConfig.prompt_logprob_cost: what scoring a prompt position costs on top.
+    prompt_logprob_cost: float = 0.0
 
     def __post_init__(self) -> None:
         # What the step's prefill chunks may cost, in tokens: as much as a fresh prompt
@@ -44,12 +46,18 @@ class StepState:
         self.cost_left = (self.chunk_cost(0, self.token_budget)
                           if self.attention_pairs_per_token else math.inf)
 
-    def chunk_cost(self, num_computed: int, num_new_tokens: int) -> float:
+    def chunk_cost(self, num_computed: int, num_new_tokens: int,
+                   scored: bool = False) -> float:
         """Cost, in tokens through the linear layers, of prefilling tokens [num_computed,
         num_computed + num_new_tokens): each also attends to ~num_computed + n / 2 keys
-        at 1 / attention_pairs_per_token of a token each."""
+        at 1 / attention_pairs_per_token of a token each, and, `scored` (the request
+        wants prompt logprobs), gets its row of logits scored at prompt_logprob_cost."""
         r = self.attention_pairs_per_token
-        return num_new_tokens * (1 + (num_computed + num_new_tokens / 2) / r)
+        return num_new_tokens * (1 + self._scoring(scored)
+                                 + (num_computed + num_new_tokens / 2) / r)
+
+    def _scoring(self, scored: bool) -> float:
+        return self.prompt_logprob_cost if scored else 0.0
 
     def cap_chunk(self, request: Request, num_computed: int, num_new_tokens: int) -> int:
         """A prefill chunk (more than one token) cut to what is left of the step's cost
@@ -59,9 +67,9 @@ class StepState:
                 or not self.enable_chunked_prefill or request.is_pooling):
             return num_new_tokens
         # The largest n with chunk_cost(num_computed, n) <= cost_left: the root of
-        # n^2 / 2r + a n - cost_left with a = 1 + num_computed / r.
+        # n^2 / 2r + a n - cost_left with a = 1 + scoring + num_computed / r.
         r = self.attention_pairs_per_token
-        a = 1 + num_computed / r
+        a = 1 + self._scoring(scores_prompt(request)) + num_computed / r
         fits = r * (math.sqrt(a * a + 2 * max(self.cost_left, 0) / r) - a)
         return max(1, min(num_new_tokens, int(fits)))
 
@@ -69,7 +77,8 @@ class StepState:
         self.num_scheduled_tokens[request.req_id] = num_new_tokens
         self.token_budget -= num_new_tokens
         if num_new_tokens > 1 and not math.isinf(self.cost_left):
-            self.cost_left -= self.chunk_cost(request.num_computed_tokens, num_new_tokens)
+            self.cost_left -= self.chunk_cost(request.num_computed_tokens, num_new_tokens,
+                                              scores_prompt(request))
 
     def add_new(self, request: Request, num_new_tokens: int,
                 block_ids: list[list[int]]) -> None:
@@ -149,3 +158,8 @@ class StepState:
             blocks_to_swap_in=self.blocks_to_swap_in,
             scheduled_spec_decode_tokens=self.spec_tokens,
         )
+
+
+def scores_prompt(request: Request) -> bool:
+    """Whether the request's prefill scores its prompt positions (prompt logprobs)."""
+    return not request.is_pooling and request.sampling_params.prompt_logprobs is not None

@@ -1,7 +1,7 @@
 """Sampler: logits [N, vocab] -> one token id per row, all rows in one pass.
 
 Steps (vLLM's order; each is skipped when no row of the step uses it):
- 1. raw logprobs: log_softmax of the model's logits, before any transform
+ 1. raw logits kept for the logprobs (step 6), before any transform
  2. masks: allowed_token_ids, bad words and min_tokens bans, grammar bitmask;
     then logit_bias
  3. penalties: repetition, frequency, presence
@@ -10,7 +10,8 @@ Steps (vLLM's order; each is skipped when no row of the step uses it):
     softmax (inverse CDF: u ~ U[0, 1) against its cumulative sums; on CPU one native
     call does temperature, top-p, softmax and draw); seeded rows draw u from their own
     generator
- 6. logprobs of the chosen token (with its rank) and the top-k, from step 1
+ 6. logprobs of the chosen token (with its rank) and the top-k: the log-softmax of
+    step 1's logits (on CPU one native pass, sample/logprobs.py)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs
+from pagedllm.sample.logprobs import LogprobsTensors, score_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import (apply_min_p, apply_penalties, argmax_rows, draw_tempered,
                                  draw_top_k_top_p, draw_uniforms)
@@ -40,15 +41,16 @@ class Sampler:
             # Nothing but the argmax: no float32 copy of the logits (same result: the
             # conversion is exact).
             return SamplerOutput(sampled_token_ids=argmax_rows(logits))
-        logits = logits.float()
-        raw_logprobs = None
+        raw = None
         if md.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self.apply_logits_processors(logits, md)
+            # Scored after the draw, from the logits as the model gave them (float32 ones
+            # are transformed in place below: kept as a copy).
+            raw = logits.clone() if logits.dtype == torch.float32 else logits
+        logits = self.apply_logits_processors(logits.float(), md)
         sampled = self.sample(logits, md)
         lp = None
-        if raw_logprobs is not None:
-            lp = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+        if raw is not None:
+            lp = score_logprobs(raw, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
 
     @staticmethod

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.contracts import PromptLogprobsChunk, TokenLogprobs
-from pagedllm.sample.logprobs import gather_logprobs
+from pagedllm.sample.logprobs import score_logprobs
 from pagedllm.worker.input_batch import InputBatch
 
 # Logits scored at once (rows x vocabulary): 64 MB per float32 tensor.
@@ -53,8 +53,7 @@ def prompt_logprobs_chunks(model: torch.nn.Module, hidden: torch.Tensor, batch: 
             if logits is None:
                 break  # a tensor parallel rank but 0: it only took part in the gather
             targets = torch.from_numpy(batch.token_ids[row, start + 1:stop + 1])
-            lp = gather_logprobs(torch.log_softmax(logits.float(), dim=-1),
-                                 targets.to(logits.device), k)
+            lp = score_logprobs(logits, targets.to(logits.device), k)
             entries += lp.tolists([k] * (stop - start))
         if entries:
             chunks[req_id] = PromptLogprobsChunk(start=computed + 1, entries=entries)

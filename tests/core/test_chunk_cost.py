@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from pagedllm.core.step_state import StepState
-from pagedllm.engine.arg_utils import _attention_pairs_per_token
+from pagedllm.engine.arg_utils import _attention_pairs_per_token, _prompt_logprob_cost
 
 BUDGET, PAIRS = 64, 32
 POOL = dict(num_blocks=400, block_size=4, max_model_len=1500, max_num_batched_tokens=BUDGET)
@@ -99,7 +99,8 @@ def test_prompts_that_must_fit_one_step_are_not_cut(make_scheduler, make_request
 def test_cap_chunk_solves_the_cost_exactly() -> None:
     step = StepState(token_budget=2048, max_num_tokens=10 ** 6, enable_chunked_prefill=True,
                      attention_pairs_per_token=3456)
-    request = SimpleNamespace(is_pooling=False)
+    request = SimpleNamespace(is_pooling=False,
+                              sampling_params=SimpleNamespace(prompt_logprobs=None))
     assert step.cap_chunk(request, 0, 2048) == 2048
     for before in (100, 2000, 7500, 30000):
         n = step.cap_chunk(request, before, 2048)
@@ -132,3 +133,40 @@ def test_engine_sets_the_ratio() -> None:
     assert config.scheduler.attention_pairs_per_token == expected
     dequantized = EngineArgs(quantization="none").create_engine_config()
     assert dequantized.scheduler.attention_pairs_per_token == pairs
+
+
+def test_prompt_logprobs_chunks_pay_for_their_scoring() -> None:
+    step = StepState(token_budget=2048, max_num_tokens=10 ** 6, enable_chunked_prefill=True,
+                     attention_pairs_per_token=1152, prompt_logprob_cost=0.7)
+    plain = SimpleNamespace(is_pooling=False,
+                            sampling_params=SimpleNamespace(prompt_logprobs=None))
+    scored = SimpleNamespace(is_pooling=False,
+                             sampling_params=SimpleNamespace(prompt_logprobs=0))
+    for before in (0, 2000, 7500):
+        n = step.cap_chunk(scored, before, 2048)
+        assert (step.chunk_cost(before, n, scored=True) <= step.cost_left
+                < step.chunk_cost(before, n + 1, scored=True))
+        assert n < step.cap_chunk(plain, before, 2048)
+    # A scored chunk uses up more of the step: what is left after it is what is left
+    # after the plain chunk of the same cost.
+    n = step.cap_chunk(scored, 0, 2048)
+    left = step.cost_left
+    step.add(SimpleNamespace(req_id="s", num_computed_tokens=0, is_pooling=False,
+                             sampling_params=scored.sampling_params), n)
+    assert step.cost_left == pytest.approx(left - n * (1.7 + n / 2 / 1152))
+    # An embedding request scores nothing (its params are a placeholder).
+    pooling = SimpleNamespace(is_pooling=True, sampling_params=scored.sampling_params)
+    assert step.cap_chunk(pooling, 0, 100) == 100
+
+
+@pytest.mark.parametrize("cfg, native, expected", [
+    # SmolLM2: 49,152 / (30 (4 * 576 + 3 * 1536)); 3x with its GGUF blocks.
+    (dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, vocab_size=49152),
+     False, 49152 / (30 * 6912)),
+    (dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, vocab_size=49152),
+     True, 3 * 49152 / (30 * 6912)),
+    (dict(n_embd=768, n_layer=12, vocab_size=50257), False, 50257 / (12 * 16 * 768)),  # 4h MLP
+    (dict(hidden_size=64), False, 0.0),  # no vocabulary or layers known: not counted
+])
+def test_prompt_logprob_cost_from_the_model_config(cfg, native, expected) -> None:
+    assert _prompt_logprob_cost(SimpleNamespace(**cfg), native) == pytest.approx(expected)

@@ -4,7 +4,8 @@ compiled with -mno-avx512f, the engine ignoring AVX-512), in a subprocess of its
 - The quantized GEMM there (its AVX2 kernels, compiled for AVX2 alone) gives the same bits
   as this build's widest kernels, for every block type; its AVX-512 path is not built.
 - Its fused SiLU-and-multiply (8 lanes, exp16's arithmetic) gives this build's bits in
-  float32, bfloat16 and float16, a row tail included.
+  float32, bfloat16 and float16, a row tail included; so do its logprobs (score_rows:
+  8 lanes in both builds).
 - Its fp8 KV cache writes (8 lanes, fp8x8) store torch's conversion for every value
   tests/attention/test_fp8_kv_cache.py writes, and its in-place reads (float8_of) give
   every code's exact value, head sizes 64 and 24 (the AVX-512 build runs its own
@@ -34,6 +35,7 @@ from pagedllm import LLM
 from pagedllm.kernels.cpu import ops
 from pagedllm.kernels.cpu.build import load_cpu_kernels
 from pagedllm.attention.kv_quant import quantize_kv, raw_bytes
+from pagedllm.sample.logprobs import score_logprobs
 from tests.attention.test_fp8_kv_cache import FP8, kernel_reads, kernel_writes
 from tests.engine.partings import assert_near_tie_partings, greedy_dists
 from tests.engine.test_gguf_quantized import PROMPTS
@@ -55,6 +57,18 @@ def _silu_cases() -> list[torch.Tensor]:
     torch.manual_seed(1)
     return [(torch.randn(5, 2 * 1541) * 4).to(dtype)
             for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+
+
+def _score_cases() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Logits [4, 50001] (a tail of 1 past the vectors of 8) and targets, three dtypes."""
+    torch.manual_seed(2)
+    return [((torch.randn(4, 50001) * 4).to(dtype), torch.tensor([0, 7, 50000, 123]))
+            for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+
+
+def _score(x: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    scored = score_logprobs(x, targets, 20)
+    return [scored.token_ids, scored.logprobs, scored.ranks]
 
 
 def _silu(x: torch.Tensor) -> torch.Tensor:
@@ -86,10 +100,11 @@ def _child(out_path: str) -> None:
     except RuntimeError as e:
         avx512_error = str(e)
     silu = [_silu(x) for x in _silu_cases()]
+    score = [_score(x, targets) for x, targets in _score_cases()]
     fp8_writes = [kernel_writes(dtype) for dtype in FP8]
     fp8_reads = [kernel_reads(dtype, torch.float32, head_size)
                  for dtype in FP8 for head_size in (64, 24)]
-    torch.save({"gemm": gemm, "silu": silu, "avx512_error": avx512_error,
+    torch.save({"gemm": gemm, "silu": silu, "score": score, "avx512_error": avx512_error,
                 "fp8_writes": fp8_writes, "fp8_reads": fp8_reads,
                 "quantized": _greedy(False),
                 "dequantized": _greedy(True)}, out_path)
@@ -110,6 +125,8 @@ def test_avx2_build_same_bits_and_engine(tmp_path):
         assert torch.equal(theirs, run_gemm(make_weight(qtype, 45, 512, seed=1), x)), (qtype, dtype)
     for x, theirs in zip(_silu_cases(), got["silu"], strict=True):
         assert torch.equal(theirs, _silu(x)), x.dtype
+    for (x, targets), theirs in zip(_score_cases(), got["score"], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(theirs, _score(x, targets))), x.dtype
     for dtype, writes in zip(FP8, got["fp8_writes"], strict=True):
         assert len(writes) == 9
         for x, scale, stored in writes:

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("cpu_attention.cpp", "cpu_ops.cpp", "cpu_decoder.cpp",
                                      "cpu_gemm.cpp", "cpu_quant.cpp",
-                                     "cpu_quant_rows.cpp", "cpu_lora.cpp")]
+                                     "cpu_quant_rows.cpp", "cpu_lora.cpp",
+                                     "cpu_logprobs.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "fp8.h", "attention_common.h",
                                      "attention_avx512.h", "attention_amx.h",
                                      "attention_generic.h", "ops.h", "quant_avx2.h",

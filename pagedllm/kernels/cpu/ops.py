@@ -14,7 +14,7 @@ __all__ = ["argmax", "cpu_ops_available", "gemm_bf16", "gemm_f32", "gemm_quant",
            "llama_decoder_stack", "llama_layers", "load_cpu_kernels", "lora_apply",
            "paged_attention", "quant_amx_bf16_usable", "quant_amx_usable", "quant_rows",
            "quant_splits_prompt_rows", "rms_norm", "rotary_embedding", "sample_draw",
-           "silu_and_mul"]
+           "score_rows", "silu_and_mul"]
 
 
 def cpu_ops_available(x: torch.Tensor) -> bool:
@@ -163,6 +163,16 @@ def sample_draw(out: torch.Tensor, x: torch.Tensor, temperature: torch.Tensor,
     with top_p, within the row's nucleus (rows at 1: the whole row). temperature and
     top_p float32 [N]."""
     torch.ops.pagedllm_cpu.sample_draw.default(out, x, temperature, top_p, u)
+
+
+def score_rows(lp: torch.Tensor, ids: torch.Tensor, ranks: torch.Tensor, ok: torch.Tensor,
+               x: torch.Tensor, targets: torch.Tensor, k: int) -> None:
+    """Per row of logits x [N, V]: column 0 of lp / ids / ranks [N, k + 1] (float32,
+    int64, int64) the log-softmax at targets [N] (int64), the target, its rank (1 + the
+    tokens of larger logprob); columns 1..k the k most likely tokens (ties by smaller id)
+    likewise. ok [N] (bool) false where a row holds a NaN or no finite value: its
+    columns are not written (csrc/cpu_logprobs.cpp)."""
+    torch.ops.pagedllm_cpu.score_rows.default(lp, ids, ranks, ok, x, targets, k)
 
 
 def llama_layers(weights: list[torch.Tensor | None], sliding_windows: list[int],
