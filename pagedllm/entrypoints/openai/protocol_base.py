@@ -36,7 +36,8 @@ def check_json_value(value: Any, path: str = "") -> None:
     nested ~1000 deep took a recursive walk past Python's limit: a 500). Only what could
     fail is visited: non-ASCII strings and containers with items (or past the depth
     limit); a location is kept as a (parent, step) chain and spelled out for an error
-    only (45,000 chat messages: ~40 ms, was ~200 with a path string per container)."""
+    only (a body of 45,000 chat messages: ~33 ms, where a walk of the body and one of each
+    message, with a path string per container, took ~60)."""
     if isinstance(value, str):
         _check_text(value, path)
         return
