@@ -71,23 +71,15 @@ def _check_text(text: str, loc: Any) -> None:
 
 
 def _spell(loc: Any) -> str:
-    """A location chain ((root, step1), step2)... as `root.key[3]`."""
+    """A location chain ((root, step1), step2)... as `root.key[3]` (a key after an
+    empty root alone: `key`)."""
     steps = []
     while isinstance(loc, tuple):
         loc, step = loc
         steps.append(step)
     for step in reversed(steps):
-        loc = _path(loc, step)
+        loc = f"{loc}[{step}]" if isinstance(step, int) else f"{loc}.{step}" if loc else step
     return loc
-
-
-def _path(parent: str, step: str | int | None) -> str:
-    """`parent` extended by a key (`a.key`) or an index (`a[3]`); None: `parent`."""
-    if step is None:
-        return parent
-    if isinstance(step, int):
-        return f"{parent}[{step}]"
-    return f"{parent}.{step}" if parent else step
 
 
 # Known OpenAI request fields this server does not implement, and the values that ask

@@ -31,23 +31,10 @@
 namespace pagedllm_ops {
 namespace {
 
+using pagedllm_simd::load_f;
+
 constexpr int64_t kSumBlock = 256;
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-template <typename T>
-inline float to_float(T v) {
-  return static_cast<float>(v);
-}
-
-template <>
-inline float to_float<c10::BFloat16>(c10::BFloat16 v) {
-  uint16_t h;
-  std::memcpy(&h, &v, sizeof(h));
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 // A top-k candidate.
 struct Entry {
@@ -96,12 +83,10 @@ bool row_max(const T* x, int64_t n, float& m) {
     mx = _mm256_max_ps(mx, v);
   }
   if (nan) return false;
-  float lanes[8];
-  _mm256_storeu_ps(lanes, mx);
-  for (float v : lanes) m = std::max(m, v);
+  m = hmax8(mx);
 #endif
   for (; i < n; ++i) {
-    const float v = to_float(x[i]);
+    const float v = load_f(x, i);
     if (std::isnan(v)) return false;
     m = std::max(m, v);
   }
@@ -131,7 +116,7 @@ double row_sum_exp(const T* x, int64_t n, float m, TopK& top) {
       while (hits) {
         const int l = __builtin_ctz(hits);
         hits &= hits - 1;
-        if (base + l < n) top.offer(to_float(x8[l]), base + l);
+        if (base + l < n) top.offer(load_f(x8, l), base + l);
       }
     };
     int64_t i = 0;
@@ -142,14 +127,11 @@ double row_sum_exp(const T* x, int64_t n, float m, TopK& top) {
       std::copy(xb + i, xb + len, x8);
       lanes8(x8, b + i);
     }
-    float l8[8];
-    _mm256_storeu_ps(l8, acc);
-    s += static_cast<double>(((l8[0] + l8[1]) + (l8[2] + l8[3])) +
-                             ((l8[4] + l8[5]) + (l8[6] + l8[7])));
+    s += static_cast<double>(hsum8(acc));
 #else
     float acc = 0.0f;
     for (int64_t i = 0; i < len; ++i) {
-      const float v = to_float(xb[i]), y = v - m;
+      const float v = load_f(xb, i), y = v - m;
       acc += y >= -87.0f ? pagedllm_simd::exp_poly(y) : 0.0f;
       if (top.k > 0) top.offer(v, b + i);
     }
@@ -171,7 +153,7 @@ int64_t count_above(const T* x, int64_t n, float m, float ls, float lp) {
     count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(l, vlp, _CMP_GT_OQ)));
   }
 #endif
-  for (; i < n; ++i) count += ((to_float(x[i]) - m) - ls) > lp;
+  for (; i < n; ++i) count += ((load_f(x, i) - m) - ls) > lp;
   return count;
 }
 
@@ -183,7 +165,7 @@ bool score_row(const T* x, int64_t n, int64_t target, TopK& top, float* lp, int6
   if (!row_max(x, n, m) || !std::isfinite(m)) return false;
   top.reset();
   const float ls = static_cast<float>(std::log(row_sum_exp(x, n, m, top)));
-  const float chosen = (to_float(x[target]) - m) - ls;
+  const float chosen = (load_f(x, target) - m) - ls;
   lp[0] = chosen;
   ids[0] = target;
   ranks[0] = 1 + count_above(x, n, m, ls, chosen);

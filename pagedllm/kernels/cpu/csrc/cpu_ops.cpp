@@ -26,19 +26,7 @@
 namespace pagedllm_ops {
 
 using pagedllm_simd::exp_poly;
-
-template <typename T>
-inline float load_f(const T* p, int64_t i) {
-  return static_cast<float>(p[i]);
-}
-
-template <>
-inline float load_f<c10::BFloat16>(const c10::BFloat16* p, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using pagedllm_simd::load_f;
 
 // Rows processed per thread before parallelizing pays off.
 constexpr int64_t kMinElemsPerThread = 32768;

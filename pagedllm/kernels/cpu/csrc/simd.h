@@ -64,6 +64,21 @@ inline int64_t stream_prefetch_bytes() {
   return bytes;
 }
 
+// Element i of a float32 / bfloat16 / float16 row as float32 (exact); a bfloat16's bits
+// widened directly.
+template <typename T>
+inline float load_f(const T* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+template <>
+inline float load_f<c10::BFloat16>(const c10::BFloat16* p, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // exp(x) by Cephes' polynomial (~1 ulp); x is clamped to [-87, 88]. Always inlined: it
 // sits in the attention kernels' per-chunk rescale.
 __attribute__((always_inline)) inline float exp_poly(float x) {
