@@ -146,6 +146,20 @@ def test_neutral_values_of_unimplemented_fields_are_accepted():
     assert req.tools == []
 
 
+def test_openai_identifiers_are_accepted():
+    """safety_identifier and prompt_cache_key (OpenAI's chat API, sent by agents) are
+    taken like `user`, with nothing to do; a wrong type is still a 400."""
+    from pydantic import ValidationError
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "user": "u",
+            "safety_identifier": "hashed-user", "prompt_cache_key": "session-1"}
+    req = ChatCompletionRequest.model_validate(body)
+    assert (req.safety_identifier, req.prompt_cache_key) == ("hashed-user", "session-1")
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(body | {"prompt_cache_key": ["x"]})
+    assert tuple(e.value.errors()[0]["loc"]) == ("prompt_cache_key",)
+
+
 def test_swap_metrics_and_log_line():
     metrics = EngineMetrics("m")
     stats = SchedulerStats(num_running=1, num_waiting=0, kv_cache_usage=0.5,

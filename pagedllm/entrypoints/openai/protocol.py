@@ -382,6 +382,10 @@ class ChatCompletionRequest(SamplingFields):
     """Default: "auto" with tools, "none" without (OpenAI's)."""
     parallel_tool_calls: bool | None = None
     """False: at most one call per choice (default: any number)."""
+    # OpenAI's identifiers, taken and unused as `user` is: the prefix cache needs no key
+    # (agents such as Codex send one with every request).
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # OpenAI fields without an implementation (UNSUPPORTED_FIELDS).
     functions: list[Any] | None = None
     function_call: Any = None
