@@ -152,7 +152,7 @@ def result_of(backend: str, requests: list[BenchRequest], num_output: int,
 
 
 async def fetch_model_name(client: Any, base_url: str) -> str | None:
-    """The first model a server lists (bench serve and its --soak mode), None when the
+    """The first model a server lists (bench serve --soak's httpx client), None when the
     server does not answer."""
     try:
         response = await client.get(f"{base_url}/v1/models")
