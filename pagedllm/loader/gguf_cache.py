@@ -10,7 +10,9 @@ The first load of a file therefore writes what it produced under
                                       (`quantization="gguf"`: raw uint8 rows, their type
                                       in the header's metadata; the rest in the dtype)
         config/                       `PretrainedConfig.save_pretrained`
-        tokenizer/                    `tokenizer.save_pretrained` (chat template included)
+        tokenizer-v2/                 `tokenizer.save_pretrained` (chat template included),
+                                      split as llama.cpp splits (gguf_vocab.py; the
+                                      `tokenizer/` of older entries is not read)
         source.json                   which file the entry was made from (for humans)
 
 and later loads read only these. `<key>` hashes the format version, the file's size and
@@ -50,12 +52,17 @@ import torch
 from pagedllm.config import cache_root
 from pagedllm.errors import ModelLoadError
 from pagedllm.kernels.cpu.quant import QuantizedWeight
-from pagedllm.loader.gguf import GGUFWeights, complete_hf_config, transformers_parse_fast
+from pagedllm.loader.gguf import (GGUFWeights, complete_hf_config, open_reader,
+                                  transformers_parse_fast)
+from pagedllm.loader.gguf_vocab import match_llama_cpp
 from pagedllm.loader.safetensors import iter_safetensors_file
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 5
+# The entry's tokenizer directory: renamed, not FORMAT_VERSION bumped, when only the
+# tokenizer's conversion changes, so that the weights converted before stay in use.
+TOKENIZER_DIR = "tokenizer-v2"
 """Bump when the cached layout or the conversion changes; old entries are then ignored.
 (3: Q5_0 / Q5_1 / Q5_K / Q6_K weights kept as blocks in the quantized stream; 4: Q3_K
 weights as Q6_K blocks; 5: Q2_K weights kept as blocks.)"""
@@ -388,10 +395,10 @@ def _read_cached_tokenizer(entry: Path) -> Any | None:
     """
     from transformers import PreTrainedTokenizerFast
 
-    if not (entry / "tokenizer").is_dir():
+    if not (entry / TOKENIZER_DIR).is_dir():
         return None
     try:
-        return PreTrainedTokenizerFast.from_pretrained(str(entry / "tokenizer"))
+        return PreTrainedTokenizerFast.from_pretrained(str(entry / TOKENIZER_DIR))
     except (OSError, ValueError) as e:
         logger.warning("ignoring unreadable cached tokenizer in %s: %s", entry, e)
         return None
@@ -413,11 +420,12 @@ def load_gguf_tokenizer(path: str) -> Any:
         return cached
     directory, name = _split(path)
     try:
-        with transformers_parse_fast():
+        with transformers_parse_fast() as readers:
             tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot read the tokenizer of {path!r}: {e}") from e
+    match_llama_cpp(tokenizer, readers[-1] if readers else open_reader(path))
     if _ensure_entry(entry, path):
-        _publish_dir(entry, "tokenizer", tokenizer.save_pretrained)
+        _publish_dir(entry, TOKENIZER_DIR, tokenizer.save_pretrained)
         cached = _read_cached_tokenizer(entry)
     return tokenizer if cached is None else cached

@@ -306,10 +306,12 @@ def test_transformers_parse_fast_swaps_the_reader_only_within(tiny_gguf):
     path, _, _ = tiny_gguf
     original = gguf.GGUFReader
     assert isinstance(original(str(path)).data, np.memmap)
-    with gguf_loader.transformers_parse_fast():
-        # What transformers' load_gguf_checkpoint builds: the plain-ndarray reader.
+    with gguf_loader.transformers_parse_fast() as built:
+        # What transformers' load_gguf_checkpoint builds: the plain-ndarray reader, kept
+        # for the caller (load_gguf_tokenizer reads more of the header from it).
         reader = gguf.GGUFReader(str(path))
         assert isinstance(reader, original) and not isinstance(reader.data, np.memmap)
+        assert built == [reader]
     assert gguf.GGUFReader is original
     with pytest.raises(RuntimeError, match="inside"):
         with gguf_loader.transformers_parse_fast():

@@ -19,7 +19,7 @@ from pagedllm.config import default_model_path
 from pagedllm.loader import iter_weights, load_tokenizer
 from pagedllm.loader import gguf as gguf_loader
 from pagedllm.loader.gguf import GGUFWeights
-from pagedllm.loader.gguf_cache import entry_dir, load_gguf_config
+from pagedllm.loader.gguf_cache import TOKENIZER_DIR, entry_dir, load_gguf_config
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +112,7 @@ def test_tokenizer_matches_transformers(real_path, request):
     memmapped = request.getfixturevalue("memmapped_readers")  # from here on, not ref's
     first = load_tokenizer(str(real_path))
     assert memmapped == [False]  # one parse (transformers'), on the fast reader
-    assert (entry_dir(str(real_path)) / "tokenizer").is_dir()
+    assert (entry_dir(str(real_path)) / TOKENIZER_DIR).is_dir()
     second = load_tokenizer(str(real_path))  # served from the cache directory
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ref_chat = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
