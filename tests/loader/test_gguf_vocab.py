@@ -27,20 +27,27 @@ import pytest
 
 from pagedllm.loader import load_tokenizer
 from pagedllm.loader.gguf_cache import TOKENIZER_DIR, entry_dir
+from pagedllm.loader.gguf_vocab import PRE_SPLITS
 from tests.loader.vocab_files import VocabDownloadError, reference_tests, vocab_dir
 
 # qwen35 (a Qwen2 vocabulary with Qwen3.5's split regex, no normalizer) guards the cache
 # round trip: reloading it through its architecture's class used to swap the pipeline.
-VOCABS = ["gpt-2", "qwen2", "qwen35", "phi-3", "llama-bpe", "llama-spm"]
+VOCABS = ["gpt-2", "qwen2", "qwen35", "phi-3", "llama-bpe", "llama-spm", "deepseek-llm",
+          "deepseek-coder"]
 NUM_TEXTS = 300
 
 # The vocabularies gguf_vocab.py changes, and what it changes in each one's pipeline.
-CHANGED = {"llama-spm": "normalizer", "phi-3": "rstrip", "llama-bpe": "ignore_merges"}
+CHANGED = {"llama-spm": "normalizer", "phi-3": "rstrip", "llama-bpe": "ignore_merges",
+           "deepseek-llm": "split", "deepseek-coder": "split"}
 LLAMA_CPP_IDS = Path(__file__).parent / "data" / "llama_cpp_ids.json"
 # (vocab, text) where llama.cpp departs from the model's own tokenizer, which pagedllm
 # follows: llama.cpp strips only ASCII whitespace after Phi-3's special tokens, Phi-3's
 # tokenizer.json (rstrip) any Unicode whitespace, here a no-break space.
-LLAMA_CPP_OWN = {("phi-3", "I'm 🦙 ID\t<|user|>\xa0  ")}
+# And llama.cpp's regex engine makes U+3000 a piece of its own after two spaces, where
+# tokenizers' (Oniguruma, as DeepSeek's tokenizer.json runs) leaves it with the second.
+LLAMA_CPP_OWN = {("phi-3", "I'm 🦙 ID\t<|user|>\xa0  "),
+                 ("deepseek-llm", "def f(x):\n    return x ** 2  ภาษาไทย3.14159  \u3000"
+                                  "...Zürich, I'm...")}
 
 # vocab -> ids that transformers' freshly converted GGUF tokenizer skips in
 # decode(skip_special_tokens=True) although the file marks them USER_DEFINED (llama.cpp's
@@ -149,14 +156,21 @@ def test_matches_transformers(vocab_files, tokenizer_pairs, vocab):
     """Generated texts and llama.cpp's reference texts: encoded alike where gguf_vocab.py
     changes nothing, decoded alike everywhere."""
     ref, ours = tokenizer_pairs(vocab)
-    assert _pipeline(ours) == _expected_pipeline(ref, CHANGED.get(vocab))
+    got, expected = _pipeline(ours), _expected_pipeline(ref, vocab)
+    if CHANGED.get(vocab) == "split":  # the added tokens too: test_deepseek_added_tokens
+        for state in (got, expected):
+            del state["added_tokens"], state["post_processor"], state["model"]["vocab"]
+    assert got == expected
     assert ours.chat_template == ref.chat_template
-    foreign = 1 if CHANGED.get(vocab) == "ignore_merges" else 0  # "<|endoftext|>" dropped
-    assert (ours.bos_token_id, ours.eos_token_id, len(ours)) == (
-        ref.bos_token_id, ref.eos_token_id, len(ref) - foreign)
+    if CHANGED.get(vocab) != "split":
+        foreign = 1 if CHANGED.get(vocab) == "ignore_merges" else 0  # "<|endoftext|>"
+        assert (ours.bos_token_id, ours.eos_token_id, len(ours)) == (
+            ref.bos_token_id, ref.eos_token_id, len(ref) - foreign)
     texts = sample_texts() + [text for text, _ in
                               reference_tests(vocab_files / f"ggml-vocab-{vocab}.gguf")]
     stale = STALE_SPECIAL_IDS.get(vocab, set())
+    if vocab in DEEPSEEK:  # special to pagedllm, plain (byte-spelled) to transformers
+        stale = stale | set(ours.all_special_ids)
     for text in texts:
         for add_special in (True, False):
             ids = ours.encode(text, add_special_tokens=add_special)
@@ -169,14 +183,35 @@ def test_matches_transformers(vocab_files, tokenizer_pairs, vocab):
                 kept, skip_special_tokens=True), text
 
 
+# vocab -> (BOS, EOS, size) in the file, and llama.cpp's ids (llama-tokenize, BOS added)
+# of BOS's and EOS's own text around "hi", then "x".
+DEEPSEEK = {"deepseek-coder": ((32013, 32014, 32256), [32013, 32013, 4821, 32014, 87]),
+            "deepseek-llm": ((100000, 100001, 102400), [100000, 100000, 4824, 100001, 87])}
+
+
+@pytest.mark.parametrize("vocab", list(DEEPSEEK))
+def test_deepseek_added_tokens(tokenizer_pairs, vocab):
+    """DeepSeek's control tokens ("<｜begin▁of▁sentence｜>": not in the byte alphabet) keep
+    their text and ids: transformers spelled them as bytes and added BOS / EOS again past
+    the vocabulary, so every prompt began with an id the model does not have."""
+    ref, ours = tokenizer_pairs(vocab)
+    (bos, eos, size), ids = DEEPSEEK[vocab]
+    assert (ours.bos_token_id, ours.eos_token_id, len(ours)) == (bos, eos, size)
+    assert ref.bos_token_id >= size  # what transformers gives
+    text = f"{ours.bos_token}hi{ours.eos_token}x"
+    assert ours.encode(text) == ids
+    assert ours.decode(ids, skip_special_tokens=True) == "hix"
+    assert ours.decode(ids[1:]) == text
+
+
 def _pipeline(tokenizer: Any) -> dict[str, Any]:
     return json.loads(tokenizer.backend_tokenizer.to_str())
 
 
-def _expected_pipeline(ref: Any, change: str | None) -> dict[str, Any]:
+def _expected_pipeline(ref: Any, vocab: str) -> dict[str, Any]:
     """transformers' pipeline with gguf_vocab.py's change for the vocabulary, spelled out
-    here independently (tokenizers' JSON form)."""
-    state = _pipeline(ref)
+    here (tokenizers' JSON form; the split expressions are gguf_vocab.py's)."""
+    state, change = _pipeline(ref), CHANGED.get(vocab)
     if change == "normalizer":  # sentencepiece: a prefix space before every stretch
         state["normalizer"] = {"type": "Sequence", "normalizers": [
             {"type": "Prepend", "prepend": "\u2581"},
@@ -190,6 +225,13 @@ def _expected_pipeline(ref: Any, change: str | None) -> dict[str, Any]:
         assert [t["content"] for t in state["added_tokens"] if t["id"] >= 128256] == [
             "<|endoftext|>"]
         state["added_tokens"] = [t for t in state["added_tokens"] if t["id"] < 128256]
+    elif change == "split":  # llama.cpp's split expressions, then byte-level
+        assert state["pre_tokenizer"]["type"] == "ByteLevel"  # GPT-2's one expression
+        state["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            *({"type": "Split", "pattern": {"Regex": expr}, "behavior": "Isolated",
+               "invert": False} for expr in PRE_SPLITS[vocab]),
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+             "use_regex": False}]}
     return state
 
 
