@@ -17,7 +17,7 @@ file: tests/loader/test_gguf_vocab.py checks them).
   "<|user|>\nHi" kept the newline llama.cpp and Phi-3 drop.
 - Added tokens: llama.cpp's files keep a byte-level vocabulary's control and
   user-defined tokens as their text; transformers spells those outside the byte
-  alphabet as bytes (DeepSeek's "<｜begin▁of▁sentence｜>", "<｜User｜>", R1 distills' too),
+  alphabet as bytes (DeepSeek's "<｜begin▁of▁sentence｜>" and "<｜end▁of▁sentence｜>"),
   so no text matched them, and it added the bos / eos text again past the vocabulary:
   every prompt began with an id out of range (deepseek-coder's BOS 32,257 for 32,013).
   They are put back under their own text at their own ids. And tokens transformers
