@@ -40,11 +40,12 @@ NUM_TEXTS = 300
 CHANGED = {"llama-spm": "normalizer", "phi-3": "rstrip", "llama-bpe": "ignore_merges",
            "deepseek-llm": "split", "deepseek-coder": "split"}
 LLAMA_CPP_IDS = Path(__file__).parent / "data" / "llama_cpp_ids.json"
-# (vocab, text) where llama.cpp departs from the model's own tokenizer, which pagedllm
-# follows: llama.cpp strips only ASCII whitespace after Phi-3's special tokens, Phi-3's
+# (vocab, text) where pagedllm keeps to tokenizers' behaviour rather than llama.cpp's:
+# llama.cpp strips only ASCII whitespace after Phi-3's special tokens, Phi-3's own
 # tokenizer.json (rstrip) any Unicode whitespace, here a no-break space.
 # And llama.cpp's regex engine makes U+3000 a piece of its own after two spaces, where
-# tokenizers' (Oniguruma, as DeepSeek's tokenizer.json runs) leaves it with the second.
+# tokenizers' (Oniguruma) leaves it with the second (not checked against DeepSeek's own
+# tokenizer.json: not available offline; llama.cpp's 46 reference texts all match).
 LLAMA_CPP_OWN = {("phi-3", "I'm 🦙 ID\t<|user|>\xa0  "),
                  ("deepseek-llm", "def f(x):\n    return x ** 2  ภาษาไทย3.14159  \u3000"
                                   "...Zürich, I'm...")}
