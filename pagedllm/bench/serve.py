@@ -135,8 +135,8 @@ async def run_requests(ns: argparse.Namespace, requests: list[BenchRequest],
     """Send every request on schedule; (results, duration_s, model name).
 
     aiohttp, not httpx (the soak's client): the client shares the machine with the
-    server it measures, and httpx's streaming costs ~2.5x the CPU per chunk (batch64
-    served on 2 cores: ~1.8 against ~0.7 CPU-seconds, ~8% of the server's rate)."""
+    server it measures, and httpx's streaming took about twice the CPU (a batch64 run
+    served on 2 cores: ~1.7 against ~0.9 CPU-seconds; the measured rate 7-12% lower)."""
     import aiohttp
 
     base_url = ns.base_url.rstrip("/")

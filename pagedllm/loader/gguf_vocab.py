@@ -149,10 +149,12 @@ def _fix_added_tokens(tokenizer: Any, reader: Any, byte_level: bool) -> None:
         types = read_field(reader, "tokenizer.ggml.token_type") or []
         raw = {i: (tokens[i], kind == CONTROL) for i, kind in enumerate(types)
                if kind in (CONTROL, USER_DEFINED) and not set(tokens[i]) <= alphabet}
+    # Most files need neither: skip the round trip of the whole state (megabytes of JSON).
+    if not raw and all(i < vocab_size for i in tokenizer.backend_tokenizer
+                       .get_added_tokens_decoder()):
+        return
     state = json.loads(tokenizer.backend_tokenizer.to_str())
     kept = [t for t in state["added_tokens"] if t["id"] < vocab_size and t["id"] not in raw]
-    if not raw and len(kept) == len(state["added_tokens"]):
-        return
     vocab = state["model"]["vocab"]
     spelled = {i: token for token, i in vocab.items() if i in raw}
     for i, (text, special) in raw.items():
