@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +18,9 @@ from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput, TokenLog
 from pagedllm.distributed.comm import broadcast, recv_from_prev_stage, send_to_next_stage
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.kernels.cpu.ops import cpu_ops_available
-from pagedllm.lora_request import LoRARequest
 from pagedllm.models.layers.linear import pack_linear_weights
 from pagedllm.sample.logprobs import LogprobsTensors
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.ops import skip_draws
-from pagedllm.sample.rejection_sampler import accept_drafts
 from pagedllm.sample.sampler import Sampler
 from pagedllm.models.pipeline import layer_range
 from pagedllm.worker.input_batch import InputBatch
@@ -38,50 +35,17 @@ from pagedllm.worker.model_loader import load_model
 from pagedllm.worker.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from pagedllm.worker.deferred_sample import DeferredSample, HostCopy
 from pagedllm.worker.draft_proposer import DraftModelProposer
-from pagedllm.worker.ngram_proposer import NgramProposer
 from pagedllm.worker.pooler import pool_hidden_states
 from pagedllm.worker.prompt_rows import attach_step_rows, prompt_rows
 from pagedllm.worker.prompt_logprobs import prompt_logprobs_chunks
+from pagedllm.worker.spec_decode import SpecDecoder, make_proposer
+from pagedllm.worker.step_inputs import (StepInputs, apply_grammar, grammar_rows, placeholders,
+                                         slot_tables, token_positions, verify_rows,
+                                         write_drafts)
 from pagedllm.worker.swap import allocate_host_kv_cache, swap_blocks
 from pagedllm.worker.weight_pages import move_to_huge_pages
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepInputs:
-    """Model inputs of one step, in scheduling order."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attn_metadata: AttentionMetadata
-    req_ids: list[str]
-    # Flattened token index of each sampling request's last scheduled token; None when
-    # every token of the step samples (each request decodes one), in order.
-    logits_indices: torch.Tensor | None  # [N]
-    # Rows (in the input batch) of the requests that sample, in logits order.
-    sample_rows: np.ndarray
-    # Position of each sampling request in req_ids.
-    sample_positions: np.ndarray
-    # Row (in the input batch) of each request of req_ids.
-    rows: np.ndarray
-    # Speculative decoding (None in a step without proposals): per sampling request,
-    # its logits rows (1 + its proposals, consecutive in logits_indices) and its
-    # proposals (None where it has none).
-    num_logits: np.ndarray | None = None
-    drafts: list[list[int] | None] | None = None
-    # Per request of req_ids: tokens computed before this step, and scheduled in it.
-    num_computed: np.ndarray | None = None
-    num_scheduled: np.ndarray | None = None
-    # The CUDA graph bucket the step replays in (its inputs staged there), or None.
-    graph_bucket: int | None = None
-    # Structured output: the grammar bitmask rows of the step (SchedulerOutput's) and
-    # the logits row each applies to; None when no request samples under a grammar.
-    grammar: tuple[np.ndarray, list[int]] | None = None
-    # LoRA: each token's adapter id (0: none), and the step's adapters by id; None when
-    # no token of the step has one.
-    lora_ids: np.ndarray | None = None
-    loras: dict[int, LoRARequest] | None = None
 
 
 class StepOutput:
@@ -163,7 +127,10 @@ class ModelRunner:
         if config.lora is not None:
             self.lora = LoRAManager(self.model, config.lora, config.model.hf_config,
                                     self.device)
-        self.proposer = _make_proposer(config, self.device, self.dtype)
+        # Speculative decoding (None: off).
+        proposer = make_proposer(config, self.device, self.dtype)
+        self.spec = (SpecDecoder(proposer, self.sampler, parallel, self.device)
+                     if proposer is not None else None)
         # Image features of multimodal prompts (None: the model takes no images).
         self.images = (ImageEncoderCache(self.model, self.device)
                        if getattr(self.model, "is_multimodal", False) else None)
@@ -185,10 +152,15 @@ class ModelRunner:
         self.async_scheduling = config.scheduler.async_scheduling
         self._unread: list[DeferredSample] = []
 
+    def _draft(self) -> DraftModelProposer | None:
+        """The draft model of speculative decoding, if it has one."""
+        proposer = self.spec.proposer if self.spec is not None else None
+        return proposer if isinstance(proposer, DraftModelProposer) else None
+
     def _draft_bytes_per_block(self) -> int:
-        if not isinstance(self.proposer, DraftModelProposer):
-            return 0
-        return kv_bytes_per_block(self.proposer.model, self.block_size, self.kv_cache_dtype)
+        draft = self._draft()
+        return 0 if draft is None else kv_bytes_per_block(draft.model, self.block_size,
+                                                          self.kv_cache_dtype)
 
     def determine_num_blocks(self) -> int:
         """KV blocks of this worker, block 0 included (worker/memory.py): on CUDA what
@@ -271,12 +243,12 @@ class ModelRunner:
                                            self.kv_cache_dtype, self.device, self.kv_layout,
                                            self.first_layer)
         check_layer_windows(self.model, self.kv_layout, self.max_model_len)
-        if isinstance(self.proposer, DraftModelProposer):
+        if (draft := self._draft()) is not None:
             if self.kv_layout.num_groups > 1:
                 raise ValueError("a draft model needs a target without sliding-window KV "
                                  "cache groups (it reads the first group's block tables)")
             # The draft's K/V in the same block ids; swapped with the target's.
-            self.kv_caches += allocate_kv_cache(self.proposer.model, num_blocks,
+            self.kv_caches += allocate_kv_cache(draft.model, num_blocks,
                                                 self.block_size, self.kv_cache_dtype,
                                                 self.device)
         self.host_kv_caches = allocate_host_kv_cache(self.kv_caches, num_swap_blocks)
@@ -355,8 +327,8 @@ class ModelRunner:
         if deferred is not None and not self.async_scheduling:
             self._read_sampled(deferred, output)
             deferred = None
-        if self.proposer is not None:
-            self._propose(inputs, output)
+        if self.spec is not None:
+            self.spec.propose(self.input_batch, inputs, output)
         if self.input_batch.sampling.has_prompt_logprobs():
             output.prompt_logprobs = prompt_logprobs_chunks(
                 self.model, hidden, self.input_batch, inputs.req_ids,
@@ -402,14 +374,14 @@ class ModelRunner:
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
         if inputs.num_logits is not None:
-            self._sample_verify(inputs, logits, output)
+            self.spec.verify(self.input_batch, inputs, logits, output)
             return None
         sampler_output = None
         pipelined = self.parallel.pp_size > 1
         batch = self.input_batch
         if self.parallel.is_driver:
             md = batch.sampling_metadata(inputs.sample_rows)
-            self._grammar_metadata(inputs, md, len(inputs.sample_rows))
+            apply_grammar(md, inputs.grammar, len(inputs.sample_rows), self.device)
             sampler_output = self.sampler(logits, md)
             sampled_t = sampler_output.sampled_token_ids  # [N] int64
             if self.parallel.tp_size == 1 and not pipelined:
@@ -439,19 +411,6 @@ class ModelRunner:
                 batch.sampling.num_logprobs[inputs.sample_rows])
         return None
 
-    def _grammar_metadata(self, inputs: StepInputs, md: SamplingMetadata,
-                          num_rows: int) -> None:
-        """The step's grammar bitmask into `md`: [num_rows (the logits rows), words],
-        all tokens allowed in the rows without a grammar (the sampler masks only
-        md.grammar_rows)."""
-        if inputs.grammar is None:
-            return
-        bitmask_rows, logits_rows = inputs.grammar
-        bitmask = np.full((num_rows, bitmask_rows.shape[1]), -1, dtype=np.int32)
-        bitmask[logits_rows] = bitmask_rows
-        md.grammar_bitmask = host_to_device(bitmask, self.device)
-        md.grammar_rows = logits_rows
-
     def _read_sampled(self, deferred: DeferredSample, output: ModelRunnerOutput) -> None:
         """Read a step's sampled ids back (waiting for them), record them in the input
         batch for the rows that still hold their requests, and in `output`."""
@@ -465,88 +424,6 @@ class ModelRunner:
         if deferred.logprobs is not None:
             output.logprobs = _sample_logprobs(len(output.req_ids), deferred.positions,
                                                deferred.logprobs, deferred.num_logprobs)
-
-    def _sample_verify(self, inputs: StepInputs, logits: torch.Tensor,
-                       output: ModelRunnerOutput) -> None:
-        """A step with proposals: draw a token at every scored position, emit the
-        accepted proposals plus one draw per request (sample/rejection_sampler.py), and
-        record them as `_sample` does. Not under PP (the config refuses it)."""
-        counts = inputs.num_logits
-        rows = np.repeat(inputs.sample_rows, counts)  # each position samples as its row
-        starts = (np.cumsum(counts) - counts).tolist()  # each request's first logits row
-        batch = self.input_batch
-        sampler_output = None
-        if self.parallel.is_driver:
-            md = batch.sampling_metadata(rows)
-            self._grammar_metadata(inputs, md, len(rows))
-            # Seeded rows draw once per position; the draws of positions after a
-            # rejection are given back below, so the generator advances once per token.
-            saved = {start: md.generators[start].get_state()
-                     for start, count in zip(starts, counts.tolist())
-                     if count > 1 and start in md.generators}
-            sampler_output = self.sampler(logits, md)
-            sampled_t = sampler_output.sampled_token_ids
-        else:
-            sampled_t = torch.empty(len(rows), dtype=torch.int64, device=self.device)
-        sampled = broadcast(sampled_t.contiguous(), self.parallel).cpu().numpy()
-        emitted = accept_drafts(sampled, counts, inputs.drafts)
-        if sampler_output is not None:
-            self._rewind_generators(md.generators, saved, starts, counts, emitted)
-        for j in range(max(len(e) for e in emitted)):
-            sel = [i for i, e in enumerate(emitted) if len(e) > j]
-            batch.append_sampled(inputs.sample_rows[sel],
-                                 np.array([emitted[i][j] for i in sel], dtype=np.int64))
-        for pos, tokens in zip(inputs.sample_positions.tolist(), emitted):
-            output.sampled_token_ids[pos] = tokens
-        if sampler_output is not None and sampler_output.logprobs is not None:
-            per_row = sampler_output.logprobs.tolists(
-                batch.sampling.num_logprobs[rows].tolist())
-            out: list[list[TokenLogprobs]] = [[] for _ in inputs.req_ids]
-            for pos, start, tokens in zip(inputs.sample_positions.tolist(), starts,
-                                          emitted):
-                if per_row[start] is not None:
-                    out[pos] = per_row[start:start + len(tokens)]
-            output.logprobs = out
-
-    def _rewind_generators(self, generators: dict[int, torch.Generator],
-                           saved: dict[int, torch.Tensor], starts: list[int],
-                           counts: np.ndarray, emitted: list[list[int]]) -> None:
-        """Leave each seeded, verified request's generator advanced by one draw per
-        emitted token, as plain decoding would (same tokens, whatever was proposed)."""
-        for i, (start, tokens) in enumerate(zip(starts, emitted)):
-            if start not in saved or len(tokens) == counts[i]:
-                continue
-            gen = generators[start]
-            gen.set_state(saved[start])
-            skip_draws(gen, len(tokens), self.device)
-
-    def _propose(self, inputs: StepInputs, output: ModelRunnerOutput) -> None:
-        """Speculative decoding: tokens to verify next step for the requests that just
-        sampled (only those whose sampling allows it; see SamplingState.can_speculate).
-        A draft model also catches up on every request of the step."""
-        if not self.parallel.is_driver:
-            return
-        batch = self.input_batch
-        sample_rows, sample_positions = inputs.sample_rows, inputs.sample_positions
-        eligible = batch.sampling.can_speculate(sample_rows)
-        proposals = {}
-        if isinstance(self.proposer, DraftModelProposer):
-            proposing = np.zeros(len(inputs.rows), dtype=bool)
-            proposing[sample_positions[eligible]] = True
-            # Positions that stand: the step's tokens less rejected proposals, plus the
-            # token just emitted (num_tokens, for the requests that sampled).
-            ends = inputs.num_computed + inputs.num_scheduled
-            ends[sample_positions] = batch.num_tokens[sample_rows]
-            drafts = self.proposer.propose(batch, inputs.rows, inputs.num_computed, ends,
-                                           proposing)
-            proposals = {inputs.req_ids[i]: d for i, d in enumerate(drafts) if d}
-        else:
-            for row, pos in zip(sample_rows[eligible].tolist(),
-                                sample_positions[eligible].tolist()):
-                tokens = self.proposer.propose(batch.token_ids[row, :batch.num_tokens[row]])
-                if tokens:
-                    proposals[inputs.req_ids[pos]] = tokens
-        output.spec_token_ids = proposals or None
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -606,17 +483,13 @@ class ModelRunner:
                 if (lora_id := int(batch.lora_ids[batch.req_id_to_row[req_id]])) in reasons}
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        batch, block_size = self.input_batch, self.block_size
+        batch = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
         rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), np.int64, len(req_ids))
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), np.int64, len(req_ids))
-        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
-        np.cumsum(num_sched, out=query_start_loc[1:])
-        total = int(query_start_loc[-1])
         computed = batch.num_computed_tokens[rows]
-        # Token t belongs to request req_of[t] and sits at position computed + offset.
-        req_of = np.repeat(np.arange(len(req_ids)), num_sched)
-        positions = computed[req_of] + (np.arange(total) - query_start_loc[req_of])
+        query_start_loc, positions, req_of = token_positions(computed, num_sched)
+        total = int(query_start_loc[-1])
         token_rows = rows[req_of]
         lora_ids = loras = None
         if self.lora is not None and batch.lora_ids[rows].any():
@@ -624,117 +497,84 @@ class ModelRunner:
             loras = {batch.loras[row].lora_int_id: batch.loras[row]
                      for row in rows.tolist() if row in batch.loras}
         spec = so.scheduled_spec_decode_tokens
-        for req_id, drafts in spec.items():
-            # Proposed tokens follow the request's tokens in its row (not counted in
-            # num_tokens: overwritten by whatever is emitted).
-            row = batch.req_id_to_row[req_id]
-            start = int(batch.num_tokens[row])
-            batch.token_ids[row, start:start + len(drafts)] = drafts
+        write_drafts(batch, spec)
         input_ids = batch.token_ids[token_rows, positions]
         num_tokens = batch.num_tokens[rows]
-        placeholders = None
+        unread = None
         if self._unread:
             # Async scheduling: requests that sampled in the step in flight continue
             # with that token, which only the device has yet.
-            placeholders, pending = self._placeholders(token_rows, positions, rows)
-            input_ids[placeholders[0]] = 0  # filled on the device below
+            unread, pending = placeholders(batch, self._unread, token_rows, positions, rows)
+            input_ids[unread[0]] = 0  # filled on the device below
             num_tokens = num_tokens + pending
         seq_lens = computed + num_sched
-        max_seq_len = int(seq_lens.max())
-        num_blocks = -(-max_seq_len // block_size)
         # A request samples once its sequence is fully computed (prefill done or decoding);
         # an embedding request never does (it is pooled instead).
         samples = (seq_lens >= num_tokens) & ~batch.is_pooling[rows]
         sample_positions = np.nonzero(samples)[0]
-        dev = self.device
-        tables = []
-        for group, window in enumerate(self.kv_layout.group_windows):
-            # slot = block_table[pos // block_size] * block_size + pos % block_size
-            block_ids = batch.block_tables[group, token_rows, positions // block_size]
-            slot_mapping = block_ids.astype(np.int64) * block_size + positions % block_size
-            block_table = batch.block_tables[group, rows, :num_blocks]  # a copy
-            if window is not None:
-                # Blocks out of the window were given back: the null block in their
-                # place (the scheduler's rule, kv_groups.num_skipped_blocks).
-                skip = np.maximum(computed - window + 1, 0) // block_size
-                block_table[np.arange(num_blocks) < skip[:, None]] = 0
-            tables.append((block_table, slot_mapping))
+        tables = slot_tables(batch, self.kv_layout.group_windows, self.block_size, rows,
+                             token_rows, positions, computed,
+                             num_blocks=-(-int(seq_lens.max()) // self.block_size))
         bucket = None
         if self.graphs is not None and not spec and lora_ids is None and not (
                 self.images is not None
                 and self.images.any_scheduled(req_ids, computed, num_sched)):
             bucket = self.graphs.bucket_for(len(req_ids), int(num_sched.max()))
-        if bucket is not None:
-            # A decode step of a captured size: straight into the graph's buffers.
-            input_ids_t, positions_t, md = self.graphs.stage(
-                bucket, input_ids, positions, query_start_loc, seq_lens, tables)
-        else:
-            input_ids_t = host_to_device(input_ids, dev)
-            positions_t = host_to_device(positions, dev)
-            md = AttentionMetadata.from_host(query_start_loc, seq_lens, *tables[0], dev)
-            if self._step_rows is not None:
-                md.prompt_rows = prompt_rows(positions, batch.num_prompt_tokens[token_rows])
-            if len(tables) > 1:
-                md.groups = (md, *(replace(md, block_table=host_to_device(table, dev),
-                                           slot_mapping=host_to_device(slots, dev))
-                                   for table, slots in tables[1:]))
-        if placeholders is not None:
-            token_index, sample_index = placeholders
-            sampled = self._unread[0].sampled
-            if len(token_index) == total and (sample_index == token_index).all():
-                # Every token is the sample of the request in its place last step (a
-                # steady decode batch): one copy, no index tensors to send.
-                input_ids_t.copy_(sampled[:total])
-            else:
-                input_ids_t[host_to_device(token_index, dev)] = \
-                    sampled[host_to_device(sample_index, dev)]
+        input_ids_t, positions_t, md = self._device_inputs(
+            bucket, input_ids, positions, query_start_loc, seq_lens, tables, token_rows)
+        if unread is not None:
+            self._fill_placeholders(input_ids_t, *unread, total)
         logits_indices = query_start_loc[1:][samples] - 1
         num_logits = drafts = None
         if spec:
-            # A request with k proposals samples at its last k + 1 positions.
             drafts = [spec.get(req_ids[i]) for i in sample_positions.tolist()]
-            num_logits = np.array([1 + len(d) if d else 1 for d in drafts], dtype=np.int64)
-            first = np.repeat(logits_indices - num_logits + 1, num_logits)
-            offsets = np.arange(int(num_logits.sum())) - np.repeat(
-                np.cumsum(num_logits) - num_logits, num_logits)
-            logits_indices = first + offsets
+            num_logits, logits_indices = verify_rows(logits_indices, drafts)
         grammar = None
         if so.structured_output_rows and self.parallel.is_last_stage:
-            # Each sampling request's first logits row (its only one without proposals;
-            # a request under a grammar never has proposals).
-            first = (np.arange(len(sample_positions)) if num_logits is None
-                     else np.cumsum(num_logits) - num_logits)
-            logits_row = dict(zip([req_ids[p] for p in sample_positions.tolist()],
-                                  first.tolist()))
-            bitmask_rows = list(so.structured_output_rows.values())
-            grammar = (so.grammar_bitmask[bitmask_rows],
-                       [logits_row[req_id] for req_id in so.structured_output_rows])
+            grammar = grammar_rows(so, req_ids, sample_positions, num_logits)
         return StepInputs(
             input_ids=input_ids_t, positions=positions_t, attn_metadata=md, req_ids=req_ids,
             logits_indices=(None if len(logits_indices) == total  # increasing: 0..T-1
-                            else host_to_device(logits_indices, dev)),
+                            else host_to_device(logits_indices, self.device)),
             sample_rows=rows[samples], sample_positions=sample_positions, rows=rows,
             num_logits=num_logits, drafts=drafts, num_computed=computed,
             num_scheduled=num_sched, graph_bucket=bucket, grammar=grammar,
             lora_ids=lora_ids, loras=loras)
 
-    def _placeholders(self, token_rows: np.ndarray, positions: np.ndarray,
-                      rows: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
-        """Where a step's tokens are still on the device: ((index of the token in the
-        step, its index in the unread step's sampled ids), per request of the step
-        whether it has one). A placeholder is the position after the tokens the host
-        knows; the engine reads each step before it schedules the one after next, so
-        one step at most is unread and a request has at most one placeholder."""
-        assert len(self._unread) == 1, "more than one step's sampled ids unread"
-        batch, unread = self.input_batch, self._unread[0]
-        source = np.full(batch.max_num_reqs, -1, dtype=np.int64)
-        live = batch.generation[unread.rows] == unread.generations
-        source[unread.rows[live]] = np.nonzero(live)[0]
-        token_index = np.nonzero(positions >= batch.num_tokens[token_rows])[0]
-        sample_index = source[token_rows[token_index]]
-        # (One unread step: one sampled token per request, so one placeholder at most.)
-        assert (sample_index >= 0).all(), "a token past the known ones has no sample"
-        return (token_index, sample_index), source[rows] >= 0
+    def _device_inputs(self, bucket: int | None, input_ids: np.ndarray,
+                       positions: np.ndarray, query_start_loc: np.ndarray,
+                       seq_lens: np.ndarray, tables: list[tuple[np.ndarray, np.ndarray]],
+                       token_rows: np.ndarray,
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, attention metadata) on the device: staged in the CUDA
+        graph's buffers for a decode step of a captured size (`bucket`), else copied."""
+        if bucket is not None:
+            return self.graphs.stage(bucket, input_ids, positions, query_start_loc,
+                                     seq_lens, tables)
+        dev = self.device
+        md = AttentionMetadata.from_host(query_start_loc, seq_lens, *tables[0], dev)
+        if self._step_rows is not None:
+            md.prompt_rows = prompt_rows(positions,
+                                         self.input_batch.num_prompt_tokens[token_rows])
+        if len(tables) > 1:
+            md.groups = (md, *(replace(md, block_table=host_to_device(table, dev),
+                                       slot_mapping=host_to_device(slots, dev))
+                               for table, slots in tables[1:]))
+        return host_to_device(input_ids, dev), host_to_device(positions, dev), md
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, token_index: np.ndarray,
+                           sample_index: np.ndarray, total: int) -> None:
+        """The tokens only the device has (`step_inputs.placeholders`) into input_ids,
+        from the unread step's sampled ids."""
+        sampled = self._unread[0].sampled
+        if len(token_index) == total and (sample_index == token_index).all():
+            # Every token is the sample of the request in its place last step (a
+            # steady decode batch): one copy, no index tensors to send.
+            input_ids.copy_(sampled[:total])
+        else:
+            dev = self.device
+            input_ids[host_to_device(token_index, dev)] = \
+                sampled[host_to_device(sample_index, dev)]
 
 
 def _sample_logprobs(num_reqs: int, sample_positions: np.ndarray, lp: LogprobsTensors,
@@ -747,19 +587,3 @@ def _sample_logprobs(num_reqs: int, sample_positions: np.ndarray, lp: LogprobsTe
             out[pos] = [entry]
     return out
 
-
-def _make_proposer(config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                   ) -> NgramProposer | DraftModelProposer | None:
-    """The speculative decoding proposer of the config (None: no speculation)."""
-    spec = config.speculative
-    if spec is None:
-        return None
-    if spec.method == "ngram":
-        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                             spec.prompt_lookup_max)
-    draft = load_model(spec.draft, config.device.attention_backend, device, dtype)
-    if device.type == "cpu":
-        pack_linear_weights(draft)
-        move_to_huge_pages(draft)
-    return DraftModelProposer(draft, spec.num_speculative_tokens, config.cache.block_size,
-                              device)

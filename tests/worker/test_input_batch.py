@@ -1,5 +1,6 @@
-"""InputBatch rows and ModelRunner._prepare_inputs, to the exact slot, on hand-built
-SchedulerOutputs (block_size 4, no model: input preparation reads only the batch)."""
+"""InputBatch rows and ModelRunner._prepare_inputs (worker/step_inputs.py), to the exact
+slot, on hand-built SchedulerOutputs (block_size 4, no model: input preparation reads
+only the batch)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pagedllm.core.kv_groups import build_kv_cache_layout
 from pagedllm.models.layers.linear import StepRows
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.model_runner import ModelRunner, StepInputs
+from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.step_inputs import StepInputs
 
 BLOCK_SIZE = 4
 MAX_NUM_REQS = 4
