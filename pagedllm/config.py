@@ -138,6 +138,9 @@ class ModelConfig:
     """"gguf": run a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K weights as stored, via the native
     quantized GEMM (CPU; other tensor types are dequantized); None: dequantize every
     weight to `dtype` on load. `dtype` names the activations either way."""
+    trust_remote_code: bool = False
+    """Let transformers run the model directory's own config, tokenizer and image
+    processor code (`auto_map`); the model itself is always pagedllm's."""
 
     max_logprobs: int = 20
     """Most logprobs / prompt_logprobs one request may ask for per position (vLLM's

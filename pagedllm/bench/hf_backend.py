@@ -20,9 +20,10 @@ from pagedllm.engine.arg_utils import EngineArgs
 _PROBE_TOKENS = 32
 
 
-def load_hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> Any:
+def load_hf_model(path: str, dtype: torch.dtype, device: str = "cpu",
+                  trust_remote_code: bool = False) -> Any:
     """transformers' model on `device` (the engine's: the baseline runs where pagedllm
-    does)."""
+    does); `trust_remote_code`: the directory's own model code, where it has some."""
     from transformers import AutoModelForCausalLM
 
     if path.endswith(".gguf"):
@@ -30,7 +31,8 @@ def load_hf_model(path: str, dtype: torch.dtype, device: str = "cpu") -> Any:
         model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
     return model.to(device).eval()
 
 
@@ -79,7 +81,8 @@ def run_hf(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
     config = engine_args.create_engine_config()
     dtype = getattr(torch, config.model.dtype)
     requests = workload_from_args(ns, config.model.hf_config.vocab_size)
-    model = load_hf_model(config.model.path, dtype, config.device.device)
+    model = load_hf_model(config.model.path, dtype, config.device.device,
+                          config.model.trust_remote_code)
     pad_id = pad_id_of(model.config)
     sizes = sorted({min(int(s), len(requests)) for s in ns.hf_batch_sizes.split(",")
                     if s.strip()})

@@ -49,6 +49,11 @@ class EngineArgs:
     revision: str | None = _arg(None, "branch, tag or commit of a Hugging Face model id")
     download_dir: str | None = _arg(None, "Hugging Face cache directory for model ids "
                                           "(default: the hub's own, HF_HUB_CACHE)")
+    trust_remote_code: bool = _arg(False, "let transformers run the model directory's own "
+                                          "config, tokenizer and image processor code "
+                                          "(auto_map), as vLLM's option does; the model "
+                                          "itself always runs pagedllm's implementation of "
+                                          "its architecture")
     device: str = _arg("auto", "auto, cpu or cuda (auto picks CUDA when present)",
                        choices=("auto", "cpu", "cuda"))
     dtype: str = _arg("auto", "compute dtype: auto (bfloat16 on CPUs with avx512_bf16 and on "
@@ -185,15 +190,17 @@ class EngineArgs:
         from pagedllm.loader.hf_config import load_hf_config
 
         path = self._resolve_model_path()
-        hf_config = apply_hf_overrides(load_hf_config(path), self.hf_overrides,
-                                       self.tokenizer or path)
+        hf_config = apply_hf_overrides(load_hf_config(path, self.trust_remote_code),
+                                       self.hf_overrides, self.tokenizer or path,
+                                       self.trust_remote_code)
         device = _resolve_device(self.device)
         dtype = _resolve_dtype(self.dtype, device, hf_config)
         max_model_len = _resolve_max_model_len(self.max_model_len, hf_config)
         model = ModelConfig(path=path, hf_config=hf_config, dtype=dtype,
                             max_model_len=max_model_len, tokenizer=self.tokenizer,
                             seed=self.seed, max_logprobs=self.max_logprobs,
-                            quantization=self._resolve_quantization(path, device, dtype))
+                            quantization=self._resolve_quantization(path, device, dtype),
+                            trust_remote_code=self.trust_remote_code)
         _set_embedding_traits(model, self.compile)
         self._multimodal_traits(model)
         self._generation_defaults(model)
@@ -334,7 +341,7 @@ class EngineArgs:
             from pagedllm.loader.hf_config import load_hf_config
 
             spec.model = self._resolve_path(spec.model)
-            hf_config = load_hf_config(spec.model)
+            hf_config = load_hf_config(spec.model, self.trust_remote_code)
             if hf_config.vocab_size != target.hf_config.vocab_size:
                 raise ConfigError(f"the draft model's vocabulary ({hf_config.vocab_size} "
                                   f"tokens) differs from the model's "
@@ -411,7 +418,7 @@ class EngineArgs:
 
 
 def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None,
-                       tokenizer_path: str) -> Any:
+                       tokenizer_path: str, trust_remote_code: bool = False) -> Any:
     """The HF config with `overrides` set on it (vLLM's hf_overrides). With
     `classifier_from_token` (a causal LM read as a sequence classifier from its LM
     head's rows of those tokens) the tokens' ids (`classifier_token_ids`, from the
@@ -431,7 +438,7 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None,
                               f"{tokens!r}")
         from pagedllm.loader import load_tokenizer
 
-        tokenizer = load_tokenizer(tokenizer_path)
+        tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
         ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
         unknown = [t for t, i in zip(tokens, ids) if i is None or i == tokenizer.unk_token_id]
         if unknown:

@@ -408,10 +408,16 @@ def run_engine_core_when_configured(conn: Any, parent_pid: int,
 
     import pagedllm.worker.model_runner  # noqa: F401
     try:
-        config, input_addr, output_addr = conn.recv()
+        blob = conn.recv_bytes()
     except (EOFError, OSError):  # the front end stopped first (an option it refused)
         os._exit(0)
     conn.close()
+    # A config of a model directory's own code (trust_remote_code) unpickles only with
+    # its module importable; the directory exists once the front end has read it.
+    from pagedllm.loader.hf_config import import_remote_code_modules
+
+    import_remote_code_modules()
+    config, input_addr, output_addr = pickle.loads(blob)
     run_engine_core(config, input_addr, output_addr, parent_pid, log_level)
 
 

@@ -207,7 +207,8 @@ def _load_tokenizer(config: EngineConfig) -> Any:
     torch, which importing the engine does not)."""
     from pagedllm.loader import load_tokenizer
 
-    return load_tokenizer(config.model.path, config.model.tokenizer)
+    return load_tokenizer(config.model.path, config.model.tokenizer,
+                          config.model.trust_remote_code)
 
 
 def _num_lookahead_tokens(config: EngineConfig) -> int:

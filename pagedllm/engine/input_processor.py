@@ -55,7 +55,8 @@ class InputProcessor:
             from pagedllm.multimodal.processor import ImageProcessor
 
             self.images = ImageProcessor(model_config.path, model_config.hf_config,
-                                         model_config.max_images_per_prompt)
+                                         model_config.max_images_per_prompt,
+                                         model_config.trust_remote_code)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids)."""

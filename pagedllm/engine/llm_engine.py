@@ -42,7 +42,8 @@ class LLMEngine:
         if not skip_tokenizer_init:
             from pagedllm.loader import load_tokenizer
 
-            self.tokenizer = load_tokenizer(config.model.path, config.model.tokenizer)
+            self.tokenizer = load_tokenizer(config.model.path, config.model.tokenizer,
+                                            config.model.trust_remote_code)
         self.input_processor = InputProcessor(
             config.model, self.tokenizer, config.lora,
             reasoning_parser=config.structured_outputs.reasoning_parser,

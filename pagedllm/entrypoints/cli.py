@@ -96,6 +96,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "\"path\": ...} each (needs --enable-lora)")
     parser.add_argument("--log-stats-interval", type=float, default=5.0,
                         help="seconds between throughput log lines while busy (0: off)")
+    parser.add_argument("--disable-log-stats", dest="log_stats_interval",
+                        action="store_const", const=0.0,
+                        help="no throughput log lines (--log-stats-interval 0; vLLM's flag)")
     parser.add_argument("--root-path", default=None,
                         help="the path prefix a proxy serves the API under (FastAPI's "
                              "root_path)")

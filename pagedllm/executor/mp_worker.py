@@ -26,6 +26,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
+from pagedllm.loader.hf_config import import_remote_code_modules
 from pagedllm.worker.worker import EXECUTE, Worker
 
 # The script a worker process runs (see the module docstring).
@@ -55,7 +56,10 @@ def main(fd: int) -> None:
 def _init(conn: Connection) -> Worker | None:
     """Receive WorkerInit, join the groups, build the runner; None after a failure
     (already reported)."""
-    kind, init = conn.recv()
+    blob = conn.recv_bytes()
+    # A config of a model directory's own code unpickles only with its module importable.
+    import_remote_code_modules()
+    kind, init = pickle.loads(blob)
     assert kind == "init", kind
     try:
         worker = Worker(init)

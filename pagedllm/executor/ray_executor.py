@@ -59,6 +59,7 @@ from pagedllm.distributed.parallel_state import driver_rank
 from pagedllm.errors import EngineDeadError
 from pagedllm.executor.step_future import StepFuture, StepsInFlight
 from pagedllm.executor.worker_group import WorkerGroupExecutor
+from pagedllm.loader.hf_config import import_remote_code_modules
 from pagedllm.worker.worker import EXECUTE, Worker, WorkerInit, worker_config
 
 logger = logging.getLogger(__name__)
@@ -94,8 +95,12 @@ class RayWorker:
 
         return ray.util.get_node_ip_address(), os.getpid()
 
-    def init(self, init: WorkerInit) -> None:
-        self.worker = Worker(init)
+    def init(self, data: bytes) -> None:
+        """Build the Worker from the pickled WorkerInit (pickled here rather than by
+        Ray: a config of a model directory's own code unpickles only with its module
+        importable, from this node's HF_MODULES_CACHE)."""
+        import_remote_code_modules()
+        self.worker = Worker(pickle.loads(data))
 
     def execute(self, method: str, *args: Any) -> Any:
         """The Worker's `method` (determine_num_blocks, initialize_kv_cache, ...)."""
@@ -209,8 +214,8 @@ class RayExecutor(WorkerGroupExecutor):
         # address as Ray knows it; port 0 lets the OS pick one.
         host = ray.util.get_node_ip_address()
         self._store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)
-        refs = [actor.init.remote(WorkerInit(rank, self.tp_size, self.pp_size, host,
-                                             self._store.port, config))
+        refs = [actor.init.remote(pickle.dumps(WorkerInit(rank, self.tp_size, self.pp_size,
+                                                          host, self._store.port, config)))
                 for rank, actor in enumerate(self._cluster.actors)]
         # Loading errors (an unsupported model, a bad checkpoint) keep their type.
         self._wait(refs, during="start-up", reraise=True)

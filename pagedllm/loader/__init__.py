@@ -74,11 +74,14 @@ def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype,
     return fmt.iter_weights(model_path, hf_config, dtype, quantized=True)  # type: ignore[call-arg]
 
 
-def load_tokenizer(model_path: str, tokenizer_path: str | None = None) -> Any:
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None,
+                   trust_remote_code: bool = False) -> Any:
     """The transformers tokenizer of a model, with its chat template when it has one.
 
     `tokenizer_path` (a directory or a .gguf file) overrides the model's own. GGUF tokenizers
-    come from the file's metadata through the conversion cache.
+    come from the file's metadata through the conversion cache. `trust_remote_code` lets
+    transformers run the directory's own tokenizer class (tokenizer_config.json's
+    `auto_map`); without it such a tokenizer is refused.
     """
     source = tokenizer_path or model_path
     if source.endswith(".gguf"):
@@ -87,7 +90,14 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None) -> Any:
         return load_gguf_tokenizer(source)
     from transformers import AutoTokenizer
 
+    from pagedllm.loader.hf_config import needs_remote_code
+
     try:
-        return AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
+        if needs_remote_code(e):
+            raise ModelLoadError(f"the tokenizer of {source!r} is the directory's own code "
+                                 f"(auto_map in tokenizer_config.json): pass "
+                                 f"trust_remote_code=True (--trust-remote-code) to run "
+                                 f"it") from e
         raise ModelLoadError(f"cannot load a tokenizer from {source!r}: {e}") from e

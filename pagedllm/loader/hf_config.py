@@ -1,15 +1,21 @@
-"""The `transformers` config of a model directory or GGUF file."""
+"""The `transformers` config of a model directory or GGUF file, and what a model
+directory's own code (`trust_remote_code`) needs in pagedllm's other processes."""
 
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from typing import Any
 
 from pagedllm.errors import ModelLoadError
 
 
-def load_hf_config(path: str) -> Any:
-    """The `transformers` config of an HF directory or a GGUF file (from its metadata)."""
+def load_hf_config(path: str, trust_remote_code: bool = False) -> Any:
+    """The `transformers` config of an HF directory or a GGUF file (from its metadata).
+    `trust_remote_code` lets transformers run the directory's own config class (its
+    config.json's `auto_map`); without it such a directory is refused, never asked about
+    (transformers would otherwise prompt on a terminal)."""
     from transformers import AutoConfig
 
     try:
@@ -19,10 +25,14 @@ def load_hf_config(path: str) -> Any:
 
             cfg = load_gguf_config(path)
         else:
-            cfg = AutoConfig.from_pretrained(path)
+            cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except ModelLoadError:
         raise
     except (OSError, ValueError, KeyError) as e:
+        if needs_remote_code(e):
+            raise ModelLoadError(f"the config of {path!r} is the directory's own code "
+                                 f"(auto_map in config.json): pass trust_remote_code=True "
+                                 f"(--trust-remote-code) to run it") from e
         raise ModelLoadError(f"cannot read the model config at {path!r}: {e}") from e
     if getattr(cfg, "model_type", None) in _VISION_LANGUAGE_MODEL_TYPES:
         return flatten_vision_language_config(cfg)
@@ -33,6 +43,24 @@ def load_hf_config(path: str) -> Any:
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type)
         cfg.architectures = [arch] if arch else []
     return cfg
+
+
+def needs_remote_code(error: BaseException) -> bool:
+    """Whether transformers refused a directory because its own code was not trusted."""
+    return isinstance(error, ValueError) and "trust_remote_code" in str(error)
+
+
+def import_remote_code_modules() -> None:
+    """Let this process import the modules transformers made of model directories' own
+    code (`transformers_modules`, under HF_MODULES_CACHE): a config whose class is one
+    is pickled by reference, so a child process (the engine core, a worker) unpickles
+    it only with that directory on sys.path, as transformers put it on the loader's.
+    Called before a child unpickles its config; nothing is imported until a pickle
+    names such a module, and only the front end's own pickles reach a child."""
+    from transformers.utils import HF_MODULES_CACHE
+
+    if HF_MODULES_CACHE not in sys.path and os.path.isdir(HF_MODULES_CACHE):
+        sys.path.append(HF_MODULES_CACHE)
 
 
 # Vision-language configs the engine reads through their decoder's (text) config.

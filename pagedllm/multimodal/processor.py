@@ -31,11 +31,13 @@ def tokens_per_image(hf_config: Any) -> int:
 
 class ImageProcessor:
     def __init__(self, model_path: str, hf_config: Any,
-                 max_images: int = DEFAULT_IMAGES_PER_PROMPT) -> None:
+                 max_images: int = DEFAULT_IMAGES_PER_PROMPT,
+                 trust_remote_code: bool = False) -> None:
         from transformers import AutoImageProcessor
 
         try:
-            self.hf = AutoImageProcessor.from_pretrained(model_path, backend="pil")
+            self.hf = AutoImageProcessor.from_pretrained(model_path, backend="pil",
+                                                         trust_remote_code=trust_remote_code)
         except (OSError, ValueError, KeyError) as e:
             raise ModelLoadError(f"cannot load the image processor of {model_path!r} "
                                  f"(preprocessor_config.json): {e}") from e
