@@ -10,14 +10,16 @@ from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, Classificati
                               EmbeddingRequestOutput, Logprob, RequestOutput, ScoringOutput,
                               ScoringRequestOutput)
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
+from pagedllm.sampling_params import (BeamSearchParams, GuidedDecodingParams,
+                                      RequestOutputKind, SamplingParams,
                                       StructuredOutputsParams)
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "CompletionOutput", "Logprob", "InvalidRequestError", "ModelLoadError",
-           "RequestOutputKind", "StructuredOutputsParams", "BeamSearchParams",
+           "RequestOutputKind", "StructuredOutputsParams", "GuidedDecodingParams",
+           "BeamSearchParams",
            "BeamSearchOutput", "BeamSearchSequence", "PoolingParams",
            "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
            "ScoringRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",

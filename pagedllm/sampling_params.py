@@ -11,7 +11,7 @@ import copy
 import enum
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from pagedllm import json_limits
@@ -105,6 +105,9 @@ class StructuredOutputsParams:
             self._key = (self.kind, value, self.disable_any_whitespace)
         return self._key
 
+
+# vLLM's name of StructuredOutputsParams before its 0.11 (SamplingParams.guided_decoding).
+GuidedDecodingParams = StructuredOutputsParams
 
 _CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # What each field may hold (None aside): a list where a string belongs was an unhashable
@@ -203,8 +206,16 @@ class SamplingParams:
     max_model_len; None: the whole prompt."""
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     """Set by the input processor: bad_words tokenized (with and without leading space)."""
+    guided_decoding: InitVar[StructuredOutputsParams | dict | None] = None
+    """vLLM's older name of structured_outputs (taken as it; not both)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding: StructuredOutputsParams | dict | None = None,
+                      ) -> None:
+        if guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise InvalidRequestError("give structured_outputs or guided_decoding (its "
+                                          "older name), not both")
+            self.structured_outputs = guided_decoding
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -28,6 +28,8 @@ from pagedllm.reasoning import REASONING_FORMATS
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's other names of the same dtypes (its --dtype takes them too).
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 _QUANTIZATIONS = ("auto", "gguf", "none")
 # Model types whose positions index a learned table: no sequence may outgrow it.
 _LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt", "bert", "roberta", "xlm-roberta"})
@@ -57,8 +59,9 @@ class EngineArgs:
     device: str = _arg("auto", "auto, cpu or cuda (auto picks CUDA when present)",
                        choices=("auto", "cpu", "cuda"))
     dtype: str = _arg("auto", "compute dtype: auto (bfloat16 on CPUs with avx512_bf16 and on "
-                              "CUDA, float32 otherwise), float32, bfloat16, float16",
-                      choices=_DTYPES)
+                              "CUDA, float32 otherwise), float32 (or float), bfloat16, "
+                              "float16 (or half); offline also a torch.dtype",
+                      choices=_DTYPES + tuple(_DTYPE_ALIASES))
     quantization: str = _arg("auto", "weights of a .gguf file: gguf (run its Q8_0, Q4_0, "
                                      "Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K, Q6_K blocks as stored, and "
                                      "Q3_K as Q6_K blocks, through the native quantized "
@@ -546,9 +549,15 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _resolve_dtype(dtype: str, device: str, hf_config: Any) -> str:
+def _resolve_dtype(dtype: Any, device: str, hf_config: Any) -> str:
+    import torch
+
+    if isinstance(dtype, torch.dtype):  # LLM(dtype=torch.bfloat16), as vLLM takes it
+        dtype = str(dtype).removeprefix("torch.")
+    dtype = _DTYPE_ALIASES.get(dtype, dtype)
     if dtype not in _DTYPES:
-        raise ConfigError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        raise ConfigError(f"dtype must be one of {_DTYPES + tuple(_DTYPE_ALIASES)}, got "
+                          f"{dtype!r}")
     if dtype != "auto":
         return dtype
     if device == "cuda":

@@ -126,3 +126,24 @@ def test_cuda_without_a_gpu_names_the_device(tiny_path):
         pytest.skip("this machine has a GPU")
     with pytest.raises(ValueError, match="device 'cuda' was requested but no CUDA GPU"):
         EngineArgs(model=str(tiny_path), device="cuda").create_engine_config()
+
+
+@pytest.mark.parametrize("dtype, expected", [("half", "float16"), ("float", "float32"),
+                                             ("float16", "float16"),
+                                             ("torch.bfloat16", "bfloat16")])
+def test_dtype_takes_vllms_names(tiny_path, dtype, expected):
+    """vLLM's dtype names (half, float) and torch dtypes name the same dtypes."""
+    import torch
+
+    if dtype.startswith("torch."):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    config = EngineArgs(model=str(tiny_path), dtype=dtype).create_engine_config()
+    assert config.model.dtype == expected
+
+
+def test_unknown_dtype_is_refused_by_name(tiny_path):
+    import torch
+
+    for dtype in ("double", torch.int8):
+        with pytest.raises(ValueError, match="dtype must be one of .*half"):
+            EngineArgs(model=str(tiny_path), dtype=dtype).create_engine_config()

@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from pagedllm import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from pagedllm import (GuidedDecodingParams, InvalidRequestError, SamplingParams,
+                      StructuredOutputsParams)
 
 SCHEMAS = [
     {"type": "object",
@@ -107,6 +108,17 @@ def test_regex_choice_grammar_and_json_object(outputs):
     assert isinstance(json.loads(texts[3]), (dict, list))
     assert all(o.outputs[0].finish_reason == "stop" for o in outputs[4:8])
     assert "Paris" in outputs[8].outputs[0].text
+
+
+def test_guided_decoding_is_vllms_older_name(default_llm, outputs):
+    """SamplingParams(guided_decoding=GuidedDecodingParams(...)), as vLLM before 0.11
+    spelled it, constrains alike; with structured_outputs too it is refused."""
+    params = SamplingParams(temperature=0, max_tokens=60, guided_decoding=(
+        GuidedDecodingParams(choice=["yes", "no", "maybe so"])))
+    out = default_llm.generate(["Is the sky blue? Answer:"], params, use_tqdm=False)
+    assert out[0].outputs[0].text == outputs[5].outputs[0].text
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(guided_decoding={"regex": "a"}, structured_outputs={"regex": "b"})
 
 
 def test_structural_tag(outputs):
