@@ -166,8 +166,13 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             continue_final_message: bool = False,
              ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate.
+
+        `continue_final_message`: the reply continues the conversation's last message (an
+        assistant's, left open by the template) instead of starting a new one; it takes
+        the place of add_generation_prompt, as in the server's chat requests.
 
         `tools`: OpenAI-style tool definitions ({"type": "function", "function": {...}})
         the template renders into the prompt (for templates that support tools); the
@@ -189,8 +194,10 @@ class LLM:
                                           f"images")
             # The template already holds the special tokens: don't let encode add BOS again.
             text = tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
+                conv, tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                tools=tools, **(chat_template_kwargs or {}))
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
             if images:

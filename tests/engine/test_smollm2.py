@@ -47,6 +47,17 @@ def test_chat_uses_template(llm):
     assert "Paris" in outs[0].outputs[0].text
 
 
+def test_chat_continues_the_final_message(llm):
+    """continue_final_message: the prompt ends inside the assistant's open message (no
+    end-of-turn, no new assistant header) and the reply goes on from it."""
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    outs = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False,
+                    continue_final_message=True)
+    assert outs[0].prompt.endswith("<|im_start|>assistant\nThe capital of France is")
+    assert "Paris" in outs[0].outputs[0].text
+
+
 def test_chat_renders_tools_through_the_template(llm):
     template = ("{% for tool in tools %}tool: {{ tool.function.name }}\n{% endfor %}"
                 "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
