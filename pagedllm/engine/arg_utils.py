@@ -67,8 +67,8 @@ class EngineArgs:
                                      "Q3_K as Q6_K blocks, through the native quantized "
                                      "GEMM; other types are dequantized), none (dequantize "
                                      "every weight to dtype), auto (gguf on CPUs with "
-                                     "AVX512-VNNI, the native kernels, one worker and no "
-                                     "compile; else none)",
+                                     "AVX512-VNNI or AVX2, the native kernels, one worker "
+                                     "and no compile; else none)",
                              choices=_QUANTIZATIONS)
     dequantize: bool = _arg(False, "dequantize GGUF weights to dtype on load (the same as "
                                    "quantization=none)")

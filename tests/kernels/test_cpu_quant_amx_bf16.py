@@ -1,5 +1,5 @@
-"""gemm_quant's "amx_bf16" path (csrc/quant_amx_bf16.h): Q8_0 / Q4_0 / Q4_1 weights
-dequantized to bfloat16 panels and multiplied on AMX bfloat16 tiles. Its contract is
+"""gemm_quant's "amx_bf16" path (csrc/quant_amx_bf16.h): weights of every block type but
+Q2_K dequantized to bfloat16 panels and multiplied on AMX bfloat16 tiles. Its contract is
 exact: the bits of gemm_bf16 on the weights gguf-py dequantizes, rounded to bfloat16, in
 every shape (panels of 48 columns cut short, row tiles of 16 cut short, blocks of 512
 rows), with a bias and with accumulation; and a row's bits whatever the batch. `auto`
@@ -18,7 +18,7 @@ from pagedllm.kernels.cpu.quant import repack
 from pagedllm.models.layers.linear import pack_native
 from tests.kernels.test_cpu_quant import gguf_dequantize, make_weight, run_gemm
 
-TYPES = ["Q8_0", "Q4_0", "Q4_1"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,9 +44,12 @@ def _dequantized_gemm(weight, x: torch.Tensor, bias: torch.Tensor,
 def test_bits_of_the_dequantized_bf16_gemm(qtype: str) -> None:
     """1 and 3 rows (a tile configured that short), 16, 17 (a zero-padded last tile),
     70, 600 (two blocks of 512 rows); 45 columns (one panel, its third group 13 wide), 7,
-    50 (a second panel of one group, 2 wide), 130; K of 64 to 768."""
+    50 (a second panel of one group, 2 wide), 130; K of 64 to 768 (the K-types' rounded
+    up to their super-blocks of 256)."""
     for n, m, k in ((45, 1, 512), (7, 3, 768), (50, 16, 64), (130, 17, 96), (200, 70, 512),
                     (45, 600, 512)):
+        if qtype.endswith("_K"):
+            k = -(-k // 256) * 256
         weight = make_weight(qtype, n, k, seed=m)
         packed = repack(weight)
         x = (torch.randn(m, k) * 3).to(torch.bfloat16)
@@ -73,7 +76,7 @@ def test_rows_bit_identical_whatever_the_batch(qtype: str) -> None:
 
 
 def test_auto_takes_it_only_when_asked(monkeypatch) -> None:
-    q41, q50 = make_weight("Q4_1", 40, 256), make_weight("Q5_0", 40, 256)
+    q41, q2k = make_weight("Q4_1", 40, 256), make_weight("Q2_K", 40, 256)
     x = torch.randn(5, 256).to(torch.bfloat16)
     int8 = run_gemm(q41, x, path="avx512")
     tiles = run_gemm(q41, x, path="amx_bf16")
@@ -83,7 +86,7 @@ def test_auto_takes_it_only_when_asked(monkeypatch) -> None:
     monkeypatch.setenv("PAGEDLLM_CPU_QUANT_GEMM", "amx_bf16")
     assert torch.equal(run_gemm(q41, x), tiles)
     # Other types and float32 x keep the int8 kernels.
-    assert torch.equal(run_gemm(q50, x), run_gemm(q50, x, path="avx512"))
+    assert torch.equal(run_gemm(q2k, x), run_gemm(q2k, x, path="avx512"))
     xf = x.float()
     assert torch.equal(run_gemm(q41, xf), run_gemm(q41, xf, path="avx512"))
     monkeypatch.setenv("PAGEDLLM_CPU_QUANT_GEMM", "int8")
@@ -134,12 +137,12 @@ def test_marked_prompt_rows_take_the_tiles(qtype: str, monkeypatch) -> None:
 def test_marks_only_where_the_tiles_run(monkeypatch) -> None:
     """Other types, float32 x, and PAGEDLLM_CPU_QUANT_GEMM=int8 / amx_bf16 ignore the
     marks; a mark tensor of the wrong shape or dtype is refused."""
-    q41, q50 = make_weight("Q4_1", 40, 256), make_weight("Q5_0", 40, 256)
+    q41, q2k = make_weight("Q4_1", 40, 256), make_weight("Q2_K", 40, 256)
     x = torch.randn(6, 256).to(torch.bfloat16)
     marks = torch.tensor([True, False, True, True, False, False])
     bias = torch.zeros(40)
     monkeypatch.delenv("PAGEDLLM_CPU_QUANT_GEMM", raising=False)
-    assert torch.equal(_marked_gemm(q50, x, marks, bias), run_gemm(q50, x, path="int8"))
+    assert torch.equal(_marked_gemm(q2k, x, marks, bias), run_gemm(q2k, x, path="int8"))
     assert torch.equal(_marked_gemm(q41, x.float(), marks, bias),
                        run_gemm(q41, x.float(), path="int8"))
     monkeypatch.setenv("PAGEDLLM_CPU_QUANT_GEMM", "int8")
@@ -154,8 +157,10 @@ def test_marks_only_where_the_tiles_run(monkeypatch) -> None:
 
 
 def test_refuses_what_it_cannot_run() -> None:
-    with pytest.raises(RuntimeError, match="'amx_bf16' takes bfloat16 x on Q8_0 / Q4_0 / Q4_1"):
+    with pytest.raises(RuntimeError, match="'amx_bf16' takes bfloat16 x on Q8_0 / Q4_0 / Q4_1 / "
+                                           "Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K"):
         run_gemm(make_weight("Q4_1", 16, 64), torch.randn(2, 64), path="amx_bf16")
-    with pytest.raises(RuntimeError, match="'amx_bf16' takes bfloat16 x on Q8_0 / Q4_0 / Q4_1"):
-        run_gemm(make_weight("Q5_1", 16, 64), torch.randn(2, 64).to(torch.bfloat16),
+    with pytest.raises(RuntimeError, match="'amx_bf16' takes bfloat16 x on Q8_0 / Q4_0 / Q4_1 / "
+                                           "Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K"):
+        run_gemm(make_weight("Q2_K", 16, 256), torch.randn(2, 256).to(torch.bfloat16),
                  path="amx_bf16")

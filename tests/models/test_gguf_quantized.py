@@ -14,6 +14,7 @@ model's top two logprobs 0.001 apart). The test allows a parting only at such a 
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +26,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.cpu.quant import packed_qtype
-from tests.loader.test_gguf import NUM_HEADS, NUM_KV_HEADS, hf_name_to_gguf, llamacpp_row_order
+from tests.engine.partings import greedy_dists
+from tests.loader.test_gguf import (NUM_HEADS, NUM_KV_HEADS, hf_name_to_gguf,
+                                    llamacpp_row_order, random_k_blocks)
 from tests.models.test_native_layers import run_both_ways
 from tests.utils import pagedllm_sequence_logprobs, random_prompts
 
@@ -34,6 +37,9 @@ VOCAB, MAX_NEW = 256, 16
 LOGPROB_ATOL = 0.1
 # Greedy runs may part only where the reference's top two logprobs are this close.
 NEAR_TIE = 0.02
+# Types gguf-py cannot quantize: written as random blocks (finite scales), not the model's
+# weights (tests/loader/test_gguf.py random_k_blocks).
+RANDOM_K_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
 # Per layer: the storage type of each projection. Layer 0's qkv runs in two shards (q and
 # k stacked as one Q4_1 weight, v Q8_0), layer 1's gate_up in two (Q4_0, Q4_1); layer 1
 # dequantizes its qkv (an F16 shard among Q8_0 ones) and down (F16).
@@ -82,7 +88,10 @@ def write_tiny_llama(path: Path, hidden: int = 64, inter: int = 160, scale: floa
             writer.add_tensor(hf_name_to_gguf(name), w.astype(np.float32 if qtype == QT.F32
                                                               else np.float16))
         else:
-            raw = quantize_q2_k(w) if qtype == QT.Q2_K else gguf.quants.quantize(w, qtype)
+            raw = (quantize_q2_k(w) if qtype == QT.Q2_K
+                   else random_k_blocks(np.random.default_rng(zlib.crc32(name.encode())),
+                                        w.shape, qtype) if qtype in RANDOM_K_TYPES
+                   else gguf.quants.quantize(w, qtype))
             writer.add_tensor(hf_name_to_gguf(name), raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -250,3 +259,33 @@ def test_q2k_native_matches_dequantized(tmp_path):
                 num_kv_blocks=64)
     expected = _generate(plain, prompts)
     _assert_close(native, plain, prompts, got, expected)
+
+
+def test_amx_bf16_tiles_give_the_dequantized_model_for_every_type(tmp_path, monkeypatch):
+    """On a CPU with AMX-BF16, PAGEDLLM_CPU_QUANT_GEMM=amx_bf16 runs every row's Q5_0 / Q5_1
+    / Q4_K / Q5_K / Q6_K (and Q8_0) blocks dequantized to bfloat16 inside the GEMM
+    (csrc/quant_amx_bf16.h): the tokens and logprobs of the same file dequantized on load,
+    exactly, with the fused qkv and gate_up run shard by shard (three and two types). The
+    K-type projections are random blocks (gguf-py cannot quantize them)."""
+    from pagedllm.kernels.cpu import ops as cpu_ops
+
+    if not (cpu_ops.load_cpu_kernels() and cpu_ops.quant_amx_bf16_usable()):
+        pytest.skip("no AMX-BF16 tiles here")
+    types = {"q_proj": QT.Q5_0, "k_proj": QT.Q5_1, "v_proj": QT.Q6_K, "o_proj": QT.Q4_K,
+             "gate_proj": QT.Q5_K, "up_proj": QT.Q4_K, "down_proj": QT.Q6_K}
+    path = tmp_path / "mixed.gguf"
+    write_tiny_llama(path, hidden=256, inter=512, scale=2, storage_type=lambda name, w: (
+        QT.F32 if w.ndim == 1 else QT.Q8_0 if name == "model.embed_tokens.weight"
+        else types[name.split(".")[-2]]))
+    monkeypatch.setenv("PAGEDLLM_CPU_QUANT_GEMM", "amx_bf16")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, VOCAB, 3, 41, seed=2)]
+    native = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, quantization="gguf",
+                 num_kv_blocks=64)
+    attn = _model(native).model.layers[0].self_attn
+    assert [packed_qtype(w) for w, _ in attn.qkv_proj.native_shards] == ["Q5_0", "Q5_1",
+                                                                         "Q6_K"]
+    got = greedy_dists(native, prompts, MAX_NEW)
+    native.shutdown()
+    plain = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, quantization="none",
+                num_kv_blocks=64)
+    assert greedy_dists(plain, prompts, MAX_NEW) == got

@@ -111,7 +111,7 @@ def gemm_quant(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
       build has), "amx" (AMX-INT8 tiles: Q2_K and Q6_K take the AVX-512 kernels),
       "avx512" (AVX512-VNNI), "avx2" (AVX2 + FMA + F16C) or "portable" (plain C++); one
       the build lacks raises RuntimeError.
-    - "amx_bf16" (bfloat16 x on Q8_0 / Q4_0 / Q4_1, where `quant_amx_bf16_usable()`):
+    - "amx_bf16" (bfloat16 x on every type but Q2_K, where `quant_amx_bf16_usable()`):
       the weights dequantized to bfloat16 and multiplied on AMX bfloat16 tiles with x
       unquantized: the bits of gemm_bf16 on the dequantized weights.
     - "auto": "int8", except that where `quant_splits_prompt_rows()` the rows marked in

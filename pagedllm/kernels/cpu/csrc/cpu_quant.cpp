@@ -94,7 +94,7 @@ inline float to_f(T v) { return static_cast<float>(v); }
 // Which kernels run: AMX (quant_amx.h), AVX512-VNNI, AVX2 (quant_avx2.h) or the portable
 // C++; each is in the library where the compiler targets a CPU that has it. All give the
 // same bits. Or AMX bfloat16 tiles on the dequantized weights (quant_amx_bf16.h: bfloat16
-// x on Q8_0 / Q4_0 / Q4_1), whose bits are the dequantized model's instead.
+// x on every block type but Q2_K), whose bits are the dequantized model's instead.
 enum class Path { kAmx, kAvx512, kAvx2, kPortable, kAmxBf16 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -139,7 +139,8 @@ Path path_of(c10::string_view name, int64_t rows, QType type, bool bf16_x) {
   if (name == "amx_bf16") {
 #if defined(PAGEDLLM_QUANT_AMX_BF16)
     TORCH_CHECK(bf16_x && amx_bf16::supports(type) && amx_bf16::usable(),
-                "gemm_quant: path 'amx_bf16' takes bfloat16 x on Q8_0 / Q4_0 / Q4_1 blocks, "
+                "gemm_quant: path 'amx_bf16' takes bfloat16 x on Q8_0 / Q4_0 / Q4_1 / Q5_0 / "
+                "Q5_1 / Q4_K / Q5_K / Q6_K blocks, "
                 "where the OS grants the tiles");
     return Path::kAmxBf16;
 #else
@@ -853,6 +854,11 @@ void gemm_quant_on(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
       case QType::kQ8_0: return tiles(amx_bf16::run<QType::kQ8_0>);
       case QType::kQ4_0: return tiles(amx_bf16::run<QType::kQ4_0>);
       case QType::kQ4_1: return tiles(amx_bf16::run<QType::kQ4_1>);
+      case QType::kQ5_0: return tiles(amx_bf16::run<QType::kQ5_0>);
+      case QType::kQ5_1: return tiles(amx_bf16::run<QType::kQ5_1>);
+      case QType::kQ4_K: return tiles(amx_bf16::run<QType::kQ4_K>);
+      case QType::kQ5_K: return tiles(amx_bf16::run<QType::kQ5_K>);
+      case QType::kQ6_K: return tiles(amx_bf16::run<QType::kQ6_K>);
       default: TORCH_CHECK(false, "gemm_quant: no amx_bf16 kernel for this block type");
     }
   }

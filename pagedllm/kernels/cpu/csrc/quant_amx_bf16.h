@@ -1,5 +1,6 @@
-// The quantized GEMM on AMX bfloat16 tiles, for bfloat16 activations on Q8_0, Q4_0 and Q4_1
-// blocks; included by cpu_quant.cpp.
+// The quantized GEMM on AMX bfloat16 tiles, for bfloat16 activations on Q8_0, Q4_0, Q4_1,
+// Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks (Q2_K keeps the int8 kernels); included by
+// cpu_quant.cpp.
 //
 // Why not the int8 tiles (quant_amx.h) for these: a 16 x 16 block of int8 dots needs its
 // float epilogue (two scales and a min per block of 32) in vector registers, ~4 operations
@@ -10,9 +11,11 @@
 // gemm_amx::run multiplies it as it does the packed weights of a bfloat16 model.
 //
 // The weights are dequantized as gguf's dequantize and `--dequantize` do: w = d q + m
-// (Q4_1), d (q - 8) (Q4_0), d q (Q8_0) in float32, where the product d q is exact (11 by at
-// most 8 significant bits), so one fused multiply-add rounds as the separate multiply and
-// add do; then rounded to bfloat16 to nearest even, as torch's conversion. So every output
+// (Q4_1, Q5_1), d (q - 8) (Q4_0), d (q - 16) (Q5_0), d q (Q8_0), (d sc) q - dmin m per
+// sub-block (Q4_K, Q5_K), (d sc) (q - 32) (Q6_K) in float32, where the products d q, d sc
+// and (d sc) q are exact (at most 11 + 6 + 5 significant bits), so one fused multiply-add
+// rounds as the separate multiply and add do (Q6_K's one multiply (d sc)(q - 32) rounds
+// once as gguf's does); then rounded to bfloat16 to nearest even, as torch's conversion. So every output
 // has the bits of gemm_bf16 on the dequantized weights (tested): native and
 // dequantized runs of a GGUF file give the same tokens on an AMX machine.
 //
@@ -46,9 +49,12 @@ namespace pagedllm_ops {
 namespace quant {
 namespace amx_bf16 {
 
-inline bool supports(QType type) {
-  return type == QType::kQ8_0 || type == QType::kQ4_0 || type == QType::kQ4_1;
-}
+inline bool supports(QType type) { return type != QType::kQ2_K; }
+
+// Weights of K per block of type Q (a K-type's super-block: 8 blocks of 32).
+template <QType Q>
+constexpr int64_t kElems =
+    Q == QType::kQ4_K || Q == QType::kQ5_K || Q == QType::kQ6_K ? 8 * kBlock : kBlock;
 
 // Whether it is built and the OS grants the tiles.
 inline bool usable() { return pagedllm_amx::granted(); }
@@ -97,8 +103,34 @@ inline void put_row(uint16_t* dst, __m512 lo_half, __m512 hi_half) {
   _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi_half, lo_half));
 }
 
-// Group g's weights (its nb blocks at wg) as panel columns [16 j, 16 j + 16) of `panel`
-// [K / 2, 48, 2] (rows 96 elements apart).
+// 16 i8 (one per column of a group) as float32.
+inline __m512 load_i8x16(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
+// Pair s of half h of a vector of Q4 bytes `raw` (`sel`: kPairBytes' indices for it) as
+// dword lanes of 4-bit weights: ql the low nibbles, qh the high ones; with kFifth (Q5's),
+// bits `bit` and 4 + `bit` of `plane`'s same bytes added as their fifth bits.
+template <bool kFifth>
+inline void unpack_pair(__m512i raw, __m512i plane, __m512i sel, int bit, __m512i& ql,
+                        __m512i& qh) {
+  constexpr __mmask64 kFirstBytes = 0x1111111111111111ull;
+  const __m512i bytes = _mm512_maskz_permutexvar_epi8(kFirstBytes, sel, raw);
+  ql = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0f));
+  qh = _mm512_srli_epi32(bytes, 4);
+  if constexpr (kFifth) {
+    const __m512i p = _mm512_maskz_permutexvar_epi8(kFirstBytes, sel, plane);
+    const __m512i bit0 = _mm512_set1_epi32(1);
+    ql = _mm512_or_si512(
+        ql, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(p, bit), bit0), 4));
+    qh = _mm512_or_si512(
+        qh, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(p, 4 + bit), bit0), 4));
+  }
+}
+
+// Group g's weights (its nb blocks at wg, of kElems<Q> weights of K each) as panel
+// columns [16 j, 16 j + 16) of `panel` [K / 2, 48, 2] (rows 96 elements apart).
 template <QType Q>
 void dequantize_group(const uint8_t* wg, int64_t block_bytes, int64_t nb, uint16_t* panel,
                       int j) {
@@ -115,8 +147,80 @@ void dequantize_group(const uint8_t* wg, int64_t block_bytes, int64_t nb, uint16
   const __m512i low4 = _mm512_set1_epi32(0x0f);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wg + b * block_bytes;
-    uint16_t* rows = panel + b * 16 * kRow + 32 * j;  // pair row i at rows + i * kRow
-    if constexpr (Q == QType::kQ8_0) {
+    // pair row i of the block at rows + i * kRow
+    uint16_t* rows = panel + b * (kElems<Q> / 2) * kRow + 32 * j;
+    if constexpr (Q == QType::kQ4_K || Q == QType::kQ5_K) {
+      // 4 chunks of 8 vectors [16 columns][4 bytes]: chunk c's low nibbles are sub-block
+      // 2c (vector v holds its k = 4v + i), its high nibbles sub-block 2c + 1; Q5_K's
+      // planes the fifth bits (plane v / 4 of the chunk, bits v % 4 and 4 + v % 4, as
+      // Q5_0's); w = (d sc) q - dmin m as gguf computes it (d sc q exact: one rounding).
+      constexpr bool kFifth = Q == QType::kQ5_K;
+      constexpr int64_t kScales = kFifth ? kQ5KScales : kQ4KScales;
+      const __m512 dv = load_halves(blk + kScales);
+      const __m512 dminv = load_halves(blk + kScales + 32);
+      for (int c = 0; c < 4; ++c) {
+        __m512 dsc[2][2], dm[2][2];  // [sub-block 2c + t][half]
+        for (int t = 0; t < 2; ++t) {
+          const int64_t sub = 2 * c + t;
+          halves(_mm512_mul_ps(dv, load_bytes16(blk + kScales + 64 + 16 * sub)), dsc[t]);
+          halves(_mm512_mul_ps(dminv, load_bytes16(blk + kScales + 192 + 16 * sub)), dm[t]);
+        }
+        for (int v = 0; v < 8; ++v) {
+          const __m512i raw = _mm512_loadu_si512(blk + 512 * c + 64 * v);
+          const __m512i plane =
+              kFifth ? _mm512_loadu_si512(blk + kQ5KPlanes + 128 * c + 64 * (v / 4))
+                     : _mm512_setzero_si512();
+          for (int s = 0; s < 2; ++s) {
+            __m512 lo[2], hi[2];
+            for (int h = 0; h < 2; ++h) {
+              __m512i ql, qh;
+              unpack_pair<kFifth>(raw, plane, sel[h][s], v % 4, ql, qh);
+              lo[h] = _mm512_fmsub_ps(dsc[0][h], _mm512_cvtepi32_ps(ql), dm[0][h]);
+              hi[h] = _mm512_fmsub_ps(dsc[1][h], _mm512_cvtepi32_ps(qh), dm[1][h]);
+            }
+            put_row(rows + (32 * c + 2 * v + s) * kRow, lo[0], lo[1]);
+            put_row(rows + (32 * c + 16 + 2 * v + s) * kRow, hi[0], hi[1]);
+          }
+        }
+      }
+    } else if constexpr (Q == QType::kQ6_K) {
+      // 8 blocks of 32, each Q4_0's 4 vectors of low 4 bits plus two planes of top 2
+      // bits (bits 2v, 2v + 1 of a byte: vector v's); its low nibbles are sub-block 2jb
+      // (of 16), its high nibbles 2jb + 1; w = (d sc) (q - 32) as gguf computes it.
+      const __m512 dv = load_halves(blk + kQ6KScales);
+      const __m512i off = _mm512_set1_epi32(32), low2 = _mm512_set1_epi32(3);
+      for (int jb = 0; jb < 8; ++jb) {
+        const uint8_t* sb = blk + jb * kQ6KBlock;
+        const __m512i top_lo = _mm512_loadu_si512(sb + 256);
+        const __m512i top_hi = _mm512_loadu_si512(sb + 320);
+        __m512 dsc[2][2];  // [sub-block 2jb + t][half]
+        for (int t = 0; t < 2; ++t)
+          halves(_mm512_mul_ps(dv, load_i8x16(blk + kQ6KScales + 32 + 16 * (2 * jb + t))),
+                 dsc[t]);
+        uint16_t* jrows = rows + jb * 16 * kRow;
+        for (int v = 0; v < 4; ++v) {
+          const __m512i raw = _mm512_loadu_si512(sb + 64 * v);
+          for (int s = 0; s < 2; ++s) {
+            __m512 lo[2], hi[2];
+            for (int h = 0; h < 2; ++h) {
+              const __m512i bytes = _mm512_maskz_permutexvar_epi8(kFirstBytes, sel[h][s], raw);
+              const __m512i tl = _mm512_maskz_permutexvar_epi8(kFirstBytes, sel[h][s], top_lo);
+              const __m512i th = _mm512_maskz_permutexvar_epi8(kFirstBytes, sel[h][s], top_hi);
+              const __m512i ql = _mm512_or_si512(
+                  _mm512_and_si512(bytes, low4),
+                  _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(tl, 2 * v), low2), 4));
+              const __m512i qh = _mm512_or_si512(
+                  _mm512_srli_epi32(bytes, 4),
+                  _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(th, 2 * v), low2), 4));
+              lo[h] = _mm512_mul_ps(dsc[0][h], _mm512_cvtepi32_ps(_mm512_sub_epi32(ql, off)));
+              hi[h] = _mm512_mul_ps(dsc[1][h], _mm512_cvtepi32_ps(_mm512_sub_epi32(qh, off)));
+            }
+            put_row(jrows + (2 * v + s) * kRow, lo[0], lo[1]);
+            put_row(jrows + (8 + 2 * v + s) * kRow, hi[0], hi[1]);
+          }
+        }
+      }
+    } else if constexpr (Q == QType::kQ8_0) {
       // 8 vectors of [16 columns][4 bytes] (q + 128): vector v holds k = 4v + i.
       __m512 d[2];
       halves(load_halves(blk + 512), d);
@@ -134,25 +238,30 @@ void dequantize_group(const uint8_t* wg, int64_t block_bytes, int64_t nb, uint16
         }
       }
     } else {
-      // 4 vectors of [16 columns][4 bytes]: vector v's low nibbles hold k = 4v + i, its
-      // high nibbles k = 16 + 4v + i.
-      const __m512 dv = load_halves(blk + 256);
-      // Q4_1: + m; Q4_0: - 8 d (exact: d times a power of two).
-      const __m512 mv = Q == QType::kQ4_1 ? load_halves(blk + 288)
-                                         : _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f));
+      // Q4_0 / Q4_1 / Q5_0 / Q5_1: 4 vectors of [16 columns][4 bytes]: vector v's low
+      // nibbles hold k = 4v + i, its high nibbles k = 16 + 4v + i; Q5's plane after them
+      // their fifth bits (bit v: the low nibble's, bit 4 + v: the high one's).
+      constexpr bool kFifth = Q == QType::kQ5_0 || Q == QType::kQ5_1;
+      constexpr int64_t kScales = kFifth ? 320 : 256;
+      const __m512 dv = load_halves(blk + kScales);
+      // Q4_1 / Q5_1: + m; Q4_0: - 8 d, Q5_0: - 16 d (exact: d times a power of two, and
+      // d q - 16 d = d (q - 16), the one product gguf takes, exactly).
+      const __m512 mv = Q == QType::kQ4_1 || Q == QType::kQ5_1
+                            ? load_halves(blk + kScales + 32)
+                            : _mm512_mul_ps(dv, _mm512_set1_ps(kFifth ? -16.0f : -8.0f));
       __m512 d[2], m[2];
       halves(dv, d);
       halves(mv, m);
+      const __m512i plane = kFifth ? _mm512_loadu_si512(blk + 256) : _mm512_setzero_si512();
       for (int v = 0; v < 4; ++v) {
         const __m512i raw = _mm512_loadu_si512(blk + 64 * v);
         for (int s = 0; s < 2; ++s) {
           __m512 lo[2], hi[2];
           for (int h = 0; h < 2; ++h) {
-            const __m512i bytes = _mm512_maskz_permutexvar_epi8(kFirstBytes, sel[h][s], raw);
-            lo[h] = _mm512_fmadd_ps(d[h], _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4)),
-                                    m[h]);
-            hi[h] = _mm512_fmadd_ps(d[h], _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)),
-                                    m[h]);
+            __m512i ql, qh;
+            unpack_pair<kFifth>(raw, plane, sel[h][s], v, ql, qh);
+            lo[h] = _mm512_fmadd_ps(d[h], _mm512_cvtepi32_ps(ql), m[h]);
+            hi[h] = _mm512_fmadd_ps(d[h], _mm512_cvtepi32_ps(qh), m[h]);
           }
           put_row(rows + (2 * v + s) * kRow, lo[0], lo[1]);
           put_row(rows + (8 + 2 * v + s) * kRow, hi[0], hi[1]);
@@ -169,7 +278,7 @@ struct DequantizedPanels {
   const uint8_t* w;
   int64_t block_bytes, nb, groups;
 
-  int64_t scratch_elems() const { return nb * 16 * 2 * gemm_amx::kPanelCols; }
+  int64_t scratch_elems() const { return nb * kElems<Q> * gemm_amx::kPanelCols; }
 
   const uint16_t* panel(int64_t p, uint16_t* scratch) const {
     const int64_t group_bytes = nb * block_bytes;
@@ -178,7 +287,7 @@ struct DequantizedPanels {
       if (g < groups) {
         dequantize_group<Q>(w + g * group_bytes, block_bytes, nb, scratch, j);
       } else {
-        for (int64_t r = 0; r < nb * 16; ++r)
+        for (int64_t r = 0; r < nb * kElems<Q> / 2; ++r)
           std::memset(scratch + r * 2 * gemm_amx::kPanelCols + 32 * j, 0, 64);
       }
     }
@@ -195,7 +304,7 @@ template <QType Q>
 void run(const c10::BFloat16* x, int64_t ldx, int64_t m, int64_t k, const uint8_t* w,
          int64_t groups, int64_t block_bytes, const float* bias, c10::BFloat16* out,
          int64_t ldo, int64_t n, bool accumulate) {
-  const DequantizedPanels<Q> source{w, block_bytes, k / kBlock, groups};
+  const DequantizedPanels<Q> source{w, block_bytes, k / kElems<Q>, groups};
   const int64_t panels = (groups + 2) / 3;
   gemm_amx::run(reinterpret_cast<const uint16_t*>(x), ldx, m, k, source, panels, n, bias,
                 /*min_run_panels=*/1, /*stream_lead=*/0, kBlockTiles,
