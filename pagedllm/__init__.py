@@ -4,6 +4,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm import LLM
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidRequestError, ModelLoadError
+from pagedllm.inputs import TextPrompt, TokensPrompt
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationOutput,
                               ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
@@ -23,4 +24,4 @@ __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "BeamSearchOutput", "BeamSearchSequence", "PoolingParams",
            "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
            "ScoringRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
-           "LoRARequest", "__version__"]
+           "LoRARequest", "TextPrompt", "TokensPrompt", "__version__"]

@@ -26,10 +26,10 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient, EngineProcess
 from pagedllm.engine.core_proc import EngineCoreOutputs
-from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_collector import RequestOutputCollector
 from pagedllm.errors import EngineDeadError, InvalidRequestError
+from pagedllm.inputs import PromptType
 from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.multimodal.processor import ImageProcessor

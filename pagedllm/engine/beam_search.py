@@ -24,7 +24,7 @@ from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from pagedllm.engine.input_processor import PromptType
+    from pagedllm.inputs import PromptType
     from pagedllm.engine.llm_engine import LLMEngine
 
 

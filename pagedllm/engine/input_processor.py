@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import Any, Union
+from typing import Any
 
 from pagedllm.config import LoRAConfig, ModelConfig
 from pagedllm.errors import InvalidRequestError
+from pagedllm.inputs import PromptType
 from pagedllm.lora.adapter import AdapterChecks
 from pagedllm.lora_request import LoRARequest
 from pagedllm.mm_inputs import ImageInput
@@ -18,9 +19,6 @@ from pagedllm.request import Request
 from pagedllm.sample.constraint_check import ConstraintChecker
 from pagedllm.sampling_params import SamplingParams
 
-# A prompt: text, {"prompt": text}, {"prompt_token_ids": [...]}, or a list of token ids;
-# a dict may add {"multi_modal_data": {"image": image or [images]}} (multimodal models).
-PromptType = Union[str, dict, list]
 
 
 class InputProcessor:

@@ -9,11 +9,11 @@ from typing import Any
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import beam_search
-from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.scoring import (classifier_params, cosine_score,
                                      cross_encoder_params, encode_pair, score_pairs)
 from pagedllm.errors import InvalidRequestError
+from pagedllm.inputs import PromptType
 from pagedllm.lora_request import LoRARequest
 from pagedllm.multimodal.content import has_images, load_images, split_images
 from pagedllm.outputs import (BeamSearchOutput, ClassificationOutput,

@@ -11,10 +11,11 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.engine_core import EngineCore
-from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import DeferredSiblings, fan_out
 from pagedllm.errors import InvalidRequestError
+from pagedllm.inputs import PromptType
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, TextPrompt, TokensPrompt
 from pagedllm.config import default_model_path
 from tests.utils import hf_greedy_no_eos
 
@@ -45,6 +45,17 @@ def test_chat_uses_template(llm):
     prompt_text = tok.decode(outs[0].prompt_token_ids)
     assert "<|im_start|>user" in prompt_text and prompt_text.endswith("<|im_start|>assistant\n")
     assert "Paris" in outs[0].outputs[0].text
+
+
+def test_vllms_prompt_types(llm):
+    """TextPrompt / TokensPrompt (vllm.inputs' names) are the dict forms."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+    text = "The capital of France is"
+    ids = llm.get_tokenizer().encode(text)
+    typed = llm.generate([TextPrompt(prompt=text), TokensPrompt(prompt_token_ids=ids)],
+                         params, use_tqdm=False)
+    plain = llm.generate([text, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in typed] == [o.outputs[0].token_ids for o in plain]
 
 
 def test_chat_continues_the_final_message(llm):

@@ -1,0 +1,26 @@
+"""The prompt forms `LLM.generate` / `chat` / `embed` take, as vLLM's `vllm.inputs` names
+them: plain dicts (any dict with these keys will do; these only type them)."""
+
+from __future__ import annotations
+
+from typing import Any, NotRequired, TypedDict, Union
+
+
+class TextPrompt(TypedDict):
+    """Text, tokenized by the engine."""
+
+    prompt: str
+    multi_modal_data: NotRequired[dict[str, Any]]
+    """{"image": an image or a list of them} (multimodal models)."""
+
+
+class TokensPrompt(TypedDict):
+    """Token ids, taken as they are (`prompt` is only the text outputs echo)."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+    multi_modal_data: NotRequired[dict[str, Any]]
+
+
+# A prompt: text, a TextPrompt or TokensPrompt dict, or a list of token ids.
+PromptType = Union[str, TextPrompt, TokensPrompt, list[int]]
