@@ -49,7 +49,13 @@ namespace pagedllm_ops {
 namespace quant {
 namespace amx_bf16 {
 
-inline bool supports(QType type) { return type != QType::kQ2_K; }
+inline bool supports(QType type) {
+  switch (type) {
+    case QType::kQ8_0: case QType::kQ4_0: case QType::kQ4_1: case QType::kQ5_0:
+    case QType::kQ5_1: case QType::kQ4_K: case QType::kQ5_K: case QType::kQ6_K: return true;
+    default: return false;  // Q2_K (and any type added later without a dequantizer here)
+  }
+}
 
 // Weights of K per block of type Q (a K-type's super-block: 8 blocks of 32).
 template <QType Q>
