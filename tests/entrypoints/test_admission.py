@@ -63,10 +63,13 @@ def test_high_priority_request_finishes_first(server):
                 return r.status_code
 
             # 32 low-priority requests: 4 running, then 28 waiting (under the queue cap).
-            low = [asyncio.create_task(send(f"low{i}", _body(40, priority=1)))
+            # The running ones are long enough to outlast the queue's filling on a slow
+            # machine (40 tokens did not in CI: they finished before "high" arrived);
+            # the waiting ones are short, which keeps the test's total steps as before.
+            low = [asyncio.create_task(send(f"low{i}", _body(160, priority=1)))
                    for i in range(MAX_NUM_SEQS)]
             await _wait_for(server, MAX_NUM_SEQS, 0)
-            low += [asyncio.create_task(send(f"low{i}", _body(40, priority=1)))
+            low += [asyncio.create_task(send(f"low{i}", _body(24, priority=1)))
                     for i in range(MAX_NUM_SEQS, 32)]
             await _wait_for(server, MAX_NUM_SEQS, 32 - MAX_NUM_SEQS)
             high = asyncio.create_task(send("high", _body(8, priority=0)))
@@ -130,11 +133,12 @@ def test_full_queue_answers_503_with_retry_after(server):
     async def run() -> tuple[list[httpx.Response], httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             # Requests arriving together are all waiting until a step schedules them:
-            # fill the batch first, then the queue.
-            accepted = [asyncio.create_task(client.post("/v1/completions", json=_body(30)))
+            # fill the batch first (long enough to outlast the queue's filling on a slow
+            # machine), then the queue.
+            accepted = [asyncio.create_task(client.post("/v1/completions", json=_body(120)))
                         for _ in range(MAX_NUM_SEQS)]
             await _wait_for(server, MAX_NUM_SEQS, 0)
-            accepted += [asyncio.create_task(client.post("/v1/completions", json=_body(30)))
+            accepted += [asyncio.create_task(client.post("/v1/completions", json=_body(10)))
                          for _ in range(MAX_QUEUED)]
             await _wait_for(server, MAX_NUM_SEQS, MAX_QUEUED)
             extra = await client.post("/v1/completions", json=_body(4))
@@ -146,5 +150,6 @@ def test_full_queue_answers_503_with_retry_after(server):
     error = extra.json()["error"]
     assert error["code"] == 503 and "--max-queued-requests" in error["message"]
     assert all(r.status_code == 200 for r in accepted)
-    assert all(r.json()["usage"]["completion_tokens"] == 30 for r in accepted)
+    assert [r.json()["usage"]["completion_tokens"] for r in accepted] == (
+        [120] * MAX_NUM_SEQS + [10] * MAX_QUEUED)
     assert _rejected(server) == rejected_before + 1
