@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,6 +23,8 @@ from pagedllm.metrics import EngineMetrics
 from pagedllm.request import Request
 from pagedllm.sampling_params import (RequestOutputKind, SamplingParams,
                                       StructuredOutputsParams)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_completion_fields_map_to_sampling_params():
@@ -382,3 +388,40 @@ def test_a_responses_input_without_messages_is_named_as_input():
                                                          "text": "hm"}]}]):
         with pytest.raises(InvalidRequestError, match="input has no message"):
             ResponsesRequest(input=items).to_chat_request()
+
+
+# Run in a fresh interpreter: in this one, earlier tests have imported everything.
+_NO_LAZY_IMPORTS = """
+import json, sys
+import pagedllm.entrypoints.openai.server  # what `pagedllm serve` imports before serving
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+fn = {"name": "f", "parameters": schema}
+bodies = [
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                             "tools": [{"type": "function", "function": fn}],
+                             "tool_choice": "required",
+                             "response_format": {"type": "json_schema",
+                                                 "json_schema": {"name": "s", "schema": schema}}}),
+    (CompletionRequest, {"prompt": "x", "structured_outputs": {"json": schema}}),
+    (ResponsesRequest, {"input": "x", "tools": [{"type": "function"} | fn]}),
+]
+before = set(sys.modules)
+for model, body in bodies:
+    model.model_validate(body)
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_validating_requests_imports_nothing():
+    """A module imported by the first request that needs it runs on the event loop
+    (jsonschema, by the first `tools` schema: 75-180 ms in which /health and every
+    stream stalled): what requests use is imported with the server."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"))
+                                        if p)
+    result = subprocess.run([sys.executable, "-c", _NO_LAZY_IMPORTS], cwd=REPO_ROOT,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == []

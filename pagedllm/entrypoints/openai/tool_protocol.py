@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+# At import, with the server: imported by the first request with tools it took the event
+# loop ~75 ms (a 2-core VM: 180 ms), in which /health and every stream stalled.
+import jsonschema
 from pydantic import field_validator, model_serializer
 
 from pagedllm import json_limits
@@ -44,8 +47,6 @@ class FunctionDefinition(RequestModel):
     def _schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
         if schema is None:
             return None
-        import jsonschema
-
         if not isinstance(schema.get("$schema", ""), str):
             # jsonschema looks the dialect up by it (a list or dict was a TypeError).
             raise InvalidRequestError(f"the parameters schema's $schema must be a URI "
