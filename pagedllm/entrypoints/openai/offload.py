@@ -5,7 +5,8 @@ render: on the event loop that is a second in which /health and every stream sta
 Small inputs (the common case, well under a millisecond) still run inline, since a
 thread hop would only add latency; larger ones run in a small thread pool. The HF
 tokenizer releases the GIL while it encodes; Python code (Jinja templates) shares it,
-and the interpreter's switch interval (5 ms) keeps the event loop responsive.
+and the server's interpreter switch interval (1 ms, server.py) keeps the event loop
+responsive.
 
 Time limits: a call still running after `timeout_s` is answered with a 400. Tokenizing
 is bounded by the prompt byte limit, so its thread soon ends by itself. A template
