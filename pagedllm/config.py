@@ -126,6 +126,10 @@ class ModelConfig:
     pairs), "classify" (a classifier: label probabilities). Set from the architecture
     and the config's num_labels; the last two neither embed nor generate."""
 
+    runner: str = "auto"
+    """Which requests it takes: "auto" (whatever the model can do), "generate"
+    (sampling requests only), "pooling" (pooling requests only)."""
+
     @property
     def is_cross_encoder(self) -> bool:
         return self.pooling_task == "score"
@@ -134,6 +138,15 @@ class ModelConfig:
     def can_generate(self) -> bool:
         """Whether it has an LM head: not an encoder, not a sequence classifier."""
         return self.pooling_task == "embed" and not self.is_encoder_only
+
+    def runner_refusal(self, pooling: bool) -> str | None:
+        """Why `runner` refuses a pooling (or a sampling) request; None: it takes it."""
+        if self.runner == ("generate" if pooling else "pooling"):
+            kind = ("pooling requests (embeddings, scores, classification)" if pooling
+                    else "generation requests")
+            return (f"this engine runs with runner {self.runner!r} (--runner / --task): "
+                    f"it takes no {kind}")
+        return None
     quantization: str | None = None
     """"gguf": run a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K weights as stored, via the native
     quantized GEMM (CPU; other tensor types are dequantized); None: dequantize every

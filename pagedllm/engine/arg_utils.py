@@ -31,6 +31,12 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's other names of the same dtypes (its --dtype takes them too).
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 _QUANTIZATIONS = ("auto", "gguf", "none")
+_TOKENIZER_MODES = ("auto", "hf")
+_RUNNERS = ("auto", "generate", "pooling")
+# vLLM's --task values (before --runner), by the runner they chose.
+_TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling",
+                 "embedding": "pooling", "classify": "pooling", "score": "pooling",
+                 "reward": "pooling"}
 # Model types whose positions index a learned table: no sequence may outgrow it.
 _LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt", "bert", "roberta", "xlm-roberta"})
 # Learned positions counted from padding_idx + 1: that many rows are never a position.
@@ -48,6 +54,19 @@ class EngineArgs:
     model: str | None = _arg(None, "HF model directory, .gguf file or Hugging Face model id "
                                    "org/name (default: bundled SmolLM2-135M-Instruct)")
     tokenizer: str | None = _arg(None, "tokenizer directory, when not the model's own")
+    runner: str = _arg("auto", "what requests the engine takes, as vLLM's --runner: auto "
+                               "(what the model can do: generation and embeddings for a "
+                               "decoder, pooling for an encoder or a classifier), "
+                               "generate (generation only), pooling (embeddings, scores, "
+                               "classification only)", choices=_RUNNERS)
+    task: str | None = _arg(None, "vLLM's older name of runner: generate, or embed / "
+                                  "embedding / classify / score / reward (pooling)",
+                            choices=tuple(_TASK_RUNNERS))
+    tokenizer_mode: str = _arg("auto", "auto or hf, the same: transformers' tokenizer (as of "
+                                       "transformers 5 every tokenizer runs on the "
+                                       "tokenizers library; vLLM's slow, mistral and "
+                                       "custom modes are not available)",
+                               choices=_TOKENIZER_MODES)
     revision: str | None = _arg(None, "branch, tag or commit of a Hugging Face model id")
     download_dir: str | None = _arg(None, "Hugging Face cache directory for model ids "
                                           "(default: the hub's own, HF_HUB_CACHE)")
@@ -183,6 +202,24 @@ class EngineArgs:
              "grammar; past it the compile is killed and the request fails as invalid "
              "(0: no limit; with both limits 0 grammars compile in the engine process)")
 
+    def _resolve_runner(self, model: ModelConfig) -> str:
+        """ModelConfig.runner of `runner` (or the older `task`): refused when the model
+        cannot do it."""
+        runner = self.runner
+        if runner not in _RUNNERS:
+            raise ConfigError(f"runner must be one of {_RUNNERS}, got {runner!r}")
+        if self.task is not None:
+            if self.task not in _TASK_RUNNERS:
+                raise ConfigError(f"task must be one of {tuple(_TASK_RUNNERS)}, got "
+                                  f"{self.task!r}")
+            if runner not in ("auto", _TASK_RUNNERS[self.task]):
+                raise ConfigError(f"task {self.task!r} and runner {runner!r} disagree")
+            runner = _TASK_RUNNERS[self.task]
+        if runner == "generate" and not model.can_generate:
+            raise ConfigError(f"runner 'generate': {model.architecture} cannot generate (an "
+                              f"encoder or a classifier); use runner 'pooling' or 'auto'")
+        return runner
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -192,6 +229,9 @@ class EngineArgs:
         # loader/ imports torch: only here, so `import pagedllm` (and core/) stays light.
         from pagedllm.loader.hf_config import load_hf_config
 
+        if self.tokenizer_mode not in _TOKENIZER_MODES:
+            raise ConfigError(f"tokenizer_mode must be one of {_TOKENIZER_MODES} (transformers' "
+                              f"tokenizer), got {self.tokenizer_mode!r}")
         path = self._resolve_model_path()
         hf_config = apply_hf_overrides(load_hf_config(path, self.trust_remote_code),
                                        self.hf_overrides, self.tokenizer or path,
@@ -205,6 +245,7 @@ class EngineArgs:
                             quantization=self._resolve_quantization(path, device, dtype),
                             trust_remote_code=self.trust_remote_code)
         _set_embedding_traits(model, self.compile)
+        model.runner = self._resolve_runner(model)
         self._multimodal_traits(model)
         self._generation_defaults(model)
         space = self.kv_cache_space

@@ -321,7 +321,7 @@ class EngineCoreProc:
                 "engine_pid": os.getpid(),
                 "engine_rss_bytes": psutil.Process().memory_info().rss}
         if call.method == "reset_prefix_cache":
-            return self.core.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+            return self.core.reset_prefix_cache()
         if call.method == "ping":
             return "pong"
         if call.method == "kv_snapshot":

@@ -197,6 +197,11 @@ class EngineCore:
         runner_output = future.result()
         return timed_out + self._update(scheduler_output, runner_output)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; only when no request holds a block (False:
+        nothing was reset)."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.structured_output.shutdown()
         self.executor.shutdown()

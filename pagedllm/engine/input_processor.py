@@ -42,6 +42,7 @@ class InputProcessor:
         self.default_pooling_type = model_config.default_pooling_type
         self.pooling_task = model_config.pooling_task
         self.can_generate = model_config.can_generate
+        self.runner_refusal = model_config.runner_refusal
         self.constraints = constraints or ConstraintChecker()
         # None: LoRA is off and a request naming an adapter is refused.
         self.adapters = (AdapterChecks(model_config.hf_config, lora_config.max_lora_rank)
@@ -88,6 +89,9 @@ class InputProcessor:
         """
         self.check_lora(lora_request)
         if isinstance(params, PoolingParams):
+            refusal = self.runner_refusal(pooling=True)
+            if refusal:
+                raise InvalidRequestError(refusal)
             text, ids = self.tokenize(prompt)
             if prompt_images(prompt):
                 raise InvalidRequestError("images in embedding, score or classification "
@@ -196,7 +200,11 @@ class InputProcessor:
                                       f"the prompt's {num_tokens} tokens")
 
     def check_generation(self) -> None:
-        """Encoders and sequence classifiers have no LM head to generate with."""
+        """Encoders and sequence classifiers have no LM head to generate with; the
+        pooling runner takes no generation."""
+        refusal = self.runner_refusal(pooling=False)
+        if refusal:
+            raise InvalidRequestError(refusal)
         if self.is_encoder_only and self.pooling_task == "embed":
             raise InvalidRequestError(
                 f"this model ({self.architecture}) does not support generation: it is an "

@@ -49,6 +49,12 @@ class LLM:
         LLM does the same once it is garbage collected, and so does interpreter exit.)"""
         self.llm_engine.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, so the next prompts are computed afresh (as
+        vLLM's LLM.reset_prefix_cache, e.g. between benchmark runs); True when done.
+        Between `generate` calls no request holds blocks, so it always is."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling params: the model's
         generation config's defaults (see EngineArgs.generation_config), else

@@ -131,6 +131,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests() or len(self.deferred) > 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (True), unless a request still holds blocks
+        (False)."""
+        return self.engine_core.reset_prefix_cache()
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

@@ -90,14 +90,11 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None,
         return load_gguf_tokenizer(source)
     from transformers import AutoTokenizer
 
-    from pagedllm.loader.hf_config import needs_remote_code
+    from pagedllm.loader.hf_config import needs_remote_code, remote_code_refused
 
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         if needs_remote_code(e):
-            raise ModelLoadError(f"the tokenizer of {source!r} is the directory's own code "
-                                 f"(auto_map in tokenizer_config.json): pass "
-                                 f"trust_remote_code=True (--trust-remote-code) to run "
-                                 f"it") from e
+            raise remote_code_refused("tokenizer", source, "tokenizer_config.json") from e
         raise ModelLoadError(f"cannot load a tokenizer from {source!r}: {e}") from e

@@ -30,9 +30,7 @@ def load_hf_config(path: str, trust_remote_code: bool = False) -> Any:
         raise
     except (OSError, ValueError, KeyError) as e:
         if needs_remote_code(e):
-            raise ModelLoadError(f"the config of {path!r} is the directory's own code "
-                                 f"(auto_map in config.json): pass trust_remote_code=True "
-                                 f"(--trust-remote-code) to run it") from e
+            raise remote_code_refused("config", path, "config.json") from e
         raise ModelLoadError(f"cannot read the model config at {path!r}: {e}") from e
     if getattr(cfg, "model_type", None) in _VISION_LANGUAGE_MODEL_TYPES:
         return flatten_vision_language_config(cfg)
@@ -48,6 +46,13 @@ def load_hf_config(path: str, trust_remote_code: bool = False) -> Any:
 def needs_remote_code(error: BaseException) -> bool:
     """Whether transformers refused a directory because its own code was not trusted."""
     return isinstance(error, ValueError) and "trust_remote_code" in str(error)
+
+
+def remote_code_refused(what: str, path: str, file: str) -> ModelLoadError:
+    """The error of a `what` (config, tokenizer) that is the directory's own code."""
+    return ModelLoadError(f"the {what} of {path!r} is the directory's own code (auto_map in "
+                          f"{file}): pass trust_remote_code=True (--trust-remote-code) to "
+                          f"run it")
 
 
 def import_remote_code_modules() -> None:

@@ -147,3 +147,42 @@ def test_unknown_dtype_is_refused_by_name(tiny_path):
     for dtype in ("double", torch.int8):
         with pytest.raises(ValueError, match="dtype must be one of .*half"):
             EngineArgs(model=str(tiny_path), dtype=dtype).create_engine_config()
+
+
+def test_tokenizer_mode_takes_vllms_transformers_modes_only(tiny_path):
+    """auto and hf (vLLM's names of transformers' tokenizer) are accepted; slow, mistral
+    and custom, which pagedllm cannot honour, are refused by name."""
+    for mode in ("auto", "hf"):
+        EngineArgs(model=str(tiny_path), tokenizer_mode=mode).create_engine_config()
+    for mode in ("slow", "mistral", "custom"):
+        with pytest.raises(ValueError, match=f"tokenizer_mode must be one of .*'{mode}'"):
+            EngineArgs(model=str(tiny_path), tokenizer_mode=mode).create_engine_config()
+
+
+def test_runner_restricts_what_requests_the_engine_takes(tiny_path, tmp_path):
+    """vLLM's --runner (and its older --task): pooling takes no generation, generate
+    no pooling, each refused by name; auto takes both (a decoder embeds too)."""
+    from pagedllm import PoolingParams
+    from tests.utils import save_tiny_bert
+
+    prompt = [{"prompt_token_ids": [1, 2, 3]}]
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    for kwargs in ({"runner": "pooling"}, {"task": "embed"}):
+        llm = LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True, **kwargs)
+        assert len(llm.embed(prompt, use_tqdm=False)[0].outputs.embedding) == 32
+        with pytest.raises(InvalidRequestError, match="runner 'pooling' .*no generation"):
+            llm.generate(prompt, greedy, use_tqdm=False)
+    for kwargs in ({"runner": "generate"}, {"task": "generate"}):
+        llm = LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True, **kwargs)
+        assert len(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids) == 2
+        with pytest.raises(InvalidRequestError, match="runner 'generate' .*no pooling"):
+            llm.embed(prompt, PoolingParams(), use_tqdm=False)
+    auto = LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True)
+    auto.embed(prompt, use_tqdm=False), auto.generate(prompt, greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="task 'embed' and runner 'generate' disagree"):
+        EngineArgs(model=str(tiny_path), runner="generate", task="embed").create_engine_config()
+    with pytest.raises(ValueError, match="runner must be one of"):
+        EngineArgs(model=str(tiny_path), runner="draft").create_engine_config()
+    bert = save_tiny_bert(tmp_path / "bert")
+    with pytest.raises(ValueError, match="runner 'generate': BertModel cannot generate"):
+        EngineArgs(model=str(bert), runner="generate").create_engine_config()

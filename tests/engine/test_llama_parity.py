@@ -74,3 +74,9 @@ def test_prefix_cache_hits(tiny_llama, prompts, reference):
     # The same prompts again: all but the last (partial) block come from the cache.
     again = llm.generate([{"prompt_token_ids": p} for p in suffixed], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == ref
+    # LLM.reset_prefix_cache (vLLM's): afterwards the first prompt is computed afresh
+    # (the others share its blocks, cached as it is scheduled), the outputs the same.
+    assert llm.reset_prefix_cache()
+    fresh = llm.generate([{"prompt_token_ids": p} for p in suffixed], params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in fresh] == [0, 32, 32, 32]
+    assert [o.outputs[0].token_ids for o in fresh] == ref
