@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.entrypoints.cli import build_parser, engine_args_from, main
+from pagedllm.entrypoints.cli import build_parser, engine_args_from, main, serve_config_from
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -41,6 +41,16 @@ def test_serve_arguments():
     assert (ns.port, ns.api_key, ns.host) == (8001, "secret", "127.0.0.1")
     default = build_parser().parse_args(["serve"])
     assert engine_args_from(default).model is None and default.port == 8000
+    # vLLM's spellings of options pagedllm takes.
+    ns = build_parser().parse_args(["serve", "--runner", "pooling", "--task", "embed",
+                                    "--tokenizer-mode", "hf", "--enable-log-requests",
+                                    "--enable-log-outputs", "--max-log-len", "100",
+                                    "--enable-responses-store"])
+    args = engine_args_from(ns)
+    assert (args.runner, args.task, args.tokenizer_mode) == ("pooling", "embed", "hf")
+    config = serve_config_from(ns)
+    assert config.enable_log_requests and config.enable_log_outputs
+    assert config.max_log_len == 100 and config.enable_responses_store
 
 
 def test_json_object_flag(capsys):

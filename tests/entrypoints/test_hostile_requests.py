@@ -230,6 +230,21 @@ def _route_cases() -> list[Case]:
         Case("completion huge prompt", body=_completion(prompt=big_prompt)),
         Case("many prompts", body=_completion(prompt=["x"] * 129)),
         Case("prompts x n", body=_completion(prompt=["x"] * 10, n=20)),
+        # SageMaker's route: a body for no API, one that is no object, and bad bodies of
+        # the APIs it picks (checked as theirs).
+        Case("invocations for no API", path="/invocations", body={"max_tokens": 1}),
+        Case("invocations list", path="/invocations", body=[{"prompt": "x"}]),
+        Case("invocations bad chat", path="/invocations", body={"messages": "hi"}),
+        Case("invocations bad prompt", path="/invocations", body={"prompt": [[-1]]}),
+        Case("invocations 20k messages", path="/invocations",
+             body={"messages": [{}] * 20_000}),
+        Case("invocations unknown field", path="/invocations",
+             body={"input": "x", "k": 1}),
+        # The response store is off here: what needs it is a 400 naming the flag; the
+        # routes that read it do not exist.
+        Case("responses previous id", path="/v1/responses",
+             body={"input": "x", "previous_response_id": "resp_" + "a" * 10_000}),
+        Case("get a response", path="/v1/responses/resp_x", method="GET", status=404),
         Case("detokenize negative", path="/detokenize", body={"tokens": [-1]}),
         Case("detokenize huge id", path="/detokenize", body={"tokens": [10**10]}),
         Case("detokenize string", path="/detokenize", body={"tokens": "x"}),

@@ -608,6 +608,46 @@ def test_api_key_required(server):
         assert r.status_code != 401, path
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.head(server.url + "/health").status_code == 200
+    # SageMaker's health check is open too; its inference route is not.
+    assert httpx.get(server.url + "/ping").status_code == 200
+    assert httpx.post(server.url + "/ping").status_code == 200
+    r = httpx.post(server.url + "/invocations", json=body)
+    assert r.status_code == 401
+
+
+def test_invocations_answer_as_the_api_their_body_is_for(server, client):
+    """SageMaker's POST /invocations (as vLLM's): chat for `messages`, completions for
+    `prompt`, embeddings for `input`, each answered as that route answers."""
+    def invoke(body: dict) -> httpx.Response:
+        return httpx.post(server.url + "/invocations", json=body, headers=server.headers,
+                          timeout=60)
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = invoke({"messages": messages, "max_tokens": 6, "temperature": 0}).json()
+    direct = client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                            max_tokens=6, temperature=0)
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    completion = invoke({"prompt": "The capital of France is", "max_tokens": 5,
+                         "temperature": 0}).json()
+    assert completion["object"] == "text_completion"
+    assert completion["choices"][0]["text"] == client.completions.create(
+        model=MODEL_NAME, prompt="The capital of France is", max_tokens=5,
+        temperature=0).choices[0].text
+    embedding = invoke({"input": "hello"}).json()
+    assert embedding["object"] == "list"
+    assert embedding["data"][0]["embedding"] == pytest.approx(
+        client.embeddings.create(model=MODEL_NAME, input="hello").data[0].embedding,
+        abs=1e-6)
+    streamed = httpx.post(server.url + "/invocations", headers=server.headers, timeout=60,
+                          json={"prompt": "Hi", "max_tokens": 3, "stream": True})
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    # A body for no API, and a body that is not valid for the one it names.
+    r = invoke({"max_tokens": 3})
+    assert r.status_code == 400 and "messages (chat)" in r.json()["error"]["message"]
+    r = invoke({"prompt": "x", "max_tokens": -1})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    assert invoke([1, 2]).status_code == 400
 
 
 def test_request_chat_template_is_off_by_default(server, client):

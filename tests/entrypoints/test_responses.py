@@ -1,8 +1,9 @@
 """POST /v1/responses driven by the `openai` client's Responses API: the same reply as the
 chat API for the same conversation, streams whose events assemble to the non-streamed
 response, structured output through text.format, reasoning items, function calls and
-their outputs in a conversation (a scripted model writes known outputs), and the 400s of
-what a stateless server cannot do."""
+their outputs in a conversation (a scripted model writes known outputs), the 400s of
+what a stateless server cannot do, and stored responses (--enable-responses-store):
+previous_response_id, GET and DELETE."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from tests.entrypoints.utils import MODEL_NAME, RemoteServer
@@ -42,7 +44,8 @@ def scripted(tmp_path_factory):
     srv = RemoteServer([str(path), "--dtype", "float32", "--max-model-len", "64",
                         "--num-kv-blocks", "64", "--served-model-name", "scripted",
                         "--reasoning-parser", "deepseek_r1",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                        "--enable-responses-store"])
     yield srv
     srv.stop()
 
@@ -114,8 +117,10 @@ def test_text_format_json_schema(server):
 
 
 @pytest.mark.parametrize("fields,fragment", [
-    ({"previous_response_id": "resp_1"}, "stores no responses"),
-    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_1"},
+     "previous_response_id needs the server's response store, which is off: start it "
+     "with --enable-responses-store"),
+    ({"store": True}, "store: true needs the server's response store"),
     ({"include": ["reasoning.encrypted_content"]}, "`include` is not supported"),
     ({"reasoning": {"effort": "high"}}, "`reasoning` is not supported"),
     ({"background": True}, "`background` is not supported"),
@@ -187,3 +192,47 @@ def test_a_conversation_with_calls_and_outputs(scripted):
                                   max_output_tokens=1, temperature=0)
     assert cut.status == "incomplete" and cut.output[0].status == "incomplete"
     assert cut.output_text.split() == ["hello"]
+
+
+def test_stored_responses_continue_conversations(scripted):
+    """With --enable-responses-store a response is kept (OpenAI's default store: true):
+    previous_response_id continues its conversation, which gives the reply the whole
+    conversation sent again gives; GET returns it, DELETE forgets it."""
+    client = scripted.openai_client()
+    first = client.responses.create(model="scripted", input="go", tools=[WEATHER],
+                                    temperature=0)
+    assert first.store and first.previous_response_id is None
+    assert _comparable(client.responses.retrieve(first.id)) == _comparable(first)
+    call = first.output[-1]
+    turn = [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+            {"role": "user", "content": "x </think> hi"}]
+    followed = client.responses.create(model="scripted", temperature=0, tools=[WEATHER],
+                                       previous_response_id=first.id, input=turn)
+    assert followed.previous_response_id == first.id
+    whole = client.responses.create(model="scripted", temperature=0, tools=[WEATHER],
+                                    store=False,
+                                    input=[{"role": "user", "content": "go"}, *first.output,
+                                           *turn])
+    assert followed.output_text.split() == whole.output_text.split() == ["hello", "there"]
+    assert followed.usage.input_tokens == whole.usage.input_tokens
+    assert not whole.store
+    with pytest.raises(openai.NotFoundError):  # store: false kept nothing
+        client.responses.retrieve(whole.id)
+    # A chain: the conversation of `followed` (first's input and output, then its own)
+    # goes on; a streamed response is stored as it completes.
+    _, _, streamed = _streamed(client, model="scripted", temperature=0,
+                               previous_response_id=followed.id, input="hi")
+    assert _comparable(client.responses.retrieve(streamed.id)) == _comparable(streamed)
+    assert client.responses.retrieve(followed.id).output_text == followed.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.create(model="scripted", input="hi", previous_response_id=first.id)
+    # The responses that continued it keep their own copy of the conversation.
+    again = client.responses.create(model="scripted", temperature=0, tools=[WEATHER],
+                                    previous_response_id=followed.id,
+                                    input="hi")
+    assert again.status == "completed"
+    r = httpx.delete(f"{scripted.url}/v1/responses/resp_nope", timeout=10)
+    assert r.status_code == 404 and "resp_nope" in r.json()["error"]["message"]

@@ -1,11 +1,13 @@
 """Server options vLLM users set: HTTPS (--ssl-*), CORS (--allowed-origins, on by
 default for any origin as vLLM), --root-path behind a proxy,
 --enable-prompt-tokens-details (usage.prompt_tokens_details.cached_tokens) and
---return-tokens-as-token-ids (also per request). One HTTPS server with all of them on;
-the bundled model."""
+--return-tokens-as-token-ids (also per request), --enable-log-requests /
+--enable-log-outputs / --max-log-len. One HTTPS server with all of them on; the bundled
+model."""
 
 from __future__ import annotations
 
+import re
 import signal
 
 import httpx
@@ -17,6 +19,7 @@ ORIGIN = "http://ui.example"
 KEY = "sk-options"
 # 40 words: two full 16-token blocks at least, so a repeat hits the prefix cache.
 LONG_PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 5)
+MAX_LOG_LEN = 6
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,9 @@ def server(tmp_path_factory):
     srv = RemoteServer(["--max-model-len", "256", "--ssl-keyfile", str(tmp / "key.pem"),
                         "--ssl-certfile", str(tmp / "cert.pem"), "--allowed-origins",
                         f'["{ORIGIN}"]', "--root-path", "/api",
-                        "--enable-prompt-tokens-details", "--return-tokens-as-token-ids"],
+                        "--enable-prompt-tokens-details", "--return-tokens-as-token-ids",
+                        "--enable-log-requests", "--enable-log-outputs",
+                        "--max-log-len", str(MAX_LOG_LEN)],
                        api_key=KEY, ca_file=str(tmp / "ca.pem"))
     yield srv
     srv.stop()
@@ -108,6 +113,35 @@ def test_tokens_as_token_ids(server):
     token_id = int(content[0]["token"].removeprefix("token_id:"))
     assert content[0]["bytes"] == list(f"token_id:{token_id}".encode())
     assert all(t["token"].startswith("token_id:") for t in content[0]["top_logprobs"])
+
+
+def test_requests_and_outputs_are_logged(server):
+    body = {"model": MODEL_NAME, "prompt": "A secret prompt", "max_tokens": 9,
+            "temperature": 0, "ignore_eos": True, "logit_bias": {str(i): 0.5 for i in range(50)}}
+    r = _post(server, "/v1/completions", body)
+    request_id = r.json()["id"]
+    ids = r.json()["choices"][0]  # (text only: tokens are ids under this server's option)
+    embedding = _post(server, "/v1/embeddings", {"model": MODEL_NAME, "input": "x"}).json()
+    log = server.read_log()
+    received = re.search(rf"Received request {request_id}-0: params: SamplingParams\((.*)\), "
+                         rf"lora_request: None\.", log)
+    assert received, log[-3000:]
+    params = received.group(1)
+    # The fields that differ from the defaults, each value's repr cut at --max-log-len.
+    assert "max_tokens=9" in params and "temperature=0.0" in params
+    assert "ignore_eos=True" in params and f"logit_bias={{0: 0." in params
+    assert "top_p=" not in params  # a default
+    assert "A secret" not in log  # prompts go to DEBUG only
+    generated = re.search(rf"Generated response {request_id}-0 \(sequence 0\): output: "
+                          rf"'(.*)', output_token_ids \(9\): \[(.*)\], finish_reason: length\.",
+                          log)
+    assert generated, log[-3000:]
+    assert generated.group(1) == ids["text"][:MAX_LOG_LEN]
+    assert len(generated.group(2).split(",")) == MAX_LOG_LEN
+    assert re.search(r"Received request embd-\w+-0: params: PoolingParams\(", log)
+    hidden = len(embedding["data"][0]["embedding"])
+    assert re.search(rf"Finished request embd-\w+-0: {hidden} floats, finish_reason: stop",
+                     log)
 
 
 # Runs last in this module: it stops the server.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import (BaseModel, ConfigDict, GetCoreSchemaHandler, ModelWrapValidatorHandler,
                       ValidationInfo, field_validator, model_validator)
@@ -137,9 +137,14 @@ class RequestModel(OpenAIBaseModel):
         finally:
             _CHECKED.reset(token)
 
+    # Fields of UNSUPPORTED_FIELDS this model implements (the Responses API's `store`).
+    SUPPORTED_FIELDS: ClassVar[frozenset[str]] = frozenset()
+
     @field_validator("*", mode="after")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name in cls.SUPPORTED_FIELDS:
+            return value
         neutral = UNSUPPORTED_FIELDS.get(info.field_name or "")
         if neutral is not None and value not in neutral:
             raise InvalidRequestError(f"not supported by this server (got "

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, RootModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
@@ -73,6 +73,11 @@ def parse_body(body: bytes, content_type: str | None, model: type[M]) -> M:
             # Not UTF-8, or an integer past Python's digit limit, or nested past the
             # interpreter's recursion limit: FastAPI's answer for any such body.
             raise HTTPException(400, _UNPARSED) from None
+    return validate_body(value, model)
+
+
+def validate_body(value: Any, model: type[M]) -> M:
+    """`value` (a decoded body) validated as `model`, errors as FastAPI reports them."""
     try:
         # from_attributes as FastAPI validates a body: a non-JSON body (bytes) is then
         # a model_attributes_type error, which the error handler names.
@@ -81,6 +86,10 @@ def parse_body(body: bytes, content_type: str | None, model: type[M]) -> M:
         errors = [{**err, "loc": ("body", *err["loc"])}
                   for err in e.errors(include_url=False)]
         raise RequestValidationError(errors, body=value) from None
+
+
+class JSONObject(RootModel[dict[str, Any]]):
+    """Any JSON object: the body of a route that picks its model by the body's keys."""
 
 
 def _is_json(content_type: str | None) -> bool:

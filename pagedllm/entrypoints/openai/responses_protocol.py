@@ -6,17 +6,19 @@ message, `input` a string (one user message) or a list of items (messages, the m
 function calls, their outputs, its reasoning), `tools` are function tools, `text.format`
 is the response format, `max_output_tokens` caps the reply. `to_chat_request` builds the
 ChatCompletionRequest the chat handler checks, renders and runs; serving_responses.py
-turns the chat reply into output items. Nothing is stored: `previous_response_id` is
-refused (send the whole conversation), as are `store` and `background`.
+turns the chat reply into output items. `store` and `previous_response_id` need the
+server's response store (responses_store.py, --enable-responses-store); `background` is
+refused.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import (Field, TypeAdapter, ValidationError, field_validator,
+                      model_validator)
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel
@@ -116,6 +118,7 @@ class ReasoningInputItem(RequestModel):
 
 InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem
                       | ReasoningInputItem, Field(discriminator="type")]
+INPUT_ITEMS = TypeAdapter(list[InputItem])
 
 
 class FunctionTool(RequestModel):
@@ -145,6 +148,8 @@ class TextConfig(RequestModel):
 
 
 class ResponsesRequest(RequestModel):
+    SUPPORTED_FIELDS: ClassVar[frozenset[str]] = frozenset({"store"})
+
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
@@ -160,12 +165,15 @@ class ResponsesRequest(RequestModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     """Accepted: the prefix cache needs no key."""
-    # OpenAI fields this stateless server refuses unless at their neutral value
-    # (store, metadata, service_tier: UNSUPPORTED_FIELDS; the others: _nothing_asked).
     store: bool | None = None
+    """Keep the response (OpenAI's default: true) for previous_response_id and GET:
+    needs --enable-responses-store, without which only false (or none) is taken."""
+    previous_response_id: str | None = None
+    """Continue a stored response's conversation (its input and output items)."""
+    # OpenAI fields this server refuses unless at their neutral value (metadata,
+    # service_tier: UNSUPPORTED_FIELDS; the others: _nothing_asked).
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    previous_response_id: str | None = None
     background: bool | None = None
     include: list[Any] | None = None
     reasoning: dict[str, Any] | None = None
@@ -196,10 +204,6 @@ class ResponsesRequest(RequestModel):
     @model_validator(mode="after")
     def _nothing_asked(self) -> ResponsesRequest:
         """What this server cannot give is refused by name, never silently dropped."""
-        if self.previous_response_id is not None:
-            raise InvalidRequestError(
-                "previous_response_id is not supported: this server stores no responses; "
-                "send the whole conversation as input")
         for name, neutral in (("background", (None, False)), ("include", (None, [])),
                               ("reasoning", (None, {})),
                               ("truncation", (None, "disabled")),
@@ -209,10 +213,17 @@ class ResponsesRequest(RequestModel):
                                           f"(got {str(getattr(self, name))[:80]!r})")
         return self
 
-    def to_chat_request(self) -> ChatCompletionRequest:
-        """The chat request that asks for the same reply; InvalidRequestError for a
-        conversation the chat API would refuse (a call output without its call...)."""
-        messages = _messages(self.instructions, self.input)
+    def input_items(self) -> list[Any]:
+        """`input` as items (a text is one user message)."""
+        if isinstance(self.input, str):
+            return [InputMessage(role="user", content=self.input)]
+        return list(self.input)
+
+    def to_chat_request(self, earlier: tuple[Any, ...] = ()) -> ChatCompletionRequest:
+        """The chat request that asks for the same reply, after the `earlier` items of a
+        stored conversation; InvalidRequestError for a conversation the chat API would
+        refuse (a call output without its call...)."""
+        messages = _messages(self.instructions, [*earlier, *self.input_items()])
         if not messages:  # the chat request would name `messages`, which was not sent
             raise InvalidRequestError("input has no message: give a text or at least one "
                                       "message, function call or call output item")
@@ -244,14 +255,12 @@ class ResponsesRequest(RequestModel):
             raise InvalidRequestError(f"input: {_first_error(e)}") from e
 
 
-def _messages(instructions: str | None, items: str | list[Any]) -> list[dict[str, Any]]:
+def _messages(instructions: str | None, items: list[Any]) -> list[dict[str, Any]]:
     """Chat messages of the instructions and input items: calls join the assistant
     message before them (or start one), reasoning goes to the next assistant message."""
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
-    if isinstance(items, str):
-        return messages + [{"role": "user", "content": items}]
     reasoning: str | None = None
     for item in items:
         if isinstance(item, ReasoningInputItem):
@@ -368,3 +377,4 @@ class ResponseObject(OpenAIBaseModel):
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool = False
+    previous_response_id: str | None = None

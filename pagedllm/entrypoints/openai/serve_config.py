@@ -85,13 +85,29 @@ class ServeConfig:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"], metadata={
         "help": "CORS: allowed request headers, a JSON list"})
     allow_credentials: bool = _flag(False, "CORS: allow credentials (cookies, auth headers)")
+    enable_responses_store: bool = _flag(
+        False, "keep /v1/responses responses in memory (those whose request does not say "
+               "store: false) for previous_response_id and GET / DELETE "
+               "/v1/responses/{id}; off, the Responses API is stateless")
+    responses_store_max_bytes: int = _flag(
+        256 << 20, "most bytes (as JSON) of stored responses; past it the least recently "
+                   "used are dropped")
+    enable_log_requests: bool = _flag(
+        False, "log each request as it arrives: its id, parameters and adapter (INFO), its "
+               "prompt (DEBUG)")
+    enable_log_outputs: bool = _flag(
+        False, "log what each request generated, with its finish reason, when it ends (INFO)")
+    max_log_len: int | None = _flag(
+        None, "most characters of a prompt, output or parameter value, and most token ids, "
+              "in those log lines (default: all)")
     allow_runtime_lora_updating: bool = _flag(
         False, "serve /v1/load_lora_adapter and /v1/unload_lora_adapter, which add and "
                "remove LoRA adapters while serving (vLLM's "
                "VLLM_ALLOW_RUNTIME_LORA_UPDATING; needs --enable-lora)")
 
     def __post_init__(self) -> None:
-        for name in ("max_n", "max_stop", "max_prompt_bytes", "max_body_bytes"):
+        for name in ("max_n", "max_stop", "max_prompt_bytes", "max_body_bytes",
+                     "responses_store_max_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("render_timeout", "request_timeout", "keep_alive_timeout", "read_timeout",
@@ -101,6 +117,8 @@ class ServeConfig:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ConfigError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ConfigError(f"max_queued_requests must be >= 0, got "
                               f"{self.max_queued_requests}")

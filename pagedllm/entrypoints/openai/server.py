@@ -54,11 +54,12 @@ from pagedllm.entrypoints.openai.dashboard import (PAGE_PATHS, STATE_PATH, Dashb
 from pagedllm.entrypoints.openai.connections import (ConnectionGuard, default_max_connections,
                                                      raise_open_file_limit)
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
-from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+from pagedllm.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
+from pagedllm.entrypoints.openai.responses_store import ResponseNotFoundError
 from pagedllm.entrypoints.openai.score_protocol import (ClassifyRequest, RerankRequest,
                                                        ScoreRequest)
-from pagedllm.entrypoints.openai.offload import Offloader
-from pagedllm.entrypoints.openai.request_body import BodyRoutes
+from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
+from pagedllm.entrypoints.openai.request_body import BodyRoutes, JSONObject, validate_body
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.served_models import (ModelNotFoundError, ServedModels,
@@ -179,7 +180,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
     _install_error_handlers(app)
     # Added last = outermost: the body limit applies before anything reads the body.
     if api_key:
-        open_paths = {"/health"} | PAGE_PATHS | (
+        open_paths = {"/health", "/ping"} | PAGE_PATHS | (
             {"/metrics", STATE_PATH} if serve_config.metrics_without_key else set())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.add_middleware(BodyLimitMiddleware, max_bytes=serve_config.max_body_bytes,
@@ -206,6 +207,9 @@ def _add_engine_routes(app: FastAPI, engine: AsyncLLM, version_str: str) -> None
         except EngineDeadError as e:
             return error_response(exception_message(e), 503)
         return Response(status_code=200)
+
+    # SageMaker's health check (with /invocations below), as vLLM serves it.
+    app.api_route("/ping", methods=["GET", "POST"])(health)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -281,6 +285,19 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
             return await responses.create_response(request)
         return await _cancel_on_disconnect(raw_request, responses.create_response(request))
 
+    if responses.store is not None:
+        store = responses.store
+
+        @app.get("/v1/responses/{response_id}")
+        async def retrieve_response(response_id: str) -> ResponseObject:
+            return store.get(response_id).response
+
+        @app.delete("/v1/responses/{response_id}")
+        async def delete_response(response_id: str) -> dict[str, Any]:
+            if not store.delete(response_id):
+                store.get(response_id)  # raises its 404
+            return {"id": response_id, "object": "response", "deleted": True}
+
     @post("/score", "/v1/score", body=ScoreRequest)
     async def create_score(request: ScoreRequest, raw_request: Request) -> Any:
         return await _cancel_on_disconnect(raw_request, scores.create_score(request))
@@ -292,6 +309,28 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     @post("/rerank", "/v1/rerank", "/v2/rerank", body=RerankRequest)
     async def create_rerank(request: RerankRequest, raw_request: Request) -> Any:
         return await _cancel_on_disconnect(raw_request, scores.create_rerank(request))
+
+    # SageMaker's one inference route, as vLLM's: the body's keys say which API it is for.
+    invocation_routes: list[tuple[tuple[str, ...], type, Any]] = [
+        (("messages",), ChatCompletionRequest, create_chat_completion),
+        (("prompt",), CompletionRequest, create_completion),
+        (("query",), RerankRequest, create_rerank),
+        (("text_1", "queries"), ScoreRequest, create_score),
+        (("input",), EmbeddingRequest, create_embedding)]
+
+    @post("/invocations", body=JSONObject)
+    async def invocations(request: JSONObject, raw_request: Request) -> Any:
+        body = request.root
+        for keys, model, handler in invocation_routes:
+            if any(key in body for key in keys):
+                # Off the event loop when large, as every route's body (request_body.py).
+                typed = (validate_body(body, model)
+                         if len(await raw_request.body()) < INLINE_BYTES
+                         else await offloader.run_in_thread(validate_body, body, model))
+                return await handler(typed, raw_request)
+        raise InvalidRequestError(
+            "the body names no API: it needs messages (chat), prompt (completions), query "
+            "(rerank), text_1 or queries (score) or input (embeddings)")
 
     @post("/tokenize", body=TokenizeRequest, response_model=TokenizeResponse)
     async def tokenize(request: TokenizeRequest, _: Request) -> TokenizeResponse:
@@ -373,8 +412,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     # Typed errors go through Starlette's ExceptionMiddleware (answered, not re-raised);
     # the catch-all `Exception` handler also answers but Starlette re-raises to log it.
-    for exc_type in (ValueError, ModelNotFoundError, EngineDeadError, QueueFullError,
-                     RequestTimeoutError, Exception):
+    for exc_type in (ValueError, ModelNotFoundError, ResponseNotFoundError, EngineDeadError,
+                     QueueFullError, RequestTimeoutError, Exception):
         app.add_exception_handler(exc_type, on_error)
 
 

@@ -38,7 +38,7 @@ from pagedllm.sampling_params import SamplingParams
 
 # What reading one message into the template's form costs, counted as bytes of input
 # for the offloader (~2 us: past a few dozen messages, a worker thread does it).
-_MESSAGE_COST_BYTES = 256
+MESSAGE_COST_BYTES = 256
 # Parameters of apply_chat_template itself: chat_template_kwargs may only add template
 # variables, never change how it renders (or smuggle in a template).
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -274,7 +274,7 @@ class OpenAIServingChat(OpenAIServing):
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved[0]!r}")
         conversation, sources, num_bytes = await self.offloader.run(
-            "reading the conversation", _MESSAGE_COST_BYTES * len(messages),
+            "reading the conversation", MESSAGE_COST_BYTES * len(messages),
             self._conversation, messages, tools)
         self.check_prompt_bytes(num_bytes, kind="conversation")
         try:

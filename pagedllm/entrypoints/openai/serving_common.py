@@ -26,6 +26,8 @@ from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
 from pagedllm.entrypoints.openai.protocol import (  # noqa: F401  (clamp_logprob: re-exported)
     ErrorInfo, ErrorResponse, OpenAIBaseModel, PromptTokenUsageInfo, SamplingFields,
     UsageInfo, clamp_logprob)
+from pagedllm.entrypoints.openai.request_logger import RequestLogger
+from pagedllm.entrypoints.openai.responses_store import ResponseNotFoundError
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.served_models import ModelNotFoundError, ServedModels
 from pagedllm.errors import EngineDeadError, InvalidRequestError
@@ -45,7 +47,7 @@ class RequestTimeoutError(Exception):
 
 
 def error_status(exc: BaseException) -> HTTPStatus:
-    if isinstance(exc, ModelNotFoundError):
+    if isinstance(exc, (ModelNotFoundError, ResponseNotFoundError)):
         return HTTPStatus.NOT_FOUND
     if isinstance(exc, ValueError):  # InvalidRequestError is one
         return HTTPStatus.BAD_REQUEST
@@ -93,6 +95,9 @@ class OpenAIServing:
         self.offloader = offloader
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.request_logger = (
+            RequestLogger(serve_config.max_log_len, serve_config.enable_log_outputs)
+            if serve_config.enable_log_requests or serve_config.enable_log_outputs else None)
 
     @property
     def model_name(self) -> str:
@@ -111,8 +116,12 @@ class OpenAIServing:
         return model
 
     def check_generation(self) -> None:
-        """400 for completions and chat on a model without an LM head."""
+        """400 for completions and chat on a model without an LM head, or served with
+        the pooling runner."""
         model = self.engine.config.model
+        refusal = model.runner_refusal(pooling=False)
+        if refusal:
+            raise InvalidRequestError(refusal)
         if model.is_encoder_only and model.pooling_task == "embed":
             raise InvalidRequestError(
                 f"The model `{self.model_name}` ({model.architecture}) does not support "
@@ -312,13 +321,24 @@ class OpenAIServing:
                 prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
                 if images:
                     prompt["multi_modal_data"] = {"image": images}
-                streams.append(self.engine.add_request(
+                stream = self.engine.add_request(
                     f"{request_id}-{i}", prompt, sp, priority=request.priority,
-                    timeout=timeout, lora_request=lora))
+                    timeout=timeout, lora_request=lora)
+                streams.append(self._logged(f"{request_id}-{i}", text, ids, sp, lora, stream))
         except BaseException:
             self.abort_all(request_id, len(streams))
             raise
         return streams
+
+    def _logged(self, request_id: str, text: str | None, ids: list[int], params: Any,
+                lora: Any, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """`stream`, its request logged as the flags ask."""
+        if self.request_logger is None:
+            return stream
+        if self.serve_config.enable_log_requests:
+            self.request_logger.log_inputs(request_id, text, ids, params, lora)
+        return (self.request_logger.logged(stream) if self.request_logger.log_outputs
+                else stream)
 
     async def pool_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
                        params: list[PoolingParams], request: Any) -> list[list[float]]:

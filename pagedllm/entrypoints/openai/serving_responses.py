@@ -19,6 +19,8 @@ from typing import Any
 
 from starlette.responses import Response
 
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.offload import Offloader
 from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
                                                             IncompleteDetails,
                                                             InputTokensDetails,
@@ -28,25 +30,71 @@ from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
                                                             ResponseObject,
                                                             ResponsesRequest, ResponseUsage,
                                                             item_id)
-from pagedllm.entrypoints.openai.serving_chat import (OpenAIServingChat, PreparedChat,
-                                                      ChoiceState)
+from pagedllm.entrypoints.openai.responses_store import ResponseStore, as_input_items
+from pagedllm.entrypoints.openai.serve_config import ServeConfig
+from pagedllm.entrypoints.openai.served_models import ServedModels
+from pagedllm.entrypoints.openai.serving_chat import (MESSAGE_COST_BYTES, ChoiceState,
+                                                      OpenAIServingChat, PreparedChat)
 from pagedllm.entrypoints.openai.serving_common import (SSEResponse, error_body,
                                                         error_status, exception_message,
                                                         merge_streams)
+from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import RequestOutput
 
 
 class OpenAIServingResponses(OpenAIServingChat):
 
+    def __init__(self, engine: AsyncLLM, models: ServedModels, serve_config: ServeConfig,
+                 offloader: Offloader) -> None:
+        super().__init__(engine, models, serve_config, offloader)
+        # None: stateless (--enable-responses-store off).
+        self.store = (ResponseStore(serve_config.responses_store_max_bytes)
+                      if serve_config.enable_responses_store else None)
+
+    def _earlier_items(self, request: ResponsesRequest) -> tuple[Any, ...]:
+        """The stored conversation `previous_response_id` continues (() for none);
+        refuses what needs the store when it is off."""
+        if self.store is None:
+            for asked, name in ((request.store, "store: true"),
+                                (request.previous_response_id, "previous_response_id")):
+                if asked:
+                    raise InvalidRequestError(
+                        f"{name} needs the server's response store, which is off: start "
+                        f"it with --enable-responses-store, or send the whole "
+                        f"conversation as input")
+            return ()
+        if request.previous_response_id is None:
+            return ()
+        return self.store.get(request.previous_response_id).conversation
+
+    def _stores(self, request: ResponsesRequest) -> bool:
+        """Whether the response is kept: the store is on and the request does not say
+        store: false (OpenAI's default is true)."""
+        return self.store is not None and request.store is not False
+
+    def _keep(self, request: ResponsesRequest, response: ResponseObject,
+              earlier: tuple[Any, ...]) -> ResponseObject:
+        """`response`, stored if `_stores(request)`."""
+        if self.store is not None and response.store:
+            self.store.put(response, earlier,
+                           request.input_items() + as_input_items(response.output))
+        return response
+
     async def create_response(self, request: ResponsesRequest,
                               ) -> ResponseObject | Response | SSEResponse:
-        chat = request.to_chat_request()
+        earlier = self._earlier_items(request)
+        # Off the event loop for a long conversation, as the chat API reads one.
+        num_items = len(earlier) + (1 if isinstance(request.input, str)
+                                    else len(request.input))
+        chat = await self.offloader.run("reading the input", MESSAGE_COST_BYTES * num_items,
+                                        request.to_chat_request, earlier)
         prepared = await self.prepare(chat)
         response_id = item_id("resp")
         streams = self.add_requests(response_id, [(prepared.text, prepared.ids)],
                                     [prepared.params], chat, images=prepared.images)
         if request.stream:
-            return SSEResponse(self._events(request, response_id, streams, prepared))
+            return SSEResponse(self._events(request, response_id, streams, prepared,
+                                            earlier))
         final = await self.final_output(response_id, streams)
         out = final.outputs[0]
         message, finish_reason = self._message(
@@ -63,8 +111,9 @@ class OpenAIServingResponses(OpenAIServingChat):
             output.append(FunctionCallOutput(
                 id=item_id("fc"), call_id=call.id, name=call.function.name,
                 arguments=call.function.arguments, status="completed"))
-        return self._response(request, response_id, output, final, finish_reason,
-                              reasoned=bool(message.reasoning))
+        return self._keep(request, self._response(request, response_id, output, final,
+                                                  finish_reason,
+                                                  reasoned=bool(message.reasoning)), earlier)
 
     def _response(self, request: ResponsesRequest, response_id: str, output: list[Any],
                   final: RequestOutput | None, finish_reason: str | None,
@@ -98,7 +147,8 @@ class OpenAIServingResponses(OpenAIServingChat):
             parallel_tool_calls=request.parallel_tool_calls is not False,
             text=(request.text.model_dump(by_alias=True, exclude_none=True)
                   if request.text is not None else {"format": {"type": "text"}}),
-            user=request.user, metadata=request.metadata)
+            user=request.user, metadata=request.metadata, store=self._stores(request),
+            previous_response_id=request.previous_response_id)
 
     def _num_reasoning_tokens(self, token_ids: list[int]) -> int:
         """Output tokens up to and including the reasoning's end tag (all of them when
@@ -110,7 +160,8 @@ class OpenAIServingResponses(OpenAIServingChat):
     # ------------------------------------------------------------------ streaming
 
     async def _events(self, request: ResponsesRequest, response_id: str, streams: list,
-                      prepared: PreparedChat) -> AsyncIterator[str]:
+                      prepared: PreparedChat, earlier: tuple[Any, ...],
+                      ) -> AsyncIterator[str]:
         numbers = itertools.count()
 
         def event(kind: str, **fields: Any) -> str:
@@ -141,8 +192,9 @@ class OpenAIServingResponses(OpenAIServingChat):
             for chunk in items.close("incomplete" if finish_reason == "length"
                                      else "completed"):
                 yield chunk
-            done = self._response(request, response_id, items.output, final, finish_reason,
-                                  reasoned=items.reasoned)
+            done = self._keep(request, self._response(request, response_id, items.output,
+                                                      final, finish_reason,
+                                                      reasoned=items.reasoned), earlier)
             # Always response.completed, its status "incomplete" when cut at
             # max_output_tokens, as vLLM does (the SDK's stream helper waits for it).
             yield event("response.completed", response=done.model_dump(mode="json"))

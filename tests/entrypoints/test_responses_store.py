@@ -1,0 +1,61 @@
+"""The response store's memory bound: least recently used responses go first, shared
+conversation items are counted once, a response larger than the bound is not kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.entrypoints.openai.responses_protocol import (InputMessage, OutputMessage,
+                                                            OutputText, ResponseObject)
+from pagedllm.entrypoints.openai.responses_store import (ResponseNotFoundError,
+                                                         ResponseStore, as_input_items)
+
+
+def _response(rid: str, text: str) -> ResponseObject:
+    return ResponseObject(id=rid, created_at=0, status="completed", model="m", output=[
+        OutputMessage(id=f"msg_{rid}", status="completed", content=[OutputText(text=text)])])
+
+
+def _put(store: ResponseStore, rid: str, text: str, earlier: tuple = ()) -> None:
+    response = _response(rid, text)
+    store.put(response, earlier,
+              [InputMessage(role="user", content="q")] + as_input_items(response.output))
+
+
+def test_outputs_become_the_input_items_that_send_them_back():
+    (item,) = as_input_items(_response("r", "hello").output)
+    assert isinstance(item, InputMessage)
+    assert item.role == "assistant" and item.text() == "hello" and item.id == "msg_r"
+
+
+def test_least_recently_used_go_first_past_the_bound():
+    probe = ResponseStore(1 << 30)
+    _put(probe, "a", "x" * 1000)
+    one = probe.nbytes
+    assert 2000 < one < 3000  # the text in the response and in its conversation
+    store = ResponseStore(3 * one + one // 2)  # room for three
+    for rid in "abc":
+        _put(store, rid, "x" * 1000)
+    store.get("a")  # now the most recently used
+    _put(store, "d", "x" * 1000)
+    assert len(store) == 3 and store.nbytes <= store.max_bytes
+    with pytest.raises(ResponseNotFoundError, match="'b' not found"):
+        store.get("b")
+    assert [store.get(rid).response.id for rid in "acd"] == ["a", "c", "d"]
+    assert store.delete("a") and not store.delete("a")
+    assert store.nbytes == 2 * one
+
+
+def test_a_chain_shares_its_earlier_items_and_a_too_large_response_is_not_kept():
+    store = ResponseStore(1 << 20)
+    _put(store, "a", "x" * 10_000)
+    first = store.get("a")
+    _put(store, "b", "short", earlier=first.conversation)
+    second = store.get("b")
+    assert second.conversation[:len(first.conversation)] == first.conversation
+    assert second.conversation[0] is first.conversation[0]  # shared, not copied
+    assert second.nbytes < 1000  # the 10 KB of "a" are not counted again
+    _put(store, "huge", "x" * (2 << 20))
+    with pytest.raises(ResponseNotFoundError):
+        store.get("huge")
+    assert len(store) == 2  # and nothing was evicted for it
