@@ -7,9 +7,10 @@ its own input, then its output items, which the Responses API takes back as inpu
 continues that conversation; as OpenAI's, the previous `instructions` are not carried
 over.
 
-Memory is bounded by `max_bytes`, the JSON size of what each response added (a
-conversation shares its earlier items with the response it continued, by reference);
-past it the least recently used responses are dropped. Ids are random (uuid4), so one
+Memory is bounded by `max_bytes`, counted as what each response added: its JSON size
+plus a Python object's overhead per item (measured: ~750 bytes for a small item, whose
+JSON is ~90), while a conversation shares its earlier items with the response it
+continued, by reference. Past the bound the least recently used responses are dropped. Ids are random (uuid4), so one
 client cannot guess another's.
 """
 
@@ -27,6 +28,8 @@ from pagedllm.entrypoints.openai.responses_protocol import INPUT_ITEMS, Response
 # What a reference to an earlier item costs (a list slot): counted so that a long chain
 # of tiny responses is bounded too.
 _REFERENCE_BYTES = 8
+# What one item (a pydantic model with its parts) costs beyond its JSON size.
+_ITEM_OVERHEAD_BYTES = 768
 
 
 class ResponseNotFoundError(LookupError):
@@ -66,6 +69,7 @@ class ResponseStore:
         """Store `response`, whose conversation is `earlier` (shared with the response it
         continued) followed by `added` (its input and output items)."""
         nbytes = (len(response.model_dump_json()) + _REFERENCE_BYTES * len(earlier)
+                  + _ITEM_OVERHEAD_BYTES * (1 + len(response.output) + len(added))
                   + sum(len(json.dumps(item.model_dump(mode="json", exclude_none=True)))
                         for item in added))
         if nbytes > self.max_bytes:

@@ -90,8 +90,9 @@ class ServeConfig:
                "store: false) for previous_response_id and GET / DELETE "
                "/v1/responses/{id}; off, the Responses API is stateless")
     responses_store_max_bytes: int = _flag(
-        256 << 20, "most bytes (as JSON) of stored responses; past it the least recently "
-                   "used are dropped")
+        256 << 20, "most bytes of memory stored responses take (about: their JSON size and "
+                   "each item's object overhead); past it the least recently used are "
+                   "dropped")
     enable_log_requests: bool = _flag(
         False, "log each request as it arrives: its id, parameters and adapter (INFO), its "
                "prompt (DEBUG)")
