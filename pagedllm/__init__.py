@@ -8,7 +8,8 @@ from pagedllm.inputs import TextPrompt, TokensPrompt
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationOutput,
                               ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
-                              EmbeddingRequestOutput, Logprob, RequestOutput, ScoringOutput,
+                              EmbeddingRequestOutput, Logprob, PoolingOutput,
+                              PoolingRequestOutput, RequestOutput, ScoringOutput,
                               ScoringRequestOutput)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import (BeamSearchParams, GuidedDecodingParams,
@@ -24,4 +25,5 @@ __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "BeamSearchOutput", "BeamSearchSequence", "PoolingParams",
            "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
            "ScoringRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
+           "PoolingOutput", "PoolingRequestOutput",
            "LoRARequest", "TextPrompt", "TokensPrompt", "__version__"]

@@ -6,6 +6,7 @@ import itertools
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.lora_request import LoRARequest
 
@@ -204,6 +205,25 @@ class ScoringRequestOutput:
     prompt_token_ids: list[int]
     """The pair's prompt (a cross-encoder's); the two texts' prompts one after the
     other for an embedding model."""
+    finished: bool = True
+
+
+@dataclass
+class PoolingOutput:
+    """The raw pooled output of one prompt (LLM.encode)."""
+
+    data: Any
+    """A float32 torch.Tensor: the embedding, the label probabilities or the one score,
+    as the pooling task gives it."""
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one LLM.encode prompt (vLLM's name and fields)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
     finished: bool = True
 
 

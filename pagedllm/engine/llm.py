@@ -3,6 +3,7 @@ LLMEngine."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -18,8 +19,9 @@ from pagedllm.lora_request import LoRARequest
 from pagedllm.multimodal.content import has_images, load_images, split_images
 from pagedllm.outputs import (BeamSearchOutput, ClassificationOutput,
                               ClassificationRequestOutput, EmbeddingRequestOutput,
-                              RequestOutput, ScoringOutput, ScoringRequestOutput)
-from pagedllm.pooling_params import PoolingParams
+                              PoolingOutput, PoolingRequestOutput, RequestOutput,
+                              ScoringOutput, ScoringRequestOutput)
+from pagedllm.pooling_params import POOLING_TASKS, PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -108,6 +110,32 @@ class LLM:
         req_ids = self._add_all(prompts, params, [0] * len(prompts),
                                 _loras(lora_request, len(prompts)))
         return self._run(req_ids, use_tqdm)
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's generic pooling call: each prompt's pooled output as a tensor
+        (`outputs.data`), in input order. `pooling_task` "embed" gives the embedding
+        (as `embed`), "classify" a classifier's label probabilities, "score" a
+        cross-encoder's score of the prompt as one text; None: the model's own task.
+        `pooling_params` (their `task` set to it) default to what that task reads."""
+        task = pooling_task or self.llm_engine.config.model.pooling_task
+        if task not in POOLING_TASKS:
+            raise InvalidRequestError(f"pooling_task must be one of {POOLING_TASKS} (per-"
+                                      f"token tasks are not supported), got {task!r}")
+        default = {"embed": PoolingParams(), "classify": classifier_params(),
+                   "score": cross_encoder_params(None)}[task]
+        prompts, params = _one_per_prompt(prompts, pooling_params, default, "pooling params")
+        params = [dataclasses.replace(p, task=task) if isinstance(p, PoolingParams) else p
+                  for p in params]
+        outs = self.embed(prompts, params, use_tqdm, lora_request)
+        import torch  # here: `import pagedllm` stays without torch
+
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(
+            o.outputs.embedding, dtype=torch.float32)), o.prompt_token_ids, o.finished)
+            for o in outs]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,

@@ -157,6 +157,28 @@ def test_bad_embed_calls(tiny_llama):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_encode_is_vllms_pooling_call(tiny_llama, prompts, hf_hidden):
+    """LLM.encode: the pooled output as a tensor; "embed" (this model's own task, the
+    default) is LLM.embed's; other pooling tasks are refused by name."""
+    llm = _llm(tiny_llama)
+    outs = llm.encode(_ids(prompts[:3]), use_tqdm=False)
+    embedded = llm.embed(_ids(prompts[:3]), use_tqdm=False)
+    for out, emb, hidden in zip(outs, embedded, hf_hidden):
+        assert isinstance(out.outputs.data, torch.Tensor)
+        assert out.outputs.data.dtype == torch.float32
+        assert out.outputs.data.tolist() == emb.outputs.embedding
+        torch.testing.assert_close(out.outputs.data, _pool(hidden, "last", True),
+                                   atol=TOL, rtol=0)
+    raw = llm.encode(_ids(prompts[:1]), PoolingParams(pooling_type="mean", normalize=False),
+                     pooling_task="embed", use_tqdm=False)[0]
+    torch.testing.assert_close(raw.outputs.data, _pool(hf_hidden[0], "mean", False),
+                               atol=TOL, rtol=0)
+    with pytest.raises(InvalidRequestError, match="is not this model's"):
+        llm.encode(_ids(prompts[:1]), pooling_task="classify", use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="per-token tasks are not supported"):
+        llm.encode(_ids(prompts[:1]), pooling_task="token_embed", use_tqdm=False)
+
+
 @pytest.mark.parametrize("paraphrase_a,paraphrase_b,unrelated", [
     ("A man is playing a guitar.", "A person plays the guitar.",
      "The stock market fell sharply today."),

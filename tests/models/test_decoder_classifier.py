@@ -50,6 +50,11 @@ def test_single_texts_score_as_reward(reranker):
         ids = llm.get_tokenizer().encode(text)
         expect = torch.sigmoid(_hf_logits(path, ids)).tolist()
         assert out.outputs.probs == pytest.approx(expect, abs=1e-5)
+    # LLM.encode: the model's own task ("score": one text as the pair's first) or
+    # "classify", as LLM.classify reads it.
+    for task in (None, "classify"):
+        encoded = llm.encode(["w1 w2 w3", "w7"], use_tqdm=False, pooling_task=task)
+        assert [e.outputs.data.tolist() for e in encoded] == [o.outputs.probs for o in outs]
 
 
 def test_batching_and_prefix_hits_do_not_change_scores(reranker):
@@ -81,6 +86,9 @@ def test_several_labels_classify(tmp_path):
     assert out.outputs.probs == pytest.approx(expect, abs=1e-5)
     with pytest.raises(InvalidRequestError, match="is not this model's"):
         llm.embed([{"prompt_token_ids": ids}], PoolingParams(task="score", normalize=False))
+    # LLM.encode (vLLM's pooling call) of a classifier: its label probabilities.
+    encoded = llm.encode([{"prompt_token_ids": ids}], use_tqdm=False)[0]
+    assert encoded.outputs.data.tolist() == out.outputs.probs
 
 
 
