@@ -33,6 +33,7 @@ _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 _QUANTIZATIONS = ("auto", "gguf", "none")
 _TOKENIZER_MODES = ("auto", "hf")
 _RUNNERS = ("auto", "generate", "pooling")
+_GUIDED_DECODING_BACKENDS = ("auto", "xgrammar")
 # vLLM's --task values (before --runner), by the runner they chose.
 _TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling",
                  "embedding": "pooling", "classify": "pooling", "score": "pooling",
@@ -193,6 +194,10 @@ class EngineArgs:
               "the reasoning, and the server's chat replies carry the reasoning in "
               "`reasoning` (and `reasoning_content`)",
         choices=tuple(REASONING_FORMATS))
+    guided_decoding_backend: str = _arg(
+        "auto", "structured outputs' engine, as vLLM's flag: auto or xgrammar (the one "
+                "pagedllm runs; outlines, lm-format-enforcer and guidance are not "
+                "available)", choices=_GUIDED_DECODING_BACKENDS)
     grammar_compile_timeout: float = _arg(
         60.0, "CPU seconds the grammar of one structured-output request may take to "
               "compile; past it the compile is killed and the request fails as invalid "
@@ -229,6 +234,10 @@ class EngineArgs:
         # loader/ imports torch: only here, so `import pagedllm` (and core/) stays light.
         from pagedllm.loader.hf_config import load_hf_config
 
+        if self.guided_decoding_backend not in _GUIDED_DECODING_BACKENDS:
+            raise ConfigError(f"guided_decoding_backend must be one of "
+                              f"{_GUIDED_DECODING_BACKENDS} (pagedllm's structured outputs "
+                              f"run on xgrammar), got {self.guided_decoding_backend!r}")
         if self.tokenizer_mode not in _TOKENIZER_MODES:
             raise ConfigError(f"tokenizer_mode must be one of {_TOKENIZER_MODES} (transformers' "
                               f"tokenizer), got {self.tokenizer_mode!r}")

@@ -118,6 +118,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
     add_dataclass_args(parser.add_argument_group("request limits and policies"),
                        ServeConfig)
+    parser.add_argument("--disable-log-requests", dest="enable_log_requests",
+                        action="store_false", default=False,
+                        help="no per-request log lines: the default (vLLM's older flag; "
+                             "--enable-log-requests turns them on)")
 
 
 def serve_config_from(ns: argparse.Namespace) -> Any:

@@ -149,7 +149,7 @@ def test_unknown_dtype_is_refused_by_name(tiny_path):
             EngineArgs(model=str(tiny_path), dtype=dtype).create_engine_config()
 
 
-def test_tokenizer_mode_takes_vllms_transformers_modes_only(tiny_path):
+def test_tokenizer_mode_and_guided_backend_take_what_pagedllm_runs(tiny_path):
     """auto and hf (vLLM's names of transformers' tokenizer) are accepted; slow, mistral
     and custom, which pagedllm cannot honour, are refused by name."""
     for mode in ("auto", "hf"):
@@ -157,6 +157,11 @@ def test_tokenizer_mode_takes_vllms_transformers_modes_only(tiny_path):
     for mode in ("slow", "mistral", "custom"):
         with pytest.raises(ValueError, match=f"tokenizer_mode must be one of .*'{mode}'"):
             EngineArgs(model=str(tiny_path), tokenizer_mode=mode).create_engine_config()
+    # vLLM's --guided-decoding-backend: xgrammar (what pagedllm runs) or auto.
+    EngineArgs(model=str(tiny_path), guided_decoding_backend="xgrammar").create_engine_config()
+    with pytest.raises(ValueError, match="guided_decoding_backend must be one of .*outlines"):
+        EngineArgs(model=str(tiny_path),
+                   guided_decoding_backend="outlines").create_engine_config()
 
 
 def test_runner_restricts_what_requests_the_engine_takes(tiny_path, tmp_path):

@@ -7,6 +7,7 @@ model."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 
@@ -142,6 +143,39 @@ def test_requests_and_outputs_are_logged(server):
     hidden = len(embedding["data"][0]["embedding"])
     assert re.search(rf"Finished request embd-\w+-0: {hidden} floats, finish_reason: stop",
                      log)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """A second server (plain HTTP) with the options the first cannot take."""
+    srv = RemoteServer(["--max-model-len", "256", "--disable-fastapi-docs",
+                        "--enable-request-id-headers", "--enable-force-include-usage",
+                        "--disable-log-requests"])
+    yield srv
+    srv.stop()
+
+
+def test_docs_off_request_ids_and_forced_usage(plain):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(plain.url + path).status_code == 404, path
+    # X-Request-Id: the client's own, else a new one on every answer (errors too).
+    r = httpx.get(plain.url + "/v1/models", headers={"X-Request-Id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42"
+    ids = {httpx.get(plain.url + "/health").headers["x-request-id"] for _ in range(2)}
+    assert len(ids) == 2 and all(len(i) == 32 for i in ids)
+    assert "x-request-id" in httpx.get(plain.url + "/nope").headers
+    # Every stream ends with usage, asked for or not.
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 3, "stream": True}
+    for path, extra in (("/v1/completions", {}),
+                        ("/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "Hi"}]})):
+        request = {k: v for k, v in (body | extra).items()
+                   if not (path.endswith("chat/completions") and k == "prompt")}
+        with httpx.stream("POST", plain.url + path, json=request, timeout=60) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: {")]
+        usage = json.loads(events[-1].removeprefix("data: "))["usage"]
+        assert usage["completion_tokens"] == 3, path
+    assert "Received request" not in plain.read_log()
 
 
 # Runs last in this module: it stops the server.

@@ -93,6 +93,14 @@ class ServeConfig:
         256 << 20, "most bytes of memory stored responses take (about: their JSON size and "
                    "each item's object overhead); past it the least recently used are "
                    "dropped")
+    enable_force_include_usage: bool = _flag(
+        False, "every stream ends with a usage chunk, as if each request asked for it "
+               "(stream_options.include_usage)")
+    enable_request_id_headers: bool = _flag(
+        False, "every response carries an X-Request-Id header: the request's own, else a "
+               "new random id")
+    disable_fastapi_docs: bool = _flag(
+        False, "serve no /docs, /redoc or /openapi.json")
     enable_log_requests: bool = _flag(
         False, "log each request as it arrives: its id, parameters and adapter (INFO), its "
                "prompt (DEBUG)")

@@ -30,6 +30,7 @@ import os
 import socket
 import sys
 import threading
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -175,8 +176,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
             # once it has shut down, which would end the process first.
             engine.shutdown()
 
+    docs: dict[str, Any] = ({"docs_url": None, "redoc_url": None, "openapi_url": None}
+                            if serve_config.disable_fastapi_docs else {})
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__,
-                  lifespan=lifespan, root_path=root_path or "")
+                  lifespan=lifespan, root_path=root_path or "", **docs)
     _install_error_handlers(app)
     # Added last = outermost: the body limit applies before anything reads the body.
     if api_key:
@@ -185,6 +188,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.add_middleware(BodyLimitMiddleware, max_bytes=serve_config.max_body_bytes,
                        read_timeout=serve_config.read_timeout)
+    if serve_config.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
     # Outermost: browsers' preflight requests are answered before the key check, and
     # every answer (401 and 413 included) carries the CORS headers.
     app.add_middleware(CORSMiddleware, allow_origins=serve_config.allowed_origins,
@@ -437,6 +442,30 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """`--enable-request-id-headers` (vLLM's): every response carries X-Request-Id, the
+    request's own header (cut to 128 bytes) or a new random id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"")[:128]
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ())
+                           if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 # Sent with an answer given before the request's body was read.

@@ -366,7 +366,7 @@ class OpenAIServingChat(OpenAIServing):
                         yield chunk(ChatStreamChoice(
                             index=out.index, delta=message, logprobs=logprobs,
                             finish_reason=finish_reason, stop_reason=out.stop_reason))
-            if request.include_usage:
+            if request.include_usage or self.serve_config.enable_force_include_usage:
                 num_completion = sum(s.num_tokens for s in states.values())
                 usage = self.usage(num_prompt_tokens, num_completion, num_cached_tokens)
                 yield sse(ChatCompletionStreamResponse(

@@ -209,7 +209,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     chunk = self._chunk(request, request_id, prompts, state, i, ro, out)
                     if chunk is not None:
                         yield sse(chunk.model_dump_json(exclude_none=False))
-            if request.include_usage:
+            if request.include_usage or self.serve_config.enable_force_include_usage:
                 num_prompt = sum(state.num_prompt_tokens.values())
                 num_completion = sum(c.num_tokens for c in state.choices.values())
                 usage = self.usage(num_prompt, num_completion,
