@@ -124,6 +124,18 @@ MISTRAL_CASES = [
     ("[TOOL_CAL", "[TOOL_CAL", []),
 ]
 
+PHI4_MINI_CASES = [
+    ('functools[{"name": "f", "arguments": {"a": 1}}]', "", [("f", {"a": 1})]),
+    (' functools[{"name": "f", "arguments": {}}, {"name": "g", "parameters": {"s": "]"}}]'
+     " Done.", "Done.", [("f", {}), ("g", {"s": "]"})]),
+    # Not calls: a bare list (Phi-4-mini always writes functools), a truncated call,
+    # plain text, a partial opener.
+    ('[{"name": "f", "arguments": {}}]', '[{"name": "f", "arguments": {}}]', []),
+    ('functools[{"name": "f", "argu', 'functools[{"name": "f", "argu', []),
+    ("The weather is fine.", "The weather is fine.", []),
+    ("functoo", "functoo", []),
+]
+
 PYTHONIC_CASES = [
     ('[get_weather(city="Paris", unit="celsius")]', "",
      [("get_weather", {"city": "Paris", "unit": "celsius"})]),
@@ -195,8 +207,19 @@ def pythonic() -> ToolParser:
     return get_tool_parser("pythonic")()
 
 
+def phi4_mini() -> ToolParser:
+    return get_tool_parser("phi4_mini_json")()
+
+
 PARSER_CASES = {hermes: HERMES_CASES, llama3: LLAMA3_CASES, mistral: MISTRAL_CASES,
-                pythonic: PYTHONIC_CASES, qwen3_coder: QWEN3_CODER_CASES}
+                pythonic: PYTHONIC_CASES, qwen3_coder: QWEN3_CODER_CASES,
+                phi4_mini: PHI4_MINI_CASES}
+
+
+def test_vllms_other_parser_names_read_the_same_formats():
+    for alias, name in (("llama4_json", "llama3_json"), ("llama4_pythonic", "pythonic"),
+                        ("qwen3_xml", "qwen3_coder")):
+        assert get_tool_parser(alias) is get_tool_parser(name)
 
 
 @pytest.mark.parametrize("make,text,content,calls",

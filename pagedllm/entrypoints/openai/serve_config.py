@@ -66,9 +66,11 @@ class ServeConfig:
         "help": "how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: "
                 "Qwen, Hermes), llama3_json ({\"name\": ..., \"parameters\": ...}), "
                 "mistral ([TOOL_CALLS] [{\"name\": ..., \"arguments\": ...}]), pythonic "
-                "([f(a=1), g()]: Llama 3.2 / 4) or qwen3_coder (<tool_call><function=f>"
-                "<parameter=a>1</parameter></function></tool_call>); needed by "
-                "--enable-auto-tool-choice",
+                "([f(a=1), g()]: Llama 3.2 / 4), qwen3_coder (<tool_call><function=f>"
+                "<parameter=a>1</parameter></function></tool_call>) or phi4_mini_json "
+                "(functools[{\"name\": ..., \"arguments\": ...}]: Phi-4-mini); "
+                "vLLM's llama4_json, llama4_pythonic and qwen3_xml are the same readers; "
+                "needed by --enable-auto-tool-choice",
         "choices": TOOL_PARSER_NAMES})
 
     enable_prompt_tokens_details: bool = _flag(

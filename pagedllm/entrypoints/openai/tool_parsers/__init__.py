@@ -18,6 +18,11 @@ _PARSERS: dict[str, tuple[str, str]] = {
     "mistral": ("mistral", "MistralToolParser"),
     "pythonic": ("pythonic", "PythonicToolParser"),
     "qwen3_coder": ("qwen3_coder", "Qwen3CoderToolParser"),
+    "phi4_mini_json": ("phi4_mini_json", "Phi4MiniJsonToolParser"),
+    # vLLM's other names of these formats.
+    "llama4_json": ("llama3_json", "Llama3JsonToolParser"),
+    "llama4_pythonic": ("pythonic", "PythonicToolParser"),
+    "qwen3_xml": ("qwen3_coder", "Qwen3CoderToolParser"),
 }
 TOOL_PARSER_NAMES: tuple[str, ...] = tuple(_PARSERS)
 
