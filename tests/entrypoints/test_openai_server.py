@@ -45,6 +45,9 @@ def num_tokens(server: RemoteServer, text: str) -> int:
 def test_models_version_health(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).model_dump() == models.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="org/nope"):
+        client.models.retrieve("org/nope")
     assert httpx.get(server.url + "/version", headers=server.headers).json()["version"]
     assert httpx.get(server.url + "/health").status_code == 200
 

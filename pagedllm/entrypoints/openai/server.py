@@ -242,13 +242,26 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     scores = OpenAIServingScore(engine, models, serve_config, offloader)
     responses = OpenAIServingResponses(engine, models, serve_config, offloader)
 
-    @app.get("/v1/models")
-    async def list_models() -> ModelList:
+    def model_cards() -> list[ModelCard]:
         cards = [ModelCard(id=name, root=engine.config.model.path,
                            max_model_len=engine.max_model_len) for name in models.base_names]
-        cards += [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=models.model_name,
-                            max_model_len=engine.max_model_len) for lora in models]
-        return ModelList(data=cards)
+        return cards + [ModelCard(id=lora.lora_name, root=lora.lora_path,
+                                  parent=models.model_name,
+                                  max_model_len=engine.max_model_len) for lora in models]
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=model_cards())
+
+    # OpenAI's retrieve (`client.models.retrieve(name)`); a name with "/" (org/model)
+    # is one path parameter.
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> ModelCard:
+        for card in model_cards():
+            if card.id == model:
+                return card
+        models.resolve(model)  # raises its 404
+        raise AssertionError("every resolvable name has a card")
 
     if serve_config.allow_runtime_lora_updating:
         @app.post("/v1/load_lora_adapter")
