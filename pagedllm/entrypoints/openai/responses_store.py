@@ -16,7 +16,6 @@ client cannot guess another's.
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -70,8 +69,7 @@ class ResponseStore:
         continued) followed by `added` (its input and output items)."""
         nbytes = (len(response.model_dump_json()) + _REFERENCE_BYTES * len(earlier)
                   + _ITEM_OVERHEAD_BYTES * (1 + len(response.output) + len(added))
-                  + sum(len(json.dumps(item.model_dump(mode="json", exclude_none=True)))
-                        for item in added))
+                  + sum(len(item.model_dump_json(exclude_none=True)) for item in added))
         if nbytes > self.max_bytes:
             return  # it would evict everything and still not fit
         self.delete(response.id)
