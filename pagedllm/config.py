@@ -147,6 +147,7 @@ class ModelConfig:
             return (f"this engine runs with runner {self.runner!r} (--runner / --task): "
                     f"it takes no {kind}")
         return None
+
     quantization: str | None = None
     """"gguf": run a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K weights as stored, via the native
     quantized GEMM (CPU; other tensor types are dequantized); None: dequantize every

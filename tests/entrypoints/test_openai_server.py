@@ -639,9 +639,13 @@ def test_invocations_answer_as_the_api_their_body_is_for(server, client):
         temperature=0).choices[0].text
     embedding = invoke({"input": "hello"}).json()
     assert embedding["object"] == "list"
-    assert embedding["data"][0]["embedding"] == pytest.approx(
-        client.embeddings.create(model=MODEL_NAME, input="hello").data[0].embedding,
-        abs=1e-6)
+    direct_vector = client.embeddings.create(model=MODEL_NAME, input="hello").data[0].embedding
+    assert embedding["data"][0]["embedding"] == pytest.approx(direct_vector, abs=1e-6)
+    # vLLM's /pooling: a decoder's own task is embedding.
+    pooled = httpx.post(server.url + "/pooling", json={"input": ["hello", "world"]},
+                        headers=server.headers, timeout=60).json()
+    assert [d["index"] for d in pooled["data"]] == [0, 1]
+    assert pooled["data"][0]["data"] == pytest.approx(direct_vector, abs=1e-6)
     streamed = httpx.post(server.url + "/invocations", headers=server.headers, timeout=60,
                           json={"prompt": "Hi", "max_tokens": 3, "stream": True})
     assert streamed.text.rstrip().endswith("data: [DONE]")

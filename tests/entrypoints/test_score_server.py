@@ -127,6 +127,16 @@ def test_classify_matches_offline(classifier):
             assert d["label"] == ["neg", "neutral", "pos"][max(range(3), key=probs.__getitem__)]
     one = _post(srv, "/classify", {"input": DOCS[0]}).json()
     assert one["data"][0]["probs"] == pytest.approx(want[0], abs=1e-6)
+    # vLLM's /pooling: the model's own task (classification here), as LLM.encode.
+    pooled = _post(srv, "/pooling", {"input": DOCS})
+    assert pooled.status_code == 200, pooled.text
+    body = pooled.json()
+    assert body["object"] == "list" and body["id"].startswith("pool-")
+    assert [d["object"] for d in body["data"]] == ["pooling"] * 4
+    for d, probs in zip(body["data"], want):
+        assert d["data"] == pytest.approx(probs, abs=1e-6)
+    r = _post(srv, "/pooling", {"input": "x", "task": "embed"})
+    assert r.status_code == 400 and "is not this model's" in r.json()["error"]["message"]
     for body, fragment in (({"input": []}, "input must not be empty"),
                            ({"input": 5}, "input")):
         r = _post(srv, "/classify", body)

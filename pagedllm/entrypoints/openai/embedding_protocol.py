@@ -1,12 +1,14 @@
-"""Pydantic models of POST /v1/embeddings (OpenAI's fields, vLLM's extras)."""
+"""Pydantic models of POST /v1/embeddings (OpenAI's fields, vLLM's extras) and of vLLM's
+POST /pooling (the same inputs; each one's pooled output, whatever the model's task)."""
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 from pydantic import Field, StrictInt, StrictStr
 
-from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel
+from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel, random_id
 
 
 class EmbeddingRequest(RequestModel):
@@ -44,4 +46,27 @@ class EmbeddingResponse(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[EmbeddingData]
     model: str
+    usage: EmbeddingUsage
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling body: the embeddings fields and the pooling task."""
+
+    task: Literal["embed", "classify", "score"] | None = None
+    """"embed" (the embedding), "classify" (a classifier's label probabilities), "score"
+    (a cross-encoder's score of the input as one text); None: the model's own."""
+
+
+class PoolingData(OpenAIBaseModel):
+    object: Literal["pooling"] = "pooling"
+    index: int
+    data: list[float] | str
+
+
+class PoolingResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("pool"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
     usage: EmbeddingUsage

@@ -54,7 +54,7 @@ from pagedllm.entrypoints.openai.dashboard import (PAGE_PATHS, STATE_PATH, Dashb
                                                    add_dashboard_routes)
 from pagedllm.entrypoints.openai.connections import (ConnectionGuard, default_max_connections,
                                                      raise_open_file_limit)
-from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest
+from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, PoolingRequest
 from pagedllm.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
 from pagedllm.entrypoints.openai.responses_store import ResponseNotFoundError
 from pagedllm.entrypoints.openai.score_protocol import (ClassifyRequest, RerankRequest,
@@ -296,6 +296,10 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Any:
         return await _cancel_on_disconnect(raw_request,
                                            embeddings.create_embedding(request))
+
+    @post("/pooling", body=PoolingRequest)
+    async def create_pooling(request: PoolingRequest, raw_request: Request) -> Any:
+        return await _cancel_on_disconnect(raw_request, embeddings.create_pooling(request))
 
     @post("/v1/responses", body=ResponsesRequest)
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Any:
