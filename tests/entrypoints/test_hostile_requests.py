@@ -240,6 +240,10 @@ def _route_cases() -> list[Case]:
              body={"messages": [{}] * 20_000}),
         Case("invocations unknown field", path="/invocations",
              body={"input": "x", "k": 1}),
+        Case("pooling unknown task", path="/pooling", body={"input": "x", "task": "x"}),
+        Case("pooling task the model lacks", path="/pooling",
+             body={"input": "x", "task": "classify"}),
+        Case("pooling no input", path="/pooling", body={"input": []}),
         # The response store is off here: what needs it is a 400 naming the flag; the
         # routes that read it do not exist.
         Case("responses previous id", path="/v1/responses",
