@@ -23,14 +23,12 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import hmac
 import json
 import logging
 import os
 import socket
 import sys
 import threading
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -40,7 +38,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineProcess
@@ -55,6 +52,8 @@ from pagedllm.entrypoints.openai.dashboard import (PAGE_PATHS, STATE_PATH, Dashb
 from pagedllm.entrypoints.openai.connections import (ConnectionGuard, default_max_connections,
                                                      raise_open_file_limit)
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, PoolingRequest
+from pagedllm.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware,
+                                                    RequestIdMiddleware, error_response)
 from pagedllm.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
 from pagedllm.entrypoints.openai.responses_store import ResponseNotFoundError
 from pagedllm.entrypoints.openai.score_protocol import (ClassifyRequest, RerankRequest,
@@ -65,8 +64,8 @@ from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.served_models import (ModelNotFoundError, ServedModels,
                                                        parse_lora_module)
-from pagedllm.entrypoints.openai.serving_common import (RequestTimeoutError, error_body,
-                                                        error_status, exception_message)
+from pagedllm.entrypoints.openai.serving_common import (RequestTimeoutError, error_status,
+                                                        exception_message)
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -80,12 +79,6 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 # Seconds after SIGTERM/SIGINT before the process exits whatever still runs.
 SHUTDOWN_GRACE_S = 10.0
-
-
-def error_response(message: str, status: int, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status,
-                        headers=headers)
 
 
 # Errors named in a 400's message; the rest only make it longer.
@@ -437,127 +430,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     for exc_type in (ValueError, ModelNotFoundError, ResponseNotFoundError, EngineDeadError,
                      QueueFullError, RequestTimeoutError, Exception):
         app.add_exception_handler(exc_type, on_error)
-
-
-class APIKeyMiddleware:
-    """Pure ASGI check of 'Authorization: Bearer KEY' on every route but `open_paths`
-    (a pure middleware leaves `receive` alone, so streams still see client
-    disconnects)."""
-
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: set[str]) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-        self.open_paths = open_paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
-                and scope["path"] not in self.open_paths):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response("Unauthorized: a valid API key is required "
-                                          "(Authorization: Bearer KEY).", 401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class RequestIdMiddleware:
-    """`--enable-request-id-headers` (vLLM's): every response carries X-Request-Id, the
-    request's own header (cut to 128 bytes) or a new random id."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"x-request-id", b"")[:128]
-        request_id = given or uuid.uuid4().hex.encode()
-
-        async def send_with_id(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", ())
-                           if k.lower() != b"x-request-id"]
-                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-# Sent with an answer given before the request's body was read.
-CLOSE = {"Connection": "close"}
-
-
-class BodyLimitMiddleware:
-    """413 for a request body over `max_bytes`: by its Content-Length up front, or, for a
-    chunked body, as soon as the bytes received pass the limit (never buffered whole).
-    408 for a body not received within `read_timeout` seconds of its headers (a client
-    trickling its body held the connection for ever; connections.py has the rest of
-    the slow-client rules). Either way the connection is closed after the answer: the
-    rest of the body would have to be read first."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout: float) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.read_timeout = read_timeout
-
-    def _too_large(self) -> _BodyRejected:
-        return _BodyRejected(413, f"The request body is larger than {self.max_bytes} bytes "
-                                  f"(--max-body-bytes).", headers=CLOSE)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await _rejection_response(self._too_large())(scope, receive, send)
-            return
-        received = 0
-        body_done = False
-        started = False
-        deadline = asyncio.get_running_loop().time() + self.read_timeout
-
-        async def send_wrapper(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        async def limited_receive() -> dict:
-            nonlocal received, body_done
-            if body_done:  # a response listening for the client leaving: no deadline
-                return await receive()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    message = await receive()
-            except TimeoutError:
-                raise _BodyRejected(408, f"The request body did not arrive within "
-                                         f"{self.read_timeout:g} s of its headers "
-                                         f"(--read-timeout).", headers=CLOSE) from None
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise self._too_large()
-                body_done = not message.get("more_body", False)
-            else:
-                body_done = True
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send_wrapper)
-        except _BodyRejected as e:
-            if not started:
-                await _rejection_response(e)(scope, receive, send)
-
-
-class _BodyRejected(StarletteHTTPException):
-    """Raised while the body is read: FastAPI passes HTTP exceptions through to the
-    error handlers (anything else would become its generic 400)."""
-
-
-def _rejection_response(e: _BodyRejected) -> JSONResponse:
-    return error_response(str(e.detail), e.status_code, headers=e.headers)
 
 
 # ------------------------------------------------------------------ running
