@@ -28,10 +28,20 @@ class RequestLogger:
     characters), token id lists (in ids) and each parameter's value (its repr, in
     characters: a schema or a logit_bias can be megabytes); None: no cut."""
 
-    def __init__(self, max_log_len: int | None, log_outputs: bool) -> None:
+    def __init__(self, max_log_len: int | None, log_inputs: bool, log_outputs: bool) -> None:
         self.max_log_len = max_log_len
+        self.log_inputs = log_inputs
         self.log_outputs = log_outputs
         self._defaults: dict[type, Any] = {}
+
+    def wrap(self, request_id: str, text: str | None, ids: list[int], params: Any,
+             lora: LoRARequest | None, stream: AsyncIterator[EngineOutput],
+             ) -> AsyncIterator[EngineOutput]:
+        """Log a submitted request as the flags ask; its stream (wrapped when its final
+        output is to be logged)."""
+        if self.log_inputs:
+            self._log_received(request_id, text, ids, params, lora)
+        return self._logged(stream) if self.log_outputs else stream
 
     def _cut(self, value: Any) -> Any:
         return value if value is None or self.max_log_len is None else value[:self.max_log_len]
@@ -47,16 +57,16 @@ class RequestLogger:
                    if f.init and getattr(params, f.name) != getattr(default, f.name)]
         return f"{type(params).__name__}({', '.join(changed)})"
 
-    def log_inputs(self, request_id: str, text: str | None, ids: list[int], params: Any,
-                   lora: LoRARequest | None) -> None:
+    def _log_received(self, request_id: str, text: str | None, ids: list[int],
+                      params: Any, lora: LoRARequest | None) -> None:
         logger.info("Received request %s: params: %s, lora_request: %s.", request_id,
                     self.changed_fields(params), lora.lora_name if lora else None)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("Request %s prompt: %r, prompt_token_ids (%d): %s.", request_id,
                          self._cut(text), len(ids), self._cut(ids))
 
-    async def logged(self, stream: AsyncIterator[EngineOutput]
-                     ) -> AsyncIterator[EngineOutput]:
+    async def _logged(self, stream: AsyncIterator[EngineOutput]
+                      ) -> AsyncIterator[EngineOutput]:
         """`stream`, logging its final output when it comes (closing this closes
         `stream`, which aborts its request as closing it would)."""
         try:

@@ -10,8 +10,8 @@ over.
 Memory is bounded by `max_bytes`, counted as what each response added: its JSON size
 plus a Python object's overhead per item (measured: ~750 bytes for a small item, whose
 JSON is ~90), while a conversation shares its earlier items with the response it
-continued, by reference. Past the bound the least recently used responses are dropped. Ids are random (uuid4), so one
-client cannot guess another's.
+continued, by reference. Past the bound the least recently used responses are dropped.
+Ids are random (uuid4), so one client cannot guess another's.
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.request_logger = (
-            RequestLogger(serve_config.max_log_len, serve_config.enable_log_outputs)
+            RequestLogger(serve_config.max_log_len, serve_config.enable_log_requests,
+                          serve_config.enable_log_outputs)
             if serve_config.enable_log_requests or serve_config.enable_log_outputs else None)
 
     @property
@@ -324,21 +325,14 @@ class OpenAIServing:
                 stream = self.engine.add_request(
                     f"{request_id}-{i}", prompt, sp, priority=request.priority,
                     timeout=timeout, lora_request=lora)
-                streams.append(self._logged(f"{request_id}-{i}", text, ids, sp, lora, stream))
+                if self.request_logger is not None:
+                    stream = self.request_logger.wrap(f"{request_id}-{i}", text, ids, sp,
+                                                      lora, stream)
+                streams.append(stream)
         except BaseException:
             self.abort_all(request_id, len(streams))
             raise
         return streams
-
-    def _logged(self, request_id: str, text: str | None, ids: list[int], params: Any,
-                lora: Any, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """`stream`, its request logged as the flags ask."""
-        if self.request_logger is None:
-            return stream
-        if self.serve_config.enable_log_requests:
-            self.request_logger.log_inputs(request_id, text, ids, params, lora)
-        return (self.request_logger.logged(stream) if self.request_logger.log_outputs
-                else stream)
 
     async def pool_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
                        params: list[PoolingParams], request: Any) -> list[list[float]]:
