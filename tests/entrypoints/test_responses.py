@@ -116,14 +116,82 @@ def test_text_format_json_schema(server):
     assert r.text.format.type == "json_schema"
 
 
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def _streamed_logprobs(client, **kwargs):
+    """(the logprobs the text deltas carried, those of output_text.done, the final
+    response) of a streamed response."""
+    deltas, done, final = [], None, None
+    with client.responses.stream(**kwargs) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas += event.logprobs
+            elif event.type == "response.output_text.done":
+                done = event.logprobs
+            elif event.type == "response.completed":
+                final = event.response
+    return deltas, done, final
+
+
+def test_output_text_logprobs(server):
+    """include ["message.output_text.logprobs"]: the chat API's logprobs of the same
+    reply (top_logprobs alternatives each), streamed with the text deltas."""
+    client = server.openai_client()
+    kwargs = dict(model=MODEL_NAME, input="What is the capital of France?",
+                  max_output_tokens=8, temperature=0)
+    r = client.responses.create(include=LOGPROBS, top_logprobs=2, **kwargs)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    logprobs = r.output[0].content[0].logprobs
+    expected = chat.choices[0].logprobs.content
+    assert len(logprobs) == len(expected) == r.usage.output_tokens == 8
+    for got, want in zip(logprobs, expected):
+        assert (got.token, got.bytes) == (want.token, want.bytes)
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t.token for t in got.top_logprobs] == [t.token for t in want.top_logprobs]
+        assert len(got.top_logprobs) == 2
+    assert "".join(lp.token for lp in logprobs) == r.output_text
+    deltas, done, final = _streamed_logprobs(client, include=LOGPROBS, top_logprobs=2,
+                                             **kwargs)
+    final_logprobs = final.output[0].content[0].logprobs
+    assert [lp.model_dump() for lp in deltas] == [lp.model_dump() for lp in done] == [
+        lp.model_dump() for lp in final_logprobs] == [lp.model_dump() for lp in logprobs]
+    # Not asked: none (top_logprobs alone asks nothing, as OpenAI's).
+    assert client.responses.create(top_logprobs=2, **kwargs).output[0].content[0].logprobs == []
+
+
+def test_output_text_logprobs_skip_the_reasoning(scripted):
+    """The logprobs of a reply that reasons first are those of the tokens after its
+    reasoning: <think> hmm well </think> then the text (no tools: the call is text)."""
+    client = scripted.openai_client()
+    kwargs = dict(model="scripted", input="go", temperature=0, max_output_tokens=20,
+                  include=LOGPROBS, store=False)
+    r = client.responses.create(**kwargs)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    logprobs = r.output[1].content[0].logprobs
+    reasoning = r.usage.output_tokens_details.reasoning_tokens
+    assert reasoning == 4 and len(logprobs) == r.usage.output_tokens - reasoning
+    assert [lp.token.strip() for lp in logprobs] == [*CALL, "</s>"]
+    assert all(lp.logprob == pytest.approx(0.0, abs=1e-3) for lp in logprobs)
+    deltas, done, final = _streamed_logprobs(client, **kwargs)
+    assert ([lp.token for lp in deltas] == [lp.token for lp in done]
+            == [lp.token for lp in final.output[1].content[0].logprobs]
+            == [lp.token for lp in logprobs])
+
+
 @pytest.mark.parametrize("fields,fragment", [
     ({"previous_response_id": "resp_1"},
      "previous_response_id needs the server's response store, which is off: start it "
      "with --enable-responses-store"),
     ({"store": True}, "store: true needs the server's response store"),
-    ({"include": ["reasoning.encrypted_content"]}, "`include` is not supported"),
+    ({"include": ["reasoning.encrypted_content"]},
+     "`include` 'reasoning.encrypted_content' is not supported by this server (only "
+     "'message.output_text.logprobs')"),
+    ({"include": LOGPROBS, "top_logprobs": 21}, "top_logprobs"),
     ({"reasoning": {"effort": "high"}}, "`reasoning` is not supported"),
-    ({"background": True}, "`background` is not supported"),
+    ({"background": True}, "background: true needs the server's response store"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input"),
     # A text model takes no images (a multimodal one does: test_llava_server.py).

@@ -7,8 +7,9 @@ function calls, their outputs, its reasoning), `tools` are function tools, `text
 is the response format, `max_output_tokens` caps the reply. `to_chat_request` builds the
 ChatCompletionRequest the chat handler checks, renders and runs; serving_responses.py
 turns the chat reply into output items. `store` and `previous_response_id` need the
-server's response store (responses_store.py, --enable-responses-store); `background` is
-refused.
+server's response store (responses_store.py, --enable-responses-store), as does
+`background` (the response is answered at once, "queued", and runs on; the client polls
+GET /v1/responses/{id} or cancels it).
 """
 
 from __future__ import annotations
@@ -20,9 +21,14 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (Field, TypeAdapter, ValidationError, field_validator,
                       model_validator)
 
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatLogprobToken
 from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel
 from pagedllm.errors import InvalidRequestError
+
+
+# The one `include` value this server gives (the others name what it does not have:
+# encrypted reasoning, hosted tools' results, input image URLs).
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 
 def item_id(prefix: str) -> str:
@@ -170,15 +176,19 @@ class ResponsesRequest(RequestModel):
     needs --enable-responses-store, without which only false (or none) is taken."""
     previous_response_id: str | None = None
     """Continue a stored response's conversation (its input and output items)."""
+    background: bool | None = None
+    """Answer at once with the stored response "queued" and run it on (needs the store,
+    and store not false); not with `stream`."""
+    include: list[str] | None = None
+    """Only "message.output_text.logprobs": the logprobs of the reply's text."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """How many alternatives each of those logprobs lists (with `include` only)."""
     # OpenAI fields this server refuses unless at their neutral value (metadata,
     # service_tier: UNSUPPORTED_FIELDS; the others: _nothing_asked).
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    background: bool | None = None
-    include: list[Any] | None = None
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
-    top_logprobs: int | None = None
     # vLLM extras
     request_id: str | None = None
     priority: int = 0
@@ -204,14 +214,28 @@ class ResponsesRequest(RequestModel):
     @model_validator(mode="after")
     def _nothing_asked(self) -> ResponsesRequest:
         """What this server cannot give is refused by name, never silently dropped."""
-        for name, neutral in (("background", (None, False)), ("include", (None, [])),
-                              ("reasoning", (None, {})),
-                              ("truncation", (None, "disabled")),
-                              ("top_logprobs", (None, 0))):
+        if self.background:
+            if self.store is False:  # OpenAI's rule: a background response is stored
+                raise InvalidRequestError("background: true needs store: true (a background "
+                                          "response is fetched from the store)")
+            if self.stream:
+                raise InvalidRequestError("background: true with stream: true is not "
+                                          "supported by this server: poll GET "
+                                          "/v1/responses/{id} instead")
+        other = sorted(set(self.include or ()) - {OUTPUT_LOGPROBS})
+        if other:
+            raise InvalidRequestError(f"`include` {other[0][:80]!r} is not supported by this "
+                                      f"server (only {OUTPUT_LOGPROBS!r})")
+        for name, neutral in (("reasoning", (None, {})),
+                              ("truncation", (None, "disabled"))):
             if getattr(self, name) not in neutral:
                 raise InvalidRequestError(f"`{name}` is not supported by this server "
                                           f"(got {str(getattr(self, name))[:80]!r})")
         return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or ())
 
     def input_items(self) -> list[Any]:
         """`input` as items (a text is one user message)."""
@@ -234,6 +258,8 @@ class ResponsesRequest(RequestModel):
                      "priority", "timeout", "seed", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "chat_template_kwargs"):
             body[name] = getattr(self, name)
+        if self.wants_logprobs:
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
         if self.tools:
             body["tools"] = [{"type": "function", "function": tool.model_dump(
                 exclude={"type"}, exclude_none=True)} for tool in self.tools]
@@ -300,6 +326,9 @@ class OutputText(OpenAIBaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[ChatLogprobToken] = Field(default_factory=list)
+    """With include ["message.output_text.logprobs"]: one per token of the reply after
+    its reasoning (a reply that goes on to call a tool: the call's tokens too)."""
 
 
 class ReasoningText(OpenAIBaseModel):
@@ -356,15 +385,27 @@ class IncompleteDetails(OpenAIBaseModel):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(OpenAIBaseModel):
+    """Why a background response failed."""
+
+    code: str
+    message: str
+
+
+ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "cancelled",
+                         "failed"]
+
+
 class ResponseObject(OpenAIBaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: float = Field(default_factory=time.time)
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: ResponseStatus
+    background: bool = False
     model: str
     output: list[OutputItem] = Field(default_factory=list)
     incomplete_details: IncompleteDetails | None = None
-    error: None = None
+    error: ResponseError | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None

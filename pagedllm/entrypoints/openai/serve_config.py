@@ -95,6 +95,9 @@ class ServeConfig:
         256 << 20, "most bytes of memory stored responses take (about: their JSON size and "
                    "each item's object overhead); past it the least recently used are "
                    "dropped")
+    max_background_responses: int = _flag(
+        256, "most Responses API requests with background: true running at once (each "
+             "holds an engine request without a connection); 503 past it")
     enable_force_include_usage: bool = _flag(
         False, "every stream ends with a usage chunk, as if each request asked for it "
                "(stream_options.include_usage)")
@@ -118,7 +121,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_stop", "max_prompt_bytes", "max_body_bytes",
-                     "responses_store_max_bytes"):
+                     "responses_store_max_bytes", "max_background_responses"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("render_timeout", "request_timeout", "keep_alive_timeout", "read_timeout",

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /v1/responses (OpenAI's Responses API, stateless),
-POST /v1/embeddings, POST /score, /rerank and /classify (vLLM's; also under /v1,
+POST /v1/responses (OpenAI's Responses API; with --enable-responses-store also
+GET / DELETE /v1/responses/{id} and POST /v1/responses/{id}/cancel), GET /v1/models/{id},
+POST /v1/embeddings, POST /pooling, GET|POST /ping and POST /invocations (SageMaker's), POST /score, /rerank and /classify (vLLM's; also under /v1,
 /v2/rerank),
 POST /tokenize,
 POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
@@ -163,6 +164,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
         offloader.start_check(engine.constraints.warm_up)
         yield
         sampler.cancel()
+        await responses.cancel_background()
         offloader.shutdown()
         if shutdown_engine:
             # Here, not after uvicorn returns: on SIGTERM uvicorn re-raises the signal
@@ -190,7 +192,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
                        allow_headers=serve_config.allowed_headers,
                        allow_credentials=serve_config.allow_credentials)
     _add_engine_routes(app, engine, __version__)
-    _add_openai_routes(app, engine, models, serve_config, offloader)
+    responses = _add_openai_routes(app, engine, models, serve_config, offloader)
     add_dashboard_routes(app, dashboard)
     return app
 
@@ -228,7 +230,10 @@ def _add_engine_routes(app: FastAPI, engine: AsyncLLM, version_str: str) -> None
 
 
 def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
-                       serve_config: ServeConfig, offloader: Offloader) -> None:
+                       serve_config: ServeConfig, offloader: Offloader,
+                       ) -> OpenAIServingResponses:
+    """The OpenAI routes; returns the Responses handler (shutdown cancels its
+    background responses)."""
     completions = OpenAIServingCompletion(engine, models, serve_config, offloader)
     chat = OpenAIServingChat(engine, models, serve_config, offloader)
     embeddings = OpenAIServingEmbedding(engine, models, serve_config, offloader)
@@ -309,9 +314,13 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
 
         @app.delete("/v1/responses/{response_id}")
         async def delete_response(response_id: str) -> dict[str, Any]:
-            if not store.delete(response_id):
+            if not responses.delete(response_id):
                 store.get(response_id)  # raises its 404
             return {"id": response_id, "object": "response", "deleted": True}
+
+        @app.post("/v1/responses/{response_id}/cancel")
+        async def cancel_response(response_id: str) -> ResponseObject:
+            return await responses.cancel(response_id)
 
     @post("/score", "/v1/score", body=ScoreRequest)
     async def create_score(request: ScoreRequest, raw_request: Request) -> Any:
@@ -382,6 +391,8 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
             raise InvalidRequestError(f"token ids out of vocabulary (size {vocab_size}): "
                                       f"{bad[:5]}")
         return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
+
+    return responses
 
 
 def tokenizer_info_of(tokenizer: Any, max_model_len: int) -> dict[str, Any]:

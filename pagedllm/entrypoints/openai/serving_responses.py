@@ -8,26 +8,37 @@ output_text part, one function_call item per call. A stream sends OpenAI's typed
 response.completed, whose response says "incomplete" when max_output_tokens cut it)
 as the same pieces arrive, each numbered by `sequence_number`; its
 final response equals the one a non-streaming request gets.
+
+A background request (`background: true`, with the store on) is answered at once with
+its response "queued"; a task runs it on and stores it "in_progress", then finished
+("completed" / "incomplete"), "failed" (its error) or "cancelled" (POST
+/v1/responses/{id}/cancel, or DELETE). Each holds one engine request, and at most
+--max-background-responses run at once (503 past it): a client that leaves nothing
+open still cannot queue without bound.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response
 
-from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
 from pagedllm.entrypoints.openai.offload import Offloader
+from pagedllm.entrypoints.openai.protocol import ChatLogprobToken
 from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
                                                             IncompleteDetails,
                                                             InputTokensDetails,
                                                             OutputMessage, OutputText,
                                                             OutputTokensDetails,
                                                             ReasoningItem, ReasoningText,
-                                                            ResponseObject,
+                                                            ResponseError, ResponseObject,
+                                                            ResponseStatus,
                                                             ResponsesRequest, ResponseUsage,
                                                             item_id)
 from pagedllm.entrypoints.openai.responses_store import ResponseStore, as_input_items
@@ -50,12 +61,16 @@ class OpenAIServingResponses(OpenAIServingChat):
         # None: stateless (--enable-responses-store off).
         self.store = (ResponseStore(serve_config.responses_store_max_bytes)
                       if serve_config.enable_responses_store else None)
+        # Background responses running, by response id (each holds one engine request).
+        self._background: dict[str, asyncio.Task] = {}
+        self._max_background = serve_config.max_background_responses
 
     def _earlier_items(self, request: ResponsesRequest) -> tuple[Any, ...]:
         """The stored conversation `previous_response_id` continues (() for none);
         refuses what needs the store when it is off."""
         if self.store is None:
             for asked, name in ((request.store, "store: true"),
+                                (request.background, "background: true"),
                                 (request.previous_response_id, "previous_response_id")):
                 if asked:
                     raise InvalidRequestError(
@@ -90,12 +105,24 @@ class OpenAIServingResponses(OpenAIServingChat):
                                         request.to_chat_request, earlier)
         prepared = await self.prepare(chat)
         response_id = item_id("resp")
+        if request.background and len(self._background) >= self._max_background:
+            raise QueueFullError(f"The server is busy: {len(self._background)} background "
+                                 f"responses are running (--max-background-responses). "
+                                 f"Retry later.")
         streams = self.add_requests(response_id, [(prepared.text, prepared.ids)],
                                     [prepared.params], chat, images=prepared.images)
+        if request.background:
+            return self._start_background(request, response_id, streams, prepared, earlier)
         if request.stream:
             return SSEResponse(self._events(request, response_id, streams, prepared,
                                             earlier))
         final = await self.final_output(response_id, streams)
+        return self._keep(request, self._finished(request, response_id, final, prepared),
+                          earlier)
+
+    def _finished(self, request: ResponsesRequest, response_id: str, final: RequestOutput,
+                  prepared: PreparedChat) -> ResponseObject:
+        """The response of a finished reply: its output items read the chat way."""
         out = final.outputs[0]
         message, finish_reason = self._message(
             out, self._reasoning_reader(prepared.phase), prepared.plan.new_reader())
@@ -105,24 +132,93 @@ class OpenAIServingResponses(OpenAIServingChat):
             output.append(ReasoningItem(id=item_id("rs"), status=status,
                                         content=[ReasoningText(text=message.reasoning)]))
         if message.content or not (message.tool_calls or message.reasoning):
-            output.append(OutputMessage(id=item_id("msg"), status=status,
-                                        content=[OutputText(text=message.content or "")]))
+            logprobs = self._text_logprobs(request, out.token_ids, out.logprobs,
+                                           bool(message.reasoning))
+            output.append(OutputMessage(id=item_id("msg"), status=status, content=[
+                OutputText(text=message.content or "", logprobs=logprobs)]))
         for call in message.tool_calls or []:
             output.append(FunctionCallOutput(
                 id=item_id("fc"), call_id=call.id, name=call.function.name,
                 arguments=call.function.arguments, status="completed"))
-        return self._keep(request, self._response(request, response_id, output, final,
-                                                  finish_reason,
-                                                  reasoned=bool(message.reasoning)), earlier)
+        return self._response(request, response_id, output, final, finish_reason,
+                              reasoned=bool(message.reasoning))
+
+    # ------------------------------------------------------------------ background
+
+    def _start_background(self, request: ResponsesRequest, response_id: str,
+                          streams: list, prepared: PreparedChat,
+                          earlier: tuple[Any, ...]) -> ResponseObject:
+        """Store the response "queued", run it on in a task, answer it now."""
+        queued = self._keep(request, self._response(request, response_id, [], None, None,
+                                                    status="queued"), earlier)
+        task = asyncio.create_task(self._run_background(
+            request, response_id, streams, prepared, earlier, queued.created_at),
+            name=f"background-{response_id}")
+        self._background[response_id] = task
+        task.add_done_callback(lambda _: self._background.pop(response_id, None))
+        return queued
+
+    async def _run_background(self, request: ResponsesRequest, response_id: str,
+                              streams: list, prepared: PreparedChat,
+                              earlier: tuple[Any, ...], created_at: float) -> None:
+        def keep(response: ResponseObject) -> None:
+            # Not once deleted (delete() stops tracking it before cancelling).
+            if response_id in self._background:
+                self._keep(request, response.model_copy(update={"created_at": created_at}),
+                           earlier)
+
+        keep(self._response(request, response_id, [], None, None, status="in_progress"))
+        try:
+            final = await self.final_output(response_id, streams)
+            keep(self._finished(request, response_id, final, prepared))
+        except asyncio.CancelledError:
+            keep(self._response(request, response_id, [], None, None, status="cancelled"))
+            raise
+        except Exception as e:
+            error = ResponseError(code=error_body("", int(error_status(e)))["error"]["type"],
+                                  message=exception_message(e))
+            keep(self._response(request, response_id, [], None, None, status="failed",
+                                error=error))
+
+    async def cancel(self, response_id: str) -> ResponseObject:
+        """POST /v1/responses/{id}/cancel: stop a background response; a finished one
+        is answered as it is (cancelling is idempotent, as OpenAI's)."""
+        assert self.store is not None, "the route exists with the store"
+        task = self._background.get(response_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+        stored = self.store.get(response_id)
+        if not stored.response.background:
+            raise InvalidRequestError(f"Response {response_id[:100]!r} was not created with "
+                                      f"background: true, so it cannot be cancelled")
+        return stored.response
+
+    def delete(self, response_id: str) -> bool:
+        """Drop a stored response; a running background one is cancelled first."""
+        assert self.store is not None, "the route exists with the store"
+        task = self._background.pop(response_id, None)
+        if task is not None:
+            task.cancel()
+        return self.store.delete(response_id) or task is not None
+
+    async def cancel_background(self) -> None:
+        """Cancel every running background response (the server is shutting down)."""
+        tasks = list(self._background.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _response(self, request: ResponsesRequest, response_id: str, output: list[Any],
                   final: RequestOutput | None, finish_reason: str | None,
-                  reasoned: bool = False) -> ResponseObject:
+                  reasoned: bool = False, status: ResponseStatus | None = None,
+                  error: ResponseError | None = None) -> ResponseObject:
         """The response object: in progress (no `final` yet) or finished with `output`
-        (`reasoned`: it holds a reasoning item, whose tokens usage counts)."""
+        (`reasoned`: it holds a reasoning item, whose tokens usage counts); `status`
+        given for a background response that has not finished."""
         incomplete = finish_reason == "length"
-        status = ("in_progress" if final is None else "incomplete" if incomplete
-                  else "completed")
+        status = status or ("in_progress" if final is None else "incomplete" if incomplete
+                            else "completed")
         usage = None
         if final is not None:
             out = final.outputs[0]
@@ -135,7 +231,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                     if reasoned else 0))
         return ResponseObject(
             id=response_id, status=status, model=self.response_model(request.model),
-            output=output, usage=usage,
+            output=output, usage=usage, background=bool(request.background), error=error,
             incomplete_details=(IncompleteDetails(reason="max_output_tokens")
                                 if final is not None and incomplete else None),
             instructions=request.instructions, max_output_tokens=request.max_output_tokens,
@@ -149,6 +245,20 @@ class OpenAIServingResponses(OpenAIServingChat):
                   if request.text is not None else {"format": {"type": "text"}}),
             user=request.user, metadata=request.metadata, store=self._stores(request),
             previous_response_id=request.previous_response_id)
+
+    def _text_logprobs(self, request: ResponsesRequest, token_ids: list[int],
+                       logprobs: list | None, reasoned: bool, start: int = 0,
+                       ) -> list[ChatLogprobToken]:
+        """The logprobs of the reply's tokens from `start` on, but its reasoning's (none
+        unless the request includes them)."""
+        if not request.wants_logprobs:
+            return []
+        if reasoned:
+            start = max(start, self._num_reasoning_tokens(token_ids))
+        lps = logprobs[start:] if logprobs else None
+        content = self._logprobs(token_ids[start:], lps, request.top_logprobs or 0,
+                                 self.tokens_as_ids(request)).content
+        return content or []
 
     def _num_reasoning_tokens(self, token_ids: list[int]) -> int:
         """Output tokens up to and including the reasoning's end tag (all of them when
@@ -173,6 +283,14 @@ class OpenAIServingResponses(OpenAIServingChat):
                           tools=prepared.plan.new_reader())
         final: RequestOutput | None = None
         finish_reason = None
+
+        def logprobs_since(out: Any) -> list[ChatLogprobToken]:
+            """Those of the tokens no text delta has carried yet (st.num_tokens on)."""
+            lps = self._text_logprobs(request, out.token_ids, out.logprobs,
+                                      items.has_reasoning, st.num_tokens)
+            st.num_tokens = len(out.token_ids)
+            return lps
+
         try:
             started = self._response(request, response_id, [], None, None)
             for kind in ("response.created", "response.in_progress"):
@@ -183,15 +301,22 @@ class OpenAIServingResponses(OpenAIServingChat):
                 st.num_chars = max(st.num_chars, len(out.text))
                 st.is_finished = out.finish_reason is not None
                 message, finish_reason = self._delta(st, delta, out.finish_reason)
+                # A text delta carries the logprobs of the tokens since the last one.
                 for chunk in items.feed(message.reasoning or "", message.content or "",
-                                        message.tool_calls or []):
+                                        message.tool_calls or [], lambda: logprobs_since(out)):
                     yield chunk
                 if st.is_finished:
                     final = ro
             assert final is not None
+            out = final.outputs[0]
             for chunk in items.close("incomplete" if finish_reason == "length"
-                                     else "completed"):
+                                     else "completed", logprobs_since(out)):
                 yield chunk
+            if request.wants_logprobs:
+                # As the non-streamed response's: every token after the reasoning (a
+                # reply that went on to a call streamed its call's tokens with no delta).
+                items.set_text_logprobs(self._text_logprobs(
+                    request, out.token_ids, out.logprobs, items.reasoned))
             done = self._keep(request, self._response(request, response_id, items.output,
                                                       final, finish_reason,
                                                       reasoned=items.reasoned), earlier)
@@ -206,6 +331,14 @@ class OpenAIServingResponses(OpenAIServingChat):
             self.abort_all(response_id, 1)
 
 
+@dataclass
+class _OpenItem:
+    kind: str  # "reasoning" or "message"
+    id: str
+    text: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # as JSON
+
+
 class _ItemStream:
     """Turns a reply's pieces into the events of its output items, in the order they
     come: a reasoning item, a message, one item per call. An item is closed (its done
@@ -215,76 +348,103 @@ class _ItemStream:
     def __init__(self, event: Callable[..., str]) -> None:
         self.event = event
         self.output: list[dict[str, Any]] = []
-        self.open: tuple[str, str, str] | None = None  # (kind, item id, text so far)
+        self.open: _OpenItem | None = None
 
     @property
     def reasoned(self) -> bool:
         return any(item["type"] == "reasoning" for item in self.output)
 
     @property
+    def has_reasoning(self) -> bool:
+        """A reasoning item has opened (it may still be open)."""
+        return self.reasoned or (self.open is not None and self.open.kind == "reasoning")
+
+    @property
     def index(self) -> int:
         """The output_index of the open item (or of the next one)."""
         return len(self.output)
 
-    def feed(self, reasoning: str, content: str, calls: list[Any]) -> list[str]:
+    def feed(self, reasoning: str, content: str, calls: list[Any],
+             logprobs: Callable[[], list[ChatLogprobToken]]) -> list[str]:
+        """Events of new pieces; `logprobs()` gives those a text delta carries."""
         events: list[str] = []
         for kind, text in (("reasoning", reasoning), ("message", content)):
             if not text:
                 continue
             events += self._open(kind)
-            kind, iid, so_far = self.open  # type: ignore[misc]
-            self.open = (kind, iid, so_far + text)
+            item = self.open
+            assert item is not None
+            item.text += text
+            extra: dict[str, Any] = {}
+            if kind == "message":
+                extra["logprobs"] = [lp.model_dump(mode="json") for lp in logprobs()]
+                item.logprobs += extra["logprobs"]
             delta = ("response.reasoning_text.delta" if kind == "reasoning"
                      else "response.output_text.delta")
-            extra = {} if kind == "reasoning" else {"logprobs": []}
-            events.append(self.event(delta, item_id=iid, output_index=self.index,
+            events.append(self.event(delta, item_id=item.id, output_index=self.index,
                                      content_index=0, delta=text, **extra))
         for call in calls:
             events += self._close("completed")
-            item = FunctionCallOutput(id=item_id("fc"), call_id=call.id,
-                                      name=call.function.name, arguments="",
-                                      status="in_progress")
-            where = {"item_id": item.id, "output_index": self.index}
+            call_item = FunctionCallOutput(id=item_id("fc"), call_id=call.id,
+                                           name=call.function.name, arguments="",
+                                           status="in_progress")
+            where = {"item_id": call_item.id, "output_index": self.index}
             args = call.function.arguments
             events.append(self.event("response.output_item.added", output_index=self.index,
-                                     item=item.model_dump(mode="json")))
+                                     item=call_item.model_dump(mode="json")))
             events.append(self.event("response.function_call_arguments.delta", **where,
                                      delta=args))
             events.append(self.event("response.function_call_arguments.done", **where,
                                      arguments=args))
-            item.arguments, item.status = args, "completed"
-            done = item.model_dump(mode="json")
+            call_item.arguments, call_item.status = args, "completed"
+            done = call_item.model_dump(mode="json")
             events.append(self.event("response.output_item.done", output_index=self.index,
                                      item=done))
             self.output.append(done)
         return events
 
-    def close(self, status: str) -> list[str]:
+    def close(self, status: str, logprobs: list[ChatLogprobToken]) -> list[str]:
         """The reply ended: close the open item (a reply with nothing at all still has
-        its empty message, as the non-streaming response does)."""
+        its empty message, as the non-streaming response does). An open message gets
+        the `logprobs` no delta carried yet (a last token with no text, as EOS), in a
+        delta of no text, so that a client adding up the deltas has them all."""
         events = self._open("message") if not self.output and self.open is None else []
+        item = self.open
+        if logprobs and item is not None and item.kind == "message":
+            dumped = [lp.model_dump(mode="json") for lp in logprobs]
+            item.logprobs += dumped
+            events.append(self.event("response.output_text.delta", item_id=item.id,
+                                     output_index=self.index, content_index=0, delta="",
+                                     logprobs=dumped))
         return events + self._close(status)
 
+    def set_text_logprobs(self, logprobs: list[ChatLogprobToken]) -> None:
+        """Set the logprobs of the (closed) message's text."""
+        for item in self.output:
+            if item["type"] == "message":
+                item["content"][0]["logprobs"] = [lp.model_dump(mode="json")
+                                                  for lp in logprobs]
+
     def _open(self, kind: str) -> list[str]:
-        if self.open is not None and self.open[0] == kind:
+        if self.open is not None and self.open.kind == kind:
             return []
         events = self._close("completed")
-        self.open = (kind, item_id("rs" if kind == "reasoning" else "msg"), "")
+        self.open = _OpenItem(kind, item_id("rs" if kind == "reasoning" else "msg"))
         item, part = self._item("in_progress")
         return events + [
             self.event("response.output_item.added", output_index=self.index, item=item),
-            self.event("response.content_part.added", item_id=self.open[1],
+            self.event("response.content_part.added", item_id=self.open.id,
                        output_index=self.index, content_index=0, part=part)]
 
     def _close(self, status: str) -> list[str]:
         if self.open is None:
             return []
-        kind, iid, text = self.open
         item, part = self._item(status)
-        where = {"item_id": iid, "output_index": self.index, "content_index": 0}
-        events = [self.event("response.reasoning_text.done", **where, text=text)
-                  if kind == "reasoning" else
-                  self.event("response.output_text.done", **where, text=text, logprobs=[]),
+        where = {"item_id": self.open.id, "output_index": self.index, "content_index": 0}
+        events = [self.event("response.reasoning_text.done", **where, text=self.open.text)
+                  if self.open.kind == "reasoning" else
+                  self.event("response.output_text.done", **where, text=self.open.text,
+                             logprobs=self.open.logprobs),
                   self.event("response.content_part.done", **where, part=part),
                   self.event("response.output_item.done", output_index=self.index,
                              item=item)]
@@ -295,14 +455,14 @@ class _ItemStream:
     def _item(self, status: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the open item, its content part) as JSON, with its text so far."""
         assert self.open is not None
-        kind, iid, text = self.open
+        opened = self.open
+        done = status != "in_progress"
         part: Any
-        if kind == "reasoning":
-            part = ReasoningText(text=text)
-            item: Any = ReasoningItem(id=iid, status=status,
-                                      content=[part] if status != "in_progress" else [])
+        if opened.kind == "reasoning":
+            part = ReasoningText(text=opened.text)
+            item: Any = ReasoningItem(id=opened.id, status=status,
+                                      content=[part] if done else [])
         else:
-            part = OutputText(text=text)
-            item = OutputMessage(id=iid, status=status,
-                                 content=[part] if status != "in_progress" else [])
+            part = OutputText(text=opened.text, logprobs=opened.logprobs if done else [])
+            item = OutputMessage(id=opened.id, status=status, content=[part] if done else [])
         return item.model_dump(mode="json"), part.model_dump(mode="json")

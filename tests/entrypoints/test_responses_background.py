@@ -1,0 +1,130 @@
+"""Background responses (`background: true`, --enable-responses-store): answered at once
+"queued", run on by the server, polled with GET; cancelled (POST .../cancel) or deleted
+while running, which frees their engine request; failed with their error; bounded by
+--max-background-responses."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.utils import MODEL_NAME, RemoteServer
+
+# SmolLM2 repeats it past 600 tokens (seconds): long enough to act on it while it runs.
+LONG = "Repeat the word 'hello' 400 times."
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer(["--max-model-len", "768", "--num-kv-blocks", "128",
+                        "--max-num-seqs", "4", "--enable-responses-store",
+                        "--max-background-responses", "2"])
+    yield srv
+    srv.stop()
+
+
+def _wait_finished(client, response_id: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress"):
+            return response
+        assert time.monotonic() < deadline, f"still {response.status}"
+        time.sleep(0.1)
+
+
+def _wait_engine_idle(server, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = server.stats()
+        if stats["num_running"] == stats["num_waiting"] == 0:
+            return
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
+def test_background_response_runs_on_and_is_polled(server):
+    client = server.openai_client()
+    kwargs = dict(model=MODEL_NAME, input="Name a colour.", max_output_tokens=12,
+                  temperature=0)
+    queued = client.responses.create(background=True, **kwargs)
+    assert queued.status == "queued" and queued.background and queued.store
+    assert queued.output == [] and queued.usage is None
+    done = _wait_finished(client, queued.id)
+    assert done.status in ("completed", "incomplete") and done.background
+    assert done.created_at == queued.created_at
+    # The same reply a request waiting for it gets.
+    direct = client.responses.create(store=False, **kwargs)
+    assert done.output_text == direct.output_text and done.output_text
+    assert done.usage.output_tokens == direct.usage.output_tokens
+    # A finished background response: cancelling it answers it as it is.
+    assert client.responses.cancel(queued.id).status == done.status
+    # Only a background response can be cancelled.
+    with pytest.raises(openai.BadRequestError, match="not created with background"):
+        client.responses.cancel(client.responses.create(**kwargs).id)
+
+
+def test_cancel_and_delete_stop_a_running_response(server):
+    client = server.openai_client()
+    running = client.responses.create(model=MODEL_NAME, input=LONG, background=True,
+                                      max_output_tokens=600, temperature=0)
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and cancelled.id == running.id
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    assert client.responses.cancel(running.id).status == "cancelled"  # idempotent
+    _wait_engine_idle(server)
+    # Deleting a running one cancels it too; it is gone from the store.
+    running = client.responses.create(model=MODEL_NAME, input=LONG, background=True,
+                                      max_output_tokens=600, temperature=0)
+    while client.responses.retrieve(running.id).status == "queued":
+        time.sleep(0.02)
+    client.responses.delete(running.id)
+    _wait_engine_idle(server)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(running.id)
+
+
+def test_background_responses_are_bounded(server):
+    """--max-background-responses 2: a third running at once is a 503 (its client holds
+    no connection, so nothing else would bound them)."""
+    client = server.openai_client()
+    ids = [client.responses.create(model=MODEL_NAME, input=LONG, background=True,
+                                   max_output_tokens=600, temperature=0).id
+           for _ in range(2)]
+    r = httpx.post(f"{server.url}/v1/responses", timeout=30, json={
+        "model": MODEL_NAME, "input": "Hi", "background": True, "max_output_tokens": 4})
+    assert r.status_code == 503, r.text
+    assert "--max-background-responses" in r.json()["error"]["message"]
+    assert r.headers["retry-after"]
+    for response_id in ids:
+        assert client.responses.cancel(response_id).status == "cancelled"
+    _wait_engine_idle(server)
+    again = client.responses.create(model=MODEL_NAME, input="Hi", background=True,
+                                    max_output_tokens=4)
+    assert _wait_finished(client, again.id).status in ("completed", "incomplete")
+
+
+def test_a_failed_background_response_keeps_its_error(server):
+    """A background response past its deadline (vLLM's `timeout`) is stored "failed"
+    with the error a waiting client would have got."""
+    client = server.openai_client()
+    queued = client.responses.create(model=MODEL_NAME, input=LONG, background=True,
+                                     max_output_tokens=600, temperature=0,
+                                     extra_body={"timeout": 0.3})
+    failed = _wait_finished(client, queued.id)
+    assert failed.status == "failed" and failed.output == []
+    assert "timed out" in failed.error.message
+    _wait_engine_idle(server)
+
+
+@pytest.mark.parametrize("fields,fragment", [
+    ({"store": False}, "background: true needs store: true"),
+    ({"stream": True}, "background: true with stream: true is not supported"),
+])
+def test_background_requests_that_cannot_run_are_400s(server, fields, fragment):
+    body = {"model": MODEL_NAME, "input": "Hi", "background": True} | fields
+    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
