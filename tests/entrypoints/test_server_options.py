@@ -140,6 +140,16 @@ def test_requests_and_outputs_are_logged(server):
     assert generated.group(1) == ids["text"][:MAX_LOG_LEN]
     assert len(generated.group(2).split(",")) == MAX_LOG_LEN
     assert re.search(r"Received request embd-\w+-0: params: PoolingParams\(", log)
+    # A request without request_id is named after its X-Request-Id (vLLM's ids).
+    for path, body, prefix in (("/v1/completions", {"prompt": "Hi"}, "cmpl"),
+                               ("/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "Hi"}]},
+                                "chatcmpl")):
+        r = httpx.post(server.url + path, timeout=60, verify=server.verify,
+                       headers={**server.headers, "X-Request-Id": "trace-7"},
+                       json={"model": MODEL_NAME, "max_tokens": 2, **body})
+        assert r.json()["id"] == f"{prefix}-trace-7"
+        assert f"Received request {prefix}-trace-7-0: params" in server.read_log()
     hidden = len(embedding["data"][0]["embedding"])
     assert re.search(rf"Finished request embd-\w+-0: {hidden} floats, finish_reason: stop",
                      log)

@@ -279,6 +279,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
 
     @post("/v1/completions", body=CompletionRequest)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
+        _take_header_request_id(request, raw_request, "cmpl")
         if request.stream:
             return await completions.create_completion(request)
         return await _cancel_on_disconnect(raw_request, completions.create_completion(request))
@@ -286,6 +287,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     @post("/v1/chat/completions", body=ChatCompletionRequest)
     async def create_chat_completion(request: ChatCompletionRequest,
                                      raw_request: Request) -> Any:
+        _take_header_request_id(request, raw_request, "chatcmpl")
         if request.stream:
             return await chat.create_chat_completion(request)
         return await _cancel_on_disconnect(raw_request, chat.create_chat_completion(request))
@@ -393,6 +395,17 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
         return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
 
     return responses
+
+
+def _take_header_request_id(request: CompletionRequest | ChatCompletionRequest,
+                            raw_request: Request, prefix: str) -> None:
+    """A request with no `request_id` of its own is named after its X-Request-Id header
+    (cut to 128 characters), as vLLM names it: `{prefix}-{header}` is the response's id
+    and the engine's, so the request logs carry the id a proxy gave it. Like a body's
+    request_id, one still running makes a second of that id a 400."""
+    given = raw_request.headers.get("x-request-id")
+    if request.request_id is None and given:
+        request.request_id = f"{prefix}-{given[:128]}"
 
 
 def tokenizer_info_of(tokenizer: Any, max_model_len: int) -> dict[str, Any]:
