@@ -1,5 +1,6 @@
 """The response store's memory bound: least recently used responses go first, shared
-conversation items are counted once, a response larger than the bound is not kept."""
+conversation items are counted once and until their last holder is gone, a response
+larger than the bound is not kept."""
 
 from __future__ import annotations
 
@@ -59,3 +60,32 @@ def test_a_chain_shares_its_earlier_items_and_a_too_large_response_is_not_kept()
     with pytest.raises(ResponseNotFoundError):
         store.get("huge")
     assert len(store) == 2  # and nothing was evicted for it
+
+
+def test_shared_items_are_counted_until_their_last_holder_goes():
+    """Dropping a response whose items a continuation still holds frees only its own
+    bytes; the items go (and their bytes) with the continuation."""
+    store = ResponseStore(1 << 20)
+    _put(store, "a", "x" * 10_000)
+    alone = store.nbytes
+    _put(store, "b", "short", earlier=store.get("a").conversation)
+    both = store.nbytes
+    assert store.delete("a")
+    held = store.nbytes
+    # a's response object (10 KB of text) is gone; its 10 KB output item, which b's
+    # conversation holds, is still counted.
+    assert 10_000 + (both - alone) < held < alone
+    _put(store, "c", "short")
+    assert store.delete("b") and store.delete("c")
+    assert store.nbytes == 0 and not store._items
+    # A chain dropped from its oldest end past the bound never counts below what it holds.
+    store = ResponseStore(alone * 3)
+    _put(store, "a", "x" * 10_000)
+    previous = "a"
+    for rid in "bcdefgh":
+        _put(store, rid, "y" * 5_000, earlier=store.get(previous).conversation)
+        previous = rid
+        held = {id(i): i for r in list(store._responses) for i in store.get(r).conversation}
+        assert store.nbytes >= sum(len(i.model_dump_json()) for i in held.values())
+        assert store.nbytes <= store.max_bytes
+    assert both - alone < alone / 3

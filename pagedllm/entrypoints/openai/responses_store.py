@@ -7,10 +7,13 @@ its own input, then its output items, which the Responses API takes back as inpu
 continues that conversation; as OpenAI's, the previous `instructions` are not carried
 over.
 
-Memory is bounded by `max_bytes`, counted as what each response added: its JSON size
-plus a Python object's overhead per item (measured: ~750 bytes for a small item, whose
-JSON is ~90), while a conversation shares its earlier items with the response it
-continued, by reference. Past the bound the least recently used responses are dropped.
+Memory is bounded by `max_bytes`, counted as each response's own JSON size and each
+conversation item's (its JSON plus a Python object's overhead: measured ~750 bytes for a
+small item, whose JSON is ~90) once, however many conversations hold it: a conversation
+shares its earlier items with the response it continued, by reference, and an item is
+counted until the last response holding it is gone (so dropping a response whose items
+a continuation still holds frees only what no one else holds). Past the bound the
+least recently used responses are dropped.
 Ids are random (uuid4), so one client cannot guess another's.
 """
 
@@ -41,6 +44,8 @@ class StoredResponse:
     conversation: tuple[BaseModel, ...]
     """Input items (request models) of the whole conversation, outputs included."""
     nbytes: int
+    """The response's own bytes (its object and its conversation's references); its
+    items are counted by the store, once each."""
 
 
 class ResponseStore:
@@ -50,6 +55,10 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        # Every item a stored conversation holds, by id(): [its bytes, how many stored
+        # conversations hold it]. The conversations keep the items alive, so an id is
+        # not reused while it is here.
+        self._items: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
         return len(self._responses)
@@ -67,25 +76,41 @@ class ResponseStore:
             added: list[BaseModel]) -> None:
         """Store `response`, whose conversation is `earlier` (shared with the response it
         continued) followed by `added` (its input and output items)."""
-        nbytes = (len(response.model_dump_json()) + _REFERENCE_BYTES * len(earlier)
-                  + _ITEM_OVERHEAD_BYTES * (1 + len(response.output) + len(added))
-                  + sum(len(item.model_dump_json(exclude_none=True)) for item in added))
-        if nbytes > self.max_bytes:
-            return  # it would evict everything and still not fit
+        conversation = earlier + tuple(added)
+        own = (len(response.model_dump_json()) + _ITEM_OVERHEAD_BYTES * (
+            1 + len(response.output)) + _REFERENCE_BYTES * len(conversation))
+        sizes = {id(item): (self._items[id(item)][0] if id(item) in self._items
+                            else _item_bytes(item)) for item in conversation}
+        if own + sum(sizes.values()) > self.max_bytes:
+            return  # alone with its conversation it would not fit
         self.delete(response.id)
-        self._responses[response.id] = StoredResponse(response, earlier + tuple(added),
-                                                      nbytes)
-        self.nbytes += nbytes
+        self._responses[response.id] = StoredResponse(response, conversation, own)
+        self.nbytes += own
+        for item in conversation:
+            counted = self._items.get(id(item))
+            if counted is None:
+                self._items[id(item)] = counted = [sizes[id(item)], 0]
+                self.nbytes += counted[0]
+            counted[1] += 1
         while self.nbytes > self.max_bytes:
-            _, dropped = self._responses.popitem(last=False)
-            self.nbytes -= dropped.nbytes
+            self.delete(next(iter(self._responses)))
 
     def delete(self, response_id: str) -> bool:
         stored = self._responses.pop(response_id, None)
         if stored is None:
             return False
         self.nbytes -= stored.nbytes
+        for item in stored.conversation:
+            counted = self._items[id(item)]
+            counted[1] -= 1
+            if counted[1] == 0:
+                del self._items[id(item)]
+                self.nbytes -= counted[0]
         return True
+
+
+def _item_bytes(item: BaseModel) -> int:
+    return len(item.model_dump_json(exclude_none=True)) + _ITEM_OVERHEAD_BYTES
 
 
 def as_input_items(output: list[Any]) -> list[BaseModel]:
