@@ -151,3 +151,11 @@ def test_tokenize_counts_each_image_run(server):
     assert r.status_code == 200, r.text
     chat = _chat(server, messages, max_tokens=1)
     assert r.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+
+
+def test_string_contents_cannot_carry_images(llava_dir):
+    """--chat-template-content-format string on a multimodal model is a start-up error:
+    its template reads parts, the images among them."""
+    with pytest.raises(RuntimeError, match="string cannot carry images"):
+        RemoteServer([str(llava_dir), "--dtype", "float32", "--max-model-len", "128",
+                      "--chat-template-content-format", "string"], startup_timeout_s=120)

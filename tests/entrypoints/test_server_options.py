@@ -160,7 +160,7 @@ def plain():
     """A second server (plain HTTP) with the options the first cannot take."""
     srv = RemoteServer(["--max-model-len", "256", "--disable-fastapi-docs",
                         "--enable-request-id-headers", "--enable-force-include-usage",
-                        "--disable-log-requests"])
+                        "--disable-log-requests", "--response-role", "bot"])
     yield srv
     srv.stop()
 
@@ -186,6 +186,23 @@ def test_docs_off_request_ids_and_forced_usage(plain):
         usage = json.loads(events[-1].removeprefix("data: "))["usage"]
         assert usage["completion_tokens"] == 3, path
     assert "Received request" not in plain.read_log()
+
+
+def test_response_role(plain):
+    """--response-role names the replies' role (after the generation prompt; a
+    continued last message keeps its own), streamed or not."""
+    client = plain.openai_client()
+    hi = [{"role": "user", "content": "Hi"}]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=hi, max_tokens=2)
+    assert reply.choices[0].message.role == "bot"
+    first = next(iter(client.chat.completions.create(model=MODEL_NAME, messages=hi,
+                                                     max_tokens=2, stream=True)))
+    assert first.choices[0].delta.role == "bot"
+    continued = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=2, extra_body={
+            "continue_final_message": True, "add_generation_prompt": False},
+        messages=hi + [{"role": "assistant", "content": "Hello"}])
+    assert continued.choices[0].message.role == "assistant"
 
 
 # Runs last in this module: it stops the server.

@@ -587,6 +587,29 @@ def test_request_chat_template_sees_tools_and_decoded_arguments(server, client):
     assert r.usage.prompt_tokens == count
 
 
+@pytest.mark.parametrize("template,expected", [
+    # Loops over a content: every content given as parts (a string one too).
+    ("{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}"
+     "{% endfor %}", "[hi][a][b]"),
+    ("{% for m in messages %}{% set c = m.content %}{% for p in c %}<{{ p.text }}>"
+     "{% endfor %}{% endfor %}", "<hi><a><b>"),
+    # Prints a content: every content one string.
+    ("{% for m in messages %}[{{ m['content'] }}]{% endfor %}", "[hi][ab]"),
+])
+def test_contents_are_given_as_the_template_reads_them(server, template, expected):
+    """--chat-template-content-format auto (the default): string or parts, as the
+    (request's) template reads a content."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "text", "text": "b"}]}]
+    ids = httpx.post(server.url + "/tokenize", headers=server.headers, json={
+        "model": MODEL_NAME, "messages": messages, "chat_template": template,
+        "add_generation_prompt": False}).json()["tokens"]
+    text = httpx.post(server.url + "/detokenize", headers=server.headers,
+                      json={"model": MODEL_NAME, "tokens": ids}).json()["prompt"]
+    assert text == expected
+
+
 @pytest.mark.parametrize("body,param,needle", [
     ({"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},

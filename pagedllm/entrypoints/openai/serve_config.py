@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.entrypoints.openai.content_format import CONTENT_FORMATS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSER_NAMES
 from pagedllm.errors import ConfigError
 
@@ -59,6 +60,12 @@ class ServeConfig:
         None, "a Jinja chat template, or the path of a file holding one, used instead of "
               "the model's (e.g. one that renders `tools`); a request's own `chat_template` "
               "still wins where allowed")
+    chat_template_content_format: str = _flag(
+        "auto", "how the chat template reads a message's content: string (one text), "
+                "openai (a list of parts), or auto: parts when the template loops over a "
+                "content (as vLLM detects it), a multimodal model's always")
+    response_role: str = _flag(
+        "assistant", "the role chat completions' replies name (vLLM's --response-role)")
     enable_auto_tool_choice: bool = _flag(
         False, "let the model decide when to call tools (tool_choice \"auto\", the default "
                "with tools): its output is read by --tool-call-parser")
@@ -136,6 +143,10 @@ class ServeConfig:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ConfigError(f"max_queued_requests must be >= 0, got "
                               f"{self.max_queued_requests}")
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ConfigError(f"chat_template_content_format must be one of "
+                              f"{', '.join(CONTENT_FORMATS)}, got "
+                              f"{self.chat_template_content_format!r}")
         if self.tool_call_parser not in (None, *TOOL_PARSER_NAMES):
             raise ConfigError(f"tool_call_parser must be one of "
                               f"{', '.join(TOOL_PARSER_NAMES)}, got {self.tool_call_parser!r}")

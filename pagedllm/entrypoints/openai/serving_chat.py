@@ -12,6 +12,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from pagedllm.entrypoints.openai.content_format import ContentFormat, detect_content_format
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
                                                   ChatCompletionResponse,
                                                   ChatCompletionResponseChoice,
@@ -28,7 +29,7 @@ from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSERespon
 from pagedllm.entrypoints.openai.tool_calling import (ToolCallReader, ToolPlan, plan_tools,
                                                       response_tool_calls,
                                                       stream_tool_calls)
-from pagedllm.errors import InvalidRequestError
+from pagedllm.errors import ConfigError, InvalidRequestError
 from pagedllm.mm_inputs import ProcessedImage
 from pagedllm.multimodal.content import load_images, template_parts
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -77,6 +78,15 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         # --chat-template, read once at start-up (None: the tokenizer's own).
         self.chat_template = self.serve_config.load_chat_template()
+        # How that template reads message contents (content_format.py).
+        configured = self.serve_config.chat_template_content_format
+        if configured == "string" and self.engine.image_processor is not None:
+            raise ConfigError("--chat-template-content-format string cannot carry images: "
+                              "a multimodal model's template reads parts (auto, openai)")
+        own = self.tokenizer.chat_template if self.chat_template is None else self.chat_template
+        self.content_format: ContentFormat = (
+            detect_content_format(own if isinstance(own, str) else None)
+            if configured == "auto" else configured)
         # --reasoning-parser's format and tags (None: replies are all content).
         self.reasoning = self.engine.reasoning_tokens
 
@@ -95,6 +105,7 @@ class OpenAIServingChat(OpenAIServing):
         for out in sorted(final.outputs, key=lambda o: o.index):
             message, finish_reason = self._message(out, self._reasoning_reader(phase),
                                                    plan.new_reader())
+            message.role = self._reply_role(request)
             if not request.include_reasoning:
                 message.reasoning = message.reasoning_content = None
             if echo:
@@ -184,6 +195,13 @@ class OpenAIServingChat(OpenAIServing):
         phase = self.reasoning.initial_phase(ids) if self.reasoning is not None else None
         return PreparedChat(text, ids, params, plan, phase, images)
 
+    def _reply_role(self, request: ChatCompletionRequest) -> str:
+        """The role a reply names, as vLLM's: --response-role after the generation
+        prompt; a continued (or prompt-less) last message's own role otherwise."""
+        if request.add_generation_prompt and not request.continue_final_message:
+            return self.serve_config.response_role
+        return request.messages[-1].role
+
     def _reasoning_reader(self, phase: Phase | None) -> ReasoningReader | None:
         """A reader of one choice's reasoning (None: no reasoning parser)."""
         if self.reasoning is None or phase is None:
@@ -226,16 +244,20 @@ class OpenAIServingChat(OpenAIServing):
         return await self.offloader.run("decoding images", size + (1 << 20), work)
 
     def _conversation(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
+                      content_format: ContentFormat,
                       ) -> tuple[list[dict[str, Any]], list[Any], int]:
-        """The messages as the template reads them, their images (multimodal models),
-        and the bytes the template will print of them (a JSON estimate of calls and
-        tools)."""
+        """The messages as the template reads them (contents as one string, or as parts:
+        a multimodal model's always), their images (multimodal models), and the bytes
+        the template will print of them (a JSON estimate of calls and tools)."""
         sources: list[Any] = []
-        if self.engine.image_processor is None:
+        multimodal = self.engine.image_processor is not None
+        if not multimodal and content_format == "string":
             conversation = [m.template_dict() for m in messages]
         else:
             conversation = []
             for m in messages:
+                if not multimodal:
+                    m.text()  # refuses image parts by name
                 parts, found = template_parts(m.content)
                 conversation.append(m.template_dict(content=parts))
                 sources += found
@@ -273,9 +295,14 @@ class OpenAIServingChat(OpenAIServing):
         reserved = sorted(kwargs.keys() & _RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved[0]!r}")
+        content_format = self.content_format
+        if chat_template is not None and self.serve_config.chat_template_content_format == "auto":
+            content_format = await self.offloader.run(
+                "reading the chat template", len(chat_template), detect_content_format,
+                chat_template)
         conversation, sources, num_bytes = await self.offloader.run(
             "reading the conversation", MESSAGE_COST_BYTES * len(messages),
-            self._conversation, messages, tools)
+            self._conversation, messages, tools, content_format)
         self.check_prompt_bytes(num_bytes, kind="conversation")
         try:
             text = await self.offloader.run(
@@ -335,9 +362,10 @@ class OpenAIServingChat(OpenAIServing):
 
         try:
             # OpenAI's first chunk per choice carries the role.
+            role = self._reply_role(request)
             echo = _echo_text(request)
             for i in range(request.n):
-                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role=role,
                                                                          content="")))
                 if echo:
                     yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)))
