@@ -97,6 +97,10 @@ def env_cpu_isa() -> str:
 QUANTIZATION_METHODS = (None, "gguf")
 
 
+# --load-format values (vLLM's names): auto, the files of one kind, or dummy (none read).
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+
+
 @dataclass
 class ModelConfig:
     """What model to run and how its tensors are typed."""
@@ -125,6 +129,11 @@ class ModelConfig:
     "score" (a cross-encoder: a one-label classification head, which scores text
     pairs), "classify" (a classifier: label probabilities). Set from the architecture
     and the config's num_labels; the last two neither embed nor generate."""
+
+    load_format: str = "auto"
+    """How the weights are read (loader.LOAD_FORMATS): "auto" by the path's kind,
+    "safetensors" / "pt" / "gguf" only those files, "dummy" none (small random values:
+    a config-only directory runs, for benchmarks)."""
 
     runner: str = "auto"
     """Which requests it takes: "auto" (whatever the model can do), "generate"

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES,
+from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS,
                              PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig,
                              DeviceConfig, EngineConfig, LoRAConfig, ModelConfig,
                              ParallelConfig, SchedulerConfig, SpeculativeConfig,
@@ -92,6 +92,12 @@ class EngineArgs:
                              choices=_QUANTIZATIONS)
     dequantize: bool = _arg(False, "dequantize GGUF weights to dtype on load (the same as "
                                    "quantization=none)")
+    load_format: str = _arg("auto", "how weights are read, as vLLM's: auto (by the path: "
+                                    "an HF directory's safetensors, else .bin files; a .gguf "
+                                    "file), safetensors, pt (.bin files only), gguf, or "
+                                    "dummy (no weights: small random values, for "
+                                    "benchmarking a config-only directory)",
+                            choices=LOAD_FORMATS)
     max_model_len: int | None = _arg(None, "maximum prompt + output length (default: the "
                                            "model's, capped at 8192)")
     block_size: int = _arg(16, "tokens per KV cache block")
@@ -252,7 +258,8 @@ class EngineArgs:
                             max_model_len=max_model_len, tokenizer=self.tokenizer,
                             seed=self.seed, max_logprobs=self.max_logprobs,
                             quantization=self._resolve_quantization(path, device, dtype),
-                            trust_remote_code=self.trust_remote_code)
+                            trust_remote_code=self.trust_remote_code,
+                            load_format=self.load_format)
         _set_embedding_traits(model, self.compile)
         model.runner = self._resolve_runner(model)
         self._multimodal_traits(model)
@@ -413,6 +420,14 @@ class EngineArgs:
                               f"got {self.quantization!r}")
         if self.dequantize and self.quantization == "gguf":
             raise ConfigError("dequantize=True contradicts quantization='gguf'")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, "
+                              f"got {self.load_format!r}")
+        if self.load_format == "dummy":
+            if self.quantization == "gguf":
+                raise ConfigError("load_format='dummy' reads no GGUF blocks to run: "
+                                  "quantization='gguf' needs the file's weights")
+            return None
         if self.dequantize or self.quantization == "none" or not path.endswith(".gguf"):
             return "gguf" if self.quantization == "gguf" else None  # ModelConfig checks
         from pagedllm.kernels.cpu.build import load_cpu_kernels

@@ -30,7 +30,6 @@ class WeightFormat(Protocol):
 _FORMATS: dict[str, str] = {
     "safetensors": "pagedllm.loader.safetensors",  # HF directories (also .bin fallback)
     "gguf": "pagedllm.loader.gguf_cache",  # GGUF through the conversion cache
-    "gguf_uncached": "pagedllm.loader.gguf",  # GGUF dequantized on every load
 }
 
 
@@ -56,7 +55,9 @@ def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype,
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream `(hf_name, tensor)` pairs of a model, converted to `dtype`.
 
-    `load_format` overrides the format detected from the path. With quantization "gguf"
+    `load_format`: None / "auto" detects the format from the path; "safetensors" and
+    "pt" read only those files of an HF directory, "gguf" a .gguf file (a path of
+    another kind is an error naming it). With quantization "gguf"
     (GGUF files only) weights the quantized GEMM runs on come as
     `kernels.cpu.quant.QuantizedWeight`s instead (models dequantize those they cannot
     use: models/utils.py). Path and format errors raise here; errors inside the files
@@ -64,8 +65,14 @@ def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype,
     """
     if not os.path.exists(model_path):
         raise ModelLoadError(f"model path does not exist: {model_path!r}")
-    name = load_format or detect_format(model_path)
+    name = detect_format(model_path)
+    if load_format not in (None, "auto", name, *(("pt",) if name == "safetensors" else ())):
+        raise ModelLoadError(f"--load-format {load_format} cannot read {model_path!r}, a "
+                             f"{'GGUF file' if name == 'gguf' else 'Hugging Face directory'}")
     fmt = get_format(name)
+    if load_format in ("safetensors", "pt"):
+        return fmt.iter_weights(model_path, hf_config, dtype,  # type: ignore[call-arg]
+                                kinds=(load_format,))
     if quantization is None:
         return fmt.iter_weights(model_path, hf_config, dtype)
     if quantization != "gguf" or not name.startswith("gguf"):

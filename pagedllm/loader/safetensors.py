@@ -46,23 +46,25 @@ def _shards_of_index(index_path: Path) -> list[Path]:
     return shards
 
 
-def find_weight_files(model_path: str) -> list[Path]:
-    """The weight files of an HF directory (or a lone `.safetensors` file), in load order."""
+def find_weight_files(model_path: str, kinds: tuple[str, ...] = ("safetensors", "pt"),
+                      ) -> list[Path]:
+    """The weight files of an HF directory (or a lone `.safetensors` file), in load order:
+    of the first of `kinds` (safetensors, pt: `.bin`) the directory has."""
     path = Path(model_path)
-    if path.is_file() and path.suffix == ".safetensors":
+    if path.is_file() and path.suffix == ".safetensors" and "safetensors" in kinds:
         return [path]
     if not path.is_dir():
         raise ModelLoadError(f"not a model directory: {model_path!r}")
-    if (path / SAFE_INDEX).is_file():
-        return _shards_of_index(path / SAFE_INDEX)
-    if (path / SAFE_SINGLE).is_file():
-        return [path / SAFE_SINGLE]
-    if (path / BIN_INDEX).is_file():
-        return _shards_of_index(path / BIN_INDEX)
-    if (path / BIN_SINGLE).is_file():
-        return [path / BIN_SINGLE]
-    raise ModelLoadError(f"no weights found in {model_path!r}: expected {SAFE_SINGLE}, "
-                         f"{SAFE_INDEX}, {BIN_SINGLE} or {BIN_INDEX}")
+    names = {"safetensors": (SAFE_INDEX, SAFE_SINGLE), "pt": (BIN_INDEX, BIN_SINGLE)}
+    for kind in kinds:
+        index, single = names[kind]
+        if (path / index).is_file():
+            return _shards_of_index(path / index)
+        if (path / single).is_file():
+            return [path / single]
+    expected = [name for kind in kinds for name in reversed(names[kind])]
+    raise ModelLoadError(f"no weights found in {model_path!r}: expected "
+                         f"{', '.join(expected[:-1])} or {expected[-1]}")
 
 
 def iter_safetensors_file(path: Path | str, dtype: torch.dtype
@@ -100,11 +102,13 @@ def _iter_torch_bin(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch
             yield name, convert(tensor, dtype)
 
 
-def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype
+def iter_weights(model_path: str, hf_config: Any, dtype: torch.dtype,
+                 kinds: tuple[str, ...] = ("safetensors", "pt"),
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, tensor)` for every tensor of an HF checkpoint directory."""
+    """Yield `(hf_name, tensor)` for every tensor of an HF checkpoint directory (its
+    files of the first of `kinds` it has)."""
     del hf_config  # names are the checkpoint's own; nothing to map here
-    for file in find_weight_files(model_path):
+    for file in find_weight_files(model_path, kinds):
         if file.suffix == ".safetensors":
             yield from iter_safetensors_file(file, dtype)
         else:

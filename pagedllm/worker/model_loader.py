@@ -104,7 +104,11 @@ def _build_and_load(cls: type, kwargs: dict, model_config: ModelConfig, attn_bac
                     device: torch.device, dtype: torch.dtype) -> nn.Module:
     with torch.device(device), _default_dtype(dtype):
         model = cls(model_config.hf_config, attn_backend, **kwargs)
+    if model_config.load_format == "dummy":
+        _fill_dummy_weights(model, model_config.seed)
+        return model
     weights = iter_weights(model_config.path, model_config.hf_config, dtype,
+                           load_format=model_config.load_format,
                            quantization=model_config.quantization)
     if model_config.quantization is None:
         model.load_weights(weights)
@@ -113,6 +117,17 @@ def _build_and_load(cls: type, kwargs: dict, model_config: ModelConfig, attn_bac
         finalize_quantized_weights(model)  # blocks of projections some shards of which came plain
         _return_freed_memory()
     return model
+
+
+def _fill_dummy_weights(model: nn.Module, seed: int) -> None:
+    """--load-format dummy, as vLLM's: every floating-point parameter uniform in
+    [-1e-3, 1e-3], drawn from `seed` (the same model on every run and every worker)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                values = torch.empty(param.shape).uniform_(-1e-3, 1e-3, generator=generator)
+                param.copy_(values)
 
 
 def _weights_do_not_fit(cls: type, kwargs: dict, model_config: ModelConfig,

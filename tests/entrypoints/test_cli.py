@@ -45,12 +45,18 @@ def test_serve_arguments():
     ns = build_parser().parse_args(["serve", "--runner", "pooling", "--task", "embed",
                                     "--tokenizer-mode", "hf", "--enable-log-requests",
                                     "--enable-log-outputs", "--max-log-len", "100",
-                                    "--enable-responses-store"])
+                                    "--enable-responses-store", "--load-format", "dummy",
+                                    "--chat-template-content-format", "openai",
+                                    "--response-role", "bot",
+                                    "--max-background-responses", "3"])
     args = engine_args_from(ns)
     assert (args.runner, args.task, args.tokenizer_mode) == ("pooling", "embed", "hf")
+    assert args.load_format == "dummy"
     config = serve_config_from(ns)
     assert config.enable_log_requests and config.enable_log_outputs
     assert config.max_log_len == 100 and config.enable_responses_store
+    assert (config.chat_template_content_format, config.response_role,
+            config.max_background_responses) == ("openai", "bot", 3)
 
 
 def test_json_object_flag(capsys):

@@ -162,3 +162,54 @@ def test_load_tokenizer_from_hf_dir(tmp_path):
                                           tokenize=False) == "hello<eos>"
     with pytest.raises(ModelLoadError):
         load_tokenizer(str(tmp_path / "empty"))
+
+
+def test_load_formats_read_only_their_files(variants, reference, tmp_path):
+    """--load-format safetensors / pt read only those files (a directory holding both
+    reads the one asked for); a path of another kind is an error naming it."""
+    both = tmp_path / "both"
+    both.mkdir()
+    for name in ("model.safetensors", "config.json"):
+        (both / name).write_bytes((variants["single"] / name).read_bytes())
+    halved = {k: v / 2 for k, v in reference.items()}
+    torch.save(halved, both / "pytorch_model.bin")
+    for load_format, expected in (("auto", reference), ("safetensors", reference),
+                                  ("pt", halved)):
+        got = dict(iter_weights(str(both), None, torch.float32, load_format=load_format))
+        assert all(torch.equal(got[n], expected[n]) for n in reference), load_format
+    with pytest.raises(ModelLoadError, match="expected model.safetensors or "
+                                             "model.safetensors.index.json"):
+        list(iter_weights(str(variants["bin"]), None, torch.float32,
+                          load_format="safetensors"))
+    with pytest.raises(ModelLoadError, match="expected pytorch_model.bin"):
+        list(iter_weights(str(variants["sharded"]), None, torch.float32, load_format="pt"))
+    with pytest.raises(ModelLoadError, match="--load-format gguf cannot read .* a Hugging "
+                                             "Face directory"):
+        iter_weights(str(variants["single"]), None, torch.float32, load_format="gguf")
+
+
+def test_dummy_weights_run_a_config_only_directory(variants, tmp_path):
+    """--load-format dummy reads no weights: a directory with only config.json runs,
+    on small random weights drawn from the seed (the same tokens on every run)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.errors import ConfigError
+    from pagedllm.worker.model_loader import _fill_dummy_weights
+
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_bytes((variants["single"] / "config.json").read_bytes())
+    params = SamplingParams(max_tokens=6, temperature=0)
+    kwargs = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=64)
+    runs = [LLM(str(config_only), load_format="dummy", **kwargs).generate(
+        [[1, 2, 3]], params)[0].outputs[0].token_ids for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 6
+    modules = [torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3))
+               for _ in range(2)]
+    for module in modules:
+        _fill_dummy_weights(module, seed=0)
+    for a, b in zip(*(module.parameters() for module in modules)):
+        assert torch.equal(a, b) and 0 < a.abs().max() <= 1e-3
+    with pytest.raises(ModelLoadError, match="no weights found"):
+        LLM(str(config_only), **kwargs)
+    with pytest.raises(ConfigError, match="dummy"):
+        LLM(str(config_only), load_format="dummy", quantization="gguf", **kwargs)
