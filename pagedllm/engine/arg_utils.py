@@ -83,9 +83,10 @@ class EngineArgs:
                               "float16 (or half); offline also a torch.dtype",
                       choices=_DTYPES + tuple(_DTYPE_ALIASES))
     quantization: str = _arg("auto", "weights of a .gguf file: gguf (run its Q8_0, Q4_0, "
-                                     "Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K, Q6_K blocks as stored, and "
-                                     "Q3_K as Q6_K blocks, through the native quantized "
-                                     "GEMM; other types are dequantized), none (dequantize "
+                                     "Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K, Q6_K blocks as "
+                                     "stored, and Q3_K as Q6_K blocks, through the native "
+                                     "quantized GEMM; other types are dequantized), none "
+                                     "(dequantize "
                                      "every weight to dtype), auto (gguf on CPUs with "
                                      "AVX512-VNNI or AVX2, the native kernels, one worker "
                                      "and no compile; else none)",

@@ -481,8 +481,9 @@ def table(results: dict[str, Any]) -> str:
                     f"{_fmt(_get(r, 'eager', 'engine', 'startup_s'))} | | | | |")
     c = results.get("ceilings", {})
     rows.append("")
-    rows.append(f"device: {results.get('device')}; copy {_fmt(_get(c, 'copy', 'read_plus_write_GBps'))}"
-                f" GB/s read+written ({_fmt(_get(c, 'copy', 'per_direction_GBps'))} per direction); "
+    rows.append(f"device: {results.get('device')}; copy "
+                f"{_fmt(_get(c, 'copy', 'read_plus_write_GBps'))} GB/s read+written "
+                f"({_fmt(_get(c, 'copy', 'per_direction_GBps'))} per direction); "
                 f"bf16 matmul {_fmt(_get(c, 'matmul', 'tflops'))} TFLOP/s. Floors: decode = "
                 f"weights+KV bytes / read+written copy rate; prefill = matrix FLOPs / nominal "
                 f"{nominal_bf16_flops(str(results.get('device'))) / 1e12:.0f} TFLOP/s.")

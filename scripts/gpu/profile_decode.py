@@ -80,7 +80,8 @@ def main() -> int:
     outs = llm.generate(prompts, many, use_tqdm=False)
     batch_s = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"{args.model} compile={args.compile} sync={args.sync}: start-up {startup:.1f} s; batch-1 decode "
+    print(f"{args.model} compile={args.compile} sync={args.sync}: start-up {startup:.1f} s; "
+          f"batch-1 decode "
           f"{args.tokens} tokens in {plain * 1e3:.1f} ms = {plain / args.tokens * 1e3:.3f} "
           f"ms/step ({args.tokens / plain:.0f} tok/s); graph replay (GPU, median) "
           f"{gpu_ms[len(gpu_ms) // 2]:.3f} ms; under cProfile "

@@ -2,9 +2,10 @@
 worker, token for token in float32, for every model family.
 
 The runs use max_num_seqs=4 (2 requests per step over 2 stages) with more prompts than
-that, so the engine really keeps two steps in flight (checked), and one run forces chunked prefill, prefix-cache hits, seeded
-sampling with penalties and logprobs, whose state the last stage must rebuild from the
-tokens the scheduler sends it (it never sees its own samples directly).
+that, so the engine really keeps two steps in flight (checked), and one run forces
+chunked prefill, prefix-cache hits, seeded sampling with penalties and logprobs, whose
+state the last stage must rebuild from the tokens the scheduler sends it (it never sees
+its own samples directly).
 """
 
 from __future__ import annotations

@@ -53,13 +53,16 @@ def test_models_version_health(server, client):
 
 
 def test_tokenize_detokenize(server):
-    r = httpx.post(server.url + "/tokenize", headers=server.headers, json={"prompt": "Hello world"}).json()
+    r = httpx.post(server.url + "/tokenize", headers=server.headers,
+                   json={"prompt": "Hello world"}).json()
     assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == MAX_MODEL_LEN
-    back = httpx.post(server.url + "/detokenize", headers=server.headers, json={"tokens": r["tokens"]}).json()
+    back = httpx.post(server.url + "/detokenize", headers=server.headers,
+                      json={"tokens": r["tokens"]}).json()
     assert back["prompt"] == "Hello world"
     chat = httpx.post(server.url + "/tokenize", headers=server.headers,
                       json={"messages": [{"role": "user", "content": "Hi"}]}).json()
-    text = httpx.post(server.url + "/detokenize", headers=server.headers, json={"tokens": chat["tokens"]}).json()
+    text = httpx.post(server.url + "/detokenize", headers=server.headers,
+                      json={"tokens": chat["tokens"]}).json()
     assert "<|im_start|>user\nHi<|im_end|>" in text["prompt"]
 
 
@@ -105,7 +108,8 @@ def test_completion_usage_and_logprobs(server, client):
 
 
 def test_completion_prompt_forms_n_and_echo(server, client):
-    ids = httpx.post(server.url + "/tokenize", headers=server.headers, json={"prompt": "One, two,"}).json()["tokens"]
+    ids = httpx.post(server.url + "/tokenize", headers=server.headers,
+                     json={"prompt": "One, two,"}).json()["tokens"]
     r = client.completions.create(model=MODEL_NAME, prompt=["Hello", "One, two,"],
                                   max_tokens=3, n=2, temperature=1.0, seed=7,
                                   extra_body={"ignore_eos": True})
@@ -276,7 +280,8 @@ def test_chat(server, client):
                                        temperature=0)
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].message.role == "assistant"
-    tokenized = httpx.post(server.url + "/tokenize", headers=server.headers, json={"messages": messages}).json()
+    tokenized = httpx.post(server.url + "/tokenize", headers=server.headers,
+                           json={"messages": messages}).json()
     assert r.usage.prompt_tokens == tokenized["count"]
     assert r.usage.completion_tokens <= 16
     # max_completion_tokens is honoured too.

@@ -116,7 +116,8 @@ _WORDS = ["Hello", "world", "the", "quick", "brown", "fox", "don't", "I'm", "you
           "naïve", "café", "straße", "Zürich", "São", "Paulo", "coöperate", "résumé", "ID"]
 _UNICODE = ["日本語のテキスト", "中文字符", "한국어 문장", "Привет, мир", "مرحبا بالعالم",
             "नमस्ते दुनिया", "Γειά σου Κόσμε", "שלום עולם", "ภาษาไทย", "Tiếng Việt", "Cửa Việt",
-            "ﬁ ligature", "A\u030a vs \u00c5", "re\u0301sume\u0301", "½ ¾ ⅓", "µ vs μ", "€100", "™®©", "…—–", "ℌ𝔢𝔩𝔩𝔬"]
+            "ﬁ ligature", "A\u030a vs \u00c5", "re\u0301sume\u0301", "½ ¾ ⅓", "µ vs μ",
+            "€100", "™®©", "…—–", "ℌ𝔢𝔩𝔩𝔬"]
 _EMOJI = ["🙂", "🦙", "👍🏽", "👨‍👩‍👧‍👦", "🇫🇷", "❤️", "🤖🤖🤖", "⭐", "😁 ?"]
 _CODE = ["def f(x):\n    return x ** 2", "for (int i = 0; i < n; ++i) { a[i] += 1; }",
          '{"key": [1, 2.5, null], "ok": true}', "SELECT * FROM t WHERE id = 42;",

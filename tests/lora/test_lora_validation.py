@@ -73,7 +73,8 @@ CASES = {
         k: v for k, v in t.items() if "layers.0.self_attn.k_proj.lora_B" not in k}),
         "has no lora_B"),
     "wrong shape": (lambda p: _edit(p, tensors=lambda t: {
-        k: (v[:, :5].contiguous() if k.endswith("q_proj.lora_A.weight") else v) for k, v in t.items()}),
+        k: (v[:, :5].contiguous() if k.endswith("q_proj.lora_A.weight") else v)
+        for k, v in t.items()}),
         "expected [4, 64]"),
     "int weights": (lambda p: _edit(p, tensors=lambda t: {
         k: v.to(torch.int32) for k, v in t.items()}), "has dtype I32"),

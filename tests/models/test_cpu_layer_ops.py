@@ -100,9 +100,9 @@ def _random_linear(in_features: int, out_features: int, bias: bool,
 def test_native_gemm_matches_float32(bias, out_features, rows):
     """bfloat16 linear layers run the native GEMM after packing (panels of 48 outputs, the
     last one partial for 8 and 100; threads split the rows instead of the panels for one
-    panel (8) and from 256 rows). Sums are float32 with one bfloat16 rounding, so the result is within a
-    rounding of the float32 product; a row alone (K split over several sums) and in a
-    batch agree to that precision."""
+    panel (8) and from 256 rows). Sums are float32 with one bfloat16 rounding, so the
+    result is within a rounding of the float32 product; a row alone (K split over several
+    sums) and in a batch agree to that precision."""
     gen = torch.Generator().manual_seed(3)
     layer = _random_linear(96, out_features, bias, gen)
     layer = layer.to(torch.bfloat16)

@@ -3,10 +3,9 @@
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
 POST /v1/responses (OpenAI's Responses API; with --enable-responses-store also
 GET / DELETE /v1/responses/{id} and POST /v1/responses/{id}/cancel), GET /v1/models/{id},
-POST /v1/embeddings, POST /pooling, GET|POST /ping and POST /invocations (SageMaker's), POST /score, /rerank and /classify (vLLM's; also under /v1,
-/v2/rerank),
-POST /tokenize,
-POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
+POST /v1/embeddings, POST /pooling, GET|POST /ping and POST /invocations (SageMaker's),
+POST /score, /rerank and /classify (vLLM's; also under /v1, /v2/rerank),
+POST /tokenize, POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
 GET /debug/stats, GET /dashboard (a live page; its files need no key, its feed
 GET /dashboard/state is keyed like /metrics: dashboard/routes.py).
 Errors use OpenAI's body ({"error": {message, type, param, code}}, plus vLLM's

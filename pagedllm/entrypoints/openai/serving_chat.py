@@ -358,7 +358,8 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choice: ChatStreamChoice) -> str:
             return sse(ChatCompletionStreamResponse(
-                id=request_id, model=self.response_model(request.model), choices=[choice]).model_dump_json())
+                id=request_id, model=self.response_model(request.model),
+                choices=[choice]).model_dump_json())
 
         try:
             # OpenAI's first chunk per choice carries the role.

@@ -214,8 +214,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_completion = sum(c.num_tokens for c in state.choices.values())
                 usage = self.usage(num_prompt, num_completion,
                                    sum(state.num_cached_tokens.values()))
-                final = CompletionResponse(id=request_id, model=self.response_model(request.model), choices=[],
-                                           usage=usage)
+                final = CompletionResponse(
+                    id=request_id, model=self.response_model(request.model), choices=[],
+                    usage=usage)
                 yield sse(final.model_dump_json())
         except Exception as e:
             yield sse_error(e)
@@ -257,7 +258,8 @@ class OpenAIServingCompletion(OpenAIServing):
         choice = CompletionResponseChoice(index=index, text=prefix + delta_text,
                                           logprobs=logprobs, finish_reason=out.finish_reason,
                                           stop_reason=out.stop_reason)
-        chunk = CompletionResponse(id=request_id, model=self.response_model(request.model), choices=[choice])
+        chunk = CompletionResponse(id=request_id, model=self.response_model(request.model),
+                                   choices=[choice])
         if request.stream_options and request.stream_options.continuous_usage_stats:
             num_completion = sum(c.num_tokens for c in state.choices.values())
             num_prompt = sum(state.num_prompt_tokens.values())
