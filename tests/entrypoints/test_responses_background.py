@@ -5,6 +5,7 @@ while running, which frees their engine request; failed with their error; bounde
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -120,11 +121,44 @@ def test_a_failed_background_response_keeps_its_error(server):
     _wait_engine_idle(server)
 
 
-@pytest.mark.parametrize("fields,fragment", [
-    ({"store": False}, "background: true needs store: true"),
-    ({"stream": True}, "background: true with stream: true is not supported"),
-])
-def test_background_requests_that_cannot_run_are_400s(server, fields, fragment):
-    body = {"model": MODEL_NAME, "input": "Hi", "background": True} | fields
+def test_a_streamed_background_response_runs_on_when_its_client_leaves(server):
+    """background with stream: the events go to the client (created "queued"), the same
+    reply a plain stream gets; a client that leaves mid-stream leaves the response
+    running, and it completes in the store."""
+    client = server.openai_client()
+    kwargs = dict(model=MODEL_NAME, input="Name a colour.", max_output_tokens=12,
+                  temperature=0)
+    events = list(client.responses.create(background=True, stream=True, **kwargs))
+    assert events[0].type == "response.created" and events[0].response.status == "queued"
+    assert events[1].type == "response.in_progress"
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and final.background
+    assert final.created_at == events[0].response.created_at
+    assert final.output_text == client.responses.create(store=False, **kwargs).output_text
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+    # Leave after a few events of a long one: it runs on, and its tokens all come.
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60, json={
+            "model": MODEL_NAME, "input": LONG, "background": True, "stream": True,
+            "max_output_tokens": 200, "temperature": 0}) as r:
+        lines = r.iter_lines()
+        created = next(line for line in lines if line.startswith("data: "))
+        response_id = json.loads(created.removeprefix("data: "))["response"]["id"]
+        next(line for line in lines if "response.output_text.delta" in line)
+    # Gone after its first token (of 200): the response is still running.
+    assert client.responses.retrieve(response_id).status == "in_progress"
+    done = _wait_finished(client, response_id)
+    assert done.status == "incomplete" and done.usage.output_tokens == 200
+    # Cancelled while its client listens: the stream ends, the store says so.
+    stream = client.responses.create(model=MODEL_NAME, input=LONG, background=True,
+                                     stream=True, max_output_tokens=600, temperature=0)
+    first = next(iter(stream))
+    assert client.responses.cancel(first.response.id).status == "cancelled"
+    assert all(event.type != "response.completed" for event in stream)
+    _wait_engine_idle(server)
+
+
+def test_background_without_store_is_a_400(server):
+    body = {"model": MODEL_NAME, "input": "Hi", "background": True, "store": False}
     r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
-    assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+    assert r.status_code == 400, r.text
+    assert "background: true needs store: true" in r.json()["error"]["message"]

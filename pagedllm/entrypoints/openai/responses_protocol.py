@@ -178,7 +178,8 @@ class ResponsesRequest(RequestModel):
     """Continue a stored response's conversation (its input and output items)."""
     background: bool | None = None
     """Answer at once with the stored response "queued" and run it on (needs the store,
-    and store not false); not with `stream`."""
+    and store not false); with `stream`, its events go to the client while it listens
+    and it runs on if the client leaves."""
     include: list[str] | None = None
     """Only "message.output_text.logprobs": the logprobs of the reply's text."""
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -214,14 +215,9 @@ class ResponsesRequest(RequestModel):
     @model_validator(mode="after")
     def _nothing_asked(self) -> ResponsesRequest:
         """What this server cannot give is refused by name, never silently dropped."""
-        if self.background:
-            if self.store is False:  # OpenAI's rule: a background response is stored
-                raise InvalidRequestError("background: true needs store: true (a background "
-                                          "response is fetched from the store)")
-            if self.stream:
-                raise InvalidRequestError("background: true with stream: true is not "
-                                          "supported by this server: poll GET "
-                                          "/v1/responses/{id} instead")
+        if self.background and self.store is False:  # OpenAI's rule: it is stored
+            raise InvalidRequestError("background: true needs store: true (a background "
+                                      "response is fetched from the store)")
         other = sorted(set(self.include or ()) - {OUTPUT_LOGPROBS})
         if other:
             raise InvalidRequestError(f"`include` {other[0][:80]!r} is not supported by this "

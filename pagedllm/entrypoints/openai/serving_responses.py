@@ -23,7 +23,6 @@ import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response
@@ -42,6 +41,7 @@ from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
                                                             ResponsesRequest, ResponseUsage,
                                                             item_id)
 from pagedllm.entrypoints.openai.responses_store import ResponseStore, as_input_items
+from pagedllm.entrypoints.openai.responses_stream import ItemStream
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.served_models import ServedModels
 from pagedllm.entrypoints.openai.serving_chat import (MESSAGE_COST_BYTES, ChoiceState,
@@ -146,31 +146,43 @@ class OpenAIServingResponses(OpenAIServingChat):
     # ------------------------------------------------------------------ background
 
     def _start_background(self, request: ResponsesRequest, response_id: str,
-                          streams: list, prepared: PreparedChat,
-                          earlier: tuple[Any, ...]) -> ResponseObject:
-        """Store the response "queued", run it on in a task, answer it now."""
+                          streams: list, prepared: PreparedChat, earlier: tuple[Any, ...],
+                          ) -> ResponseObject | SSEResponse:
+        """Store the response "queued" and run it on in a task; answer it now, or (a
+        stream) relay the task's events while the client listens."""
         queued = self._keep(request, self._response(request, response_id, [], None, None,
                                                     status="queued"), earlier)
+        relay = _Relay() if request.stream else None
         task = asyncio.create_task(self._run_background(
-            request, response_id, streams, prepared, earlier, queued.created_at),
+            request, response_id, streams, prepared, earlier, queued, relay),
             name=f"background-{response_id}")
         self._background[response_id] = task
         task.add_done_callback(lambda _: self._background.pop(response_id, None))
-        return queued
+        return queued if relay is None else SSEResponse(relay.events())
 
     async def _run_background(self, request: ResponsesRequest, response_id: str,
                               streams: list, prepared: PreparedChat,
-                              earlier: tuple[Any, ...], created_at: float) -> None:
-        def keep(response: ResponseObject) -> None:
+                              earlier: tuple[Any, ...], queued: ResponseObject,
+                              relay: _Relay | None) -> None:
+        def keep(response: ResponseObject) -> ResponseObject:
             # Not once deleted (delete() stops tracking it before cancelling).
+            response = response.model_copy(update={"created_at": queued.created_at})
             if response_id in self._background:
-                self._keep(request, response.model_copy(update={"created_at": created_at}),
-                           earlier)
+                self._keep(request, response, earlier)
+            return response
 
         keep(self._response(request, response_id, [], None, None, status="in_progress"))
         try:
-            final = await self.final_output(response_id, streams)
-            keep(self._finished(request, response_id, final, prepared))
+            if relay is None:
+                final = await self.final_output(response_id, streams)
+                keep(self._finished(request, response_id, final, prepared))
+            else:
+                failures: list[Exception] = []
+                async for chunk in self._events(request, response_id, streams, prepared,
+                                                earlier, queued, keep, failures.append):
+                    await relay.put(chunk)
+                if failures:
+                    raise failures[0]
         except asyncio.CancelledError:
             keep(self._response(request, response_id, [], None, None, status="cancelled"))
             raise
@@ -179,6 +191,9 @@ class OpenAIServingResponses(OpenAIServingChat):
                                   message=exception_message(e))
             keep(self._response(request, response_id, [], None, None, status="failed",
                                 error=error))
+        finally:
+            if relay is not None:
+                relay.finish()
 
     async def cancel(self, response_id: str) -> ResponseObject:
         """POST /v1/responses/{id}/cancel: stop a background response; a finished one
@@ -271,14 +286,20 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     async def _events(self, request: ResponsesRequest, response_id: str, streams: list,
                       prepared: PreparedChat, earlier: tuple[Any, ...],
+                      started: ResponseObject | None = None,
+                      keep: Callable[[ResponseObject], ResponseObject] | None = None,
+                      failed: Callable[[Exception], None] | None = None,
                       ) -> AsyncIterator[str]:
+        """The stream's events. A background one passes its `started` ("queued")
+        response, its `keep` (which stores it) and `failed` (told of an error, which
+        the stream reports in an error event)."""
         numbers = itertools.count()
 
         def event(kind: str, **fields: Any) -> str:
             payload = {"type": kind, "sequence_number": next(numbers), **fields}
             return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-        items = _ItemStream(event)
+        items = ItemStream(event)
         st = ChoiceState(reasoning=self._reasoning_reader(prepared.phase),
                           tools=prepared.plan.new_reader())
         final: RequestOutput | None = None
@@ -292,9 +313,10 @@ class OpenAIServingResponses(OpenAIServingChat):
             return lps
 
         try:
-            started = self._response(request, response_id, [], None, None)
-            for kind in ("response.created", "response.in_progress"):
-                yield event(kind, response=started.model_dump(mode="json"))
+            started = started or self._response(request, response_id, [], None, None)
+            yield event("response.created", response=started.model_dump(mode="json"))
+            yield event("response.in_progress", response=started.model_copy(
+                update={"status": "in_progress"}).model_dump(mode="json"))
             async for _, ro in merge_streams(streams):
                 out = ro.outputs[0]
                 delta = out.text[st.num_chars:]
@@ -317,152 +339,49 @@ class OpenAIServingResponses(OpenAIServingChat):
                 # reply that went on to a call streamed its call's tokens with no delta).
                 items.set_text_logprobs(self._text_logprobs(
                     request, out.token_ids, out.logprobs, items.reasoned))
-            done = self._keep(request, self._response(request, response_id, items.output,
-                                                      final, finish_reason,
-                                                      reasoned=items.reasoned), earlier)
+            done = self._response(request, response_id, items.output, final, finish_reason,
+                                  reasoned=items.reasoned)
+            done = done.model_copy(update={"created_at": started.created_at})
+            done = (keep or (lambda r: self._keep(request, r, earlier)))(done)
             # Always response.completed, its status "incomplete" when cut at
             # max_output_tokens, as vLLM does (the SDK's stream helper waits for it).
             yield event("response.completed", response=done.model_dump(mode="json"))
         except Exception as e:
             status = int(error_status(e))
+            if failed is not None:
+                failed(e)
             yield event("error", message=exception_message(e),
                         code=error_body("", status)["error"]["type"], param=None)
         finally:
             self.abort_all(response_id, 1)
 
 
-@dataclass
-class _OpenItem:
-    kind: str  # "reasoning" or "message"
-    id: str
-    text: str = ""
-    logprobs: list[dict[str, Any]] = field(default_factory=list)  # as JSON
+class _Relay:
+    """A background stream's events, to the client that asked for it while it listens:
+    the task producing them waits on a slow reader (a bounded queue) but never on one
+    that left (then it runs on, unheard; the response is fetched with GET)."""
 
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=64)
+        self.listening = True
 
-class _ItemStream:
-    """Turns a reply's pieces into the events of its output items, in the order they
-    come: a reasoning item, a message, one item per call. An item is closed (its done
-    events) when another opens or the reply ends; `output` collects the closed items,
-    which the final response event carries."""
+    async def put(self, chunk: str) -> None:
+        if self.listening:
+            await self.queue.put(chunk)
 
-    def __init__(self, event: Callable[..., str]) -> None:
-        self.event = event
-        self.output: list[dict[str, Any]] = []
-        self.open: _OpenItem | None = None
+    def finish(self) -> None:
+        """End the stream now (never waiting: a cancel waits for this task): a reader
+        that fell 64 events behind loses its oldest unread one to the end mark."""
+        if self.listening:
+            if self.queue.full():
+                self.queue.get_nowait()
+            self.queue.put_nowait(None)
 
-    @property
-    def reasoned(self) -> bool:
-        return any(item["type"] == "reasoning" for item in self.output)
-
-    @property
-    def has_reasoning(self) -> bool:
-        """A reasoning item has opened (it may still be open)."""
-        return self.reasoned or (self.open is not None and self.open.kind == "reasoning")
-
-    @property
-    def index(self) -> int:
-        """The output_index of the open item (or of the next one)."""
-        return len(self.output)
-
-    def feed(self, reasoning: str, content: str, calls: list[Any],
-             logprobs: Callable[[], list[ChatLogprobToken]]) -> list[str]:
-        """Events of new pieces; `logprobs()` gives those a text delta carries."""
-        events: list[str] = []
-        for kind, text in (("reasoning", reasoning), ("message", content)):
-            if not text:
-                continue
-            events += self._open(kind)
-            item = self.open
-            assert item is not None
-            item.text += text
-            extra: dict[str, Any] = {}
-            if kind == "message":
-                extra["logprobs"] = [lp.model_dump(mode="json") for lp in logprobs()]
-                item.logprobs += extra["logprobs"]
-            delta = ("response.reasoning_text.delta" if kind == "reasoning"
-                     else "response.output_text.delta")
-            events.append(self.event(delta, item_id=item.id, output_index=self.index,
-                                     content_index=0, delta=text, **extra))
-        for call in calls:
-            events += self._close("completed")
-            call_item = FunctionCallOutput(id=item_id("fc"), call_id=call.id,
-                                           name=call.function.name, arguments="",
-                                           status="in_progress")
-            where = {"item_id": call_item.id, "output_index": self.index}
-            args = call.function.arguments
-            events.append(self.event("response.output_item.added", output_index=self.index,
-                                     item=call_item.model_dump(mode="json")))
-            events.append(self.event("response.function_call_arguments.delta", **where,
-                                     delta=args))
-            events.append(self.event("response.function_call_arguments.done", **where,
-                                     arguments=args))
-            call_item.arguments, call_item.status = args, "completed"
-            done = call_item.model_dump(mode="json")
-            events.append(self.event("response.output_item.done", output_index=self.index,
-                                     item=done))
-            self.output.append(done)
-        return events
-
-    def close(self, status: str, logprobs: list[ChatLogprobToken]) -> list[str]:
-        """The reply ended: close the open item (a reply with nothing at all still has
-        its empty message, as the non-streaming response does). An open message gets
-        the `logprobs` no delta carried yet (a last token with no text, as EOS), in a
-        delta of no text, so that a client adding up the deltas has them all."""
-        events = self._open("message") if not self.output and self.open is None else []
-        item = self.open
-        if logprobs and item is not None and item.kind == "message":
-            dumped = [lp.model_dump(mode="json") for lp in logprobs]
-            item.logprobs += dumped
-            events.append(self.event("response.output_text.delta", item_id=item.id,
-                                     output_index=self.index, content_index=0, delta="",
-                                     logprobs=dumped))
-        return events + self._close(status)
-
-    def set_text_logprobs(self, logprobs: list[ChatLogprobToken]) -> None:
-        """Set the logprobs of the (closed) message's text."""
-        for item in self.output:
-            if item["type"] == "message":
-                item["content"][0]["logprobs"] = [lp.model_dump(mode="json")
-                                                  for lp in logprobs]
-
-    def _open(self, kind: str) -> list[str]:
-        if self.open is not None and self.open.kind == kind:
-            return []
-        events = self._close("completed")
-        self.open = _OpenItem(kind, item_id("rs" if kind == "reasoning" else "msg"))
-        item, part = self._item("in_progress")
-        return events + [
-            self.event("response.output_item.added", output_index=self.index, item=item),
-            self.event("response.content_part.added", item_id=self.open.id,
-                       output_index=self.index, content_index=0, part=part)]
-
-    def _close(self, status: str) -> list[str]:
-        if self.open is None:
-            return []
-        item, part = self._item(status)
-        where = {"item_id": self.open.id, "output_index": self.index, "content_index": 0}
-        events = [self.event("response.reasoning_text.done", **where, text=self.open.text)
-                  if self.open.kind == "reasoning" else
-                  self.event("response.output_text.done", **where, text=self.open.text,
-                             logprobs=self.open.logprobs),
-                  self.event("response.content_part.done", **where, part=part),
-                  self.event("response.output_item.done", output_index=self.index,
-                             item=item)]
-        self.output.append(item)
-        self.open = None
-        return events
-
-    def _item(self, status: str) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(the open item, its content part) as JSON, with its text so far."""
-        assert self.open is not None
-        opened = self.open
-        done = status != "in_progress"
-        part: Any
-        if opened.kind == "reasoning":
-            part = ReasoningText(text=opened.text)
-            item: Any = ReasoningItem(id=opened.id, status=status,
-                                      content=[part] if done else [])
-        else:
-            part = OutputText(text=opened.text, logprobs=opened.logprobs if done else [])
-            item = OutputMessage(id=opened.id, status=status, content=[part] if done else [])
-        return item.model_dump(mode="json"), part.model_dump(mode="json")
+    async def events(self) -> AsyncIterator[str]:
+        try:
+            while (chunk := await self.queue.get()) is not None:
+                yield chunk
+        finally:
+            self.listening = False
+            while not self.queue.empty():  # frees a producer waiting to put
+                self.queue.get_nowait()
