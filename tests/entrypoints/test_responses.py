@@ -160,6 +160,18 @@ def test_output_text_logprobs(server):
         lp.model_dump() for lp in final_logprobs] == [lp.model_dump() for lp in logprobs]
     # Not asked: none (top_logprobs alone asks nothing, as OpenAI's).
     assert client.responses.create(top_logprobs=2, **kwargs).output[0].content[0].logprobs == []
+    # 20 alternatives: built and serialized in a worker thread (past INLINE_BYTES), the
+    # same logprobs.
+    wide = client.responses.create(include=LOGPROBS, top_logprobs=20, **kwargs)
+    wide_logprobs = wide.output[0].content[0].logprobs
+    assert [len(lp.top_logprobs) for lp in wide_logprobs] == [20] * 8
+    assert [lp.model_dump() for lp in wide_logprobs][0]["top_logprobs"][:2] == [
+        t.model_dump() for t in logprobs[0].top_logprobs]
+    deltas, done, final = _streamed_logprobs(client, include=LOGPROBS, top_logprobs=20,
+                                             **kwargs)
+    assert [lp.model_dump() for lp in deltas] == [lp.model_dump() for lp in done] == [
+        lp.model_dump() for lp in final.output[0].content[0].logprobs] == [
+        lp.model_dump() for lp in wide_logprobs]
 
 
 def test_output_text_logprobs_skip_the_reasoning(scripted):
@@ -179,6 +191,17 @@ def test_output_text_logprobs_skip_the_reasoning(scripted):
     assert ([lp.token for lp in deltas] == [lp.token for lp in done]
             == [lp.token for lp in final.output[1].content[0].logprobs]
             == [lp.token for lp in logprobs])
+    # Stored (past INLINE_BYTES: measured and sent from a worker thread): GET gives the
+    # same response, and a response continues it.
+    for stream in (False, True):
+        body = kwargs | {"store": True, "top_logprobs": 15}  # of its ~20 words
+        stored = (_streamed_logprobs(client, **body)[2] if stream
+                  else client.responses.create(**body))
+        assert _comparable(client.responses.retrieve(stored.id)) == _comparable(stored)
+        assert len(stored.output[1].content[0].logprobs[0].top_logprobs) == 15
+    followed = client.responses.create(model="scripted", temperature=0,
+                                       input="x </think> hi", previous_response_id=stored.id)
+    assert followed.output_text.split() == ["hello", "there"]
 
 
 @pytest.mark.parametrize("fields,fragment", [

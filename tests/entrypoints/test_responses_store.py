@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedllm.entrypoints.openai.protocol import ChatLogprobToken
 from pagedllm.entrypoints.openai.responses_protocol import (InputMessage, OutputMessage,
                                                             OutputText, ResponseObject)
 from pagedllm.entrypoints.openai.responses_store import (ResponseNotFoundError,
@@ -27,6 +28,11 @@ def test_outputs_become_the_input_items_that_send_them_back():
     (item,) = as_input_items(_response("r", "hello").output)
     assert isinstance(item, InputMessage)
     assert item.role == "assistant" and item.text() == "hello" and item.id == "msg_r"
+    # The text's logprobs are the response's, not the conversation's: left out.
+    response = _response("r", "hello")
+    response.output[0].content[0].logprobs = [ChatLogprobToken(token="hello", logprob=-1.0)]
+    (item,) = as_input_items(response.output)
+    assert item.content[0].logprobs is None and item.text() == "hello"
 
 
 def test_least_recently_used_go_first_past_the_bound():

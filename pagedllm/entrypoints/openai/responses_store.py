@@ -73,11 +73,14 @@ class ResponseStore:
         return stored
 
     def put(self, response: ResponseObject, earlier: tuple[BaseModel, ...],
-            added: list[BaseModel]) -> None:
+            added: list[BaseModel], json_bytes: int | None = None) -> None:
         """Store `response`, whose conversation is `earlier` (shared with the response it
-        continued) followed by `added` (its input and output items)."""
+        continued) followed by `added` (its input and output items). `json_bytes`: its
+        JSON's size when known (a large response is serialized off the event loop)."""
         conversation = earlier + tuple(added)
-        own = (len(response.model_dump_json()) + _ITEM_OVERHEAD_BYTES * (
+        if json_bytes is None:
+            json_bytes = len(response.model_dump_json())
+        own = (json_bytes + _ITEM_OVERHEAD_BYTES * (
             1 + len(response.output)) + _REFERENCE_BYTES * len(conversation))
         sizes = {id(item): (self._items[id(item)][0] if id(item) in self._items
                             else _item_bytes(item)) for item in conversation}
@@ -114,5 +117,8 @@ def _item_bytes(item: BaseModel) -> int:
 
 
 def as_input_items(output: list[Any]) -> list[BaseModel]:
-    """A response's output items as the input items that send them back."""
-    return INPUT_ITEMS.validate_python([item.model_dump(mode="json") for item in output])
+    """A response's output items as the input items that send them back (the text's
+    logprobs left out: a model reads none)."""
+    return INPUT_ITEMS.validate_python([
+        item.model_dump(mode="json", exclude={"content": {"__all__": {"logprobs"}}})
+        for item in output])

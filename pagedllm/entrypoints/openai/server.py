@@ -309,9 +309,9 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     if responses.store is not None:
         store = responses.store
 
-        @app.get("/v1/responses/{response_id}")
-        async def retrieve_response(response_id: str) -> ResponseObject:
-            return store.get(response_id).response
+        @app.get("/v1/responses/{response_id}", response_model=ResponseObject)
+        async def retrieve_response(response_id: str) -> Any:
+            return await responses.retrieve(response_id)
 
         @app.delete("/v1/responses/{response_id}")
         async def delete_response(response_id: str) -> dict[str, Any]:
@@ -319,8 +319,8 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
                 store.get(response_id)  # raises its 404
             return {"id": response_id, "object": "response", "deleted": True}
 
-        @app.post("/v1/responses/{response_id}/cancel")
-        async def cancel_response(response_id: str) -> ResponseObject:
+        @app.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject)
+        async def cancel_response(response_id: str) -> Any:
             return await responses.cancel(response_id)
 
     @post("/score", "/v1/score", body=ScoreRequest)

@@ -23,12 +23,13 @@ import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
 
 from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
-from pagedllm.entrypoints.openai.offload import Offloader
+from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
 from pagedllm.entrypoints.openai.protocol import ChatLogprobToken
 from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
                                                             IncompleteDetails,
@@ -48,7 +49,7 @@ from pagedllm.entrypoints.openai.serving_chat import (MESSAGE_COST_BYTES, Choice
                                                       OpenAIServingChat, PreparedChat)
 from pagedllm.entrypoints.openai.serving_common import (SSEResponse, error_body,
                                                         error_status, exception_message,
-                                                        merge_streams)
+                                                        logprobs_bytes, merge_streams)
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import RequestOutput
 
@@ -88,12 +89,36 @@ class OpenAIServingResponses(OpenAIServingChat):
         return self.store is not None and request.store is not False
 
     def _keep(self, request: ResponsesRequest, response: ResponseObject,
-              earlier: tuple[Any, ...]) -> ResponseObject:
-        """`response`, stored if `_stores(request)`."""
+              earlier: tuple[Any, ...], done: _Done | None = None) -> ResponseObject:
+        """`response`, stored if `_stores(request)` (`done`: what _complete measured of
+        it off the loop)."""
         if self.store is not None and response.store:
-            self.store.put(response, earlier,
-                           request.input_items() + as_input_items(response.output))
+            outputs = as_input_items(response.output) if done is None else done.outputs
+            self.store.put(response, earlier, request.input_items() + outputs,
+                           None if done is None else done.json_bytes)
         return response
+
+    def _large(self, request: ResponsesRequest, num_tokens: int) -> bool:
+        """Whether a finished reply of `num_tokens` is heavy to build and serialize: its
+        logprobs (~80 bytes an entry) past INLINE_BYTES go to a worker thread, as the
+        chat API's (20 alternatives of 8,000 tokens held the event loop ~1 s)."""
+        return (request.wants_logprobs and logprobs_bytes(request.top_logprobs or 0,
+                                                          num_tokens) >= INLINE_BYTES)
+
+    async def _complete(self, request: ResponsesRequest, response_id: str,
+                        final: RequestOutput, prepared: PreparedChat,
+                        created_at: float | None = None) -> _Done:
+        """The finished response, with what storing and sending it needs; built in a
+        worker thread when large."""
+        def build() -> _Done:
+            response = self._finished(request, response_id, final, prepared)
+            if created_at is not None:
+                response.created_at = created_at
+            body = response.model_dump_json() if large else None
+            return _Done(response, as_input_items(response.output), body)
+
+        large = self._large(request, len(final.outputs[0].token_ids))
+        return await self.offloader.run_in_thread(build) if large else build()
 
     async def create_response(self, request: ResponsesRequest,
                               ) -> ResponseObject | Response | SSEResponse:
@@ -117,8 +142,11 @@ class OpenAIServingResponses(OpenAIServingChat):
             return SSEResponse(self._events(request, response_id, streams, prepared,
                                             earlier))
         final = await self.final_output(response_id, streams)
-        return self._keep(request, self._finished(request, response_id, final, prepared),
-                          earlier)
+        done = await self._complete(request, response_id, final, prepared)
+        self._keep(request, done.response, earlier, done)
+        if done.body is None:
+            return done.response
+        return Response(content=done.body, media_type="application/json")
 
     def _finished(self, request: ResponsesRequest, response_id: str, final: RequestOutput,
                   prepared: PreparedChat) -> ResponseObject:
@@ -164,18 +192,20 @@ class OpenAIServingResponses(OpenAIServingChat):
                               streams: list, prepared: PreparedChat,
                               earlier: tuple[Any, ...], queued: ResponseObject,
                               relay: _Relay | None) -> None:
-        def keep(response: ResponseObject) -> ResponseObject:
+        def keep(response: ResponseObject, done: _Done | None = None) -> ResponseObject:
             # Not once deleted (delete() stops tracking it before cancelling).
-            response = response.model_copy(update={"created_at": queued.created_at})
+            response.created_at = queued.created_at
             if response_id in self._background:
-                self._keep(request, response, earlier)
+                self._keep(request, response, earlier, done)
             return response
 
         keep(self._response(request, response_id, [], None, None, status="in_progress"))
         try:
             if relay is None:
                 final = await self.final_output(response_id, streams)
-                keep(self._finished(request, response_id, final, prepared))
+                done = await self._complete(request, response_id, final, prepared,
+                                            queued.created_at)
+                keep(done.response, done)
             else:
                 failures: list[Exception] = []
                 async for chunk in self._events(request, response_id, streams, prepared,
@@ -195,7 +225,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             if relay is not None:
                 relay.finish()
 
-    async def cancel(self, response_id: str) -> ResponseObject:
+    async def cancel(self, response_id: str) -> Any:
         """POST /v1/responses/{id}/cancel: stop a background response; a finished one
         is answered as it is (cancelling is idempotent, as OpenAI's)."""
         assert self.store is not None, "the route exists with the store"
@@ -207,7 +237,13 @@ class OpenAIServingResponses(OpenAIServingChat):
         if not stored.response.background:
             raise InvalidRequestError(f"Response {response_id[:100]!r} was not created with "
                                       f"background: true, so it cannot be cancelled")
-        return stored.response
+        return await self.json_response(lambda: stored.response, stored.nbytes)
+
+    async def retrieve(self, response_id: str) -> Any:
+        """GET /v1/responses/{id} (serialized off the loop when large: its logprobs)."""
+        assert self.store is not None, "the route exists with the store"
+        stored = self.store.get(response_id)
+        return await self.json_response(lambda: stored.response, stored.nbytes)
 
     def delete(self, response_id: str) -> bool:
         """Drop a stored response; a running background one is cancelled first."""
@@ -287,7 +323,7 @@ class OpenAIServingResponses(OpenAIServingChat):
     async def _events(self, request: ResponsesRequest, response_id: str, streams: list,
                       prepared: PreparedChat, earlier: tuple[Any, ...],
                       started: ResponseObject | None = None,
-                      keep: Callable[[ResponseObject], ResponseObject] | None = None,
+                      keep: Callable[[ResponseObject, _Done], Any] | None = None,
                       failed: Callable[[Exception], None] | None = None,
                       ) -> AsyncIterator[str]:
         """The stream's events. A background one passes its `started` ("queued")
@@ -331,21 +367,35 @@ class OpenAIServingResponses(OpenAIServingChat):
                     final = ro
             assert final is not None
             out = final.outputs[0]
-            for chunk in items.close("incomplete" if finish_reason == "length"
-                                     else "completed", logprobs_since(out)):
+
+            def finish() -> tuple[list[str], _Done]:
+                """The last items' done events and response.completed: its response,
+                status "incomplete" when cut at max_output_tokens, as vLLM's (the SDK's
+                stream helper waits for it)."""
+                chunks = items.close("incomplete" if finish_reason == "length"
+                                     else "completed", logprobs_since(out))
+                if request.wants_logprobs:
+                    # As the non-streamed response's: every token after the reasoning (a
+                    # reply that went on to a call streamed its call's tokens with no delta).
+                    items.set_text_logprobs(self._text_logprobs(
+                        request, out.token_ids, out.logprobs, items.reasoned))
+                response = self._response(request, response_id, items.output, final,
+                                          finish_reason, reasoned=items.reasoned)
+                response.created_at = started.created_at
+                chunks.append(event("response.completed",
+                                    response=response.model_dump(mode="json")))
+                return chunks, _Done(response, as_input_items(response.output),
+                                     json_bytes=len(chunks[-1]))
+
+            # Off the loop when large, as _complete.
+            chunks, done = (await self.offloader.run_in_thread(finish)
+                            if self._large(request, len(out.token_ids)) else finish())
+            if keep is None:
+                self._keep(request, done.response, earlier, done)
+            else:
+                keep(done.response, done)
+            for chunk in chunks:
                 yield chunk
-            if request.wants_logprobs:
-                # As the non-streamed response's: every token after the reasoning (a
-                # reply that went on to a call streamed its call's tokens with no delta).
-                items.set_text_logprobs(self._text_logprobs(
-                    request, out.token_ids, out.logprobs, items.reasoned))
-            done = self._response(request, response_id, items.output, final, finish_reason,
-                                  reasoned=items.reasoned)
-            done = done.model_copy(update={"created_at": started.created_at})
-            done = (keep or (lambda r: self._keep(request, r, earlier)))(done)
-            # Always response.completed, its status "incomplete" when cut at
-            # max_output_tokens, as vLLM does (the SDK's stream helper waits for it).
-            yield event("response.completed", response=done.model_dump(mode="json"))
         except Exception as e:
             status = int(error_status(e))
             if failed is not None:
@@ -354,6 +404,23 @@ class OpenAIServingResponses(OpenAIServingChat):
                         code=error_body("", status)["error"]["type"], param=None)
         finally:
             self.abort_all(response_id, 1)
+
+
+@dataclass
+class _Done:
+    """A finished response and what storing or sending it needs, measured where it was
+    built (off the event loop when large)."""
+
+    response: ResponseObject
+    outputs: list[Any]
+    """Its output items as input items, for its stored conversation."""
+    body: str | None = None
+    """Its JSON, when built off the loop."""
+    json_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.json_bytes is None and self.body is not None:
+            self.json_bytes = len(self.body)
 
 
 class _Relay:
