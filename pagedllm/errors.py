@@ -12,6 +12,11 @@ class InvalidRequestError(ValueError):
     """A request (prompt or sampling parameters) the engine cannot serve as given."""
 
 
+class ContextLengthError(InvalidRequestError):
+    """A prompt (with the tokens asked for) longer than the model's context or the KV
+    cache: what a Responses request with truncation "auto" drops items for."""
+
+
 class ModelLoadError(ValueError):
     """The model path, format or architecture cannot be loaded."""
 

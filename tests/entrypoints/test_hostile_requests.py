@@ -252,6 +252,12 @@ def _route_cases() -> list[Case]:
         Case("responses background", path="/v1/responses",
              body={"input": "x", "background": True}),
         Case("cancel a response", path="/v1/responses/resp_x/cancel", status=404),
+        # truncation "auto" over 30,000 turns, the last one too long alone: ~15 renders
+        # of up to all of them (off the event loop), then the 400.
+        Case("responses truncation of 30,000 turns", path="/v1/responses", body={
+            "input": [{"role": "user", "content": "hi"}] * 30_000
+            + [{"role": "user", "content": "hi " * MAX_MODEL_LEN}],
+            "truncation": "auto", "max_output_tokens": 2}),
         Case("responses 100,000 includes", path="/v1/responses",
              body={"input": "x", "include": ["x" * 8] * 100_000}),
         Case("responses include not a string", path="/v1/responses",

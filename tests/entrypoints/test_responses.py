@@ -204,6 +204,33 @@ def test_output_text_logprobs_skip_the_reasoning(scripted):
     assert followed.output_text.split() == ["hello", "there"]
 
 
+def test_truncation_auto_drops_the_oldest_turns(scripted):
+    """truncation "auto": a conversation too long for the context (64 tokens here) loses
+    its oldest user turns, as few as needed: the reply and input tokens of the
+    conversation from the first turn that fits, sent as it is; without it, a 400."""
+    client = scripted.openai_client()
+    turns = [{"role": "user", "content": "hi " * 9}, {"role": "assistant", "content": "ok"}]
+    conversation = turns * 6 + [{"role": "user", "content": "x </think> hi"}]
+    kwargs = dict(model="scripted", temperature=0, max_output_tokens=8, store=False)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.responses.create(input=conversation, **kwargs)
+    cut = client.responses.create(input=conversation, truncation="auto", **kwargs)
+    assert cut.truncation == "auto" and cut.output_text.split() == ["hello", "there"]
+    starts = range(0, len(conversation), 2)
+    fitting = []
+    for start in starts:
+        try:
+            fitting.append(client.responses.create(input=conversation[start:], **kwargs))
+        except openai.BadRequestError:
+            assert not fitting  # once one fits, every shorter one does
+    assert 0 < len(fitting) < len(starts)
+    assert cut.usage.input_tokens == fitting[0].usage.input_tokens
+    # The last turn alone too long: still the 400.
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.responses.create(input=conversation[:-1] + [
+            {"role": "user", "content": "hi " * 70}], truncation="auto", **kwargs)
+
+
 @pytest.mark.parametrize("fields,fragment", [
     ({"previous_response_id": "resp_1"},
      "previous_response_id needs the server's response store, which is off: start it "
@@ -214,6 +241,7 @@ def test_output_text_logprobs_skip_the_reasoning(scripted):
      "'message.output_text.logprobs')"),
     ({"include": LOGPROBS, "top_logprobs": 21}, "top_logprobs"),
     ({"reasoning": {"effort": "high"}}, "`reasoning` is not supported"),
+    ({"truncation": "middle"}, "truncation"),
     ({"background": True}, "background: true needs the server's response store"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input"),

@@ -189,7 +189,9 @@ class ResponsesRequest(RequestModel):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     reasoning: dict[str, Any] | None = None
-    truncation: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    """"auto": a conversation too long for the context drops its oldest turns (whole
+    user turns: a call's output never outlives its call) until it fits."""
     # vLLM extras
     request_id: str | None = None
     priority: int = 0
@@ -222,8 +224,7 @@ class ResponsesRequest(RequestModel):
         if other:
             raise InvalidRequestError(f"`include` {other[0][:80]!r} is not supported by this "
                                       f"server (only {OUTPUT_LOGPROBS!r})")
-        for name, neutral in (("reasoning", (None, {})),
-                              ("truncation", (None, "disabled"))):
+        for name, neutral in (("reasoning", (None, {})),):
             if getattr(self, name) not in neutral:
                 raise InvalidRequestError(f"`{name}` is not supported by this server "
                                           f"(got {str(getattr(self, name))[:80]!r})")
@@ -239,11 +240,20 @@ class ResponsesRequest(RequestModel):
             return [InputMessage(role="user", content=self.input)]
         return list(self.input)
 
-    def to_chat_request(self, earlier: tuple[Any, ...] = ()) -> ChatCompletionRequest:
+    def turn_starts(self, earlier: tuple[Any, ...] = ()) -> list[int]:
+        """Where the conversation (`earlier` items, then the input's) may be cut for
+        truncation "auto": at each user message but the first item, oldest first."""
+        items = [*earlier, *self.input_items()]
+        return [i for i, item in enumerate(items) if i > 0
+                and isinstance(item, InputMessage) and item.role == "user"]
+
+    def to_chat_request(self, earlier: tuple[Any, ...] = (), start: int = 0,
+                        ) -> ChatCompletionRequest:
         """The chat request that asks for the same reply, after the `earlier` items of a
-        stored conversation; InvalidRequestError for a conversation the chat API would
-        refuse (a call output without its call...)."""
-        messages = _messages(self.instructions, [*earlier, *self.input_items()])
+        stored conversation (the conversation from item `start` on: a truncated one);
+        InvalidRequestError for a conversation the chat API would refuse (a call output
+        without its call...)."""
+        messages = _messages(self.instructions, [*earlier, *self.input_items()][start:])
         if not messages:  # the chat request would name `messages`, which was not sent
             raise InvalidRequestError("input has no message: give a text or at least one "
                                       "message, function call or call output item")
@@ -415,3 +425,4 @@ class ResponseObject(OpenAIBaseModel):
     metadata: dict[str, str] | None = None
     store: bool = False
     previous_response_id: str | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"

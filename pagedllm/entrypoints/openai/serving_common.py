@@ -30,7 +30,7 @@ from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.responses_store import ResponseNotFoundError
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.served_models import ModelNotFoundError, ServedModels
-from pagedllm.errors import EngineDeadError, InvalidRequestError
+from pagedllm.errors import ContextLengthError, EngineDeadError, InvalidRequestError
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import (SamplingParams, StructuredOutputsParams,
@@ -235,13 +235,13 @@ class OpenAIServing:
         if num_prompt_tokens == 0:
             raise InvalidRequestError("The prompt is empty: give at least one token.")
         if num_prompt_tokens >= self.max_model_len:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, your request has {num_prompt_tokens} input tokens. Please reduce "
                 f"the length of the input {kind}.")
         # The core would reject it too, but only after a stream had started.
         if num_prompt_tokens > self.engine.num_kv_cache_tokens:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"The prompt has {num_prompt_tokens} tokens but the KV cache holds only "
                 f"{self.engine.num_kv_cache_tokens}. Please reduce the length of the input "
                 f"{kind}.")
@@ -250,7 +250,7 @@ class OpenAIServing:
             left = self.max_model_len - num_prompt_tokens
             return min(self.engine.config.model.sampling_defaults.get("max_tokens", left), left)
         if num_prompt_tokens + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {num_prompt_tokens + max_tokens} tokens "
                 f"({num_prompt_tokens} in the {kind}, {max_tokens} in the completion). "

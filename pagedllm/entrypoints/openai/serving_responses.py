@@ -30,7 +30,7 @@ from starlette.responses import Response
 
 from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
 from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
-from pagedllm.entrypoints.openai.protocol import ChatLogprobToken
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatLogprobToken
 from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
                                                             IncompleteDetails,
                                                             InputTokensDetails,
@@ -50,7 +50,7 @@ from pagedllm.entrypoints.openai.serving_chat import (MESSAGE_COST_BYTES, Choice
 from pagedllm.entrypoints.openai.serving_common import (SSEResponse, error_body,
                                                         error_status, exception_message,
                                                         logprobs_bytes, merge_streams)
-from pagedllm.errors import InvalidRequestError
+from pagedllm.errors import ContextLengthError, InvalidRequestError
 from pagedllm.outputs import RequestOutput
 
 
@@ -128,7 +128,12 @@ class OpenAIServingResponses(OpenAIServingChat):
                                     else len(request.input))
         chat = await self.offloader.run("reading the input", MESSAGE_COST_BYTES * num_items,
                                         request.to_chat_request, earlier)
-        prepared = await self.prepare(chat)
+        try:
+            prepared = await self.prepare(chat)
+        except ContextLengthError as e:
+            if request.truncation != "auto":
+                raise
+            chat, prepared = await self._truncated(request, earlier, num_items, e)
         response_id = item_id("resp")
         if request.background and len(self._background) >= self._max_background:
             raise QueueFullError(f"The server is busy: {len(self._background)} background "
@@ -147,6 +152,29 @@ class OpenAIServingResponses(OpenAIServingChat):
         if done.body is None:
             return done.response
         return Response(content=done.body, media_type="application/json")
+
+    async def _truncated(self, request: ResponsesRequest, earlier: tuple[Any, ...],
+                         num_items: int, too_long: ContextLengthError,
+                         ) -> tuple[ChatCompletionRequest, PreparedChat]:
+        """truncation "auto": the conversation from the oldest user turn on whose prompt
+        fits (a binary search over the turns' starts: fewer items are never longer);
+        `too_long`, the whole conversation's error, when even the last turn does not."""
+        starts = request.turn_starts(earlier)
+        found: tuple[ChatCompletionRequest, PreparedChat] | None = None
+        low, high = 0, len(starts) - 1
+        while low <= high:
+            middle = (low + high) // 2
+            chat = await self.offloader.run(
+                "reading the input", MESSAGE_COST_BYTES * (num_items - starts[middle]),
+                request.to_chat_request, earlier, starts[middle])
+            try:
+                found = chat, await self.prepare(chat)
+                high = middle - 1
+            except ContextLengthError:
+                low = middle + 1
+        if found is None:
+            raise too_long
+        return found
 
     def _finished(self, request: ResponsesRequest, response_id: str, final: RequestOutput,
                   prepared: PreparedChat) -> ResponseObject:
@@ -295,7 +323,8 @@ class OpenAIServingResponses(OpenAIServingChat):
             text=(request.text.model_dump(by_alias=True, exclude_none=True)
                   if request.text is not None else {"format": {"type": "text"}}),
             user=request.user, metadata=request.metadata, store=self._stores(request),
-            previous_response_id=request.previous_response_id)
+            previous_response_id=request.previous_response_id,
+            truncation=request.truncation or "disabled")
 
     def _text_logprobs(self, request: ResponsesRequest, token_ids: list[int],
                        logprobs: list | None, reasoned: bool, start: int = 0,
