@@ -201,8 +201,13 @@ class LLM:
              tools: list[dict[str, Any]] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              continue_final_message: bool = False,
+             chat_template_content_format: str = "auto",
              ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate.
+
+        `chat_template_content_format` (a text model's): "string" gives the template
+        each message's content as one string (text parts joined), "openai" as a list of
+        text parts, "auto" as the template reads it (a loop over a content: parts).
 
         `continue_final_message`: the reply continues the conversation's last message (an
         assistant's, left open by the template) instead of starting a new one; it takes
@@ -212,11 +217,24 @@ class LLM:
         the template renders into the prompt (for templates that support tools); the
         replies are plain text: parse tool calls from them, or use the server's
         tool calling."""
+        # Here: jinja2 (reading the template) is not for every `import pagedllm`.
+        from pagedllm.engine.content_format import (CONTENT_FORMATS, as_content_format,
+                                                    detect_content_format)
+
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init is set)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         model = self.llm_engine.config.model
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise InvalidRequestError(f"chat_template_content_format must be one of "
+                                      f"{', '.join(CONTENT_FORMATS)}, got "
+                                      f"{chat_template_content_format!r}")
+        content_format = chat_template_content_format
+        if content_format == "auto":
+            template = chat_template or tokenizer.chat_template
+            content_format = detect_content_format(template if isinstance(template, str)
+                                                   else None)
         prompts = []
         for conv in conversations:
             images: list[Any] = []
@@ -226,6 +244,8 @@ class LLM:
             elif has_images(conv):
                 raise InvalidRequestError(f"this model ({model.architecture}) does not take "
                                           f"images")
+            else:
+                conv = as_content_format(list(conv), content_format)
             # The template already holds the special tokens: don't let encode add BOS again.
             text = tokenizer.apply_chat_template(
                 conv, tokenize=False,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.config import default_model_path
-from pagedllm.entrypoints.openai.content_format import detect_content_format
+from pagedllm.engine.content_format import detect_content_format
 
 PARTS = ("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}"
          "{% endfor %}")
@@ -48,3 +48,34 @@ def test_an_unknown_format_is_refused():
 
     with pytest.raises(ConfigError, match="auto, string, openai, got 'parts'"):
         ServeConfig(chat_template_content_format="parts")
+
+
+def test_offline_chat_gives_contents_as_the_template_reads_them():
+    """LLM.chat: text parts joined for a template that prints a content (the bundled
+    model's), a string made one part for a template that loops over parts; the same
+    prompt either way."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.errors import InvalidRequestError
+
+    llm = LLM(max_model_len=256)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    as_string = [{"role": "user", "content": "Hello there"}]
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                             {"type": "text", "text": "there"}]}]
+    prompts = {llm.chat(conv, params, use_tqdm=False)[0].prompt
+               for conv in (as_string, as_parts)}
+    assert len(prompts) == 1 and "Hello there" in prompts.pop()
+    parts_template = ("{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]"
+                      "{% endfor %}{% endfor %}")
+    for conv, expected in ((as_string, "[Hello there]"), (as_parts, "[Hello ][there]")):
+        out = llm.chat(conv, params, use_tqdm=False, chat_template=parts_template,
+                       add_generation_prompt=False)[0]
+        assert out.prompt == expected
+    forced = llm.chat(as_string, params, use_tqdm=False, chat_template=parts_template,
+                      chat_template_content_format="string", add_generation_prompt=False)
+    assert forced[0].prompt == "[][][][][][][][][][][]"  # a string looped over: its chars
+    with pytest.raises(InvalidRequestError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "input_audio", "data": "x"}]}],
+                 params, chat_template_content_format="string")
+    with pytest.raises(InvalidRequestError, match="chat_template_content_format"):
+        llm.chat(as_string, params, chat_template_content_format="parts")

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.entrypoints.openai.content_format import CONTENT_FORMATS
+from pagedllm.engine.content_format import CONTENT_FORMATS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSER_NAMES
 from pagedllm.errors import ConfigError
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from pagedllm.entrypoints.openai.content_format import ContentFormat, detect_content_format
+from pagedllm.engine.content_format import ContentFormat, detect_content_format
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
                                                   ChatCompletionResponse,
                                                   ChatCompletionResponseChoice,

@@ -6,15 +6,18 @@ multimodal one, and newer text ones) loop over it as parts ({"type": "text", "te
 ...}). --chat-template-content-format chooses ("string",
 "openai"); "auto", the default, looks at the template as vLLM does: one that loops over
 a message's content (directly, or over a variable set from it) reads parts. Only the
-template's syntax tree is read; nothing in it runs.
+template's syntax tree is read; nothing in it runs. The server reads contents into
+its message models; `LLM.chat` passes its dicts through `as_content_format`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import jinja2
 from jinja2 import nodes
+
+from pagedllm.errors import InvalidRequestError
 
 ContentFormat = Literal["string", "openai"]
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -54,3 +57,26 @@ def _is_content(node: nodes.Node) -> bool:
     if isinstance(node, nodes.Getitem):
         return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
     return isinstance(node, nodes.Getattr) and node.attr == "content"
+
+
+def as_content_format(messages: list[dict[str, Any]], content_format: ContentFormat,
+                      ) -> list[dict[str, Any]]:
+    """`messages` with each content as the template reads it: text parts joined into
+    one string, or a string as one text part. InvalidRequestError for a part that is
+    not text (a text model's messages)."""
+    converted = []
+    for message in messages:
+        content = message.get("content")
+        if content_format == "string" and isinstance(content, list):
+            kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__
+                     for part in content]
+            other = [kind for kind in kinds if kind != "text"]
+            if other:
+                raise InvalidRequestError(f"only text content parts are supported by this "
+                                          f"model, got {other[0]!r}")
+            message = {**message, "content": "".join(str(part.get("text", ""))
+                                                     for part in content)}
+        elif content_format == "openai" and isinstance(content, str):
+            message = {**message, "content": [{"type": "text", "text": content}]}
+        converted.append(message)
+    return converted
