@@ -335,6 +335,9 @@ class OutputText(OpenAIBaseModel):
     logprobs: list[ChatLogprobToken] = Field(default_factory=list)
     """With include ["message.output_text.logprobs"]: one per token of the reply after
     its reasoning (a reply that goes on to call a tool: the call's tokens too)."""
+    logprobs_json: str | None = Field(default=None, exclude=True)
+    """Those logprobs as JSON instead (a long reply's: strings, which the garbage
+    collector does not walk; responses_json.to_json writes them); never sent as a key."""
 
 
 class ReasoningText(OpenAIBaseModel):

@@ -7,9 +7,11 @@ its own input, then its output items, which the Responses API takes back as inpu
 continues that conversation; as OpenAI's, the previous `instructions` are not carried
 over.
 
-Memory is bounded by `max_bytes`, counted as each response's own JSON size and each
-conversation item's (its JSON plus a Python object's overhead: measured ~750 bytes for a
-small item, whose JSON is ~90) once, however many conversations hold it: a conversation
+A response's text logprobs are held as their JSON (OutputText.logprobs_json), not as
+objects. Memory is bounded by `max_bytes`, counted as each response's own JSON size and
+each conversation item's (its JSON plus a Python object's overhead: measured ~750 bytes
+for a small item, whose JSON is ~90) once, however many conversations hold it: a
+conversation
 shares its earlier items with the response it continued, by reference, and an item is
 counted until the last response holding it is gone (so dropping a response whose items
 a continuation still holds frees only what no one else holds). Past the bound the

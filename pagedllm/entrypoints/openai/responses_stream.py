@@ -3,7 +3,8 @@
 `ItemStream` opens and closes output items as reasoning, text and calls arrive (a
 reasoning item, a message with one output_text part, one function_call item per call),
 writing each item's added / delta / done events through the caller's `event` function
-(which numbers them); `output` collects the closed items for the final response.
+(which numbers them and encodes the models it is given: responses_json.py); `output`
+collects the closed items for the final response.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import ChatLogprobToken
+from pagedllm.entrypoints.openai.responses_json import fragments_json, logprobs_fragment
 from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
                                                             OutputMessage, OutputText,
                                                             ReasoningItem, ReasoningText,
@@ -24,7 +26,9 @@ class OpenItem:
     kind: str  # "reasoning" or "message"
     id: str
     text: str = ""
-    logprobs: list[dict[str, Any]] = field(default_factory=list)  # as JSON
+    logprobs: list[str] = field(default_factory=list)
+    """The JSON of the logprobs its deltas carried (responses_json.logprobs_fragment):
+    strings, not a model per entry (~100 objects a token for the collector to walk)."""
 
 
 class ItemStream:
@@ -35,12 +39,12 @@ class ItemStream:
 
     def __init__(self, event: Callable[..., str]) -> None:
         self.event = event
-        self.output: list[dict[str, Any]] = []
+        self.output: list[Any] = []  # the closed items (models)
         self.open: OpenItem | None = None
 
     @property
     def reasoned(self) -> bool:
-        return any(item["type"] == "reasoning" for item in self.output)
+        return any(isinstance(item, ReasoningItem) for item in self.output)
 
     @property
     def has_reasoning(self) -> bool:
@@ -65,8 +69,9 @@ class ItemStream:
             item.text += text
             extra: dict[str, Any] = {}
             if kind == "message":
-                extra["logprobs"] = [lp.model_dump(mode="json") for lp in logprobs()]
-                item.logprobs += extra["logprobs"]
+                fragment = logprobs_fragment(logprobs())
+                item.logprobs.append(fragment)
+                extra["logprobs"] = fragments_json([fragment])
             delta = ("response.reasoning_text.delta" if kind == "reasoning"
                      else "response.output_text.delta")
             events.append(self.event(delta, item_id=item.id, output_index=self.index,
@@ -79,16 +84,15 @@ class ItemStream:
             where = {"item_id": call_item.id, "output_index": self.index}
             args = call.function.arguments
             events.append(self.event("response.output_item.added", output_index=self.index,
-                                     item=call_item.model_dump(mode="json")))
+                                     item=call_item))  # encoded now, as it is
             events.append(self.event("response.function_call_arguments.delta", **where,
                                      delta=args))
             events.append(self.event("response.function_call_arguments.done", **where,
                                      arguments=args))
             call_item.arguments, call_item.status = args, "completed"
-            done = call_item.model_dump(mode="json")
             events.append(self.event("response.output_item.done", output_index=self.index,
-                                     item=done))
-            self.output.append(done)
+                                     item=call_item))
+            self.output.append(call_item)
         return events
 
     def close(self, status: str, logprobs: list[ChatLogprobToken]) -> list[str]:
@@ -99,19 +103,22 @@ class ItemStream:
         events = self._open("message") if not self.output and self.open is None else []
         item = self.open
         if logprobs and item is not None and item.kind == "message":
-            dumped = [lp.model_dump(mode="json") for lp in logprobs]
-            item.logprobs += dumped
+            fragment = logprobs_fragment(logprobs)
+            item.logprobs.append(fragment)
             events.append(self.event("response.output_text.delta", item_id=item.id,
                                      output_index=self.index, content_index=0, delta="",
-                                     logprobs=dumped))
+                                     logprobs=fragments_json([fragment])))
         return events + self._close(status)
+
+    @property
+    def has_calls(self) -> bool:
+        return any(isinstance(item, FunctionCallOutput) for item in self.output)
 
     def set_text_logprobs(self, logprobs: list[ChatLogprobToken]) -> None:
         """Set the logprobs of the (closed) message's text."""
         for item in self.output:
-            if item["type"] == "message":
-                item["content"][0]["logprobs"] = [lp.model_dump(mode="json")
-                                                  for lp in logprobs]
+            if isinstance(item, OutputMessage):
+                item.content[0].logprobs_json = fragments_json([logprobs_fragment(logprobs)])
 
     def _open(self, kind: str) -> list[str]:
         if self.open is not None and self.open.kind == kind:
@@ -132,7 +139,7 @@ class ItemStream:
         events = [self.event("response.reasoning_text.done", **where, text=self.open.text)
                   if self.open.kind == "reasoning" else
                   self.event("response.output_text.done", **where, text=self.open.text,
-                             logprobs=self.open.logprobs),
+                             logprobs=fragments_json(self.open.logprobs)),
                   self.event("response.content_part.done", **where, part=part),
                   self.event("response.output_item.done", output_index=self.index,
                              item=item)]
@@ -140,8 +147,8 @@ class ItemStream:
         self.open = None
         return events
 
-    def _item(self, status: str) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(the open item, its content part) as JSON, with its text so far."""
+    def _item(self, status: str) -> tuple[Any, Any]:
+        """(the open item, its content part), with its text so far."""
         assert self.open is not None
         opened = self.open
         done = status != "in_progress"
@@ -151,6 +158,7 @@ class ItemStream:
             item: Any = ReasoningItem(id=opened.id, status=status,
                                       content=[part] if done else [])
         else:
-            part = OutputText(text=opened.text, logprobs=opened.logprobs if done else [])
+            part = OutputText(text=opened.text,
+                              logprobs_json=fragments_json(opened.logprobs) if done else None)
             item = OutputMessage(id=opened.id, status=status, content=[part] if done else [])
-        return item.model_dump(mode="json"), part.model_dump(mode="json")
+        return item, part

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
                                                             ResponseStatus,
                                                             ResponsesRequest, ResponseUsage,
                                                             item_id)
+from pagedllm.entrypoints.openai.responses_json import fields_json, to_json
 from pagedllm.entrypoints.openai.responses_store import ResponseStore, as_input_items
 from pagedllm.entrypoints.openai.responses_stream import ItemStream
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
@@ -114,8 +114,12 @@ class OpenAIServingResponses(OpenAIServingChat):
             response = self._finished(request, response_id, final, prepared)
             if created_at is not None:
                 response.created_at = created_at
-            body = response.model_dump_json() if large else None
-            return _Done(response, as_input_items(response.output), body)
+            if not request.wants_logprobs:
+                return _Done(response, as_input_items(response.output))
+            for item in response.output:  # kept (and sent) as JSON: see OutputText
+                for part in item.content if isinstance(item, OutputMessage) else ():
+                    part.logprobs_json, part.logprobs = to_json(part.logprobs), []
+            return _Done(response, as_input_items(response.output), to_json(response))
 
         large = self._large(request, len(final.outputs[0].token_ids))
         return await self.offloader.run_in_thread(build) if large else build()
@@ -265,13 +269,20 @@ class OpenAIServingResponses(OpenAIServingChat):
         if not stored.response.background:
             raise InvalidRequestError(f"Response {response_id[:100]!r} was not created with "
                                       f"background: true, so it cannot be cancelled")
-        return await self.json_response(lambda: stored.response, stored.nbytes)
+        return await self._send(stored.response, stored.nbytes)
 
     async def retrieve(self, response_id: str) -> Any:
-        """GET /v1/responses/{id} (serialized off the loop when large: its logprobs)."""
+        """GET /v1/responses/{id}."""
         assert self.store is not None, "the route exists with the store"
         stored = self.store.get(response_id)
-        return await self.json_response(lambda: stored.response, stored.nbytes)
+        return await self._send(stored.response, stored.nbytes)
+
+    async def _send(self, response: ResponseObject, nbytes: int) -> Response:
+        """`response` as to_json writes it (its logprobs are JSON); in a worker thread
+        when large."""
+        body = (to_json(response) if nbytes < INLINE_BYTES
+                else await self.offloader.run_in_thread(to_json, response))
+        return Response(content=body, media_type="application/json")
 
     def delete(self, response_id: str) -> bool:
         """Drop a stored response; a running background one is cancelled first."""
@@ -362,7 +373,7 @@ class OpenAIServingResponses(OpenAIServingChat):
 
         def event(kind: str, **fields: Any) -> str:
             payload = {"type": kind, "sequence_number": next(numbers), **fields}
-            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+            return f"event: {kind}\ndata: {fields_json(payload)}\n\n"
 
         items = ItemStream(event)
         st = ChoiceState(reasoning=self._reasoning_reader(prepared.phase),
@@ -379,9 +390,9 @@ class OpenAIServingResponses(OpenAIServingChat):
 
         try:
             started = started or self._response(request, response_id, [], None, None)
-            yield event("response.created", response=started.model_dump(mode="json"))
-            yield event("response.in_progress", response=started.model_copy(
-                update={"status": "in_progress"}).model_dump(mode="json"))
+            yield event("response.created", response=started)
+            yield event("response.in_progress",
+                        response=started.model_copy(update={"status": "in_progress"}))
             async for _, ro in merge_streams(streams):
                 out = ro.outputs[0]
                 delta = out.text[st.num_chars:]
@@ -403,16 +414,16 @@ class OpenAIServingResponses(OpenAIServingChat):
                 stream helper waits for it)."""
                 chunks = items.close("incomplete" if finish_reason == "length"
                                      else "completed", logprobs_since(out))
-                if request.wants_logprobs:
+                if request.wants_logprobs and items.has_calls:
                     # As the non-streamed response's: every token after the reasoning (a
-                    # reply that went on to a call streamed its call's tokens with no delta).
+                    # reply that went on to a call streamed its call's tokens with no
+                    # delta; without calls the deltas carried them all).
                     items.set_text_logprobs(self._text_logprobs(
                         request, out.token_ids, out.logprobs, items.reasoned))
                 response = self._response(request, response_id, items.output, final,
                                           finish_reason, reasoned=items.reasoned)
                 response.created_at = started.created_at
-                chunks.append(event("response.completed",
-                                    response=response.model_dump(mode="json")))
+                chunks.append(event("response.completed", response=response))
                 return chunks, _Done(response, as_input_items(response.output),
                                      json_bytes=len(chunks[-1]))
 
