@@ -11,11 +11,10 @@ A response's text logprobs are held as their JSON (OutputText.logprobs_json), no
 objects. Memory is bounded by `max_bytes`, counted as each response's own JSON size and
 each conversation item's (its JSON plus a Python object's overhead: measured ~750 bytes
 for a small item, whose JSON is ~90) once, however many conversations hold it: a
-conversation
-shares its earlier items with the response it continued, by reference, and an item is
-counted until the last response holding it is gone (so dropping a response whose items
-a continuation still holds frees only what no one else holds). Past the bound the
-least recently used responses are dropped.
+conversation shares its earlier items with the response it continued, by reference,
+and an item is counted until the last response holding it is gone (so dropping a
+response whose items a continuation still holds frees only what no one else holds).
+Past the bound the least recently used responses are dropped.
 Ids are random (uuid4), so one client cannot guess another's.
 """
 
