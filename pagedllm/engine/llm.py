@@ -232,7 +232,7 @@ class LLM:
                                       f"{chat_template_content_format!r}")
         content_format = chat_template_content_format
         if content_format == "auto":
-            template = chat_template or tokenizer.chat_template
+            template = chat_template or getattr(tokenizer, "chat_template", None)
             content_format = detect_content_format(template if isinstance(template, str)
                                                    else None)
         prompts = []

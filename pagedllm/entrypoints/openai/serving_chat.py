@@ -83,7 +83,8 @@ class OpenAIServingChat(OpenAIServing):
         if configured == "string" and self.engine.image_processor is not None:
             raise ConfigError("--chat-template-content-format string cannot carry images: "
                               "a multimodal model's template reads parts (auto, openai)")
-        own = self.tokenizer.chat_template if self.chat_template is None else self.chat_template
+        own = (getattr(self.tokenizer, "chat_template", None) if self.chat_template is None
+               else self.chat_template)
         self.content_format: ContentFormat = (
             detect_content_format(own if isinstance(own, str) else None)
             if configured == "auto" else configured)
