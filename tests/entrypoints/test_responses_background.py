@@ -148,6 +148,8 @@ def test_a_streamed_background_response_runs_on_when_its_client_leaves(server):
     assert client.responses.retrieve(response_id).status == "in_progress"
     done = _wait_finished(client, response_id)
     assert done.status == "incomplete" and done.usage.output_tokens == 200
+    r = httpx.get(f"{server.url}/v1/responses/{response_id}?stream=true&starting_after=3")
+    assert r.status_code == 400 and "resuming" in r.json()["error"]["message"]
     # Cancelled while its client listens: the stream ends, the store says so.
     stream = client.responses.create(model=MODEL_NAME, input=LONG, background=True,
                                      stream=True, max_output_tokens=600, temperature=0)

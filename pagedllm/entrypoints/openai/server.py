@@ -310,7 +310,12 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
         store = responses.store
 
         @app.get("/v1/responses/{response_id}", response_model=ResponseObject)
-        async def retrieve_response(response_id: str) -> Any:
+        async def retrieve_response(response_id: str, raw_request: Request) -> Any:
+            if raw_request.query_params.get("stream", "false").lower() != "false":
+                # OpenAI's resumable background streams (starting_after): not kept here.
+                raise InvalidRequestError("stream: resuming a response's stream is not "
+                                          "supported by this server: GET it without "
+                                          "stream once it has finished")
             return await responses.retrieve(response_id)
 
         @app.delete("/v1/responses/{response_id}")
