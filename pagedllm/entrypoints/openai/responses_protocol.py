@@ -337,7 +337,7 @@ class OutputText(OpenAIBaseModel):
     its reasoning (a reply that goes on to call a tool: the call's tokens too)."""
     logprobs_json: str | None = Field(default=None, exclude=True)
     """Those logprobs as JSON instead (a long reply's: strings, which the garbage
-    collector does not walk; responses_json.to_json writes them); never sent as a key."""
+    collector does not walk; sliced_json.to_json writes them); never sent as a key."""
 
 
 class ReasoningText(OpenAIBaseModel):

@@ -3,7 +3,7 @@
 `ItemStream` opens and closes output items as reasoning, text and calls arrive (a
 reasoning item, a message with one output_text part, one function_call item per call),
 writing each item's added / delta / done events through the caller's `event` function
-(which numbers them and encodes the models it is given: responses_json.py); `output`
+(which numbers them and encodes the models it is given: sliced_json.py); `output`
 collects the closed items for the final response.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import ChatLogprobToken
-from pagedllm.entrypoints.openai.responses_json import fragments_json, logprobs_fragment
+from pagedllm.entrypoints.openai.sliced_json import fragments_json, logprobs_fragment
 from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
                                                             OutputMessage, OutputText,
                                                             ReasoningItem, ReasoningText,
@@ -27,7 +27,7 @@ class OpenItem:
     id: str
     text: str = ""
     logprobs: list[str] = field(default_factory=list)
-    """The JSON of the logprobs its deltas carried (responses_json.logprobs_fragment):
+    """The JSON of the logprobs its deltas carried (sliced_json.logprobs_fragment):
     strings, not a model per entry (~100 objects a token for the collector to walk)."""
 
 

@@ -30,6 +30,7 @@ from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.responses_store import ResponseNotFoundError
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.served_models import ModelNotFoundError, ServedModels
+from pagedllm.entrypoints.openai.sliced_json import to_json
 from pagedllm.errors import ContextLengthError, EngineDeadError, InvalidRequestError
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -164,7 +165,7 @@ class OpenAIServing:
             yield head[:-1] + ',"choices":['  # head ends with "}"
             for i, build in enumerate(choices):
                 part = await self.offloader.run_in_thread(
-                    lambda build=build: build().model_dump_json())
+                    lambda build=build: to_json(build()))  # logprobs a slice at a time
                 yield ("," if i else "") + part
             yield "]}"
 

@@ -40,7 +40,7 @@ from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
                                                             ResponseStatus,
                                                             ResponsesRequest, ResponseUsage,
                                                             item_id)
-from pagedllm.entrypoints.openai.responses_json import fields_json, to_json
+from pagedllm.entrypoints.openai.sliced_json import fields_json, to_json
 from pagedllm.entrypoints.openai.responses_store import ResponseStore, as_input_items
 from pagedllm.entrypoints.openai.responses_stream import ItemStream
 from pagedllm.entrypoints.openai.serve_config import ServeConfig

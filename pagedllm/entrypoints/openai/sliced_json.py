@@ -1,13 +1,14 @@
-"""JSON of Responses objects and events whose text logprobs are many, a slice at a time.
+"""JSON of responses whose logprobs are many, a slice at a time.
 
-A reply's logprobs at 20 alternatives are ~1 KB a token, and a Responses stream sends
-them four more times as it ends (output_text.done, content_part.done, output_item.done,
-response.completed). Encoded in one call each, 1,200 tokens' took 30-90 ms per call
-(pydantic's and json's encoders hold the GIL for the whole call, so a worker thread
-stalled the event loop as much: /health waited up to 119 ms). Here a list of logprobs is
+A reply's logprobs at 20 alternatives are ~1 KB a token. Encoded in one call, 1,200
+tokens' took 30-90 ms (pydantic's and json's encoders hold the GIL for the whole call,
+so a worker thread stalled the event loop as much: /health waited up to 119 ms), and a
+Responses stream sends them four more times as it ends (output_text.done,
+content_part.done, output_item.done, response.completed). Here a list of logprobs is
 encoded 64 entries per call, and a model holding one is encoded around it: the loop
-gets the GIL back between calls. Keys of the models' nested fields come after their
-other fields (JSON objects have no order).
+gets the GIL back between calls. The Responses API writes every object and event this
+way; a chat or completions choice with logprobs, built in a worker thread, too. Keys of
+a model's nested fields come after its other fields (JSON objects have no order).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""responses_json: the JSON of Responses objects written a slice of logprobs at a time
+"""sliced_json: the JSON of Responses objects written a slice of logprobs at a time
 (and of logprobs kept as JSON) equals pydantic's own, as parsed."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from pagedllm.entrypoints.openai.protocol import ChatLogprobTop, ChatLogprobToken
-from pagedllm.entrypoints.openai.responses_json import (RawJSON, fields_json,
+from pagedllm.entrypoints.openai.sliced_json import (RawJSON, fields_json,
                                                         fragments_json, logprobs_fragment,
                                                         to_json)
 from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
@@ -59,3 +59,13 @@ def test_event_fields_mix_plain_values_models_and_raw_json():
     assert event == {"type": "x", "sequence_number": 2, "text": "ü\n", "empty": [],
                      "part": part.model_dump(mode="json"), "logprobs": [1, 2]}
     assert json.loads(fields_json({"part": part})) == {"part": part.model_dump(mode="json")}
+
+
+def test_a_chat_choice_with_logprobs_is_written_as_pydantic_writes_it():
+    from pagedllm.entrypoints.openai.protocol import (ChatCompletionResponseChoice,
+                                                      ChatLogprobs, ChatResponseMessage)
+
+    choice = ChatCompletionResponseChoice(
+        index=0, message=ChatResponseMessage(content="x"), finish_reason="stop",
+        logprobs=ChatLogprobs(content=_logprobs(150)))
+    assert json.loads(to_json(choice)) == json.loads(choice.model_dump_json())
