@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import ChatLogprobToken
-from pagedllm.entrypoints.openai.sliced_json import fragments_json, logprobs_fragment
 from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
                                                             OutputMessage, OutputText,
                                                             ReasoningItem, ReasoningText,
                                                             item_id)
+from pagedllm.entrypoints.openai.sliced_json import (RawJSON, fragments_json,
+                                                     logprobs_fragment, to_json)
 
 
 @dataclass
@@ -29,6 +30,12 @@ class OpenItem:
     logprobs: list[str] = field(default_factory=list)
     """The JSON of the logprobs its deltas carried (sliced_json.logprobs_fragment):
     strings, not a model per entry (~100 objects a token for the collector to walk)."""
+
+    def add_logprobs(self, logprobs: list[ChatLogprobToken]) -> RawJSON:
+        """Keep `logprobs` (a delta's); their JSON, for the delta event."""
+        fragment = logprobs_fragment(logprobs)
+        self.logprobs.append(fragment)
+        return fragments_json([fragment])
 
 
 class ItemStream:
@@ -69,9 +76,7 @@ class ItemStream:
             item.text += text
             extra: dict[str, Any] = {}
             if kind == "message":
-                fragment = logprobs_fragment(logprobs())
-                item.logprobs.append(fragment)
-                extra["logprobs"] = fragments_json([fragment])
+                extra["logprobs"] = item.add_logprobs(logprobs())
             delta = ("response.reasoning_text.delta" if kind == "reasoning"
                      else "response.output_text.delta")
             events.append(self.event(delta, item_id=item.id, output_index=self.index,
@@ -103,11 +108,9 @@ class ItemStream:
         events = self._open("message") if not self.output and self.open is None else []
         item = self.open
         if logprobs and item is not None and item.kind == "message":
-            fragment = logprobs_fragment(logprobs)
-            item.logprobs.append(fragment)
             events.append(self.event("response.output_text.delta", item_id=item.id,
                                      output_index=self.index, content_index=0, delta="",
-                                     logprobs=fragments_json([fragment])))
+                                     logprobs=item.add_logprobs(logprobs)))
         return events + self._close(status)
 
     @property
@@ -118,7 +121,7 @@ class ItemStream:
         """Set the logprobs of the (closed) message's text."""
         for item in self.output:
             if isinstance(item, OutputMessage):
-                item.content[0].logprobs_json = fragments_json([logprobs_fragment(logprobs)])
+                item.content[0].logprobs_json = to_json(logprobs)
 
     def _open(self, kind: str) -> list[str]:
         if self.open is not None and self.open.kind == kind:
