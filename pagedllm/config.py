@@ -339,6 +339,11 @@ class DeviceConfig:
     """On-disk cache of compiled graphs (under cache_root())."""
     enforce_eager: bool = False
     """CUDA: run every step eagerly, without capturing CUDA graphs for decode steps."""
+    cpu_ids: tuple[int, ...] | None = None
+    """CPUs the engine process (and its workers) may run on: a data parallel replica's
+    own cores. None: the process's affinity is left as it is."""
+    device_index: int = 0
+    """CUDA: which GPU (a data parallel replica's own)."""
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -355,8 +360,16 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
     """"uni" (the model runner in the engine process), "mp" (one worker process per
     rank) or "ray"; None picks "uni" for one worker and "mp" for more."""
+    data_parallel_size: int = 1
+    """Replicas of the whole engine, each an engine-core process with its own scheduler,
+    KV cache and tp x pp workers; the server sends each request to one of them."""
+    data_parallel_rank: int = 0
+    """Which replica this engine core is (its outputs carry it back to the front end)."""
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, "
+                              f"got {self.data_parallel_size}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, "
                               f"got {self.tensor_parallel_size}")

@@ -66,3 +66,30 @@ def snapshot_blocks(kv: KVCacheManager) -> KVSnapshot:
     if sys.byteorder == "big":
         states.byteswap()  # big-endian host: the wire format is little-endian
     return KVSnapshot(states.tobytes(), req_ids, num_held)
+
+
+def concat_snapshots(snapshots: list[KVSnapshot]) -> KVSnapshot:
+    """Several pools' snapshots (data parallel replicas) as one, laid end to end: each
+    pool's blocks after the previous pool's, its request marks renumbered after theirs."""
+    if len(snapshots) == 1:
+        return snapshots[0]
+    out = array("H")
+    req_ids: list[str] = []
+    num_held: list[int] = []
+    for snap in snapshots:
+        states = array("H")
+        states.frombytes(snap.block_states)
+        if sys.byteorder == "big":
+            states.byteswap()
+        offset = len(req_ids)
+        if offset:
+            for i, state in enumerate(states):
+                if state >= FIRST_REQ:
+                    # Past MAX_REQS requests the rest show as shared, as in one pool.
+                    states[i] = state + offset if state + offset <= 0xFFFF else SHARED
+        out.extend(states)
+        req_ids.extend(snap.req_ids)
+        num_held.extend(snap.num_held_blocks)
+    if sys.byteorder == "big":
+        out.byteswap()
+    return KVSnapshot(out.tobytes(), req_ids, num_held)

@@ -156,6 +156,11 @@ class EngineArgs:
                                         "(CPU: gloo; the threads are shared among them)")
     pipeline_parallel_size: int = _arg(1, "pipeline stages: each holds a contiguous range of "
                                           "the layers on its own tensor_parallel_size workers")
+    data_parallel_size: int = _arg(
+        1, "server: replicas of the whole engine, each an engine-core process with its own "
+           "scheduler and KV cache (--kv-cache-space each) on its own cores (CPU: the "
+           "physical cores split evenly, each replica pinned to its share) or GPU; each "
+           "request goes to the least busy replica")
     distributed_executor_backend: str | None = _arg(
         None, "uni (in-process, one worker), mp (one process per worker on this machine) or "
               "ray (one Ray actor per worker, on any node of a Ray cluster: "
@@ -458,7 +463,8 @@ class EngineArgs:
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend)
+            distributed_executor_backend=self.distributed_executor_backend,
+            data_parallel_size=self.data_parallel_size)
         parallel.verify_with_model(hf_config)
         if parallel.world_size > 1 and self.compile:
             raise ConfigError("compile=True with tensor_parallel_size > 1 is not supported "
@@ -466,6 +472,10 @@ class EngineArgs:
         if parallel.world_size > 1 and device != "cpu":
             raise ConfigError("tensor parallelism runs on CPU (gloo) only so far; "
                               "NCCL on CUDA is not implemented yet")
+        if parallel.data_parallel_size > 1:
+            from pagedllm.engine.dp_placement import check_placement
+
+            check_placement(parallel, device)
         return parallel
 
     def _resolve_model_path(self) -> str:

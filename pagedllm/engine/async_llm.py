@@ -24,8 +24,9 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_client import EngineCoreClient, EngineProcess
+from pagedllm.engine.core_client import EngineProcess
 from pagedllm.engine.core_proc import EngineCoreOutputs
+from pagedllm.engine.dp_client import make_core_client
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_collector import RequestOutputCollector
 from pagedllm.errors import EngineDeadError, InvalidRequestError
@@ -70,7 +71,8 @@ class AsyncLLM:
         server's, during its start-up)."""
         self.config = config
         # The core starts loading the model while this process loads the tokenizer.
-        self.core_client = EngineCoreClient(config, core_process)
+        # One engine core, or data parallel replicas behind the same interface.
+        self.core_client = make_core_client(config, core_process)
         try:
             self.engine = LLMEngine(config, engine_core=self.core_client,
                                     constraints=constraints)
@@ -81,7 +83,8 @@ class AsyncLLM:
         self.metrics = EngineMetrics(model_name or config.model.path)
         self.log_stats_interval_s = log_stats_interval_s
         self._collectors: dict[str, RequestOutputCollector] = {}
-        self._utility_futures: dict[int, asyncio.Future] = {}
+        # (engine_index, call_id) -> the utility call's result, to come.
+        self._utility_futures: dict[tuple[int, int], asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
 
     @classmethod
@@ -115,9 +118,7 @@ class AsyncLLM:
         """Raise EngineDeadError if the engine process is gone."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
-        if not self.core_client.proc.is_alive():
-            self.core_client.mark_dead(
-                f"engine core process died (exit code {self.core_client.proc.exitcode})")
+        if not self.core_client.check_alive():
             self._fail_all()
             raise EngineDeadError(self.dead_reason)
 
@@ -224,16 +225,20 @@ class AsyncLLM:
         """Run a utility on the core ("get_stats", "reset_prefix_cache", "ping",
         "kv_snapshot")."""
         self.check_health()
-        call_id = self.core_client.call_utility(method)
-        future = asyncio.get_running_loop().create_future()
-        self._utility_futures[call_id] = future
+        # One call per data parallel replica (one key), their results combined.
+        keys = self.core_client.call_utility(method)
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in keys]
+        self._utility_futures.update(zip(keys, futures))
         try:
-            result = await asyncio.wait_for(future, UTILITY_TIMEOUT_S)
+            results = await asyncio.wait_for(asyncio.gather(*futures), UTILITY_TIMEOUT_S)
         finally:
-            self._utility_futures.pop(call_id, None)
-        if isinstance(result, BaseException):
-            raise result
-        return result
+            for key in keys:
+                self._utility_futures.pop(key, None)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return self.core_client.combine_utility(method, results)
 
     # ------------------------------------------------------------------ output loop
 
@@ -253,10 +258,10 @@ class AsyncLLM:
             self._fail_all()
 
     def _process_batch(self, batch: EngineCoreOutputs) -> None:
-        self.metrics.observe_scheduler_stats(batch.scheduler_stats)
+        self.metrics.observe_scheduler_stats(self.core_client.scheduler_stats(batch))
         self.metrics.observe_outputs(batch, self.core_client.requests)
         for result in batch.utility_results:
-            future = self._utility_futures.get(result.call_id)
+            future = self._utility_futures.get((batch.engine_index, result.call_id))
             if future is not None and not future.done():
                 future.set_result(pickle.loads(result.result))
         for err in batch.errors:
@@ -280,9 +285,8 @@ class AsyncLLM:
 
     def _drain_local_finishes(self) -> None:
         """Metrics of requests finished in this process (aborts, stop strings)."""
-        for req in self.core_client.finished_locally:
+        for req in self.core_client.take_finished_locally():
             self.metrics.observe_finished(req)
-        self.core_client.finished_locally.clear()
 
     def _fail_all(self) -> None:
         self.metrics.mark_engine_dead()

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 import zmq
@@ -28,7 +29,7 @@ import zmq.asyncio
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_proc import (GROWING_ATTRS, USER_ERRORS, AddRequest, CoreInput,
                                        CoreOutput, EngineCoreOutputs, EngineDead, EngineReady,
-                                       FinishRequests, Shutdown, UtilityCall,
+                                       FinishRequests, SchedulerStats, Shutdown, UtilityCall,
                                        run_engine_core_when_configured)
 from pagedllm.errors import EngineDeadError
 from pagedllm.request import Request, RequestStatus
@@ -99,6 +100,7 @@ class EngineCoreClient:
         process = process or EngineProcess()
         process.configure(config, input_addr, output_addr)
         self.proc = process.proc
+        self.engine_index = config.parallel.data_parallel_rank
         self.num_blocks = 0
         self.block_size = config.cache.block_size
         self.engine_pid: int | None = None
@@ -142,6 +144,16 @@ class EngineCoreClient:
     def is_dead(self) -> bool:
         return self.dead_reason is not None
 
+    def check_alive(self) -> bool:
+        """Whether the core process runs (a dead one is marked dead here)."""
+        if not self.is_dead and not self.proc.is_alive():
+            self.mark_dead(f"engine core process died (exit code {self.proc.exitcode})")
+        return not self.is_dead
+
+    def kill(self) -> None:
+        """End the core process now (a shutdown past its grace period)."""
+        self.proc.kill()
+
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the core process (politely, then by signal) and close the sockets."""
         if self._closed:
@@ -171,7 +183,7 @@ class EngineCoreClient:
     def num_unscheduled(self) -> int:
         return len(self._unscheduled)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, sibling_of: str | None = None) -> None:
         self._send(AddRequest(request=pickle.dumps(request)))
         self.requests[request.req_id] = request
         self._unscheduled.add(request.req_id)
@@ -228,19 +240,44 @@ class EngineCoreClient:
             raise EngineDeadError(msg.message)
         return msg if isinstance(msg, EngineCoreOutputs) else None
 
+    @property
+    def output_socket(self) -> zmq.asyncio.Socket:
+        """The socket the core's messages arrive on (the data parallel client polls
+        every replica's at once)."""
+        return self._output
+
+    def decode(self, frame: Any) -> CoreOutput:
+        return self._decoder.decode(frame)
+
     async def _recv(self, timeout_s: float) -> CoreOutput | None:
         if await self._output.poll(timeout=int(timeout_s * 1000), flags=zmq.POLLIN):
-            return self._decoder.decode(await self._output.recv(copy=False))
-        if not self.proc.is_alive():
-            self.mark_dead(f"engine core process died (exit code {self.proc.exitcode})")
+            return self.decode(await self._output.recv(copy=False))
+        if not self.check_alive():
             raise EngineDeadError(self.dead_reason)
         return None
 
-    def call_utility(self, method: str) -> int:
-        """Send a utility call; its result comes back in an output batch under the id."""
+    def call_utility(self, method: str) -> list[tuple[int, int]]:
+        """Send a utility call; its result comes back in an output batch under the key
+        (engine_index, call_id) returned (a list: the data parallel client's has one
+        key per replica)."""
         self._call_ids += 1
         self._send(UtilityCall(call_id=self._call_ids, method=method))
-        return self._call_ids
+        return [(self.engine_index, self._call_ids)]
+
+    @staticmethod
+    def combine_utility(method: str, results: list[Any]) -> Any:
+        """The result of a utility call from its replicas' results (here: the one)."""
+        return results[0]
+
+    def scheduler_stats(self, batch: EngineCoreOutputs) -> SchedulerStats:
+        """The engine's scheduler state as of `batch` (the data parallel client sums the
+        replicas' latest)."""
+        return batch.scheduler_stats
+
+    def take_finished_locally(self) -> list[Request]:
+        """Requests finished in this process (abort, stop string) since the last call."""
+        taken, self.finished_locally = self.finished_locally, []
+        return taken
 
     def _finish(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         done = []
@@ -271,3 +308,4 @@ class EngineCoreClient:
         if self.dead_reason is None:
             self.dead_reason = reason
             logger.error("engine core is dead: %s", reason)
+

@@ -131,6 +131,8 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
     timestamp: float
     errors: list[RequestError] = []
     utility_results: list[UtilityResult] = []
+    engine_index: int = 0
+    """The data parallel replica that sent it (ParallelConfig.data_parallel_rank)."""
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -161,6 +163,7 @@ class EngineCoreProc:
         from pagedllm.engine.engine_core import EngineCore
 
         self.parent_pid = parent_pid
+        self.engine_index = config.parallel.data_parallel_rank
         self.ctx = zmq.Context()
         self.input_sock = self.ctx.socket(zmq.PULL)
         self.input_sock.connect(input_addr)
@@ -208,7 +211,8 @@ class EngineCoreProc:
             outputs = self._step(errors) if self.core.has_unfinished_requests() else []
             self._send(EngineCoreOutputs(outputs=outputs, scheduler_stats=self._stats(),
                                          timestamp=time.monotonic(), errors=errors,
-                                         utility_results=results))
+                                         utility_results=results,
+                                         engine_index=self.engine_index))
 
     def _handle_inputs(self) -> tuple[list[RequestError], list[UtilityResult]]:
         import zmq
@@ -358,6 +362,15 @@ def _die_with_parent() -> None:
         pass
 
 
+def _pin_to(cpu_ids: tuple[int, ...]) -> None:
+    """Pin every thread of this process to `cpu_ids` (a data parallel replica's cores):
+    a thread started by the imports keeps its own mask, and threads started from now on
+    (torch's intra-op pool, the workers' processes) inherit the caller's."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that has just exited
+            os.sched_setaffinity(int(tid), cpu_ids)
+
+
 def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
@@ -365,9 +378,14 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     parent_pid: int, log_level: int = logging.INFO) -> None:
     """Entry point of the spawned engine process."""
+    # A data parallel replica's lines say which one wrote them.
+    replica = (f"[DP{config.parallel.data_parallel_rank}] "
+               if config.parallel.data_parallel_size > 1 else "")
     logging.basicConfig(level=log_level, datefmt="%m-%d %H:%M:%S",
-                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+                        format=f"{replica}%(levelname)s %(asctime)s %(name)s: %(message)s")
     _die_with_parent()
+    if config.device.cpu_ids is not None:
+        _pin_to(config.device.cpu_ids)
     # SIGTERM unwinds through `finally` so the sockets close cleanly.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which stops us

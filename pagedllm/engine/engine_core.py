@@ -78,8 +78,11 @@ class EngineCore:
         if self.async_scheduling:
             logger.info("async scheduling: each step is launched while the one before runs")
 
-    def add_request(self, request: Request) -> None:
-        """Queue a validated request; raises InvalidRequestError if it can never fit."""
+    def add_request(self, request: Request, sibling_of: str | None = None) -> None:
+        """Queue a validated request; raises InvalidRequestError if it can never fit.
+        `sibling_of`: the first request of its n > 1 fan-out (data parallel replicas
+        keep a fan-out together, for its shared prompt blocks; one engine has no use
+        for it)."""
         if request.req_id in self.structured_output:
             raise InvalidRequestError(f"request id {request.req_id!r} is already in use")
         self.scheduler.check_request(request)

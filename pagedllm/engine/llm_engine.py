@@ -14,7 +14,7 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import DeferredSiblings, fan_out
-from pagedllm.errors import InvalidRequestError
+from pagedllm.errors import ConfigError, InvalidRequestError
 from pagedllm.inputs import PromptType
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -39,6 +39,11 @@ class LLMEngine:
                  engine_core: Any = None, constraints: ConstraintChecker | None = None,
                  ) -> None:
         self.config = config
+        if engine_core is None and config.parallel.data_parallel_size > 1:
+            raise ConfigError(
+                f"data_parallel_size={config.parallel.data_parallel_size} runs replicas "
+                f"behind the server (pagedllm serve --data-parallel-size N); an offline "
+                f"engine is one replica: start one process per replica instead")
         self.tokenizer = None
         if not skip_tokenizer_init:
             from pagedllm.loader import load_tokenizer
@@ -95,7 +100,7 @@ class LLMEngine:
             self.deferred.add(requests[0], requests[1:])
         else:
             for child in requests[1:]:
-                self.engine_core.add_request(child)
+                self.engine_core.add_request(child, sibling_of=requests[0].req_id)
         self.output_processor.add_request(requests, text, request.sampling_params,
                                           request_id)
 
@@ -124,8 +129,8 @@ class LLMEngine:
             self.engine_core.stop_requests(to_stop)
         # After the outputs: a leader that got its first token (or finished) this step
         # releases its siblings now, so the core never idles with siblings held back.
-        for child in self.deferred.release():
-            self.engine_core.add_request(child)
+        for child, leader_id in self.deferred.release():
+            self.engine_core.add_request(child, sibling_of=leader_id)
         return outputs
 
     def has_unfinished_requests(self) -> bool:

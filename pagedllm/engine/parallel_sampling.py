@@ -71,13 +71,14 @@ class DeferredSiblings:
         if rest:
             self.groups.append((leader, rest))
 
-    def release(self) -> list[Request]:
-        """The held requests whose leader has a token (or finished), in fan-out order."""
-        ready: list[Request] = []
+    def release(self) -> list[tuple[Request, str]]:
+        """The held requests whose leader has a token (or finished), in fan-out order,
+        each with its leader's id."""
+        ready: list[tuple[Request, str]] = []
         waiting = []
         for leader, rest in self.groups:
             if leader.num_output_tokens > 0 or leader.is_finished:
-                ready.extend(rest)
+                ready.extend((child, leader.req_id) for child in rest)
             else:
                 waiting.append((leader, rest))
         self.groups = waiting

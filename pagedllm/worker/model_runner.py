@@ -80,6 +80,11 @@ class ModelRunner:
         self.config = config
         self.parallel = parallel
         self.device = torch.device(config.device.device)
+        if self.device.type == "cuda":
+            # A data parallel replica's own GPU; set as current so that calls without a
+            # device (memory queries, streams, graph capture) mean it too.
+            self.device = torch.device("cuda", config.device.device_index)
+            torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, config.model.dtype)
         # The KV cache's storage dtype (fp8 or the model's): sizes and allocates the cache.
         self.kv_cache_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, self.dtype)

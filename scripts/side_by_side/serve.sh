@@ -8,6 +8,7 @@
 #     scripts/side_by_side/setup.sh                               # once
 #     scripts/side_by_side/serve.sh [WORKLOAD [bench serve args]]  # default batch64, all at once
 #     ENGINES="pagedllm_q4_1" scripts/side_by_side/serve.sh ...    # some of vllm pagedllm_q4_1 pagedllm_bf16
+#                                                                 # (pagedllm_q4_1_dp2: two replicas)
 #
 # e.g. `serve.sh shared_prefix`, `serve.sh batch64 --request-rate 4 --seed 1`.
 set -uo pipefail
@@ -33,6 +34,7 @@ serve() {  # ENGINE: start its server in the background
         --model "$SBS_DIR/smol_bf16" --dtype "$VLLM_DTYPE" --enforce-eager \
         --enable-prefix-caching --max-num-seqs 256 --port "$PORT" ;;
     pagedllm_q4_1) $PAGEDLLM serve --port "$PORT" ;;
+    pagedllm_q4_1_dp2) $PAGEDLLM serve --data-parallel-size 2 --port "$PORT" ;;
     pagedllm_bf16) $PAGEDLLM serve --model "$SBS_DIR/smol_bf16" --dtype "$VLLM_DTYPE" \
                      --port "$PORT" ;;
   esac > "$LOGS/$1.log" 2>&1 &

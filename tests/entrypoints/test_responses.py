@@ -355,3 +355,56 @@ def test_stored_responses_continue_conversations(scripted):
     assert again.status == "completed"
     r = httpx.delete(f"{scripted.url}/v1/responses/resp_nope", timeout=10)
     assert r.status_code == 404 and "resp_nope" in r.json()["error"]["message"]
+
+
+def test_input_items_of_a_stored_response(scripted):
+    """GET /v1/responses/{id}/input_items (client.responses.input_items.list): the items
+    a response was generated from (the conversation it continued, then its own input),
+    newest first by default, paged by item id; items sent without an id got one."""
+    client = scripted.openai_client()
+    first = client.responses.create(model="scripted", input="go", tools=[WEATHER],
+                                    temperature=0)
+    call = first.output[-1]
+    turn = [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+            {"role": "user", "content": [{"type": "input_text", "text": "x </think> hi"}]}]
+    followed = client.responses.create(model="scripted", temperature=0, tools=[WEATHER],
+                                       previous_response_id=first.id, input=turn)
+    listed = client.responses.input_items.list(followed.id, order="asc", limit=100)
+    items = [item.model_dump() for item in listed.data]
+    # "go", first's output items (their ids kept), then the turn.
+    assert [i["type"] for i in items] == ["message", *[o.type for o in first.output],
+                                          "function_call_output", "message"]
+    assert items[0]["role"] == "user"
+    assert [(p["type"], p["text"]) for p in items[0]["content"]] == [("input_text", "go")]
+    assert [i["id"] for i in items[1:-2]] == [o.id for o in first.output]
+    assert items[-2]["output"] == "sunny" and items[-2]["id"].startswith("fco_")
+    assert items[-1]["content"][0]["text"] == "x </think> hi"
+    assert items[0]["id"].startswith("msg_") and items[-1]["id"].startswith("msg_")
+    assert not listed.has_more and listed.first_id == items[0]["id"]
+    # Newest first by default; one at a time, the cursor walks the same items.
+    newest = client.responses.input_items.list(followed.id)
+    assert [i.id for i in newest.data] == [i["id"] for i in reversed(items)]
+    walked, after = [], None
+    while True:
+        page = httpx.get(f"{scripted.url}/v1/responses/{followed.id}/input_items",
+                         params={"limit": 1, **({"after": after} if after else {})},
+                         timeout=10).json()
+        walked += [i["id"] for i in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert walked == [i.id for i in newest.data]
+    before = httpx.get(f"{scripted.url}/v1/responses/{followed.id}/input_items",
+                       params={"order": "asc", "before": items[2]["id"]}, timeout=10).json()
+    assert [i["id"] for i in before["data"]] == [items[0]["id"], items[1]["id"]]
+    # The ids are stored: the same on every call.
+    again = client.responses.input_items.list(followed.id, order="asc", limit=100)
+    assert [i.id for i in again.data] == [i["id"] for i in items]
+    for params, fragment in (({"limit": 0}, "limit must be between 1 and 100"),
+                             ({"order": "up"}, "order must be 'asc' or 'desc'"),
+                             ({"after": "msg_nope"}, "after: no input item 'msg_nope'")):
+        r = httpx.get(f"{scripted.url}/v1/responses/{followed.id}/input_items",
+                      params=params, timeout=10)
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+    r = httpx.get(f"{scripted.url}/v1/responses/resp_nope/input_items", timeout=10)
+    assert r.status_code == 404

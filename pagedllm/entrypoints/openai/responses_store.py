@@ -15,7 +15,9 @@ conversation shares its earlier items with the response it continued, by referen
 and an item is counted until the last response holding it is gone (so dropping a
 response whose items a continuation still holds frees only what no one else holds).
 Past the bound the least recently used responses are dropped.
-Ids are random (uuid4), so one client cannot guess another's.
+Ids are random (uuid4), so one client cannot guess another's. An input item sent without
+an id gets one when stored (as OpenAI's), so that GET /v1/responses/{id}/input_items can
+page through a conversation by item id.
 """
 
 from __future__ import annotations
@@ -26,13 +28,18 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pagedllm.entrypoints.openai.responses_protocol import INPUT_ITEMS, ResponseObject
+from pagedllm.entrypoints.openai.responses_protocol import (INPUT_ITEMS, InputMessage,
+                                                            ResponseObject, item_id)
+from pagedllm.errors import InvalidRequestError
 
 # What a reference to an earlier item costs (a list slot): counted so that a long chain
 # of tiny responses is bounded too.
 _REFERENCE_BYTES = 8
 # What one item (a pydantic model with its parts) costs beyond its JSON size.
 _ITEM_OVERHEAD_BYTES = 768
+# The id prefix of a stored input item of each type (OpenAI's).
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                "reasoning": "rs"}
 
 
 class ResponseNotFoundError(LookupError):
@@ -47,6 +54,12 @@ class StoredResponse:
     nbytes: int
     """The response's own bytes (its object and its conversation's references); its
     items are counted by the store, once each."""
+
+    @property
+    def input_items(self) -> tuple[BaseModel, ...]:
+        """The items the response was generated from: its conversation without its own
+        output items (one input item each)."""
+        return self.conversation[:len(self.conversation) - len(self.response.output)]
 
 
 class ResponseStore:
@@ -78,6 +91,9 @@ class ResponseStore:
         """Store `response`, whose conversation is `earlier` (shared with the response it
         continued) followed by `added` (its input and output items). `json_bytes`: its
         JSON's size when known (a large response is serialized off the event loop)."""
+        for item in added:
+            if getattr(item, "id", None) is None:
+                item.id = item_id(_ID_PREFIXES[item.type])
         conversation = earlier + tuple(added)
         if json_bytes is None:
             json_bytes = len(response.model_dump_json())
@@ -123,3 +139,46 @@ def as_input_items(output: list[Any]) -> list[BaseModel]:
     return INPUT_ITEMS.validate_python([
         item.model_dump(mode="json", exclude={"content": {"__all__": {"logprobs"}}})
         for item in output])
+
+
+def list_input_items(stored: StoredResponse, after: str | None = None,
+                     before: str | None = None, limit: int = 20,
+                     order: str = "desc") -> dict[str, Any]:
+    """GET /v1/responses/{id}/input_items: a page of the items the response was
+    generated from (OpenAI's list object), newest first under "desc"; `after` / `before`
+    are item ids of the same order."""
+    if not 1 <= limit <= 100:
+        raise InvalidRequestError(f"limit must be between 1 and 100, got {limit}")
+    if order not in ("asc", "desc"):
+        raise InvalidRequestError(f"order must be 'asc' or 'desc', got {order[:100]!r}")
+    items = list(stored.input_items)
+    if order == "desc":
+        items.reverse()
+    ids = [item.id for item in items]
+    start, end = 0, len(items)
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            raise InvalidRequestError(f"{name}: no input item {cursor[:100]!r} in response "
+                                      f"{stored.response.id!r}")
+    if after is not None:
+        start = ids.index(after) + 1
+    if before is not None:
+        end = ids.index(before)
+    page = items[start:max(start, end)][:limit]
+    return {"object": "list", "data": [_item_resource(item) for item in page],
+            "first_id": page[0].id if page else None,
+            "last_id": page[-1].id if page else None,
+            "has_more": start + len(page) < end}
+
+
+def _item_resource(item: BaseModel) -> dict[str, Any]:
+    """A stored input item as OpenAI lists it: a message's text as one content part
+    (input_text, or output_text for the assistant's), and a status."""
+    data = item.model_dump(mode="json", exclude_none=True)
+    if isinstance(item, InputMessage) and isinstance(item.content, str):
+        data["content"] = [{"type": "input_text", "text": item.content}
+                           if item.role != "assistant"
+                           else {"type": "output_text", "text": item.content,
+                                 "annotations": []}]
+    data.setdefault("status", "completed")
+    return data

@@ -2,7 +2,8 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
 POST /v1/responses (OpenAI's Responses API; with --enable-responses-store also
-GET / DELETE /v1/responses/{id} and POST /v1/responses/{id}/cancel), GET /v1/models/{id},
+GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and
+POST /v1/responses/{id}/cancel), GET /v1/models/{id},
 POST /v1/embeddings, POST /pooling, GET|POST /ping and POST /invocations (SageMaker's),
 POST /score, /rerank and /classify (vLLM's; also under /v1, /v2/rerank),
 POST /tokenize, POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
@@ -55,7 +56,8 @@ from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, Poo
 from pagedllm.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware,
                                                     RequestIdMiddleware, error_response)
 from pagedllm.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
-from pagedllm.entrypoints.openai.responses_store import ResponseNotFoundError
+from pagedllm.entrypoints.openai.responses_store import (ResponseNotFoundError,
+                                                         list_input_items)
 from pagedllm.entrypoints.openai.score_protocol import (ClassifyRequest, RerankRequest,
                                                        ScoreRequest)
 from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
@@ -318,6 +320,13 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
                                           "stream once it has finished")
             return await responses.retrieve(response_id)
 
+        @app.get("/v1/responses/{response_id}/input_items")
+        async def list_response_input_items(response_id: str, after: str | None = None,
+                                            before: str | None = None, limit: int = 20,
+                                            order: str = "desc") -> dict[str, Any]:
+            # `include` is accepted and needs nothing: stored items keep every field.
+            return list_input_items(store.get(response_id), after, before, limit, order)
+
         @app.delete("/v1/responses/{response_id}")
         async def delete_response(response_id: str) -> dict[str, Any]:
             if not responses.delete(response_id):
@@ -522,7 +531,7 @@ def _server_with_deadline(uv_config: Any, engine: AsyncLLM) -> Any:
             threading.Event().wait(SHUTDOWN_GRACE_S)
             logger.error("shutdown took longer than %.0f s: exiting now", SHUTDOWN_GRACE_S)
             with contextlib.suppress(Exception):
-                engine.core_client.proc.kill()
+                engine.core_client.kill()
             os._exit(1)
 
     return Server(uv_config)

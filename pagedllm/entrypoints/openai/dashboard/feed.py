@@ -23,7 +23,7 @@ from array import array
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.core.kv_snapshot import CACHED, FREE, SHARED
+from pagedllm.core.kv_snapshot import CACHED, FREE, NULL, SHARED
 from pagedllm.errors import EngineDeadError
 
 if TYPE_CHECKING:
@@ -219,8 +219,8 @@ def _encode_snapshot(result: dict[str, Any], taken_at: float, seq: int,
     snap = result["snapshot"]
     states = array("H")
     states.frombytes(snap.block_states)  # little-endian; counts below are order-free
-    num_free, num_cached, num_shared = (states.count(FREE), states.count(CACHED),
-                                        states.count(SHARED))
+    num_free, num_cached, num_shared, num_null = (
+        states.count(FREE), states.count(CACHED), states.count(SHARED), states.count(NULL))
     num_blocks = len(states)
     return {
         "seq": seq,
@@ -234,8 +234,9 @@ def _encode_snapshot(result: dict[str, Any], taken_at: float, seq: int,
         "num_free": num_free,
         "num_cached": num_cached,
         "num_shared": num_shared,
-        # Block 0 (the null block) is neither free nor in use.
-        "num_in_use": num_blocks - 1 - num_free - num_cached,
+        # Block 0 (the null block; one per data parallel replica) is neither free nor
+        # in use.
+        "num_in_use": num_blocks - num_null - num_free - num_cached,
         "progress": {k: list(v) for k, v in result["progress"].items()},
     }
 
