@@ -542,6 +542,8 @@ class EngineConfig:
         default_factory=StructuredOutputsConfig)
     # None: LoRA off (requests with a lora_request are refused).
     lora: LoRAConfig | None = None
+    # Custom logits processors (pagedllm.logits_process.LogitsProcessor subclasses).
+    logits_processors: tuple[type, ...] = ()
 
     @property
     def kv_cache_dtype(self) -> str:

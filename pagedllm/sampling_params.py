@@ -204,6 +204,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     """Keep only the prompt's last k tokens (left truncation); -1: its last
     max_model_len; None: the whole prompt."""
+    extra_args: dict[str, Any] | None = None
+    """Arguments for the engine's custom logits processors (pagedllm.logits_process;
+    vLLM's extra_args; the server's vllm_xargs)."""
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     """Set by the input processor: bad_words tokenized (with and without leading space)."""
     guided_decoding: InitVar[StructuredOutputsParams | dict | None] = None
@@ -257,6 +260,11 @@ class SamplingParams:
         if self.output_kind not in RequestOutputKind:
             raise InvalidRequestError(f"output_kind must be a RequestOutputKind, "
                                       f"got {self.output_kind!r}")
+        if self.extra_args is not None and not (
+                isinstance(self.extra_args, dict)
+                and all(isinstance(k, str) for k in self.extra_args)):
+            raise InvalidRequestError(f"extra_args must be a dict with string keys, got "
+                                      f"{self.extra_args!r:.200}")
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             raise InvalidRequestError(f"structured_outputs must be StructuredOutputsParams, "

@@ -24,7 +24,8 @@ The top-level modules and subpackages of pagedllm/, by rank (higher imports lowe
                    distributed: tensor-parallel groups and collectives the layers call
   0  core          scheduler and KV block accounting: pure Python (tests/core/test_no_torch.py)
   -1 config, errors, json_limits, sampling_params, pooling_params, lora_request, request,
-     outputs, metrics, reasoning, mm_inputs, inputs
+     outputs, metrics, reasoning, mm_inputs, inputs, logits_process (the custom logits
+     processors' base class)
                    leaf modules, importing only each other: core/ and everything above use
                    them (metrics reads the engine core's messages through Protocols)
 
@@ -54,7 +55,7 @@ RANKS: dict[str, int] = {
     "core": 0,
     "config": -1, "errors": -1, "json_limits": -1, "sampling_params": -1, "pooling_params": -1,
     "lora_request": -1, "reasoning": -1, "mm_inputs": -1,
-    "request": -1, "outputs": -1, "metrics": -1, "inputs": -1,
+    "request": -1, "outputs": -1, "metrics": -1, "inputs": -1, "logits_process": -1,
 }
 NEVER_IMPORT_MODELS = ("attention", "loader")
 

@@ -156,6 +156,11 @@ class EngineArgs:
                                         "(CPU: gloo; the threads are shared among them)")
     pipeline_parallel_size: int = _arg(1, "pipeline stages: each holds a contiguous range of "
                                           "the layers on its own tensor_parallel_size workers")
+    logits_processors: list[Any] | None = _arg(
+        None, "custom logits processors: subclasses of pagedllm.logits_process."
+              "LogitsProcessor, by qualified name (package.module.Class or "
+              "package.module:Class; offline also the classes); requests opt in "
+              "through SamplingParams.extra_args (the server's vllm_xargs)", nargs="+")
     data_parallel_size: int = _arg(
         1, "server: replicas of the whole engine, each an engine-core process with its own "
            "scheduler and KV cache (--kv-cache-space each) on its own cores (CPU: the "
@@ -311,10 +316,24 @@ class EngineArgs:
             compile_memory_gib=self.grammar_compile_memory,
             reasoning_parser=self.reasoning_parser)
         lora = self._lora_config(parallel, model)
+        logits_processors = self._logits_processors(speculative)
         sched.max_loras = lora.max_loras if lora is not None else None
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device_config,
                             parallel=parallel, speculative=speculative,
-                            structured_outputs=structured_outputs, lora=lora)
+                            structured_outputs=structured_outputs, lora=lora,
+                            logits_processors=logits_processors)
+
+    def _logits_processors(self, speculative: SpeculativeConfig | None,
+                           ) -> tuple[type, ...]:
+        """The processors' classes (async scheduling is refused with them by
+        _resolve_async_scheduling)."""
+        from pagedllm.logits_process import resolve_logits_processors
+
+        classes = resolve_logits_processors(self.logits_processors)
+        if classes and speculative is not None:
+            raise ConfigError("logits_processors with speculative decoding are not "
+                              "supported (a processor reads each position's tokens)")
+        return classes
 
     def _lora_config(self, parallel: ParallelConfig, model: ModelConfig) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -338,7 +357,9 @@ class EngineArgs:
         reasons = [why for why, applies in (
             ("speculative decoding (a step's proposals need its sampled tokens on the "
              "host)", speculative is not None),
-            ("more than one worker", parallel.world_size > 1)) if applies]
+            ("more than one worker", parallel.world_size > 1),
+            ("logits processors (they read each request's latest token on the host)",
+             bool(self.logits_processors))) if applies]
         if self.async_scheduling is None:
             return device == "cuda" and not reasons
         if self.async_scheduling and reasons:

@@ -25,12 +25,15 @@ class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any | None,
                  lora_config: LoRAConfig | None = None,
                  reasoning_parser: str | None = None,
-                 constraints: ConstraintChecker | None = None) -> None:
+                 constraints: ConstraintChecker | None = None,
+                 logits_processors: tuple[type, ...] = ()) -> None:
         """`constraints` checks structured-output constraints (default: parsed in the
-        caller's thread, no limits)."""
+        caller's thread, no limits); `logits_processors`: the custom processors' classes,
+        whose validate_params each request passes."""
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.hf_config.vocab_size
         self.max_logprobs = model_config.max_logprobs
+        self.logits_processors = logits_processors
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id_of(tokenizer, model_config.hf_config)
         # generation_config.json's other end-of-generation tokens: stop tokens of every
@@ -230,7 +233,13 @@ class InputProcessor:
 
 
     def validate_params(self, params: SamplingParams) -> None:
-        """Checks that need the vocabulary or the tokenizer; tokenizes bad_words."""
+        """Checks that need the vocabulary or the tokenizer (or the custom logits
+        processors); tokenizes bad_words."""
+        for cls in self.logits_processors:
+            try:
+                cls.validate_params(params)
+            except ValueError as e:  # InvalidRequestError included
+                raise InvalidRequestError(f"{cls.__name__}: {e}") from e
         for name in ("logprobs", "prompt_logprobs"):
             check_num_logprobs(name, getattr(params, name), self.max_logprobs,
                                self.vocab_size)

@@ -53,7 +53,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             config.model, self.tokenizer, config.lora,
             reasoning_parser=config.structured_outputs.reasoning_parser,
-            constraints=constraints)
+            constraints=constraints, logits_processors=config.logits_processors)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Samples 2..n of n > 1 requests, waiting for sample 1 to fill the prefix cache.
         self.deferred = DeferredSiblings()

@@ -39,7 +39,9 @@ def add_dataclass_args(group: Any, cls: type,
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         hint = hints[f.name]
-        if hint is bool or hint == (bool | None):
+        if "nargs" in f.metadata:  # a list given as words: --flag a b
+            kw["nargs"], kw["type"] = f.metadata["nargs"], str
+        elif hint is bool or hint == (bool | None):
             # bool | None: --flag / --no-flag, or neither (None: decided later).
             kw["action"] = argparse.BooleanOptionalAction
         else:

@@ -7,6 +7,7 @@ work entirely (the common case: plain temperature or greedy sampling).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,5 +63,8 @@ class SamplingMetadata:
     # xgrammar token bitmask of the structured-output rows, and those rows.
     grammar_bitmask: torch.Tensor | None = None  # [M, ceil(V / 32)] int32
     grammar_rows: list[int] | None = None
+    # (logits row, functions, output token ids) of the rows whose request has custom
+    # logits processors (pagedllm.logits_process); None when no row has any.
+    custom: list[tuple[int, list[Any], list[int]]] | None = None
     # Most top-k logprobs any row asked for (0: chosen token only); None: no row asked.
     max_num_logprobs: int | None = None

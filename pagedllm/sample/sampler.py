@@ -3,7 +3,7 @@
 Steps (vLLM's order; each is skipped when no row of the step uses it):
  1. raw logits kept for the logprobs (step 6), before any transform
  2. masks: allowed_token_ids, bad words and min_tokens bans, grammar bitmask;
-    then logit_bias
+    then logit_bias, then custom logits processors (pagedllm.logits_process)
  3. penalties: repetition, frequency, presence
  4. greedy rows: argmax of the result
  5. random rows: temperature, min_p, top_k, top_p, then one draw per row from the
@@ -58,11 +58,12 @@ class Sampler:
         """Whether any row of the step has an argmax-changing transform (steps 2-3)."""
         return (md.disallowed_mask is not None or md.banned is not None
                 or md.grammar_bitmask is not None or md.logit_bias is not None
-                or md.penalties is not None)
+                or md.penalties is not None or md.custom is not None)
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Steps 2-3: masks, logit bias, penalties (argmax-changing transforms)."""
+        """Steps 2-3: masks, logit bias, custom processors, penalties (argmax-changing
+        transforms)."""
         if md.disallowed_mask is not None:
             logits.masked_fill_(md.disallowed_mask, float("-inf"))
         if md.banned is not None:
@@ -75,6 +76,12 @@ class Sampler:
         if md.logit_bias is not None:
             rows, bias = md.logit_bias  # zero where a token has no bias: x + 0 == x
             logits.index_add_(0, rows, bias)
+        for i, fns, output_ids in md.custom or ():
+            row = logits[i]
+            for fn in fns:
+                row = fn(output_ids, row)
+            if row.data_ptr() != logits[i].data_ptr():
+                logits[i] = row
         if md.penalties is not None:
             logits = apply_penalties(logits, md.penalties)
         return logits

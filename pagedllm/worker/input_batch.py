@@ -7,6 +7,8 @@ arrays with vectorized numpy, never per-token Python loops.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -26,7 +28,8 @@ class InputBatch:
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
-                 vocab_size: int, device: torch.device, num_kv_groups: int = 1) -> None:
+                 vocab_size: int, device: torch.device, num_kv_groups: int = 1,
+                 logits_processors: tuple[Any, ...] = ()) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = device
@@ -41,7 +44,8 @@ class InputBatch:
         self.num_blocks = np.zeros((num_kv_groups, max_num_reqs), dtype=np.int64)
         # Sampling parameters per row (scalars in arrays, extras in dicts).
         self.sampling = SamplingState(max_num_reqs, vocab_size, device, self.token_ids,
-                                      self.num_tokens, self.num_prompt_tokens)
+                                      self.num_tokens, self.num_prompt_tokens,
+                                      logits_processors)
         # Embedding rows (pooled, never sampled) and their pooling, by req_id.
         self.is_pooling = np.zeros(max_num_reqs, dtype=bool)
         self.pooling_params: dict[str, PoolingParams] = {}

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput, TokenLog
 from pagedllm.distributed.comm import broadcast, recv_from_prev_stage, send_to_next_stage
 from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.kernels.cpu.ops import cpu_ops_available
+from pagedllm.logits_process import ProcessorContext
 from pagedllm.models.layers.linear import pack_linear_weights
 from pagedllm.sample.logprobs import LogprobsTensors
 from pagedllm.sample.metadata import SamplingMetadata
@@ -260,7 +262,7 @@ class ModelRunner:
         max_blocks_per_req = -(-(self.max_model_len + 1) // self.block_size)
         self.input_batch = InputBatch(self.config.scheduler.max_num_seqs, self.max_model_len,
                                       max_blocks_per_req, self.vocab_size, self.device,
-                                      self.kv_layout.num_groups)
+                                      self.kv_layout.num_groups, self._logits_processors())
         if self._graphs_apply():
             # After the KV cache: the graphs hold its addresses.
             self.graphs = DecodeGraphs(self._forward, self.config.scheduler.max_num_seqs,
@@ -285,6 +287,12 @@ class ModelRunner:
         if reasons and self.parallel.is_driver:
             logger.info("decode steps run eagerly (no CUDA graphs): %s", ", ".join(reasons))
         return not reasons
+
+    def _logits_processors(self) -> tuple[Any, ...]:
+        """The engine's custom logits processors, one instance each (this worker's)."""
+        context = ProcessorContext(model_path=self.config.model.path,
+                                   vocab_size=self.vocab_size, device=self.device)
+        return tuple(cls(context) for cls in self.config.logits_processors)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.launch(so).get()

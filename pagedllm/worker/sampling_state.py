@@ -11,11 +11,14 @@ nothing in the sampler.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
 from pagedllm.attention.metadata import host_to_device
 from pagedllm.core.contracts import NewRequestData
+from pagedllm.logits_process import RequestLogitsProcessor
 from pagedllm.sample.metadata import PenaltyMetadata, SamplingMetadata
 from pagedllm.sample.ops import output_token_counts, skip_draws
 
@@ -23,7 +26,9 @@ from pagedllm.sample.ops import output_token_counts, skip_draws
 class SamplingState:
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device,
                  token_ids: np.ndarray, num_tokens: np.ndarray,
-                 num_prompt_tokens: np.ndarray) -> None:
+                 num_prompt_tokens: np.ndarray, logits_processors: tuple[Any, ...] = (),
+                 ) -> None:
+        """`logits_processors`: the engine's custom LogitsProcessor instances."""
         self.vocab_size = vocab_size
         self.device = device
         # Views of the InputBatch arrays (never reallocated): the token history.
@@ -64,6 +69,9 @@ class SamplingState:
         self.disallowed: dict[int, torch.Tensor] = {}
         # Per row, each bad word as (its tokens but the last, as an array; its last).
         self.bad_words: dict[int, list[tuple[np.ndarray, int]]] = {}
+        self.logits_processors = logits_processors
+        # Per row with any: the functions the custom processors gave its request.
+        self.custom: dict[int, list[RequestLogitsProcessor]] = {}
 
     # ------------------------------------------------------------------ rows
 
@@ -101,8 +109,15 @@ class SamplingState:
                                or row in self.bad_words)
         self._add_generator(row, new)
         self.has_grammar[row] = sp.structured_outputs is not None
+        # Asked again when a preempted request comes back (its function then sees the
+        # output so far).
+        custom = [fn for p in self.logits_processors
+                  if (fn := p.new_request(sp, new.prompt_token_ids)) is not None]
+        if custom:
+            self.custom[row] = custom
         self.is_plain_greedy[row] = (
             sp.is_greedy and not self.has_extra[row] and not self.has_grammar[row]
+            and not custom
             and row not in self.min_tokens_ids and self.num_logprobs[row] < 0
             and self.presence[row] == 0 and self.frequency[row] == 0
             and self.repetition[row] == 1)
@@ -140,7 +155,7 @@ class SamplingState:
 
     def remove(self, row: int) -> None:
         for extra in (self.generators, self.min_tokens_ids, self.logit_bias,
-                      self.disallowed, self.bad_words):
+                      self.disallowed, self.bad_words, self.custom):
             extra.pop(row, None)
         self.has_generator[row] = self.has_extra[row] = self.has_grammar[row] = False
         self.is_plain_greedy[row] = False
@@ -157,9 +172,10 @@ class SamplingState:
         ok = ((self.presence[rows] == 0) & (self.frequency[rows] == 0)
               & (self.repetition[rows] == 1) & ~self.has_grammar[rows]
               & (num_output >= self.min_tokens[rows]))
-        if self.bad_words:
-            ok &= np.fromiter((r not in self.bad_words for r in rows.tolist()), bool,
-                              len(rows))
+        for per_row in (self.bad_words, self.custom):
+            if per_row:
+                ok &= np.fromiter((r not in per_row for r in rows.tolist()), bool,
+                                  len(rows))
         return ok
 
     def has_prompt_logprobs(self) -> bool:
@@ -200,10 +216,23 @@ class SamplingState:
         md.banned = self._banned(rows)
         if self.has_extra[rows].any():
             md.logit_bias, md.disallowed_mask = self._bias_and_allowed(rows)
+        if self.custom:
+            md.custom = self._custom(rows)
         num_logprobs = self.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             md.max_num_logprobs = int(num_logprobs.max())
         return md
+
+    def _custom(self, rows: np.ndarray) -> list[tuple[int, list[Any], list[int]]] | None:
+        """(logits row, its functions, its output token ids) of the rows with custom
+        logits processors."""
+        custom = []
+        for i, row in enumerate(rows.tolist()):
+            fns = self.custom.get(row)
+            if fns is not None:
+                output = self.token_ids[row, self.num_prompt_tokens[row]:self.num_tokens[row]]
+                custom.append((i, fns, output.tolist()))
+        return custom or None
 
     def _penalties(self, rows: np.ndarray) -> PenaltyMetadata | None:
         presence, frequency = self.presence[rows], self.frequency[rows]

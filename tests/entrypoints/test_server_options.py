@@ -160,7 +160,9 @@ def plain():
     """A second server (plain HTTP) with the options the first cannot take."""
     srv = RemoteServer(["--max-model-len", "256", "--disable-fastapi-docs",
                         "--enable-request-id-headers", "--enable-force-include-usage",
-                        "--disable-log-requests", "--response-role", "bot"])
+                        "--disable-log-requests", "--response-role", "bot",
+                        "--logits-processors",
+                        "tests.engine.test_logits_processors:ForceToken"])
     yield srv
     srv.stop()
 
@@ -186,6 +188,29 @@ def test_docs_off_request_ids_and_forced_usage(plain):
         usage = json.loads(events[-1].removeprefix("data: "))["usage"]
         assert usage["completion_tokens"] == 3, path
     assert "Received request" not in plain.read_log()
+
+
+def test_logits_processors_and_vllm_xargs(plain):
+    """--logits-processors by qualified name; a request opts in with vllm_xargs (the
+    OpenAI client's extra_body), and a bad value is its 400."""
+    client = plain.openai_client()
+    out = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4,
+                                    logprobs=0, extra_body={"vllm_xargs": {"force": 42},
+                                                            "return_tokens_as_token_ids": True})
+    assert out.choices[0].logprobs.tokens == ["token_id:42"] * 4
+    chat = client.chat.completions.create(model=MODEL_NAME, max_tokens=3, logprobs=True,
+                                          messages=[{"role": "user", "content": "Hi"}],
+                                          extra_body={"vllm_xargs": {"force": 43},
+                                                      "return_tokens_as_token_ids": True})
+    assert [t.token for t in chat.choices[0].logprobs.content] == ["token_id:43"] * 3
+    # Without vllm_xargs the processor leaves the request alone.
+    plain_out = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4,
+                                          temperature=0)
+    assert plain_out.choices[0].text.strip()
+    r = httpx.post(plain.url + "/v1/completions", timeout=30, json={
+        "model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "vllm_xargs": {"force": -1}})
+    assert r.status_code == 400
+    assert "ForceToken: force must be a token id, got -1" in r.json()["error"]["message"]
 
 
 def test_response_role(plain):

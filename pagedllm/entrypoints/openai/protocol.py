@@ -148,6 +148,9 @@ class SamplingFields(RequestModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     request_id: str | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    """Arguments for the server's custom logits processors (--logits-processors):
+    SamplingParams.extra_args, as vLLM's."""
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
@@ -171,6 +174,7 @@ class SamplingFields(RequestModel):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "logit_bias": self.logit_bias, "allowed_token_ids": self.allowed_token_ids,
             "bad_words": self.bad_words, "prompt_logprobs": self.prompt_logprobs,
+            "extra_args": self.vllm_xargs,
         }
         structured = self.structured_outputs_kwargs()
         if structured is not None:
