@@ -165,7 +165,7 @@ CHAT_ONLY: dict[str, list[Any]] = {
     "function_call": ["auto"],
     "audio": [{"voice": "alloy"}],
     "modalities": [["audio"]],
-    "reasoning_effort": ["high"],
+    "reasoning_effort": ["maximal", 3],
     "chat_template_kwargs": [{"chat_template": "{{ 1 }}"}, {"tokenize": True}, "x",
                              {"x": DEEP_LIST}],
     "chat_template": ["{% if %}", "{{ raise_exception('no') }}", 5,

@@ -22,8 +22,10 @@ CALL = ['<tool_call>', '{"name":', '"get_weather",', '"arguments":', '{"city":',
 # go -> <think> hmm well </think> <tool_call> ... </tool_call>; hi -> hello there.
 SCRIPT = {"go": "<think>", "<think>": "hmm", "hmm": "well", "well": "</think>",
           "</think>": CALL[0], **dict(zip(CALL, CALL[1:])), "hi": "hello",
-          "hello": "there", "sunny": "ok"}
-TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+          "hello": "there", "sunny": "ok", "low": "brief", "high": "long"}
+# A template that reads reasoning_effort when given: the reply follows its last word.
+TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+            "{% if reasoning_effort is defined %}{{ reasoning_effort }}{% endif %}")
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "boolean"}},
@@ -240,7 +242,7 @@ def test_truncation_auto_drops_the_oldest_turns(scripted):
      "`include` 'reasoning.encrypted_content' is not supported by this server (only "
      "'message.output_text.logprobs')"),
     ({"include": LOGPROBS, "top_logprobs": 21}, "top_logprobs"),
-    ({"reasoning": {"effort": "high"}}, "`reasoning` is not supported"),
+    ({"reasoning": {"summary": "concise"}}, "reasoning.summary 'concise' is not supported"),
     ({"truncation": "middle"}, "truncation"),
     ({"background": True}, "background: true needs the server's response store"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
@@ -408,3 +410,35 @@ def test_input_items_of_a_stored_response(scripted):
         assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
     r = httpx.get(f"{scripted.url}/v1/responses/resp_nope/input_items", timeout=10)
     assert r.status_code == 404
+
+
+def test_reasoning_effort_reaches_the_template(scripted):
+    """Chat's reasoning_effort and Responses' reasoning.effort are the template's
+    `reasoning_effort` (chat_template_kwargs win); a summary other than "auto" is a 400
+    (none is written)."""
+    client = scripted.openai_client()
+    hi = [{"role": "user", "content": "x </think> hi"}]
+
+    def chat(**kwargs) -> str:
+        return client.chat.completions.create(model="scripted", messages=hi, temperature=0,
+                                              **kwargs).choices[0].message.content.strip()
+
+    assert chat() == "hello there"
+    assert chat(reasoning_effort="low") == "brief"
+    assert chat(reasoning_effort="low",
+                extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}}) == "long"
+    response = client.responses.create(model="scripted", input=hi, temperature=0,
+                                       reasoning={"effort": "low", "summary": "auto"})
+    assert response.output_text.strip() == "brief"
+    assert response.reasoning.effort == "low" and response.reasoning.summary == "auto"
+    plain = client.responses.create(model="scripted", input=hi, temperature=0)
+    assert plain.output_text.strip() == "hello there" and plain.reasoning is None
+    for body, fragment in (({"reasoning": {"summary": "detailed"}},
+                            "reasoning.summary 'detailed' is not supported"),
+                           ({"reasoning": {"effort": "huge"}}, "reasoning.effort")):
+        r = httpx.post(f"{scripted.url}/v1/responses", timeout=30,
+                       json={"model": "scripted", "input": "hi"} | body)
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{scripted.url}/v1/chat/completions", timeout=30, json={
+        "model": "scripted", "messages": hi, "reasoning_effort": "maximal"})
+    assert r.status_code == 400 and "reasoning_effort" in r.json()["error"]["message"]

@@ -91,6 +91,10 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool | None = False
 
 
+# OpenAI's reasoning_effort values (chat; Responses' reasoning.effort).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+
+
 # ------------------------------------------------------------------ sampling fields
 
 # vLLM's older constraint fields, and the structured_outputs key each stands for.
@@ -380,6 +384,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
     """With --reasoning-parser: False leaves the reasoning out of the reply."""
+    reasoning_effort: ReasoningEffort | None = None
+    """Given to the chat template as `reasoning_effort` (unless chat_template_kwargs sets
+    it): templates that read it (gpt-oss's) set the model's reasoning budget with it;
+    others render as without it."""
     # Tool calling (tool_protocol.py; serving: tool_calling.py)
     tools: list[ToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -396,7 +404,6 @@ class ChatCompletionRequest(SamplingFields):
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
-    reasoning_effort: Any = None
     web_search_options: Any = None
     verbosity: Any = None
 

@@ -88,7 +88,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
-    "reasoning_effort": (None,), "web_search_options": (None,), "verbosity": (None,),
+    "web_search_options": (None,), "verbosity": (None,),
     "refusal": (None,), "annotations": (None, []),
 }
 

@@ -21,7 +21,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (Field, TypeAdapter, ValidationError, field_validator,
                       model_validator)
 
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatLogprobToken
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatLogprobToken,
+                                                  ReasoningEffort)
 from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel
 from pagedllm.errors import InvalidRequestError
 
@@ -127,6 +128,28 @@ InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem
 INPUT_ITEMS = TypeAdapter(list[InputItem])
 
 
+class ReasoningOptions(RequestModel):
+    """`reasoning`: the effort goes to the chat template as `reasoning_effort` (as the
+    chat API's); no summaries are written (the reasoning itself comes back as
+    reasoning_text), so a summary is accepted only as "auto" (the model's choice)."""
+
+    effort: ReasoningEffort | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+    """OpenAI's older name of summary."""
+
+    @model_validator(mode="after")
+    def _no_summary_asked(self) -> ReasoningOptions:
+        for name in ("summary", "generate_summary"):
+            value = getattr(self, name)
+            if value not in (None, "auto"):
+                raise InvalidRequestError(
+                    f"reasoning.{name} {value[:40]!r} is not supported by this server (it "
+                    f"writes no summaries: the reasoning itself comes back as "
+                    f"reasoning_text; \"auto\" is accepted)")
+        return self
+
+
 class FunctionTool(RequestModel):
     type: Literal["function"]
     name: str
@@ -188,7 +211,7 @@ class ResponsesRequest(RequestModel):
     # service_tier: UNSUPPORTED_FIELDS; the others: _nothing_asked).
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningOptions | None = None
     truncation: Literal["auto", "disabled"] | None = None
     """"auto": a conversation too long for the context drops its oldest turns (whole
     user turns: a call's output never outlives its call) until it fits."""
@@ -224,10 +247,6 @@ class ResponsesRequest(RequestModel):
         if other:
             raise InvalidRequestError(f"`include` {other[0][:80]!r} is not supported by this "
                                       f"server (only {OUTPUT_LOGPROBS!r})")
-        for name, neutral in (("reasoning", (None, {})),):
-            if getattr(self, name) not in neutral:
-                raise InvalidRequestError(f"`{name}` is not supported by this server "
-                                          f"(got {str(getattr(self, name))[:80]!r})")
         return self
 
     @property
@@ -264,6 +283,8 @@ class ResponsesRequest(RequestModel):
                      "priority", "timeout", "seed", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "chat_template_kwargs"):
             body[name] = getattr(self, name)
+        if self.reasoning is not None:
+            body["reasoning_effort"] = self.reasoning.effort
         if self.wants_logprobs:
             body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
         if self.tools:
@@ -429,3 +450,4 @@ class ResponseObject(OpenAIBaseModel):
     store: bool = False
     previous_response_id: str | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
+    reasoning: dict[str, Any] | None = None

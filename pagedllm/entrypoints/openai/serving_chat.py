@@ -163,7 +163,7 @@ class OpenAIServingChat(OpenAIServing):
         plan = plan_tools(request, self.serve_config)
         text, ids, sources = await self.render_chat(
             request.messages, request.add_generation_prompt, request.continue_final_message,
-            request.chat_template, request.chat_template_kwargs, tools=plan.template_tools)
+            request.chat_template, template_kwargs(request), tools=plan.template_tools)
         images = await self.preprocess_images(sources)
         if images and request.truncate_prompt_tokens is not None:
             raise InvalidRequestError("truncate_prompt_tokens cannot be used with images "
@@ -456,3 +456,11 @@ def _text_bytes(content: str | list[dict[str, Any]]) -> int:
     if isinstance(content, str):
         return len(content.encode("utf-8"))
     return sum(len(p.get("text", "").encode("utf-8")) for p in content)
+
+
+def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The request's chat_template_kwargs, with its reasoning_effort unless they set it."""
+    if request.reasoning_effort is None:
+        return request.chat_template_kwargs
+    return {"reasoning_effort": request.reasoning_effort} | (request.chat_template_kwargs
+                                                              or {})

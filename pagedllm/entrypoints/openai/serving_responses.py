@@ -335,7 +335,9 @@ class OpenAIServingResponses(OpenAIServingChat):
                   if request.text is not None else {"format": {"type": "text"}}),
             user=request.user, metadata=request.metadata, store=self._stores(request),
             previous_response_id=request.previous_response_id,
-            truncation=request.truncation or "disabled")
+            truncation=request.truncation or "disabled",
+            reasoning=(request.reasoning.model_dump(exclude={"generate_summary"})
+                       if request.reasoning is not None else None))
 
     def _text_logprobs(self, request: ResponsesRequest, token_ids: list[int],
                        logprobs: list | None, reasoned: bool, start: int = 0,
