@@ -344,6 +344,9 @@ class DeviceConfig:
     own cores. None: the process's affinity is left as it is."""
     device_index: int = 0
     """CUDA: which GPU (a data parallel replica's own)."""
+    enable_sleep_mode: bool = False
+    """Whether an idle engine may be put to sleep (release its KV cache, and at level 2
+    its weights) and woken up."""
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")

@@ -28,3 +28,13 @@ class ConfigError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine core stopped; in-flight and new requests fail with this."""
+
+
+class EngineSleepingError(RuntimeError):
+    """A request sent while the engine sleeps (sleep mode): wake it up first (the server
+    answers 503)."""
+
+
+class EngineBusyError(RuntimeError):
+    """Something only an idle engine can do (going to sleep) asked while requests are
+    unfinished (the server answers 409)."""

@@ -145,6 +145,11 @@ class EngineArgs:
     compile: bool = _arg(False, "compile the model with torch.compile (inductor; graphs "
                                 "cached on disk). Off by default: on CPU the eager path with "
                                 "native kernels is as fast and starts in seconds")
+    enable_sleep_mode: bool = _arg(
+        False, "allow LLM.sleep() / wake_up() (server: POST /sleep and /wake_up, GET "
+               "/is_sleeping): an idle engine releases its KV cache (level 1) and its "
+               "weights too (level 2: read again from the model's files when woken; on "
+               "CUDA, level 1 moves the weights to host memory)")
     enforce_eager: bool = _arg(False, "CUDA: run every step eagerly, without capturing CUDA "
                                       "graphs for decode steps")
     async_scheduling: bool | None = _arg(
@@ -306,7 +311,8 @@ class EngineArgs:
         device_config = DeviceConfig(
             device=device, attention_backend=backend,
             num_threads=_resolve_num_threads(self.num_threads), compile=self.compile,
-            compile_cache_dir=str(cache_root() / "inductor"), enforce_eager=self.enforce_eager)
+            compile_cache_dir=str(cache_root() / "inductor"), enforce_eager=self.enforce_eager,
+            enable_sleep_mode=self.enable_sleep_mode)
         parallel = self._parallel_config(hf_config, device)
         speculative = self._speculative_config(parallel, model, device)
         sched.async_scheduling = self._resolve_async_scheduling(parallel, speculative,

@@ -17,6 +17,7 @@ If the core process dies, every waiting request gets EngineDeadError within
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import pickle
 from collections.abc import AsyncIterator
@@ -29,7 +30,7 @@ from pagedllm.engine.core_proc import EngineCoreOutputs
 from pagedllm.engine.dp_client import make_core_client
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_collector import RequestOutputCollector
-from pagedllm.errors import EngineDeadError, InvalidRequestError
+from pagedllm.errors import EngineDeadError, EngineSleepingError, InvalidRequestError
 from pagedllm.inputs import PromptType
 from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
@@ -86,6 +87,8 @@ class AsyncLLM:
         # (engine_index, call_id) -> the utility call's result, to come.
         self._utility_futures: dict[tuple[int, int], asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
+        # Sleep mode: True from a sleep call until the core says all is awake again.
+        self._sleeping = False
 
     @classmethod
     async def from_engine_args(cls, args: EngineArgs, model_name: str = "",
@@ -170,6 +173,8 @@ class AsyncLLM:
         never iterated must be aborted with `abort(request_id)`.
         """
         self.check_health()
+        if self._sleeping:
+            raise EngineSleepingError("the engine is asleep: wake it up first (POST /wake_up)")
         if request_id in self._collectors:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         # Embedding requests (PoolingParams) have one output, their last.
@@ -221,12 +226,12 @@ class AsyncLLM:
             pass
         self._drain_local_finishes()
 
-    async def call_utility(self, method: str) -> Any:
+    async def call_utility(self, method: str, *args: Any) -> Any:
         """Run a utility on the core ("get_stats", "reset_prefix_cache", "ping",
-        "kv_snapshot")."""
+        "kv_snapshot", "sleep", "wake_up", "is_sleeping")."""
         self.check_health()
         # One call per data parallel replica (one key), their results combined.
-        keys = self.core_client.call_utility(method)
+        keys = self.core_client.call_utility(method, *args)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in keys]
         self._utility_futures.update(zip(keys, futures))
@@ -239,6 +244,29 @@ class AsyncLLM:
             if isinstance(result, BaseException):
                 raise result
         return self.core_client.combine_utility(method, results)
+
+    # ------------------------------------------------------------------ sleep mode
+
+    async def sleep(self, level: int = 1) -> None:
+        """EngineCore.sleep in the core (every replica). New requests are refused from
+        the call on (EngineSleepingError), so none slips in while it goes to sleep; if
+        it cannot (busy, a bad level), whatever slept is woken and requests flow again."""
+        self._sleeping = True
+        try:
+            await self.call_utility("sleep", level)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.call_utility("wake_up", None)
+            self._sleeping = False
+            raise
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """EngineCore.wake_up (every replica); requests flow again once all is awake."""
+        await self.call_utility("wake_up", tags)
+        self._sleeping = await self.call_utility("is_sleeping")
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self.call_utility("is_sleeping"))
 
     # ------------------------------------------------------------------ output loop
 

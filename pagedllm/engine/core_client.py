@@ -256,12 +256,12 @@ class EngineCoreClient:
             raise EngineDeadError(self.dead_reason)
         return None
 
-    def call_utility(self, method: str) -> list[tuple[int, int]]:
+    def call_utility(self, method: str, *args: Any) -> list[tuple[int, int]]:
         """Send a utility call; its result comes back in an output batch under the key
         (engine_index, call_id) returned (a list: the data parallel client's has one
         key per replica)."""
         self._call_ids += 1
-        self._send(UtilityCall(call_id=self._call_ids, method=method))
+        self._send(UtilityCall(call_id=self._call_ids, method=method, args=list(args)))
         return [(self.engine_index, self._call_ids)]
 
     @staticmethod

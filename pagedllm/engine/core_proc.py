@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from pagedllm.config import EngineConfig
-from pagedllm.errors import ConfigError, InvalidRequestError, ModelLoadError
+from pagedllm.errors import ConfigError, EngineBusyError, InvalidRequestError, ModelLoadError
 from pagedllm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class UtilityCall(msgspec.Struct, tag="utility"):
     call_id: int
     method: str
     """One of EngineCoreProc.UTILITIES."""
+    args: list[Any] = []
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -154,7 +155,8 @@ CoreOutput = EngineCoreOutputs | EngineReady | EngineDead
 class EngineCoreProc:
     """Runs an EngineCore and serves the sockets until Shutdown or the parent exits."""
 
-    UTILITIES = ("get_stats", "reset_prefix_cache", "ping", "kv_snapshot")
+    UTILITIES = ("get_stats", "reset_prefix_cache", "ping", "kv_snapshot", "sleep",
+                 "wake_up", "is_sleeping")
 
     def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
                  parent_pid: int) -> None:
@@ -328,6 +330,11 @@ class EngineCoreProc:
             return self.core.reset_prefix_cache()
         if call.method == "ping":
             return "pong"
+        if call.method in ("sleep", "wake_up", "is_sleeping"):
+            try:
+                return getattr(self.core, call.method)(*call.args)
+            except (ValueError, EngineBusyError) as e:  # the caller's: answered, not fatal
+                return e
         if call.method == "kv_snapshot":
             # The dashboard's block grid: built only when asked (the front end caches
             # it and asks a few times a second at most), never in the step loop.

@@ -192,8 +192,8 @@ class DPEngineCoreClient:
                 raise EngineDeadError(self.dead_reason)
         return self._received.popleft() if self._received else None
 
-    def call_utility(self, method: str) -> list[tuple[int, int]]:
-        return [key for client in self.clients for key in client.call_utility(method)]
+    def call_utility(self, method: str, *args: Any) -> list[tuple[int, int]]:
+        return [key for client in self.clients for key in client.call_utility(method, *args)]
 
     def scheduler_stats(self, batch: EngineCoreOutputs) -> SchedulerStats:
         """The replicas' latest states summed (KV usage: of all their blocks)."""
@@ -227,6 +227,8 @@ def combine_utility(method: str, results: list[Any]) -> Any:
         return out | {"replicas": results}
     if method == "reset_prefix_cache":
         return all(results)
+    if method == "is_sleeping":
+        return any(results)
     if method == "kv_snapshot":
         from pagedllm.core.kv_snapshot import concat_snapshots
 

@@ -32,7 +32,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.structured_output import StructuredOutputManager
-from pagedllm.errors import InvalidRequestError
+from pagedllm.errors import (ConfigError, EngineBusyError, EngineSleepingError,
+                             InvalidRequestError)
 from pagedllm.executor.executor import create_executor
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sample.structured_output import GrammarManager
@@ -40,9 +41,15 @@ from pagedllm.sample.structured_output import GrammarManager
 logger = logging.getLogger(__name__)
 
 
+# What sleep releases and wake_up takes back (vLLM's tags).
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Sleep mode: the released parts (SLEEP_TAGS), empty while awake.
+        self.asleep: set[str] = set()
         self.executor = create_executor(config)
         self.num_blocks = self.executor.determine_num_blocks()
         # Host blocks of swap preemption (0 unless preemption_mode is "swap").
@@ -83,6 +90,9 @@ class EngineCore:
         `sibling_of`: the first request of its n > 1 fan-out (data parallel replicas
         keep a fan-out together, for its shared prompt blocks; one engine has no use
         for it)."""
+        if self.asleep:
+            raise EngineSleepingError("the engine is asleep: wake it up first (LLM.wake_up(), "
+                                      "or POST /wake_up on the server)")
         if request.req_id in self.structured_output:
             raise InvalidRequestError(f"request id {request.req_id!r} is already in use")
         self.scheduler.check_request(request)
@@ -204,6 +214,47 @@ class EngineCore:
         """Forget every cached prefix block; only when no request holds a block (False:
         nothing was reset)."""
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ sleep mode
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache (level 1), and the weights too (level 2), until
+        `wake_up`. Needs enable_sleep_mode and an idle engine; the prefix cache is reset
+        (its blocks' contents are gone). Asleep, the engine refuses requests."""
+        if not self.config.device.enable_sleep_mode:
+            raise ConfigError("sleep mode is off: build the engine with "
+                              "enable_sleep_mode=True (pagedllm serve --enable-sleep-mode)")
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 (release the KV cache) or 2 "
+                                      f"(the weights too), got {level!r}")
+        if self.has_unfinished_requests():
+            num = self.scheduler.num_running + self.scheduler.num_waiting + self.num_compiling
+            raise EngineBusyError(f"{num} requests are unfinished: the engine sleeps only "
+                                  f"when idle")
+        self.reset_prefix_cache()
+        self.executor.sleep(level)
+        self.asleep |= {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what sleep released: `tags` of "weights" and "kv_cache" (default
+        both; the KV cache needs the weights awake). Awake, it takes requests again."""
+        tags = list(SLEEP_TAGS if tags is None else tags)
+        unknown = [t for t in tags if t not in SLEEP_TAGS]
+        if unknown or not tags:
+            raise InvalidRequestError(f"wake_up tags must be among {list(SLEEP_TAGS)}, got "
+                                      f"{tags!r}")
+        if "kv_cache" in tags and "weights" in self.asleep and "weights" not in tags:
+            raise InvalidRequestError("wake the weights up before the KV cache (the cache "
+                                      "is laid out by the model's layers)")
+        self.executor.wake_up(tags)
+        self.asleep -= set(tags)
+        if self.asleep:  # the weights awake, the cache not yet: still refusing requests
+            logger.info("woke up %s; still asleep: %s", ", ".join(tags),
+                        ", ".join(sorted(self.asleep)))
+
+    def is_sleeping(self) -> bool:
+        """Whether any part is asleep (requests are refused until all is awake)."""
+        return bool(self.asleep)
 
     def shutdown(self) -> None:
         self.structured_output.shutdown()

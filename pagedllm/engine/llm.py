@@ -57,6 +57,21 @@ class LLM:
         Between `generate` calls no request holds blocks, so it always is."""
         return self.llm_engine.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """Release memory until `wake_up` (needs enable_sleep_mode=True, as vLLM's):
+        level 1 the KV cache, level 2 the weights too (read again from the model's
+        files when woken; on CUDA level 1 moves the weights to host memory). The prefix
+        cache starts empty after; requests are refused while asleep."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what `sleep` released: `tags` among "weights" and "kv_cache"
+        (default both; e.g. the weights first, updated, then the cache)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling params: the model's
         generation config's defaults (see EngineArgs.generation_config), else

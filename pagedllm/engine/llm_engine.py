@@ -14,7 +14,7 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import DeferredSiblings, fan_out
-from pagedllm.errors import ConfigError, InvalidRequestError
+from pagedllm.errors import ConfigError, EngineBusyError, InvalidRequestError
 from pagedllm.inputs import PromptType
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -140,6 +140,19 @@ class LLMEngine:
         """Forget every cached prefix block (True), unless a request still holds blocks
         (False)."""
         return self.engine_core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """EngineCore.sleep: release the KV cache (and at level 2 the weights)."""
+        if len(self.deferred):
+            raise EngineBusyError(f"{len(self.deferred)} requests are unfinished: the "
+                                  f"engine sleeps only when idle")
+        self.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

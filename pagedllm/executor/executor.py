@@ -38,6 +38,14 @@ class Executor(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
                       ) -> ModelRunnerOutput | StepFuture: ...
 
+    def sleep(self, level: int) -> None:
+        """Release the KV cache (and at level 2 the weights) of every runner."""
+        ...
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Take back what sleep released ("weights", "kv_cache")."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -75,6 +83,12 @@ class InProcExecutor:
             return launched.get()
         future = StepFuture(lambda: future.set_result(launched.get()))
         return future
+
+    def sleep(self, level: int) -> None:
+        self.runner.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.runner.wake_up(tags)
 
     def shutdown(self) -> None:
         pass

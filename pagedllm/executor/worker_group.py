@@ -34,3 +34,9 @@ class WorkerGroupExecutor:
 
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
         self._call_all("initialize_kv_cache", num_blocks, num_swap_blocks)
+
+    def sleep(self, level: int) -> None:
+        self._call_all("sleep", level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self._call_all("wake_up", tags)

@@ -237,6 +237,10 @@ class LlamaModel(Module):
             x = layer(positions, x, attn_metadata)
         return self.norm(x) if self.parallel.is_last_stage else x
 
+    def unbind_kv_cache(self) -> None:
+        """Forget the native stack (it holds the KV cache; rebuilt on the next forward)."""
+        self._native = None
+
     def _native_layers(self, x: torch.Tensor,
                        attn_metadata: AttentionMetadata | None) -> NativeLlamaLayers | None:
         # attn_metadata None: a compiled forward (torch.compile traces the Python layers).

@@ -278,6 +278,18 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int,
     return caches
 
 
+def unbind_kv_cache(model: nn.Module) -> None:
+    """Drop every reference `model` holds to its KV cache (sleep mode frees it): the
+    attention layers', and what modules built on them (the native layer stack), which
+    modules with such state clear in their own `unbind_kv_cache()`."""
+    for layer in attention_layers(model):
+        layer.kv_cache = None
+    for module in model.modules():
+        unbind = getattr(module, "unbind_kv_cache", None)
+        if callable(unbind):
+            unbind()
+
+
 def _check_host_memory(num_blocks: int, bytes_per_block: int) -> None:
     """Refuse a CPU KV cache larger than the machine's memory. Its pages are mapped
     lazily (`lazy_zeros`), so one that is merely too large would start and be killed

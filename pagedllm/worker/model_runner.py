@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -32,7 +33,8 @@ from pagedllm.worker.invariance import batch_invariance_caveat
 from pagedllm.worker.mm_encoder import ImageEncoderCache
 from pagedllm.worker.memory import (allocate_kv_cache, attention_layers,
                                     determine_num_blocks, determine_num_swap_blocks,
-                                    kv_bytes_per_block, peak_allocated_bytes, profile_batch)
+                                    kv_bytes_per_block, peak_allocated_bytes, profile_batch,
+                                    unbind_kv_cache)
 from pagedllm.worker.model_loader import load_model
 from pagedllm.worker.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from pagedllm.worker.deferred_sample import DeferredSample, HostCopy
@@ -45,7 +47,7 @@ from pagedllm.worker.step_inputs import (StepInputs, apply_grammar, grammar_rows
                                          slot_tables, token_positions, verify_rows,
                                          write_drafts)
 from pagedllm.worker.swap import allocate_host_kv_cache, swap_blocks
-from pagedllm.worker.weight_pages import move_to_huge_pages
+from pagedllm.worker.weight_pages import move_to_huge_pages, trim_heap
 
 logger = logging.getLogger(__name__)
 
@@ -96,30 +98,14 @@ class ModelRunner:
         self.max_model_len = config.scheduler.max_model_len
         if self.device.type == "cpu":
             torch.set_num_threads(config.device.num_threads)
-        self.model = load_model(config.model, config.device.attention_backend,
-                                self.device, self.dtype, parallel)
-        # model(input_ids, positions, attn_metadata) -> hidden, eager or compiled.
-        self._forward = self.model
+        if config.device.compile and parallel.pp_size > 1:
+            raise ValueError("compile is not supported with pipeline parallelism")
         # Under PP: the send of the last step's hidden states, in flight (Work, tensor).
         self._pending_send: tuple[object, torch.Tensor] | None = None
         self.hidden_size = config.model.hf_config.hidden_size
-        if config.device.compile:
-            if parallel.pp_size > 1:
-                raise ValueError("compile is not supported with pipeline parallelism")
-            from pagedllm.worker.compile import CompiledForward
-
-            self._forward = CompiledForward(self.model, Path(config.device.compile_cache_dir))
-        elif self.device.type == "cpu":
-            # Eager CPU: oneDNN-packed weights (compiled graphs pack their own), the
-            # native kernels' on huge pages.
-            pack_linear_weights(self.model)
-            move_to_huge_pages(self.model)
         self.vocab_size = config.model.hf_config.vocab_size
-        # Prompt rows on other kernels than generated ones (worker/prompt_rows.py; None:
-        # every row alike): the step's marks, bound around each forward pass for the
-        # Python layers' linears.
-        self._step_rows = attach_step_rows(self.model, self.dtype, self.device,
-                                           config.device.compile)
+        self.sampler = Sampler()
+        self._build_model()
         if self._step_rows is not None and parallel.is_driver:
             logger.info("quantized GEMM: prompt tokens on AMX bfloat16 tiles, generated "
                         "tokens on the int8 kernels (PAGEDLLM_CPU_QUANT_GEMM=int8 | "
@@ -128,19 +114,6 @@ class ModelRunner:
         if caveat is not None and parallel.is_driver:
             logger.info("outputs may differ with batching, chunked prefill and prefix "
                         "caching: %s", caveat)
-        self.sampler = Sampler()
-        # LoRA adapters per request (None: LoRA off).
-        self.lora = None
-        if config.lora is not None:
-            self.lora = LoRAManager(self.model, config.lora, config.model.hf_config,
-                                    self.device)
-        # Speculative decoding (None: off).
-        proposer = make_proposer(config, self.device, self.dtype)
-        self.spec = (SpecDecoder(proposer, self.sampler, parallel, self.device)
-                     if proposer is not None else None)
-        # Image features of multimodal prompts (None: the model takes no images).
-        self.images = (ImageEncoderCache(self.model, self.device)
-                       if getattr(self.model, "is_multimodal", False) else None)
         # KV cache groups (sliding-window layers get their own block tables): the same
         # layout on every worker and in the scheduler; this worker's layers start at
         # first_layer of the whole model (pipeline parallelism).
@@ -158,6 +131,45 @@ class ModelRunner:
         # device). Launched steps whose ids are not read yet, oldest first.
         self.async_scheduling = config.scheduler.async_scheduling
         self._unread: list[DeferredSample] = []
+        # Sleep mode: what is released ("weights", "kv_cache"), and the KV sizes to
+        # allocate again on waking.
+        self.asleep: set[str] = set()
+        self._kv_sizes = (0, 0)
+
+    def _build_model(self) -> None:
+        """Load the model and what holds it (at start-up, and waking from sleep level 2:
+        read again from the model's files)."""
+        config, parallel = self.config, self.parallel
+        self.model = load_model(config.model, config.device.attention_backend,
+                                self.device, self.dtype, parallel)
+        # model(input_ids, positions, attn_metadata) -> hidden, eager or compiled.
+        self._forward = self.model
+        if config.device.compile:
+            from pagedllm.worker.compile import CompiledForward
+
+            self._forward = CompiledForward(self.model, Path(config.device.compile_cache_dir))
+        elif self.device.type == "cpu":
+            # Eager CPU: oneDNN-packed weights (compiled graphs pack their own), the
+            # native kernels' on huge pages.
+            pack_linear_weights(self.model)
+            move_to_huge_pages(self.model)
+        # Prompt rows on other kernels than generated ones (worker/prompt_rows.py; None:
+        # every row alike): the step's marks, bound around each forward pass for the
+        # Python layers' linears.
+        self._step_rows = attach_step_rows(self.model, self.dtype, self.device,
+                                           config.device.compile)
+        # LoRA adapters per request (None: LoRA off).
+        self.lora = None
+        if config.lora is not None:
+            self.lora = LoRAManager(self.model, config.lora, config.model.hf_config,
+                                    self.device)
+        # Speculative decoding (None: off).
+        proposer = make_proposer(config, self.device, self.dtype)
+        self.spec = (SpecDecoder(proposer, self.sampler, parallel, self.device)
+                     if proposer is not None else None)
+        # Image features of multimodal prompts (None: the model takes no images).
+        self.images = (ImageEncoderCache(self.model, self.device)
+                       if getattr(self.model, "is_multimodal", False) else None)
 
     def _draft(self) -> DraftModelProposer | None:
         """The draft model of speculative decoding, if it has one."""
@@ -246,6 +258,20 @@ class ModelRunner:
                                          self._draft_bytes_per_block())
 
     def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
+        self._kv_sizes = (num_blocks, num_swap_blocks)
+        self._allocate_kv_cache()
+        self.input_batch = InputBatch(self.config.scheduler.max_num_seqs, self.max_model_len,
+                                      self._max_blocks_per_req, self.vocab_size, self.device,
+                                      self.kv_layout.num_groups, self._logits_processors())
+
+    @property
+    def _max_blocks_per_req(self) -> int:
+        return -(-(self.max_model_len + 1) // self.block_size)
+
+    def _allocate_kv_cache(self) -> None:
+        """The KV cache (and the swap pool) of `_kv_sizes`, bound to the layers, and the
+        decode graphs that read it."""
+        num_blocks, num_swap_blocks = self._kv_sizes
         self.kv_caches = allocate_kv_cache(self.model, num_blocks, self.block_size,
                                            self.kv_cache_dtype, self.device, self.kv_layout,
                                            self.first_layer)
@@ -259,15 +285,53 @@ class ModelRunner:
                                                 self.block_size, self.kv_cache_dtype,
                                                 self.device)
         self.host_kv_caches = allocate_host_kv_cache(self.kv_caches, num_swap_blocks)
-        max_blocks_per_req = -(-(self.max_model_len + 1) // self.block_size)
-        self.input_batch = InputBatch(self.config.scheduler.max_num_seqs, self.max_model_len,
-                                      max_blocks_per_req, self.vocab_size, self.device,
-                                      self.kv_layout.num_groups, self._logits_processors())
         if self._graphs_apply():
             # After the KV cache: the graphs hold its addresses.
             self.graphs = DecodeGraphs(self._forward, self.config.scheduler.max_num_seqs,
-                                       max_blocks_per_req, self.kv_layout.num_groups,
+                                       self._max_blocks_per_req, self.kv_layout.num_groups,
                                        self.max_model_len, self.device, CudaGraphCapture())
+
+    # ------------------------------------------------------------------ sleep mode
+
+    def sleep(self, level: int) -> None:
+        """Release the KV cache (its contents are lost: the engine is idle and its
+        prefix cache reset) and, at level 2, the weights; on CUDA level 1 moves the
+        weights to host memory instead. The engine checks the arguments."""
+        models = [m for m in (self.model, getattr(self._draft(), "model", None)) if m]
+        for model in models:
+            unbind_kv_cache(model)
+        self.kv_caches, self.host_kv_caches, self.graphs = [], [], None
+        self.asleep.add("kv_cache")
+        if level == 2:
+            self.model = self._forward = self._step_rows = None
+            self.lora = self.spec = self.images = None
+            self.asleep.add("weights")
+        elif self.device.type == "cuda":
+            for model in models:
+                model.to("cpu")
+            self.asleep.add("weights")
+        del models
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            trim_heap()  # what glibc keeps of the freed allocations goes back too
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Take back what sleep released, of "weights" and "kv_cache" (weights first:
+        the cache is laid out by the model's layers; the engine checks that)."""
+        if "weights" in tags and "weights" in self.asleep:
+            if self.model is None:
+                self._build_model()
+            else:
+                for model in (self.model, getattr(self._draft(), "model", None)):
+                    if model is not None:
+                        model.to(self.device)
+            self.asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.asleep:
+            self._allocate_kv_cache()
+            self.asleep.discard("kv_cache")
+
 
     def _graphs_apply(self) -> bool:
         """Whether decode steps replay CUDA graphs: on CUDA with the triton backend,

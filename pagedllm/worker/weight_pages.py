@@ -32,7 +32,7 @@ from pagedllm.worker.memory import lazy_zeros
 _WEIGHT_ATTRS = ("native_weight", "quant_weight")
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _ALIGN = 64  # a cache line: what torch's CPU allocator aligns to
-# Bytes copied between two heap trims (see _trim_heap): bounds the memory held twice.
+# Bytes copied between two heap trims (see trim_heap): bounds the memory held twice.
 _TRIM_EVERY = 32 << 20
 
 
@@ -107,13 +107,13 @@ def move_to_huge_pages(model: nn.Module) -> int:
         offset += slot
         untrimmed += size
         if untrimmed >= _TRIM_EVERY:
-            _trim_heap()
+            trim_heap()
             untrimmed = 0
-    _trim_heap()
+    trim_heap()
     return sum(sizes)
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Return freed heap memory to the OS. glibc serves allocations below its (adaptive,
     up to 32 MiB) mmap threshold from the heap and keeps them there once freed, so
     without this the replaced weights stayed resident: measured +350 MB RSS for the

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 
 # 64 blocks (63 usable) per replica.
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "64",
-               "--data-parallel-size", "2", "--metrics-without-key"]
+               "--data-parallel-size", "2", "--metrics-without-key", "--enable-sleep-mode"]
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +149,20 @@ def test_dashboard_grid_shows_both_pools(server):
     assert kv["num_blocks"] == 128
     assert kv["num_free"] + kv["num_cached"] + kv["num_in_use"] == 126
     assert state["stats"]["num_blocks"] == 128
+
+
+def test_both_replicas_sleep_and_wake(server):
+    assert httpx.post(server.url + "/sleep", params={"level": 2}, timeout=60).status_code == 200
+    assert httpx.get(server.url + "/is_sleeping").json() == {"is_sleeping": True}
+    r = httpx.post(server.url + "/v1/completions", timeout=30,
+                   json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503
+    assert httpx.post(server.url + "/wake_up", timeout=120).status_code == 200
+    assert httpx.get(server.url + "/is_sleeping").json() == {"is_sleeping": False}
+    # Both replicas serve again: two requests at once land on both.
+    outs = _concurrently(lambda p: _complete(server, {"prompt": p, "max_tokens": 4,
+                                                      "temperature": 0}), ["a b", "a b"])
+    assert outs[0]["choices"][0]["text"] == outs[1]["choices"][0]["text"]
 
 
 # Runs last in this module: it kills a replica.

@@ -162,7 +162,8 @@ def plain():
                         "--enable-request-id-headers", "--enable-force-include-usage",
                         "--disable-log-requests", "--response-role", "bot",
                         "--logits-processors",
-                        "tests.engine.test_logits_processors:ForceToken"])
+                        "tests.engine.test_logits_processors:ForceToken",
+                        "--enable-sleep-mode"])
     yield srv
     srv.stop()
 
@@ -211,6 +212,49 @@ def test_logits_processors_and_vllm_xargs(plain):
         "model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "vllm_xargs": {"force": -1}})
     assert r.status_code == 400
     assert "ForceToken: force must be a token id, got -1" in r.json()["error"]["message"]
+
+
+def test_sleep_and_wake_up(plain):
+    """--enable-sleep-mode: POST /sleep (409 while a request runs), requests 503 while
+    asleep, POST /wake_up (the weights first at level 2), then the same greedy reply."""
+    body = {"model": MODEL_NAME, "prompt": "Name three colors:", "max_tokens": 8,
+            "temperature": 0}
+    url = plain.url
+
+    def complete() -> httpx.Response:
+        return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+    expected = complete().json()["choices"][0]["text"]
+    assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": False}
+    with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                      json=body | {"max_tokens": 200, "ignore_eos": True,
+                                   "stream": True}) as r:
+        lines = r.iter_lines()  # kept: a closed iterator would close the stream
+        next(lines)
+        busy = httpx.post(url + "/sleep", timeout=30)
+        assert busy.status_code == 409, busy.text
+        assert "requests are unfinished" in busy.json()["error"]["message"]
+        # The stream goes on to its end.
+        assert sum(1 for line in lines if line.startswith("data: {")) > 100
+    assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": False}
+    assert httpx.post(url + "/sleep", params={"level": 1}, timeout=30).status_code == 200
+    assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": True}
+    asleep = complete()
+    assert asleep.status_code == 503 and "asleep" in asleep.json()["error"]["message"]
+    assert httpx.get(url + "/health").status_code == 200
+    for path, params, fragment in (("/sleep", {"level": 3}, "sleep level must be 1"),
+                                   ("/wake_up", {"tags": "bogus"}, "wake_up tags")):
+        r = httpx.post(url + path, params=params, timeout=30)
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+    # Deeper: the weights too, then woken in two steps.
+    assert httpx.post(url + "/sleep", params={"level": 2}, timeout=30).status_code == 200
+    assert httpx.post(url + "/wake_up", params={"tags": "weights"},
+                      timeout=60).status_code == 200
+    assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": True}
+    assert complete().status_code == 503
+    assert httpx.post(url + "/wake_up", timeout=60).status_code == 200
+    assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": False}
+    assert complete().json()["choices"][0]["text"] == expected
 
 
 def test_response_role(plain):

@@ -7,7 +7,8 @@ POST /v1/responses/{id}/cancel), GET /v1/models/{id},
 POST /v1/embeddings, POST /pooling, GET|POST /ping and POST /invocations (SageMaker's),
 POST /score, /rerank and /classify (vLLM's; also under /v1, /v2/rerank),
 POST /tokenize, POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
-GET /debug/stats, GET /dashboard (a live page; its files need no key, its feed
+GET /debug/stats, with --enable-sleep-mode POST /sleep, POST /wake_up and GET
+/is_sleeping (vLLM's), GET /dashboard (a live page; its files need no key, its feed
 GET /dashboard/state is keyed like /metrics: dashboard/routes.py).
 Errors use OpenAI's body ({"error": {message, type, param, code}}, plus vLLM's
 "object": "error"): 400 for invalid parameters (FastAPI's 422 included), 401 for a
@@ -33,7 +34,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -72,7 +73,8 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
-from pagedllm.errors import ConfigError, EngineDeadError, InvalidRequestError
+from pagedllm.errors import (ConfigError, EngineBusyError, EngineDeadError,
+                             EngineSleepingError, InvalidRequestError)
 from pagedllm.sample.constraint_check import ConstraintChecker
 
 logger = logging.getLogger(__name__)
@@ -219,6 +221,25 @@ def _add_engine_routes(app: FastAPI, engine: AsyncLLM, version_str: str) -> None
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if engine.config.device.enable_sleep_mode:
+        @app.post("/sleep")
+        async def sleep(level: int = 1) -> Response:
+            """vLLM's: release the KV cache (level 1) or the weights too (level 2) of an
+            idle engine; requests get 503 until /wake_up."""
+            await engine.sleep(level)
+            return Response(status_code=200)
+
+        @app.post("/wake_up")
+        async def wake_up(tags: list[str] | None = Query(None)) -> Response:
+            """Take back what /sleep released (?tags=weights&tags=kv_cache: default
+            both, the weights first)."""
+            await engine.wake_up(tags)
+            return Response(status_code=200)
+
+        @app.get("/is_sleeping")
+        async def is_sleeping() -> dict[str, bool]:
+            return {"is_sleeping": await engine.is_sleeping()}
 
     @app.get("/debug/stats")
     async def debug_stats() -> dict[str, Any]:
@@ -456,7 +477,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def on_error(_: Request, exc: Exception) -> JSONResponse:
         status = int(error_status(exc))
-        if status >= 500 and not isinstance(exc, (EngineDeadError, QueueFullError)):
+        if status >= 500 and not isinstance(exc, (EngineDeadError, QueueFullError,
+                                                  EngineSleepingError)):
             logger.error("request failed", exc_info=exc)
         headers = ({"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, QueueFullError)
                    else None)
@@ -465,7 +487,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     # Typed errors go through Starlette's ExceptionMiddleware (answered, not re-raised);
     # the catch-all `Exception` handler also answers but Starlette re-raises to log it.
     for exc_type in (ValueError, ModelNotFoundError, ResponseNotFoundError, EngineDeadError,
-                     QueueFullError, RequestTimeoutError, Exception):
+                     QueueFullError, RequestTimeoutError, EngineSleepingError,
+                     EngineBusyError, Exception):
         app.add_exception_handler(exc_type, on_error)
 
 

@@ -31,7 +31,8 @@ from pagedllm.entrypoints.openai.responses_store import ResponseNotFoundError
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.served_models import ModelNotFoundError, ServedModels
 from pagedllm.entrypoints.openai.sliced_json import to_json
-from pagedllm.errors import ContextLengthError, EngineDeadError, InvalidRequestError
+from pagedllm.errors import (ContextLengthError, EngineBusyError, EngineDeadError,
+                             EngineSleepingError, InvalidRequestError)
 from pagedllm.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import (SamplingParams, StructuredOutputsParams,
@@ -54,13 +55,15 @@ def error_status(exc: BaseException) -> HTTPStatus:
         return HTTPStatus.BAD_REQUEST
     if isinstance(exc, RequestTimeoutError):
         return HTTPStatus.REQUEST_TIMEOUT
-    if isinstance(exc, (EngineDeadError, QueueFullError)):
+    if isinstance(exc, (EngineDeadError, QueueFullError, EngineSleepingError)):
         return HTTPStatus.SERVICE_UNAVAILABLE
+    if isinstance(exc, EngineBusyError):
+        return HTTPStatus.CONFLICT
     return HTTPStatus.INTERNAL_SERVER_ERROR
 
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 408: "TimeoutError",
+                405: "MethodNotAllowedError", 408: "TimeoutError", 409: "ConflictError",
                 413: "RequestTooLargeError", 500: "InternalServerError",
                 503: "ServiceUnavailableError"}
 
