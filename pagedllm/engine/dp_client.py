@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_client import EngineCoreClient, EngineProcess
-from pagedllm.engine.core_proc import (EngineCoreOutputs, EngineDead, SchedulerStats)
+from pagedllm.engine.core_proc import EngineCoreOutputs, EngineDead, SchedulerStats
 from pagedllm.engine.dp_placement import replica_configs
 from pagedllm.errors import EngineDeadError
 from pagedllm.request import Request
@@ -61,7 +61,6 @@ class DPEngineCoreClient:
         self._received: collections.deque[EngineCoreOutputs] = collections.deque()
         # Each replica's latest scheduler state.
         self._stats: list[SchedulerStats | None] = [None] * len(self.clients)
-        self._call_ids = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -81,10 +80,6 @@ class DPEngineCoreClient:
     @property
     def engine_pid(self) -> int | None:
         return self.clients[0].engine_pid
-
-    @property
-    def engine_pids(self) -> list[int | None]:
-        return [c.engine_pid for c in self.clients]
 
     @property
     def is_dead(self) -> bool:
@@ -168,7 +163,6 @@ class DPEngineCoreClient:
     # ------------------------------------------------------------------ transport
 
     def push_outputs(self, batch: EngineCoreOutputs) -> None:
-        self._stats[batch.engine_index] = batch.scheduler_stats
         self.clients[batch.engine_index].push_outputs(batch)
 
     async def get_output(self, timeout_s: float) -> EngineCoreOutputs | None:
@@ -209,20 +203,24 @@ def sum_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """One engine's view of several replicas' states: counts and cumulative counters
     add up; kv_cache_usage is the share of all their usable blocks in use."""
     fields = {f: sum(getattr(s, f) for s in stats) for f in SchedulerStats.__struct_fields__}
-    usable = [s.num_blocks - 1 for s in stats]
-    fields["kv_cache_usage"] = (sum(s.kv_cache_usage * n for s, n in zip(stats, usable))
-                                / max(1, sum(usable)))
+    fields["kv_cache_usage"] = _usage([(s.kv_cache_usage, s.num_blocks) for s in stats])
     return SchedulerStats(**fields)
+
+
+def _usage(replicas: list[tuple[float, int]]) -> float:
+    """The share of all replicas' usable blocks in use, from each one's (usage, blocks)
+    (block 0, the null block, is not usable)."""
+    usable = sum(blocks - 1 for _, blocks in replicas)
+    return sum(usage * (blocks - 1) for usage, blocks in replicas) / max(1, usable)
 
 
 def combine_utility(method: str, results: list[Any]) -> Any:
     """A utility call's result over every replica, from theirs (in replica order)."""
     if method == "get_stats":
-        usable = [r["num_blocks"] - 1 for r in results]
         out = {k: sum(r[k] for r in results) for k, v in results[0].items()
                if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        out["kv_cache_usage"] = (sum(r["kv_cache_usage"] * n for r, n in zip(results, usable))
-                                 / max(1, sum(usable)))
+        out["kv_cache_usage"] = _usage([(r["kv_cache_usage"], r["num_blocks"])
+                                        for r in results])
         out["engine_pid"] = results[0]["engine_pid"]
         return out | {"replicas": results}
     if method == "reset_prefix_cache":

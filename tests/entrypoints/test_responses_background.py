@@ -148,8 +148,6 @@ def test_a_streamed_background_response_runs_on_when_its_client_leaves(server):
     assert client.responses.retrieve(response_id).status == "in_progress"
     done = _wait_finished(client, response_id)
     assert done.status == "incomplete" and done.usage.output_tokens == 200
-    r = httpx.get(f"{server.url}/v1/responses/{response_id}?stream=true&starting_after=3")
-    assert r.status_code == 400 and "resuming" in r.json()["error"]["message"]
     # Cancelled while its client listens: the stream ends, the store says so.
     stream = client.responses.create(model=MODEL_NAME, input=LONG, background=True,
                                      stream=True, max_output_tokens=600, temperature=0)
@@ -157,6 +155,54 @@ def test_a_streamed_background_response_runs_on_when_its_client_leaves(server):
     assert client.responses.cancel(first.response.id).status == "cancelled"
     assert all(event.type != "response.completed" for event in stream)
     _wait_engine_idle(server)
+
+
+def _sse(server, response_id: str, **params) -> list[dict]:
+    with httpx.stream("GET", f"{server.url}/v1/responses/{response_id}", timeout=120,
+                      params={"stream": "true", **params}) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line.removeprefix("data: ")) for line in r.iter_lines()
+                if line.startswith("data: ")]
+
+
+def test_a_background_stream_is_read_again_from_any_event(server):
+    """GET /v1/responses/{id}?stream=true&starting_after=N (OpenAI's resumable streams):
+    while the response runs, the events after N and then the rest as they come; once
+    it finished, the same events again. Only background streams keep theirs."""
+    body = {"model": MODEL_NAME, "input": LONG, "background": True, "stream": True,
+            "max_output_tokens": 60, "temperature": 0}
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60, json=body) as r:
+        lines = r.iter_lines()
+        first = []
+        for line in lines:
+            if line.startswith("data: "):
+                first.append(json.loads(line.removeprefix("data: ")))
+                if len(first) == 4:
+                    break  # the client leaves after four events
+    response_id = first[0]["response"]["id"]
+    # Resumed while it runs: from event 4 on, live, to its end.
+    rest = _sse(server, response_id, starting_after=3)
+    events = first + rest
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.completed"
+    done = events[-1]["response"]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    stored = server.openai_client().responses.retrieve(response_id)
+    assert stored.status == done["status"] and stored.output_text == text
+    # Finished: the whole stream again, or its tail.
+    assert _sse(server, response_id) == events
+    assert _sse(server, response_id, starting_after=len(events) - 3) == events[-2:]
+    # A response that was not a background stream has none.
+    client = server.openai_client()
+    plain = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=2)
+    r = httpx.get(f"{server.url}/v1/responses/{plain.id}", params={"stream": "true"})
+    assert r.status_code == 400 and "has no stream to read again" in r.json()["error"]["message"]
+    r = httpx.get(f"{server.url}/v1/responses/{response_id}",
+                  params={"stream": "true", "starting_after": -5})
+    assert r.status_code == 400 and "starting_after" in r.json()["error"]["message"]
+    client.responses.delete(response_id)
+    r = httpx.get(f"{server.url}/v1/responses/{response_id}", params={"stream": "true"})
+    assert r.status_code == 404
 
 
 def test_background_without_store_is_a_400(server):

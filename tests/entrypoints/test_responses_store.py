@@ -95,3 +95,19 @@ def test_shared_items_are_counted_until_their_last_holder_goes():
         assert store.nbytes >= sum(len(i.model_dump_json()) for i in held.values())
         assert store.nbytes <= store.max_bytes
     assert both - alone < alone / 3
+
+
+def test_stream_events_are_kept_counted_and_dropped_with_their_response():
+    store = ResponseStore(1 << 20)
+    _put(store, "a", "x")
+    before = store.nbytes
+    events = ("event: one\ndata: {}\n\n", "event: two\ndata: {}\n\n")
+    store.add_events("a", events)
+    assert store.get("a").events == events
+    assert store.nbytes == before + sum(map(len, events)) + 8 * len(events)
+    store.add_events("gone", events)  # not stored: nothing kept
+    assert store.nbytes == before + sum(map(len, events)) + 8 * len(events)
+    # Past the bound, the least recently used response goes, events and all.
+    _put(store, "b", "y")
+    store.add_events("b", ("z" * (1 << 20),))
+    assert len(store) == 0 and store.nbytes == 0

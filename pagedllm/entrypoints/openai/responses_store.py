@@ -23,7 +23,7 @@ page through a conversation by item id.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import BaseModel
@@ -54,6 +54,8 @@ class StoredResponse:
     nbytes: int
     """The response's own bytes (its object and its conversation's references); its
     items are counted by the store, once each."""
+    events: tuple[str, ...] = ()
+    """A background stream's events (responses_replay.py), for reading it again."""
 
     @property
     def input_items(self) -> tuple[BaseModel, ...]:
@@ -112,6 +114,19 @@ class ResponseStore:
                 self._items[id(item)] = counted = [sizes[id(item)], 0]
                 self.nbytes += counted[0]
             counted[1] += 1
+        while self.nbytes > self.max_bytes:
+            self.delete(next(iter(self._responses)))
+
+    def add_events(self, response_id: str, events: tuple[str, ...]) -> None:
+        """Keep a stored response's stream events with it (counted; the least recently
+        used responses make room, as for put). Nothing when it is no longer stored."""
+        stored = self._responses.get(response_id)
+        if stored is None:
+            return
+        nbytes = sum(map(len, events)) + _REFERENCE_BYTES * len(events)
+        self._responses[response_id] = replace(stored, events=events,
+                                               nbytes=stored.nbytes + nbytes)
+        self.nbytes += nbytes
         while self.nbytes > self.max_bytes:
             self.delete(next(iter(self._responses)))
 

@@ -333,12 +333,10 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
         store = responses.store
 
         @app.get("/v1/responses/{response_id}", response_model=ResponseObject)
-        async def retrieve_response(response_id: str, raw_request: Request) -> Any:
-            if raw_request.query_params.get("stream", "false").lower() != "false":
-                # OpenAI's resumable background streams (starting_after): not kept here.
-                raise InvalidRequestError("stream: resuming a response's stream is not "
-                                          "supported by this server: GET it without "
-                                          "stream once it has finished")
+        async def retrieve_response(response_id: str, stream: bool = False,
+                                    starting_after: int | None = None) -> Any:
+            if stream:  # OpenAI's resumable background streams
+                return responses.resume(response_id, starting_after)
             return await responses.retrieve(response_id)
 
         @app.get("/v1/responses/{response_id}/input_items")

@@ -41,6 +41,7 @@ from pagedllm.entrypoints.openai.responses_protocol import (FunctionCallOutput,
                                                             ResponsesRequest, ResponseUsage,
                                                             item_id)
 from pagedllm.entrypoints.openai.sliced_json import fields_json, to_json
+from pagedllm.entrypoints.openai.responses_replay import EventLog, replay
 from pagedllm.entrypoints.openai.responses_store import ResponseStore, as_input_items
 from pagedllm.entrypoints.openai.responses_stream import ItemStream
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
@@ -65,6 +66,8 @@ class OpenAIServingResponses(OpenAIServingChat):
         # Background responses running, by response id (each holds one engine request).
         self._background: dict[str, asyncio.Task] = {}
         self._max_background = serve_config.max_background_responses
+        # The event logs of the background streams running, by response id.
+        self._logs: dict[str, EventLog] = {}
 
     def _earlier_items(self, request: ResponsesRequest) -> tuple[Any, ...]:
         """The stored conversation `previous_response_id` continues (() for none);
@@ -209,21 +212,23 @@ class OpenAIServingResponses(OpenAIServingChat):
                           streams: list, prepared: PreparedChat, earlier: tuple[Any, ...],
                           ) -> ResponseObject | SSEResponse:
         """Store the response "queued" and run it on in a task; answer it now, or (a
-        stream) relay the task's events while the client listens."""
+        stream) with the task's events, from its event log (responses_replay.py)."""
         queued = self._keep(request, self._response(request, response_id, [], None, None,
                                                     status="queued"), earlier)
-        relay = _Relay() if request.stream else None
+        log = None
+        if request.stream:
+            log = self._logs[response_id] = EventLog()
         task = asyncio.create_task(self._run_background(
-            request, response_id, streams, prepared, earlier, queued, relay),
+            request, response_id, streams, prepared, earlier, queued, log),
             name=f"background-{response_id}")
         self._background[response_id] = task
         task.add_done_callback(lambda _: self._background.pop(response_id, None))
-        return queued if relay is None else SSEResponse(relay.events())
+        return queued if log is None else SSEResponse(log.follow())
 
     async def _run_background(self, request: ResponsesRequest, response_id: str,
                               streams: list, prepared: PreparedChat,
                               earlier: tuple[Any, ...], queued: ResponseObject,
-                              relay: _Relay | None) -> None:
+                              log: EventLog | None) -> None:
         def keep(response: ResponseObject, done: _Done | None = None) -> ResponseObject:
             # Not once deleted (delete() stops tracking it before cancelling).
             response.created_at = queued.created_at
@@ -233,7 +238,7 @@ class OpenAIServingResponses(OpenAIServingChat):
 
         keep(self._response(request, response_id, [], None, None, status="in_progress"))
         try:
-            if relay is None:
+            if log is None:
                 final = await self.final_output(response_id, streams)
                 done = await self._complete(request, response_id, final, prepared,
                                             queued.created_at)
@@ -242,7 +247,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                 failures: list[Exception] = []
                 async for chunk in self._events(request, response_id, streams, prepared,
                                                 earlier, queued, keep, failures.append):
-                    await relay.put(chunk)
+                    log.add(chunk)
                 if failures:
                     raise failures[0]
         except asyncio.CancelledError:
@@ -254,8 +259,12 @@ class OpenAIServingResponses(OpenAIServingChat):
             keep(self._response(request, response_id, [], None, None, status="failed",
                                 error=error))
         finally:
-            if relay is not None:
-                relay.finish()
+            if log is not None:
+                log.finish()
+                # Kept with the response (when it still is: not once deleted).
+                self._logs.pop(response_id, None)
+                if response_id in self._background:
+                    self.store.add_events(response_id, tuple(log.events))
 
     async def cancel(self, response_id: str) -> Any:
         """POST /v1/responses/{id}/cancel: stop a background response; a finished one
@@ -276,6 +285,24 @@ class OpenAIServingResponses(OpenAIServingChat):
         assert self.store is not None, "the route exists with the store"
         stored = self.store.get(response_id)
         return await self._send(stored.response, stored.nbytes)
+
+    def resume(self, response_id: str, starting_after: int | None) -> SSEResponse:
+        """GET /v1/responses/{id}?stream=true: a background stream's events after number
+        `starting_after` (all without), followed live while it runs."""
+        assert self.store is not None, "the route exists with the store"
+        if starting_after is not None and starting_after < -1:
+            raise InvalidRequestError(f"starting_after must be a sequence number >= 0, got "
+                                      f"{starting_after}")
+        start = 0 if starting_after is None else starting_after + 1
+        log = self._logs.get(response_id)
+        if log is not None:
+            return SSEResponse(log.follow(start))
+        stored = self.store.get(response_id)
+        if not stored.events:
+            raise InvalidRequestError(f"Response {response_id[:100]!r} has no stream to "
+                                      f"read again: only one created with background: "
+                                      f"true and stream: true has")
+        return SSEResponse(replay(stored.events, start))
 
     async def _send(self, response: ResponseObject, nbytes: int) -> Response:
         """`response` as to_json writes it (its logprobs are JSON); in a worker thread
@@ -464,33 +491,3 @@ class _Done:
         if self.json_bytes is None and self.body is not None:
             self.json_bytes = len(self.body)
 
-
-class _Relay:
-    """A background stream's events, to the client that asked for it while it listens:
-    the task producing them waits on a slow reader (a bounded queue) but never on one
-    that left (then it runs on, unheard; the response is fetched with GET)."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=64)
-        self.listening = True
-
-    async def put(self, chunk: str) -> None:
-        if self.listening:
-            await self.queue.put(chunk)
-
-    def finish(self) -> None:
-        """End the stream now (never waiting: a cancel waits for this task): a reader
-        that fell 64 events behind loses its oldest unread one to the end mark."""
-        if self.listening:
-            if self.queue.full():
-                self.queue.get_nowait()
-            self.queue.put_nowait(None)
-
-    async def events(self) -> AsyncIterator[str]:
-        try:
-            while (chunk := await self.queue.get()) is not None:
-                yield chunk
-        finally:
-            self.listening = False
-            while not self.queue.empty():  # frees a producer waiting to put
-                self.queue.get_nowait()
