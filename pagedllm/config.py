@@ -65,6 +65,13 @@ def env_num_threads() -> int | None:
     return int(value) if value else None
 
 
+def env_profiler_dir() -> str | None:
+    """Where torch profiler traces go, from PAGEDLLM_TORCH_PROFILER_DIR (or vLLM's
+    VLLM_TORCH_PROFILER_DIR); None when neither is set."""
+    return (os.environ.get("PAGEDLLM_TORCH_PROFILER_DIR")
+            or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None)
+
+
 CPU_KERNELS_MODES = ("auto", "required", "off")
 
 
@@ -347,6 +354,8 @@ class DeviceConfig:
     enable_sleep_mode: bool = False
     """Whether an idle engine may be put to sleep (release its KV cache, and at level 2
     its weights) and woken up."""
+    profiler_dir: str | None = None
+    """Where start_profile / stop_profile write torch profiler traces (None: off)."""
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")

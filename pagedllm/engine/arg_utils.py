@@ -20,7 +20,7 @@ from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, LOA
                              ParallelConfig, SchedulerConfig, SpeculativeConfig,
                              StructuredOutputsConfig,
                              cache_root, default_model_path, env_kv_cache_space,
-                             env_num_threads)
+                             env_num_threads, env_profiler_dir)
 from pagedllm.errors import ConfigError, ModelLoadError
 from pagedllm.kernels.cpu.features import has_avx512_bf16, has_quant_simd
 from pagedllm.reasoning import REASONING_FORMATS
@@ -150,6 +150,11 @@ class EngineArgs:
                "/is_sleeping): an idle engine releases its KV cache (level 1) and its "
                "weights too (level 2: read again from the model's files when woken; on "
                "CUDA, level 1 moves the weights to host memory)")
+    profiler_dir: str | None = _arg(
+        None, "turn on LLM.start_profile() / stop_profile() (server: POST /start_profile, "
+              "/stop_profile): torch profiler traces of the model's steps (Chrome trace "
+              "JSON, one per worker) go to this directory (default: env "
+              "PAGEDLLM_TORCH_PROFILER_DIR or VLLM_TORCH_PROFILER_DIR; unset: off)")
     enforce_eager: bool = _arg(False, "CUDA: run every step eagerly, without capturing CUDA "
                                       "graphs for decode steps")
     async_scheduling: bool | None = _arg(
@@ -312,7 +317,8 @@ class EngineArgs:
             device=device, attention_backend=backend,
             num_threads=_resolve_num_threads(self.num_threads), compile=self.compile,
             compile_cache_dir=str(cache_root() / "inductor"), enforce_eager=self.enforce_eager,
-            enable_sleep_mode=self.enable_sleep_mode)
+            enable_sleep_mode=self.enable_sleep_mode,
+            profiler_dir=_resolve_profiler_dir(self.profiler_dir))
         parallel = self._parallel_config(hf_config, device)
         speculative = self._speculative_config(parallel, model, device)
         sched.async_scheduling = self._resolve_async_scheduling(parallel, speculative,
@@ -615,6 +621,11 @@ def _layer_widths(hf_config: Any) -> tuple[int, int]:
     inner = next((v for name in ("intermediate_size", "ffn_dim", "n_inner")
                   if isinstance(v := getattr(hf_config, name, None), int)), 4 * hidden)
     return hidden, inner * (getattr(hf_config, "num_experts_per_tok", None) or 1)
+
+
+def _resolve_profiler_dir(requested: str | None) -> str | None:
+    path = requested or env_profiler_dir()
+    return os.path.abspath(os.path.expanduser(path)) if path else None
 
 
 def _resolve_num_threads(requested: int | None) -> int:

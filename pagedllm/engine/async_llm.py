@@ -268,6 +268,12 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return bool(await self.call_utility("is_sleeping"))
 
+    async def start_profile(self) -> None:
+        await self.call_utility("start_profile")
+
+    async def stop_profile(self) -> list[str]:
+        return await self.call_utility("stop_profile")
+
     # ------------------------------------------------------------------ output loop
 
     async def _output_loop(self) -> None:

@@ -156,7 +156,7 @@ class EngineCoreProc:
     """Runs an EngineCore and serves the sockets until Shutdown or the parent exits."""
 
     UTILITIES = ("get_stats", "reset_prefix_cache", "ping", "kv_snapshot", "sleep",
-                 "wake_up", "is_sleeping")
+                 "wake_up", "is_sleeping", "start_profile", "stop_profile")
 
     def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
                  parent_pid: int) -> None:
@@ -330,7 +330,8 @@ class EngineCoreProc:
             return self.core.reset_prefix_cache()
         if call.method == "ping":
             return "pong"
-        if call.method in ("sleep", "wake_up", "is_sleeping"):
+        if call.method in ("sleep", "wake_up", "is_sleeping", "start_profile",
+                           "stop_profile"):
             try:
                 return getattr(self.core, call.method)(*call.args)
             except (ValueError, EngineBusyError) as e:  # the caller's: answered, not fatal

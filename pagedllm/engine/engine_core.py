@@ -50,6 +50,8 @@ class EngineCore:
         self.config = config
         # Sleep mode: the released parts (SLEEP_TAGS), empty while awake.
         self.asleep: set[str] = set()
+        # Whether the torch profiler records the steps (start_profile).
+        self.profiling = False
         self.executor = create_executor(config)
         self.num_blocks = self.executor.determine_num_blocks()
         # Host blocks of swap preemption (0 unless preemption_mode is "swap").
@@ -214,6 +216,29 @@ class EngineCore:
         """Forget every cached prefix block; only when no request holds a block (False:
         nothing was reset)."""
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ profiling
+
+    def start_profile(self) -> None:
+        """Record the model's steps with torch's profiler until stop_profile (needs
+        profiler_dir)."""
+        if self.config.device.profiler_dir is None:
+            raise ConfigError("profiling is off: give profiler_dir (--profiler-dir) or set "
+                              "PAGEDLLM_TORCH_PROFILER_DIR")
+        if self.profiling:
+            raise InvalidRequestError("the profiler is already recording: stop_profile "
+                                      "first")
+        self.executor.start_profile()
+        self.profiling = True
+
+    def stop_profile(self) -> list[str]:
+        """Stop recording; the traces' paths (Chrome trace JSON, one per worker)."""
+        if not self.profiling:
+            raise InvalidRequestError("the profiler is not recording: start_profile first")
+        self.profiling = False
+        paths = self.executor.stop_profile()
+        logger.info("profiler traces: %s", ", ".join(paths))
+        return paths
 
     # ------------------------------------------------------------------ sleep mode
 

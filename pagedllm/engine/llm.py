@@ -72,6 +72,16 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.llm_engine.is_sleeping()
 
+    def start_profile(self) -> None:
+        """Record the model's steps with torch's profiler (needs profiler_dir, or env
+        PAGEDLLM_TORCH_PROFILER_DIR / VLLM_TORCH_PROFILER_DIR, as vLLM's)."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """Stop recording; the traces written (Chrome trace JSON, one per worker: open
+        them in Perfetto or chrome://tracing)."""
+        return self.llm_engine.stop_profile()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling params: the model's
         generation config's defaults (see EngineArgs.generation_config), else

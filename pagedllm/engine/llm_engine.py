@@ -154,6 +154,12 @@ class LLMEngine:
     def is_sleeping(self) -> bool:
         return self.engine_core.is_sleeping()
 
+    def start_profile(self) -> None:
+        self.engine_core.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        return self.engine_core.stop_profile()
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

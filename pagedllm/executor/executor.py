@@ -46,6 +46,14 @@ class Executor(Protocol):
         """Take back what sleep released ("weights", "kv_cache")."""
         ...
 
+    def start_profile(self) -> None:
+        """Record every runner's steps with torch's profiler."""
+        ...
+
+    def stop_profile(self) -> list[str]:
+        """Stop recording; the traces' paths, one per runner."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -89,6 +97,12 @@ class InProcExecutor:
 
     def wake_up(self, tags: list[str]) -> None:
         self.runner.wake_up(tags)
+
+    def start_profile(self) -> None:
+        self.runner.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        return [self.runner.stop_profile()]
 
     def shutdown(self) -> None:
         pass

@@ -40,3 +40,9 @@ class WorkerGroupExecutor:
 
     def wake_up(self, tags: list[str]) -> None:
         self._call_all("wake_up", tags)
+
+    def start_profile(self) -> None:
+        self._call_all("start_profile")
+
+    def stop_profile(self) -> list[str]:
+        return self._call_all("stop_profile")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -135,6 +137,9 @@ class ModelRunner:
         # allocate again on waking.
         self.asleep: set[str] = set()
         self._kv_sizes = (0, 0)
+        # The torch profiler while one records (start_profile).
+        self._profiler: torch.profiler.profile | None = None
+        self._num_profiles = 0
 
     def _build_model(self) -> None:
         """Load the model and what holds it (at start-up, and waking from sleep level 2:
@@ -290,6 +295,31 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self._forward, self.config.scheduler.max_num_seqs,
                                        self._max_blocks_per_req, self.kv_layout.num_groups,
                                        self.max_model_len, self.device, CudaGraphCapture())
+
+    # ------------------------------------------------------------------ profiling
+
+    def start_profile(self) -> None:
+        """Record the steps from now on with torch's profiler (the engine checks that it
+        is on and not running already)."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profiler.start()
+
+    def stop_profile(self) -> str:
+        """Stop recording; the trace's path (Chrome trace JSON in profiler_dir)."""
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        directory = Path(self.config.device.profiler_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / (f"pagedllm-dp{self.config.parallel.data_parallel_rank}-"
+                            f"pp{self.parallel.pp_rank}-tp{self.parallel.tp_rank}-"
+                            f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-"
+                            f"{self._num_profiles}.trace.json")
+        self._num_profiles += 1
+        profiler.export_chrome_trace(str(path))
+        return str(path)
 
     # ------------------------------------------------------------------ sleep mode
 

@@ -156,14 +156,15 @@ def test_requests_and_outputs_are_logged(server):
 
 
 @pytest.fixture(scope="module")
-def plain():
+def plain(tmp_path_factory):
     """A second server (plain HTTP) with the options the first cannot take."""
+    traces = tmp_path_factory.mktemp("traces")
     srv = RemoteServer(["--max-model-len", "256", "--disable-fastapi-docs",
                         "--enable-request-id-headers", "--enable-force-include-usage",
                         "--disable-log-requests", "--response-role", "bot",
                         "--logits-processors",
                         "tests.engine.test_logits_processors:ForceToken",
-                        "--enable-sleep-mode"])
+                        "--enable-sleep-mode", "--profiler-dir", str(traces)])
     yield srv
     srv.stop()
 
@@ -255,6 +256,20 @@ def test_sleep_and_wake_up(plain):
     assert httpx.post(url + "/wake_up", timeout=60).status_code == 200
     assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": False}
     assert complete().json()["choices"][0]["text"] == expected
+
+
+def test_profiler_routes(plain):
+    """--profiler-dir: POST /start_profile, a request, POST /stop_profile names the
+    trace written (a second stop is a 400)."""
+    assert httpx.post(plain.url + "/start_profile", timeout=30).status_code == 200
+    httpx.post(plain.url + "/v1/completions", timeout=60,
+               json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})
+    r = httpx.post(plain.url + "/stop_profile", timeout=60)
+    (path,) = r.json()["traces"]
+    with open(path) as f:
+        assert json.load(f)["traceEvents"]
+    r = httpx.post(plain.url + "/stop_profile", timeout=30)
+    assert r.status_code == 400 and "not recording" in r.json()["error"]["message"]
 
 
 def test_response_role(plain):

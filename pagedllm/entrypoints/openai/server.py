@@ -8,7 +8,8 @@ POST /v1/embeddings, POST /pooling, GET|POST /ping and POST /invocations (SageMa
 POST /score, /rerank and /classify (vLLM's; also under /v1, /v2/rerank),
 POST /tokenize, POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
 GET /debug/stats, with --enable-sleep-mode POST /sleep, POST /wake_up and GET
-/is_sleeping (vLLM's), GET /dashboard (a live page; its files need no key, its feed
+/is_sleeping, with --profiler-dir POST /start_profile and /stop_profile (vLLM's),
+GET /dashboard (a live page; its files need no key, its feed
 GET /dashboard/state is keyed like /metrics: dashboard/routes.py).
 Errors use OpenAI's body ({"error": {message, type, param, code}}, plus vLLM's
 "object": "error"): 400 for invalid parameters (FastAPI's 422 included), 401 for a
@@ -240,6 +241,18 @@ def _add_engine_routes(app: FastAPI, engine: AsyncLLM, version_str: str) -> None
         @app.get("/is_sleeping")
         async def is_sleeping() -> dict[str, bool]:
             return {"is_sleeping": await engine.is_sleeping()}
+
+    if engine.config.device.profiler_dir is not None:
+        @app.post("/start_profile")
+        async def start_profile() -> Response:
+            """vLLM's: record the engine's steps with torch's profiler."""
+            await engine.start_profile()
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> dict[str, list[str]]:
+            """Stop recording; the traces written (one per worker)."""
+            return {"traces": await engine.stop_profile()}
 
     @app.get("/debug/stats")
     async def debug_stats() -> dict[str, Any]:
