@@ -217,6 +217,30 @@ class EngineCore:
         nothing was reset)."""
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
+    def update_weights(self, weights: Any) -> None:
+        """Load new weights ((hf_name, tensor) pairs or a dict, as the model's checkpoint
+        names them; names not given keep the files' values) into an idle engine, e.g. a
+        trainer's after each step. The prefix cache is reset (its K/V came from the old
+        weights); a sleeping engine's weights wake up with them."""
+        import torch
+
+        pairs = list(weights.items() if isinstance(weights, dict) else weights)
+        if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                   and isinstance(p[1], torch.Tensor) for p in pairs):
+            raise InvalidRequestError("weights must be (name, tensor) pairs or a dict of "
+                                      "name -> tensor")
+        model = self.config.model
+        if model.quantization is not None or model.load_format == "dummy":
+            why = ("its GGUF blocks are not dense tensors: load it with dequantize=True"
+                   if model.quantization is not None else "load_format 'dummy' has no files")
+            raise ConfigError(f"update_weights needs a dense model read from files: {why}")
+        if self.has_unfinished_requests():
+            raise EngineBusyError("requests are unfinished: weights change only when the "
+                                  "engine is idle")
+        self.executor.update_weights(pairs)
+        self.reset_prefix_cache()
+        self.asleep.discard("weights")
+
     # ------------------------------------------------------------------ profiling
 
     def start_profile(self) -> None:

@@ -72,6 +72,16 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.llm_engine.is_sleeping()
 
+    def update_weights(self, weights: Any) -> None:
+        """Load new weights into the model, e.g. a trainer's after each step: (name,
+        tensor) pairs or a dict, named as the model's checkpoint names them (HF names;
+        fused projections take their q/k/v or gate/up parts), any dtype; weights not
+        given keep the files' values. The engine must be idle (between generate calls
+        it is); cached prefixes are dropped. A bad name or shape raises ValueError and
+        leaves the model as it was. Not for GGUF blocks (dequantize=True loads them
+        dense)."""
+        self.llm_engine.update_weights(weights)
+
     def start_profile(self) -> None:
         """Record the model's steps with torch's profiler (needs profiler_dir, or env
         PAGEDLLM_TORCH_PROFILER_DIR / VLLM_TORCH_PROFILER_DIR, as vLLM's)."""

@@ -154,6 +154,12 @@ class LLMEngine:
     def is_sleeping(self) -> bool:
         return self.engine_core.is_sleeping()
 
+    def update_weights(self, weights: Any) -> None:
+        if len(self.deferred):
+            raise EngineBusyError(f"{len(self.deferred)} requests are unfinished: weights "
+                                  f"change only when the engine is idle")
+        self.engine_core.update_weights(weights)
+
     def start_profile(self) -> None:
         self.engine_core.start_profile()
 

@@ -46,6 +46,11 @@ class Executor(Protocol):
         """Take back what sleep released ("weights", "kv_cache")."""
         ...
 
+    def update_weights(self, weights: list) -> None:
+        """New weights for every runner ((hf_name, tensor) pairs; each rank keeps its
+        shard)."""
+        ...
+
     def start_profile(self) -> None:
         """Record every runner's steps with torch's profiler."""
         ...
@@ -97,6 +102,9 @@ class InProcExecutor:
 
     def wake_up(self, tags: list[str]) -> None:
         self.runner.wake_up(tags)
+
+    def update_weights(self, weights: list) -> None:
+        self.runner.update_weights(weights)
 
     def start_profile(self) -> None:
         self.runner.start_profile()

@@ -46,3 +46,6 @@ class WorkerGroupExecutor:
 
     def stop_profile(self) -> list[str]:
         return self._call_all("stop_profile")
+
+    def update_weights(self, weights: list) -> None:
+        self._call_all("update_weights", weights)

@@ -9,7 +9,7 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -64,8 +64,10 @@ def _trimming(weights: Iterator[tuple[str, object]], every: int = 4 << 20
 
 
 def load_model(model_config: ModelConfig, attn_backend: str, device: torch.device,
-               dtype: torch.dtype, parallel: ParallelState = SINGLE_RANK) -> nn.Module:
-    """Model on `device` in `dtype`, weights loaded (streamed, one copy in memory).
+               dtype: torch.dtype, parallel: ParallelState = SINGLE_RANK,
+               updates: Sequence[tuple[str, torch.Tensor]] = ()) -> nn.Module:
+    """Model on `device` in `dtype`, weights loaded (streamed, one copy in memory), then
+    `updates` ((hf_name, tensor) pairs, e.g. a trainer's new weights) over them.
 
     Layers allocate their parameters with torch.empty (no random init), so building on
     the target device costs only the allocation. Under tensor parallelism the model is
@@ -88,7 +90,8 @@ def load_model(model_config: ModelConfig, attn_backend: str, device: torch.devic
     start = time.perf_counter()
     model = None
     try:
-        model = _build_and_load(cls, kwargs, model_config, attn_backend, device, dtype)
+        model = _build_and_load(cls, kwargs, model_config, attn_backend, device, dtype,
+                                updates)
     except torch.cuda.OutOfMemoryError:
         if device.type != "cuda":
             raise
@@ -101,17 +104,20 @@ def load_model(model_config: ModelConfig, attn_backend: str, device: torch.devic
 
 
 def _build_and_load(cls: type, kwargs: dict, model_config: ModelConfig, attn_backend: str,
-                    device: torch.device, dtype: torch.dtype) -> nn.Module:
+                    device: torch.device, dtype: torch.dtype,
+                    updates: Sequence[tuple[str, torch.Tensor]] = ()) -> nn.Module:
     with torch.device(device), _default_dtype(dtype):
         model = cls(model_config.hf_config, attn_backend, **kwargs)
     if model_config.load_format == "dummy":
-        _fill_dummy_weights(model, model_config.seed)
+        _fill_dummy_weights(model, model_config.seed)  # no updates: the engine refuses them
         return model
     weights = iter_weights(model_config.path, model_config.hf_config, dtype,
                            load_format=model_config.load_format,
                            quantization=model_config.quantization)
     if model_config.quantization is None:
-        model.load_weights(weights)
+        # A later pair of the same name overwrites the earlier one (its shard, for a
+        # fused projection): the updates win.
+        model.load_weights(itertools.chain(weights, updates))
     else:
         model.load_weights(_trimming(weights))
         finalize_quantized_weights(model)  # blocks of projections some shards of which came plain

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from pagedllm.attention.kv_quant import kv_cache_torch_dtype, verify_kv_cache_support
 from pagedllm.attention.metadata import AttentionMetadata, host_to_device
@@ -141,12 +142,13 @@ class ModelRunner:
         self._profiler: torch.profiler.profile | None = None
         self._num_profiles = 0
 
-    def _build_model(self) -> None:
-        """Load the model and what holds it (at start-up, and waking from sleep level 2:
-        read again from the model's files)."""
+    def _build_model(self, model: nn.Module | None = None) -> None:
+        """Load the model (or take `model`, loaded) and build what holds it: at start-up,
+        waking from sleep level 2 (read again from the model's files), with new
+        weights."""
         config, parallel = self.config, self.parallel
-        self.model = load_model(config.model, config.device.attention_backend,
-                                self.device, self.dtype, parallel)
+        self.model = model or load_model(config.model, config.device.attention_backend,
+                                         self.device, self.dtype, parallel)
         # model(input_ids, positions, attn_metadata) -> hidden, eager or compiled.
         self._forward = self.model
         if config.device.compile:
@@ -323,29 +325,52 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sleep mode
 
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """New weights ((hf_name, tensor) pairs, over the model's files' for names not
+        given): a model is loaded with them first (a bad name or shape raises and
+        changes nothing), then replaces the current one, and the KV cache is bound to it
+        afresh (the engine resets its prefix cache: cached K/V came from the old
+        weights)."""
+        model = load_model(self.config.model, self.config.device.attention_backend,
+                           self.device, self.dtype, self.parallel, updates=weights)
+        self._drop_model()
+        self._build_model(model)
+        self.asleep.discard("weights")
+        if "kv_cache" not in self.asleep:
+            self._allocate_kv_cache()
+
+    def _drop_model(self) -> None:
+        """Let go of the model and everything that holds it or its KV cache."""
+        self._unbind_kv_cache()
+        self.model = self._forward = self._step_rows = None
+        self.lora = self.spec = self.images = None
+        _release_memory(self.device)
+
+    def _models(self) -> list[nn.Module]:
+        """The model, and the draft model of speculative decoding if there is one."""
+        draft = self._draft()
+        return [m for m in (self.model, draft.model if draft else None) if m is not None]
+
+    def _unbind_kv_cache(self) -> None:
+        for model in self._models():
+            unbind_kv_cache(model)
+        self.kv_caches, self.host_kv_caches, self.graphs = [], [], None
+
     def sleep(self, level: int) -> None:
         """Release the KV cache (its contents are lost: the engine is idle and its
         prefix cache reset) and, at level 2, the weights; on CUDA level 1 moves the
         weights to host memory instead. The engine checks the arguments."""
-        models = [m for m in (self.model, getattr(self._draft(), "model", None)) if m]
-        for model in models:
-            unbind_kv_cache(model)
-        self.kv_caches, self.host_kv_caches, self.graphs = [], [], None
-        self.asleep.add("kv_cache")
         if level == 2:
-            self.model = self._forward = self._step_rows = None
-            self.lora = self.spec = self.images = None
-            self.asleep.add("weights")
-        elif self.device.type == "cuda":
-            for model in models:
+            self._drop_model()
+            self.asleep |= {"weights", "kv_cache"}
+            return
+        self._unbind_kv_cache()
+        self.asleep.add("kv_cache")
+        if self.device.type == "cuda":
+            for model in self._models():
                 model.to("cpu")
             self.asleep.add("weights")
-        del models
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        else:
-            trim_heap()  # what glibc keeps of the freed allocations goes back too
+        _release_memory(self.device)
 
     def wake_up(self, tags: list[str]) -> None:
         """Take back what sleep released, of "weights" and "kv_cache" (weights first:
@@ -354,9 +379,8 @@ class ModelRunner:
             if self.model is None:
                 self._build_model()
             else:
-                for model in (self.model, getattr(self._draft(), "model", None)):
-                    if model is not None:
-                        model.to(self.device)
+                for model in self._models():
+                    model.to(self.device)
             self.asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.asleep:
             self._allocate_kv_cache()
@@ -694,3 +718,12 @@ def _sample_logprobs(num_reqs: int, sample_positions: np.ndarray, lp: LogprobsTe
             out[pos] = [entry]
     return out
 
+
+def _release_memory(device: torch.device) -> None:
+    """Give freed tensors' memory back: to the CUDA driver, or (CPU) to the OS, which
+    glibc keeps of freed allocations otherwise."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    else:
+        trim_heap()

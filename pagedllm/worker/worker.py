@@ -59,5 +59,5 @@ class Worker:
         """Run one of the runner's executor-facing methods: determine_num_blocks,
         determine_num_swap_blocks, kv_cache_group_windows, splits_prompt_rows,
         initialize_kv_cache, execute_model, sleep, wake_up, start_profile,
-        stop_profile."""
+        stop_profile, update_weights."""
         return getattr(self.runner, method)(*args)
