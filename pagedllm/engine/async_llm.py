@@ -28,6 +28,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineProcess
 from pagedllm.engine.core_proc import EngineCoreOutputs
 from pagedllm.engine.dp_client import make_core_client
+from pagedllm.engine.engine_core import check_sleep_level, check_wake_tags
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_collector import RequestOutputCollector
 from pagedllm.errors import EngineDeadError, EngineSleepingError, InvalidRequestError
@@ -251,6 +252,7 @@ class AsyncLLM:
         """EngineCore.sleep in the core (every replica). New requests are refused from
         the call on (EngineSleepingError), so none slips in while it goes to sleep; if
         it cannot (busy, a bad level), whatever slept is woken and requests flow again."""
+        check_sleep_level(level)  # here too: a huge int would not even reach the core
         self._sleeping = True
         try:
             await self.call_utility("sleep", level)
@@ -262,7 +264,7 @@ class AsyncLLM:
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """EngineCore.wake_up (every replica); requests flow again once all is awake."""
-        await self.call_utility("wake_up", tags)
+        await self.call_utility("wake_up", check_wake_tags(tags))
         self._sleeping = await self.call_utility("is_sleeping")
 
     async def is_sleeping(self) -> bool:

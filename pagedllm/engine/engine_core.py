@@ -273,9 +273,7 @@ class EngineCore:
         if not self.config.device.enable_sleep_mode:
             raise ConfigError("sleep mode is off: build the engine with "
                               "enable_sleep_mode=True (pagedllm serve --enable-sleep-mode)")
-        if level not in (1, 2):
-            raise InvalidRequestError(f"sleep level must be 1 (release the KV cache) or 2 "
-                                      f"(the weights too), got {level!r}")
+        check_sleep_level(level)
         if self.has_unfinished_requests():
             num = self.scheduler.num_running + self.scheduler.num_waiting + self.num_compiling
             raise EngineBusyError(f"{num} requests are unfinished: the engine sleeps only "
@@ -287,11 +285,7 @@ class EngineCore:
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Take back what sleep released: `tags` of "weights" and "kv_cache" (default
         both; the KV cache needs the weights awake). Awake, it takes requests again."""
-        tags = list(SLEEP_TAGS if tags is None else tags)
-        unknown = [t for t in tags if t not in SLEEP_TAGS]
-        if unknown or not tags:
-            raise InvalidRequestError(f"wake_up tags must be among {list(SLEEP_TAGS)}, got "
-                                      f"{tags!r}")
+        tags = check_wake_tags(tags)
         if "kv_cache" in tags and "weights" in self.asleep and "weights" not in tags:
             raise InvalidRequestError("wake the weights up before the KV cache (the cache "
                                       "is laid out by the model's layers)")
@@ -308,6 +302,21 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output.shutdown()
         self.executor.shutdown()
+
+
+def check_sleep_level(level: Any) -> None:
+    if isinstance(level, bool) or level not in (1, 2):
+        raise InvalidRequestError(f"sleep level must be 1 (release the KV cache) or 2 (the "
+                                  f"weights too), got {str(level)[:40]}")
+
+
+def check_wake_tags(tags: Any) -> list[str]:
+    """wake_up's tags (None: all of SLEEP_TAGS), checked."""
+    tags = list(SLEEP_TAGS if tags is None else tags)
+    if not tags or any(t not in SLEEP_TAGS for t in tags):
+        raise InvalidRequestError(f"wake_up tags must be among {list(SLEEP_TAGS)}, got "
+                                  f"{str(tags)[:80]}")
+    return tags
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:

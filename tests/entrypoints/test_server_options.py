@@ -244,9 +244,12 @@ def test_sleep_and_wake_up(plain):
     assert asleep.status_code == 503 and "asleep" in asleep.json()["error"]["message"]
     assert httpx.get(url + "/health").status_code == 200
     for path, params, fragment in (("/sleep", {"level": 3}, "sleep level must be 1"),
-                                   ("/wake_up", {"tags": "bogus"}, "wake_up tags")):
+                                   ("/sleep", {"level": 10 ** 30}, "sleep level must be 1"),
+                                   ("/wake_up", {"tags": "bogus"}, "wake_up tags"),
+                                   ("/wake_up", {"tags": ["x"] * 5000}, "wake_up tags")):
         r = httpx.post(url + path, params=params, timeout=30)
         assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+        assert len(r.json()["error"]["message"]) < 300
     # Deeper: the weights too, then woken in two steps.
     assert httpx.post(url + "/sleep", params={"level": 2}, timeout=30).status_code == 200
     assert httpx.post(url + "/wake_up", params={"tags": "weights"},
