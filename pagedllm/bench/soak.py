@@ -386,13 +386,15 @@ def rss_report(before: dict[str, Any] | None, samples: list[dict[str, Any]],
 
 
 def blocks_report(after: dict[str, Any] | None) -> dict[str, Any]:
-    """KV blocks once idle: every block but the null one (id 0) must be free again."""
+    """KV blocks once idle: every block but the null ones (id 0 of each data parallel
+    replica's pool) must be free again."""
     if after is None or "num_blocks" not in after:
         return dict.fromkeys(("num_kv_blocks", "num_free_kv_blocks", "leaked_blocks",
                               "is_server_idle"))
+    num_pools = len(after.get("replicas") or [after])
     return {"num_kv_blocks": after["num_blocks"],
             "num_free_kv_blocks": after["num_free_blocks"],
-            "leaked_blocks": after["num_blocks"] - 1 - after["num_free_blocks"],
+            "leaked_blocks": after["num_blocks"] - num_pools - after["num_free_blocks"],
             "is_server_idle": after["num_running"] == after["num_waiting"] == 0}
 
 

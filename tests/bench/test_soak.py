@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 from pagedllm.bench.common import BenchRequest
-from pagedllm.bench.soak import (KINDS, StatsMonitor, _Choices, allot_kinds, plan_requests,
-                                 rss_report, validate)
+from pagedllm.bench.soak import (KINDS, StatsMonitor, _Choices, allot_kinds, blocks_report,
+                                 plan_requests, rss_report, validate)
 from tests.bench.test_bench import run_cli
 from tests.entrypoints.utils import RemoteServer
 
@@ -71,6 +71,15 @@ def test_rss_report_null_without_stats():
     assert rss_report(None, [], stats) is None
     report = rss_report(stats, [stats, peak, stats], stats)
     assert report["engine"] == {"start": 3.0, "peak": 5.0, "end": 3.0, "growth": 0.0}
+
+
+def test_blocks_report_counts_a_null_block_per_replica():
+    idle = {"num_blocks": 128, "num_free_blocks": 127, "num_running": 0, "num_waiting": 0}
+    assert blocks_report(idle)["leaked_blocks"] == 0
+    # Two data parallel replicas of 64 blocks: two null blocks.
+    replicas = dict(idle, num_free_blocks=126, replicas=[{}, {}])
+    assert blocks_report(replicas)["leaked_blocks"] == 0
+    assert blocks_report(dict(replicas, num_free_blocks=125))["leaked_blocks"] == 1
 
 
 def test_stats_monitor_unreachable():
