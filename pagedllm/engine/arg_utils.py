@@ -163,9 +163,11 @@ class EngineArgs:
               "one worker and no speculative decoding, off otherwise")
     tensor_parallel_size: int = _arg(1, "tensor parallel workers: each holds 1/N of every "
                                         "layer's heads and MLP columns and of the vocabulary "
-                                        "(CPU: gloo; the threads are shared among them)")
+                                        "(CPU: gloo; the threads are shared among them)",
+                                    aliases=("-tp",))
     pipeline_parallel_size: int = _arg(1, "pipeline stages: each holds a contiguous range of "
-                                          "the layers on its own tensor_parallel_size workers")
+                                          "the layers on its own tensor_parallel_size workers",
+                                      aliases=("-pp",))
     logits_processors: list[Any] | None = _arg(
         None, "custom logits processors: subclasses of pagedllm.logits_process."
               "LogitsProcessor, by qualified name (package.module.Class or "
@@ -175,7 +177,7 @@ class EngineArgs:
         1, "server: replicas of the whole engine, each an engine-core process with its own "
            "scheduler and KV cache (--kv-cache-space each) on its own cores (CPU: the "
            "physical cores split evenly, each replica pinned to its share) or GPU; each "
-           "request goes to the least busy replica")
+           "request goes to the least busy replica", aliases=("-dp",))
     distributed_executor_backend: str | None = _arg(
         None, "uni (in-process, one worker), mp (one process per worker on this machine) or "
               "ray (one Ray actor per worker, on any node of a Ray cluster: "

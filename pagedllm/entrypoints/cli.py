@@ -49,7 +49,8 @@ def add_dataclass_args(group: Any, cls: type,
         if f.name == "model" and positional_model is not None:
             positional_model.add_argument("model_pos", nargs="?", metavar="MODEL",
                                           default=None, help=kw["help"])
-        group.add_argument(flag, **kw)
+        # vLLM's short forms (-tp 2) where it has them.
+        group.add_argument(flag, *f.metadata.get("aliases", ()), **kw)
 
 
 def _scalar_type(hint: Any) -> Any:

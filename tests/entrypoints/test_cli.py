@@ -57,6 +57,15 @@ def test_serve_arguments():
     assert config.max_log_len == 100 and config.enable_responses_store
     assert (config.chat_template_content_format, config.response_role,
             config.max_background_responses) == ("openai", "bot", 3)
+    # This stop's: vLLM's short forms, and the options they name.
+    ns = build_parser().parse_args(["serve", "-tp", "2", "-pp", "3", "-dp", "4",
+                                    "--enable-sleep-mode", "--profiler-dir", "/tmp/t",
+                                    "--logits-processors", "a.b:C", "d.e.F"])
+    args = engine_args_from(ns)
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size,
+            args.data_parallel_size) == (2, 3, 4)
+    assert args.enable_sleep_mode and args.profiler_dir == "/tmp/t"
+    assert args.logits_processors == ["a.b:C", "d.e.F"]
 
 
 def test_json_object_flag(capsys):
