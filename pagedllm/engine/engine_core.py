@@ -275,7 +275,9 @@ class EngineCore:
                               "enable_sleep_mode=True (pagedllm serve --enable-sleep-mode)")
         check_sleep_level(level)
         if self.has_unfinished_requests():
-            num = self.scheduler.num_running + self.scheduler.num_waiting + self.num_compiling
+            sched = self.scheduler
+            num = (sched.num_running + sched.num_waiting + sched.num_swapped
+                   + self.num_compiling)
             raise EngineBusyError(f"{num} requests are unfinished: the engine sleeps only "
                                   f"when idle")
         self.reset_prefix_cache()
