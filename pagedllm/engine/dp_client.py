@@ -78,10 +78,6 @@ class DPEngineCoreClient:
         return min(c.num_blocks for c in self.clients)
 
     @property
-    def engine_pid(self) -> int | None:
-        return self.clients[0].engine_pid
-
-    @property
     def is_dead(self) -> bool:
         return self.dead_reason is not None
 
