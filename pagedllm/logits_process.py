@@ -19,6 +19,10 @@ logit_bias, before penalties, temperature and top-k/p; logprobs stay those of th
 model's raw logits, as vLLM's. Each function sees one request's row alone, so a
 request's output does not depend on what else is in the batch. Not with speculative
 decoding or async scheduling (a function reads the latest token on the host).
+
+A processor that raises (in `new_request` or in a request's function) fails that request
+alone: the server answers it with a 500 naming the processor and the exception (offline:
+it finishes as "abort", logged), and the batch's other requests go on.
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ from pagedllm.sampling_params import SamplingParams
 
 # (output token ids so far, logits row float32 [vocab_size]) -> the row.
 RequestLogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
+
+
+def processor_failure(processor: object, e: BaseException) -> str:
+    """What a failed request's client reads: which processor, what it raised."""
+    name = f"{type(processor).__module__}.{type(processor).__qualname__}"
+    return f"logits processor {name} failed on this request: {type(e).__name__}: {e}"
 
 
 @dataclass(frozen=True)

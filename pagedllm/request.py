@@ -138,10 +138,13 @@ class Request:
         # With a reasoning parser: where its output stands (reasoning or answer), read
         # token by token; its grammar constrains only the answer. None otherwise.
         self.reasoning_gate: ReasoningGate | None = None
-        # Why the engine finished it as aborted when the request itself was at fault (its
-        # grammar did not compile within the limits): the front end answers it as a bad
-        # request. None otherwise.
+        # Why the engine finished it as aborted when it could not run it (its grammar did
+        # not compile within the limits): the front end answers it as an error. None
+        # otherwise.
         self.error: str | None = None
+        # False when the fault was the server's (a custom logits processor raised): the
+        # front end answers with a server error instead.
+        self.error_is_invalid = True
 
     @property
     def lora_int_id(self) -> int:

@@ -134,6 +134,9 @@ class ModelRunnerOutput:
     # req_id -> why the runner could not run it as asked (its LoRA adapter failed to
     # load); the engine fails these requests and drops what they sampled. None: none.
     failed_requests: dict[str, str] | None = None
+    # req_id -> how code the engine ran for it failed (a custom logits processor raised):
+    # failed as above, but answered as a server error, not a bad request. None: none.
+    errored_requests: dict[str, str] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

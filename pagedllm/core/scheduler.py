@@ -586,17 +586,20 @@ class Scheduler:
         self._free_request(request, forget=forget)
         return [request]
 
-    def fail_requests(self, failures: dict[str, str]) -> list[Request]:
+    def fail_requests(self, failures: dict[str, str], invalid: bool = True,
+                      ) -> list[Request]:
         """Finish live requests the runner could not run as asked (req_id -> why, in
-        `Request.error`) as aborted. Their blocks leave the prefix cache: the KV they
-        computed is not what their hashes promise (a LoRA adapter that failed to load ran
-        as the base model). Unknown or finished ids are ignored."""
+        `Request.error`; `invalid`: the request's fault, else the server's) as aborted.
+        Their blocks leave the prefix cache: the KV they computed may not be what their
+        hashes promise (a LoRA adapter that failed to load ran as the base model).
+        Unknown or finished ids are ignored."""
         failed = []
         for req_id, why in failures.items():
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
             request.error = why
+            request.error_is_invalid = invalid
             failed += self._finish_one(request, RequestStatus.FINISHED_ABORTED, forget=True)
         return failed
 

@@ -251,15 +251,16 @@ class EngineCoreProc:
                 return errors, results
 
     def _step(self, errors: list[RequestError]) -> list[EngineCoreOutput]:
-        """The step's outputs; a request the engine failed for its own fault (its grammar
-        did not compile) goes to `errors` instead, answered as a bad request."""
+        """The step's outputs; a request the engine failed goes to `errors` instead,
+        answered as a bad request when it was at fault (its grammar did not compile),
+        as a server error otherwise (a custom logits processor raised)."""
         step_start = time.monotonic()
         updated = []
         for req in self.core.step():
             if req.error is None:
                 updated.append(req)
             else:
-                errors.append(RequestError(req.req_id, req.error, True))
+                errors.append(RequestError(req.req_id, req.error, req.error_is_invalid))
                 self._forget(req.req_id)
         # Requests this step scheduled for the first time: their queue time ends at
         # step_start (reported with their first output, which may come steps later when

@@ -163,6 +163,9 @@ class EngineCore:
         # what they sampled is dropped (the updates below skip finished requests).
         failed = (self.scheduler.fail_requests(runner_output.failed_requests)
                   if runner_output.failed_requests else [])
+        if runner_output.errored_requests:
+            failed += self.scheduler.fail_requests(runner_output.errored_requests,
+                                                   invalid=False)
         self.structured_output.accept_tokens(runner_output)
         return failed + self.scheduler.update_from_output(scheduler_output, runner_output)
 

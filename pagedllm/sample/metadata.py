@@ -63,8 +63,12 @@ class SamplingMetadata:
     # xgrammar token bitmask of the structured-output rows, and those rows.
     grammar_bitmask: torch.Tensor | None = None  # [M, ceil(V / 32)] int32
     grammar_rows: list[int] | None = None
-    # (logits row, functions, output token ids) of the rows whose request has custom
-    # logits processors (pagedllm.logits_process); None when no row has any.
-    custom: list[tuple[int, list[Any], list[int]]] | None = None
+    # (logits row, its (processor, function) pairs, output token ids) of the rows whose
+    # request has custom logits processors (pagedllm.logits_process); None when no row
+    # has any.
+    custom: list[tuple[int, list[tuple[Any, Any]], list[int]]] | None = None
+    # Set by the sampler: logits row -> why a custom processor failed on it (the runner
+    # fails those requests).
+    custom_failures: dict[int, str] | None = None
     # Most top-k logprobs any row asked for (0: chosen token only); None: no row asked.
     max_num_logprobs: int | None = None

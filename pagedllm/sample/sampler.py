@@ -16,14 +16,19 @@ Steps (vLLM's order; each is skipped when no row of the step uses it):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from pagedllm.logits_process import processor_failure
 from pagedllm.sample.logprobs import LogprobsTensors, score_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import (apply_min_p, apply_penalties, argmax_rows, draw_tempered,
                                  draw_top_k_top_p, draw_uniforms)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,14 +82,33 @@ class Sampler:
             rows, bias = md.logit_bias  # zero where a token has no bias: x + 0 == x
             logits.index_add_(0, rows, bias)
         for i, fns, output_ids in md.custom or ():
-            row = logits[i]
-            for fn in fns:
-                row = fn(output_ids, row)
-            if row.data_ptr() != logits[i].data_ptr():
-                logits[i] = row
+            Sampler._apply_custom(logits, i, fns, output_ids, md)
         if md.penalties is not None:
             logits = apply_penalties(logits, md.penalties)
         return logits
+
+    @staticmethod
+    def _apply_custom(logits: torch.Tensor, i: int, fns: list[tuple[Any, Any]],
+                      output_ids: list[int], md: SamplingMetadata) -> None:
+        """Row i through its request's custom functions. One that raises (or returns
+        no row of the right size) fails that request alone, noted in md.custom_failures:
+        user code must not take the engine and the batch's other requests down."""
+        row = logits[i]
+        for processor, fn in fns:
+            try:
+                row = fn(output_ids, row)
+                if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:
+                    raise TypeError(f"returned {_describe(row)}, not a logits row of "
+                                    f"shape {tuple(logits[i].shape)}")
+            except Exception as e:  # noqa: BLE001 - any failure of user code
+                logger.exception("custom logits processor %s failed",
+                                 type(processor).__qualname__)
+                if md.custom_failures is None:
+                    md.custom_failures = {}
+                md.custom_failures[i] = processor_failure(processor, e)
+                return
+        if row.data_ptr() != logits[i].data_ptr():
+            logits[i] = row
 
     @staticmethod
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -139,3 +163,9 @@ class Sampler:
             sampled[rows] = draw_top_k_top_p(logits[rows], top_k[rows],
                                              None if top_p is None else top_p[rows], u[rows])
         return sampled
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"

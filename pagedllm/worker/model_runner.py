@@ -514,6 +514,10 @@ class ModelRunner:
             md = batch.sampling_metadata(inputs.sample_rows)
             apply_grammar(md, inputs.grammar, len(inputs.sample_rows), self.device)
             sampler_output = self.sampler(logits, md)
+            if md.custom_failures:
+                positions = inputs.sample_positions.tolist()
+                output.errored_requests = {inputs.req_ids[positions[i]]: why
+                                           for i, why in md.custom_failures.items()}
             sampled_t = sampler_output.sampled_token_ids  # [N] int64
             if self.parallel.tp_size == 1 and not pipelined:
                 deferred = DeferredSample(

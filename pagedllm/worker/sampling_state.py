@@ -70,8 +70,8 @@ class SamplingState:
         # Per row, each bad word as (its tokens but the last, as an array; its last).
         self.bad_words: dict[int, list[tuple[np.ndarray, int]]] = {}
         self.logits_processors = logits_processors
-        # Per row with any: the functions the custom processors gave its request.
-        self.custom: dict[int, list[RequestLogitsProcessor]] = {}
+        # Per row with any: (processor, the function it gave the row's request) pairs.
+        self.custom: dict[int, list[tuple[Any, RequestLogitsProcessor]]] = {}
 
     # ------------------------------------------------------------------ rows
 
@@ -111,8 +111,16 @@ class SamplingState:
         self.has_grammar[row] = sp.structured_outputs is not None
         # Asked again when a preempted request comes back (its function then sees the
         # output so far).
-        custom = [fn for p in self.logits_processors
-                  if (fn := p.new_request(sp, new.prompt_token_ids)) is not None]
+        custom = []
+        for p in self.logits_processors:
+            try:
+                fn = p.new_request(sp, new.prompt_token_ids)
+            except Exception as e:  # noqa: BLE001 - any failure of user code
+                # Fails the request at its next sampled step, through the sampler's
+                # path for a function that raises.
+                fn = _raising(e)
+            if fn is not None:
+                custom.append((p, fn))
         if custom:
             self.custom[row] = custom
         self.is_plain_greedy[row] = (
@@ -223,9 +231,10 @@ class SamplingState:
             md.max_num_logprobs = int(num_logprobs.max())
         return md
 
-    def _custom(self, rows: np.ndarray) -> list[tuple[int, list[Any], list[int]]] | None:
-        """(logits row, its functions, its output token ids) of the rows with custom
-        logits processors."""
+    def _custom(self, rows: np.ndarray,
+                ) -> list[tuple[int, list[tuple[Any, Any]], list[int]]] | None:
+        """(logits row, its (processor, function) pairs, its output token ids) of the
+        rows with custom logits processors."""
         custom = []
         for i, row in enumerate(rows.tolist()):
             fns = self.custom.get(row)
@@ -315,3 +324,10 @@ class SamplingState:
             disallowed[torch.tensor([i for i, _ in limited], device=dev)] = torch.stack(
                 [self.disallowed[row] for _, row in limited])
         return bias, disallowed
+
+
+def _raising(e: Exception) -> RequestLogitsProcessor:
+    """A request function that raises `e` (what its processor's new_request raised)."""
+    def fail(output_ids: list[int], row: torch.Tensor) -> torch.Tensor:
+        raise e
+    return fail

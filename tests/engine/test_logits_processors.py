@@ -58,6 +58,27 @@ class NoRepeat(LogitsProcessor):
         return apply
 
 
+class Faulty(LogitsProcessor):
+    """extra_args {"fail": how}: "new_request" raises there, "step" raises once the
+    request has 2 output tokens, "shape" returns a row of the wrong size."""
+
+    def new_request(self, params, prompt_token_ids):
+        how = (params.extra_args or {}).get("fail")
+        if how is None:
+            return None
+        if how == "new_request":
+            raise KeyError("no table for this prompt")
+
+        def apply(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+            if how == "shape":
+                return logits[:10]
+            if len(output_ids) == 2:
+                raise ZeroDivisionError("step 2")
+            return logits
+
+        return apply
+
+
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny_procs"),
@@ -133,6 +154,35 @@ def test_function_is_called_with_each_steps_output(tiny_path):
     ((prompt, fn),) = procs
     assert prompt == [1, 2, 3]
     assert fn.seen == [ids[:i] for i in range(4)]
+
+
+def test_a_processor_that_fails_fails_its_request_alone(tiny_path, caplog):
+    """An exception in user code (in new_request, in a step's function, or a returned
+    row of the wrong size) finishes that request as aborted, logged with the processor's
+    name; the batch's other requests, and the engine, go on as without it."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, VOCAB, 4, 20, seed=8)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True, block_size=4)
+    expected = _ids(plain.generate(prompts, greedy, use_tqdm=False))
+    llm = LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True, block_size=4,
+              logits_processors=[Faulty])
+    params = [greedy] + [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                        extra_args={"fail": how})
+                         for how in ("new_request", "step", "shape")] + [greedy]
+    with caplog.at_level("ERROR", logger="pagedllm.sample.sampler"):
+        out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in out] == \
+        ["length", "abort", "abort", "abort", "length"]
+    ids = _ids(out)
+    assert [ids[0], ids[4]] == [expected[0], expected[4]]
+    # Failed at their first sampled token, or at the third (the two before stand).
+    assert ids[1] == ids[3] == [] and ids[2] == expected[2][:2]
+    for fragment in ("KeyError", "ZeroDivisionError: step 2",
+                     "returned a tensor of shape (10,), not a logits row of shape (256,)"):
+        assert fragment in caplog.text
+    assert "custom logits processor Faulty failed" in caplog.text
+    # The engine goes on.
+    assert _ids(llm.generate(prompts[:2], greedy, use_tqdm=False)) == expected[:2]
 
 
 def test_bad_arguments_are_the_requests_error(llm):

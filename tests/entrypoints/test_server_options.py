@@ -164,6 +164,7 @@ def plain(tmp_path_factory):
                         "--disable-log-requests", "--response-role", "bot",
                         "--logits-processors",
                         "tests.engine.test_logits_processors:ForceToken",
+                        "tests.engine.test_logits_processors:Faulty",
                         "--enable-sleep-mode", "--profiler-dir", str(traces)])
     yield srv
     srv.stop()
@@ -213,6 +214,26 @@ def test_logits_processors_and_vllm_xargs(plain):
         "model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "vllm_xargs": {"force": -1}})
     assert r.status_code == 400
     assert "ForceToken: force must be a token id, got -1" in r.json()["error"]["message"]
+
+
+def test_a_failing_logits_processor_is_its_requests_500(plain):
+    """A processor that raises fails that request with a 500 naming it (in the stream:
+    an error event), and the engine serves the next requests."""
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True}
+    r = httpx.post(plain.url + "/v1/completions", timeout=30,
+                   json=body | {"vllm_xargs": {"fail": "step"}})
+    assert r.status_code == 500, r.text
+    assert ("logits processor tests.engine.test_logits_processors.Faulty failed on this "
+            "request: ZeroDivisionError: step 2") in r.json()["error"]["message"]
+    with httpx.stream("POST", plain.url + "/v1/completions", timeout=30,
+                      json=body | {"stream": True, "vllm_xargs": {"fail": "new_request"}}
+                      ) as streamed:
+        text = streamed.read().decode()
+    assert "KeyError: 'no table for this prompt'" in text and "data: [DONE]" in text
+    again = httpx.post(plain.url + "/v1/completions", timeout=30, json=body)
+    assert again.status_code == 200
+    assert again.json()["usage"]["completion_tokens"] == 5
 
 
 def test_sleep_and_wake_up(plain):
