@@ -4,7 +4,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm import LLM
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InvalidRequestError, ModelLoadError
-from pagedllm.inputs import TextPrompt, TokensPrompt
+from pagedllm.inputs import EmbedsPrompt, TextPrompt, TokensPrompt
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationOutput,
                               ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
@@ -26,4 +26,4 @@ __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput",
            "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
            "ScoringRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
            "PoolingOutput", "PoolingRequestOutput",
-           "LoRARequest", "TextPrompt", "TokensPrompt", "__version__"]
+           "LoRARequest", "TextPrompt", "TokensPrompt", "EmbedsPrompt", "__version__"]

@@ -185,6 +185,8 @@ class ModelConfig:
     max_images_per_prompt: int = 4
     """Most images one prompt of a multimodal model may hold (vLLM's
     limit_mm_per_prompt {"image": N})."""
+    enable_prompt_embeds: bool = False
+    """Whether prompts may come as input embeddings (vLLM's enable_prompt_embeds)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:

@@ -22,5 +22,13 @@ class TokensPrompt(TypedDict):
     multi_modal_data: NotRequired[dict[str, Any]]
 
 
-# A prompt: text, a TextPrompt or TokensPrompt dict, or a list of token ids.
-PromptType = Union[str, TextPrompt, TokensPrompt, list[int]]
+class EmbedsPrompt(TypedDict):
+    """Input embeddings in place of the prompt's tokens (the engine started with
+    enable_prompt_embeds): a tensor [tokens, hidden_size], float, of a Llama-shaped
+    model. The request's outputs have prompt_token_ids None."""
+
+    prompt_embeds: Any
+
+
+# A prompt: text, a TextPrompt, TokensPrompt or EmbedsPrompt dict, or a list of token ids.
+PromptType = Union[str, TextPrompt, TokensPrompt, EmbedsPrompt, list[int]]

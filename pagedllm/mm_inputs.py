@@ -1,5 +1,5 @@
 """Images as a request carries them: preprocessed pixels and where their placeholder
-tokens sit in the prompt.
+tokens sit in the prompt; and prompt embeddings, which replace a whole prompt's.
 
 A multimodal prompt holds one run of placeholder tokens (the model's image token) per
 image, as long as the vision encoder's output for it; the runner puts the encoder's
@@ -16,8 +16,23 @@ from typing import Any
 from pagedllm.errors import InvalidRequestError
 
 
+class _Run:
+    """Positions [offset, offset + length) of a prompt whose embeddings are replaced."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether any of its positions is in [start, end)."""
+        return self.offset < end and start < self.end
+
+
 @dataclass(frozen=True)
-class ImageInput:
+class ImageInput(_Run):
     """One image of a prompt."""
 
     # The image processor's output: float32 numpy array [3, H, W].
@@ -30,13 +45,23 @@ class ImageInput:
     offset: int
     length: int
 
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
 
-    def overlaps(self, start: int, end: int) -> bool:
-        """Whether any of its placeholder positions is in [start, end)."""
-        return self.offset < end and start < self.end
+@dataclass(frozen=True)
+class PromptEmbedsInput(_Run):
+    """A prompt given as input embeddings (vLLM's prompt_embeds) instead of tokens: its
+    rows go in place of the token embeddings of the whole prompt, as an image's rows go
+    in place of its placeholders (the prompt's token ids are placeholders, 0)."""
+
+    # float32 numpy array [length, hidden_size].
+    rows: Any
+    # pixels_hash of the rows: equal prompts share their K/V in the prefix cache.
+    hash: str
+    offset: int
+    length: int
+
+
+# What may replace a prompt's token embeddings: an image's encoder rows, or given rows.
+PromptInput = ImageInput | PromptEmbedsInput
 
 
 @dataclass(frozen=True)
@@ -49,7 +74,8 @@ class ProcessedImage:
 
 
 def pixels_hash(pixel_values: Any) -> str:
-    """The hash an ImageInput carries: its dtype, shape and bytes, hashed."""
+    """The hash an ImageInput (or PromptEmbedsInput) carries: its dtype, shape and
+    bytes, hashed."""
     h = hashlib.sha256(f"{pixel_values.dtype}:{tuple(pixel_values.shape)}".encode())
     h.update(pixel_values.tobytes())
     return h.hexdigest()

@@ -124,7 +124,8 @@ class RequestOutput:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
+    """None for a prompt given as embeddings (EmbedsPrompt)."""
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None
@@ -135,6 +136,12 @@ class RequestOutput:
     """Timestamps (arrival, first token, finish) for latency reporting."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter it ran with (None: the base model)."""
+    num_prompt_tokens: int | None = None
+    """Prompt positions: len(prompt_token_ids), or an embeddings prompt's rows."""
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens is None:
+            self.num_prompt_tokens = len(self.prompt_token_ids or ())
 
 
 @dataclass

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.lora_request import LoRARequest
-from pagedllm.mm_inputs import ImageInput
+from pagedllm.mm_inputs import PromptEmbedsInput, PromptInput
 from pagedllm.reasoning import ReasoningGate
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -92,7 +92,7 @@ class Request:
                  max_tokens: int | None = None, deadline: float | None = None,
                  pooling_params: PoolingParams | None = None,
                  lora_request: LoRARequest | None = None,
-                 mm_inputs: list[ImageInput] | None = None) -> None:
+                 mm_inputs: list[PromptInput] | None = None) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -122,8 +122,9 @@ class Request:
         self.pooling_params = pooling_params
         # The LoRA adapter the model runs with for this request (None: the base model).
         self.lora_request = lora_request
-        # Images of a multimodal prompt, in prompt order ([] for text).
-        self.mm_inputs: list[ImageInput] = list(mm_inputs or ())
+        # Images of a multimodal prompt, in prompt order, or the prompt's embeddings
+        # (one PromptEmbedsInput over the whole prompt); [] for text.
+        self.mm_inputs: list[PromptInput] = list(mm_inputs or ())
         # The pooled vector (embedding requests only): [] until the pooling step.
         self.pooler_output: list[float] = []
         # Speculative decoding: tokens proposed to follow all_token_ids, to be verified
@@ -157,9 +158,15 @@ class Request:
         computed under one adapter is not another's, nor the base model's)."""
         return (self.lora_int_id,) if self.lora_request is not None else None
 
+    @property
+    def has_prompt_embeds(self) -> bool:
+        """Whether its prompt came as embeddings (its token ids are placeholders)."""
+        return any(isinstance(x, PromptEmbedsInput) for x in self.mm_inputs)
+
     def image_hashes(self, start: int, end: int) -> tuple[str, ...]:
-        """Hashes of its images with a placeholder token in positions [start, end): a
-        block's K/V there depends on the pixels, not only on the (placeholder) ids."""
+        """Hashes of its images (or prompt embeddings) with a position in [start, end):
+        a block's K/V there depends on the pixels (rows), not only on the placeholder
+        ids."""
         return tuple(image.hash for image in self.mm_inputs if image.overlaps(start, end))
 
     @property

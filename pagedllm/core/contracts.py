@@ -1,11 +1,11 @@
 """The only types that cross between the scheduler and the model runner.
 
 Plain dataclasses of ints, lists and dicts (no tensors; numpy arrays only for the grammar
-bitmask and a new request's image pixels), so the runner can live in another process. A
-request's full data is sent once (`NewRequestData`); later steps send only what changed
-(`CachedRequestData`). The runner appends the tokens it samples to its own copy of each
-request, so sampled ids never travel back down, except under pipeline parallelism, where
-only the last stage samples and steps overlap.
+bitmask and a new request's image pixels or prompt embeddings), so the runner can live
+in another process. A request's full data is sent once (`NewRequestData`); later steps
+send only what changed (`CachedRequestData`). The runner appends the tokens it samples
+to its own copy of each request, so sampled ids never travel back down, except under
+pipeline parallelism, where only the last stage samples and steps overlap.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 # The logprob records are defined beside Request, which stores them, so that request.py
 # never imports core/; the runner returns them through ModelRunnerOutput.
 from pagedllm.lora_request import LoRARequest
-from pagedllm.mm_inputs import ImageInput
+from pagedllm.mm_inputs import PromptInput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import PromptLogprobsChunk, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
@@ -49,9 +49,10 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None
     # The LoRA adapter it runs with (None: the base model).
     lora_request: LoRARequest | None = None
-    # Its prompt's images (multimodal models): the runner encodes those whose
-    # placeholder tokens a step computes.
-    mm_inputs: list[ImageInput] = field(default_factory=list)
+    # Its prompt's images (multimodal models), or its prompt embeddings: the runner
+    # puts their rows in place of the token embeddings of the positions a step computes
+    # (encoding an image's first).
+    mm_inputs: list[PromptInput] = field(default_factory=list)
 
 
 @dataclass

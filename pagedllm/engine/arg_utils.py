@@ -200,6 +200,11 @@ class EngineArgs:
     limit_mm_per_prompt: dict[str, Any] | None = _arg(
         None, "multimodal models: most images one prompt may hold, as vLLM's: a JSON "
               "object such as '{\"image\": 2}' (default 4)")
+    enable_prompt_embeds: bool = _arg(
+        False, "let prompts come as input embeddings, as vLLM's option: "
+               "LLM.generate({'prompt_embeds': tensor [tokens, hidden_size]}), the "
+               "completions API's prompt_embeds (base64 of torch.save); Llama-shaped "
+               "models (Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, LLaVA)")
     speculative_config: dict[str, Any] | None = _arg(
         None, "speculative decoding, as vLLM's: a JSON object such as "
               "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
@@ -323,6 +328,7 @@ class EngineArgs:
             profiler_dir=_resolve_profiler_dir(self.profiler_dir))
         parallel = self._parallel_config(hf_config, device)
         speculative = self._speculative_config(parallel, model, device)
+        self._prompt_embeds(model, speculative)
         sched.async_scheduling = self._resolve_async_scheduling(parallel, speculative,
                                                                 device)
         structured_outputs = StructuredOutputsConfig(
@@ -420,6 +426,27 @@ class EngineArgs:
         if refused:
             raise ConfigError(f"{model.architecture} (a model with images) does not run "
                               f"with {refused[0]} yet")
+
+    def _prompt_embeds(self, model: ModelConfig,
+                       speculative: SpeculativeConfig | None) -> None:
+        """enable_prompt_embeds: where the model and the options allow it."""
+        if not self.enable_prompt_embeds:
+            return
+        from pagedllm.models.registry import prompt_embeds_architectures
+
+        if model.architecture not in prompt_embeds_architectures():
+            raise ConfigError(f"enable_prompt_embeds: {model.architecture} does not take "
+                              f"input embeddings (these do: "
+                              f"{', '.join(prompt_embeds_architectures())})")
+        refused = [what for what, used in (
+            ("compile", self.compile),
+            ("speculative decoding (its proposers read the prompt's tokens)",
+             speculative is not None),
+            ("the pooling runner (embedding requests take token prompts)",
+             model.runner == "pooling")) if used]
+        if refused:
+            raise ConfigError(f"enable_prompt_embeds does not work with {refused[0]}")
+        model.enable_prompt_embeds = True
 
     def _speculative_config(self, parallel: ParallelConfig, target: ModelConfig,
                             device: str) -> SpeculativeConfig | None:

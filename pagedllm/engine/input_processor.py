@@ -1,4 +1,4 @@
-"""InputProcessor: user prompts (text or token ids) -> validated Requests."""
+"""InputProcessor: user prompts (text, token ids or embeddings) -> validated Requests."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ from dataclasses import replace
 from typing import Any
 
 from pagedllm.config import LoRAConfig, ModelConfig
+from pagedllm.engine.prompt_embeds import (PLACEHOLDER_ID, check_embeds,
+                                           check_embeds_params, embeds_input,
+                                           prompt_embeds_of)
 from pagedllm.errors import InvalidRequestError
 from pagedllm.inputs import PromptType
 from pagedllm.lora.adapter import AdapterChecks
 from pagedllm.lora_request import LoRARequest
-from pagedllm.mm_inputs import ImageInput
+from pagedllm.mm_inputs import ImageInput, PromptEmbedsInput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.reasoning import (ReasoningGate, ReasoningTokens, get_reasoning_format,
                                 tokens_of)
@@ -51,6 +54,9 @@ class InputProcessor:
         self.adapters = (AdapterChecks(model_config.hf_config, lora_config.max_lora_rank)
                          if lora_config is not None else None)
         self.reasoning = _reasoning_tokens(reasoning_parser, tokenizer)
+        self.enable_prompt_embeds = model_config.enable_prompt_embeds
+        self.hidden_size = getattr(model_config.hf_config, "text_config",
+                                   model_config.hf_config).hidden_size
         # The model's image processor (None: a text model, and images are refused).
         self.images = None
         if model_config.image_token_id is not None:
@@ -91,7 +97,11 @@ class InputProcessor:
         with that adapter (checked here: LoRA on, the adapter's files fit the model).
         """
         self.check_lora(lora_request)
+        embeds = prompt_embeds_of(prompt)
         if isinstance(params, PoolingParams):
+            if embeds is not None:
+                raise InvalidRequestError("prompt_embeds in embedding, score or "
+                                          "classification prompts are not supported")
             refusal = self.runner_refusal(pooling=True)
             if refusal:
                 raise InvalidRequestError(refusal)
@@ -116,10 +126,13 @@ class InputProcessor:
             raise InvalidRequestError(f"sampling params must be SamplingParams, got "
                                       f"{type(params).__name__}")
         self.check_generation()
-        text, ids = self.tokenize(prompt)
-        ids, images = self.with_images(ids, prompt_images(prompt),
-                                        params.truncate_prompt_tokens)
-        text, ids = self._truncated(text, ids, params.truncate_prompt_tokens)
+        if embeds is not None:
+            text, ids, images = None, *self._embedded(embeds, params)
+        else:
+            text, ids = self.tokenize(prompt)
+            ids, images = self.with_images(ids, prompt_images(prompt),
+                                            params.truncate_prompt_tokens)
+            text, ids = self._truncated(text, ids, params.truncate_prompt_tokens)
         self.validate_prompt(ids)
         self.validate_params(params)
         params = self._with_generation_eos(params)
@@ -132,6 +145,19 @@ class InputProcessor:
             request.reasoning_gate = ReasoningGate(self.reasoning,
                                                    self.reasoning.initial_phase(ids))
         return request, text
+
+    def _embedded(self, embeds: Any, params: SamplingParams,
+                  ) -> tuple[list[int], list[PromptEmbedsInput]]:
+        """(placeholder ids, [the rows]) of a prompt given as embeddings."""
+        if not self.enable_prompt_embeds:
+            raise InvalidRequestError("prompt_embeds needs the engine started with "
+                                      "enable_prompt_embeds=True (--enable-prompt-embeds)")
+        check_embeds_params(params)
+        rows = check_embeds(embeds, self.hidden_size)
+        kept = truncate_prompt([PLACEHOLDER_ID] * rows.shape[0],
+                               params.truncate_prompt_tokens, self.max_model_len)
+        self.validate_prompt(kept)  # before the rows are copied and hashed
+        return kept, [embeds_input(rows[rows.shape[0] - len(kept):])]
 
     def _with_generation_eos(self, params: SamplingParams) -> SamplingParams:
         """A copy of `params` that also stops at the generation config's EOS tokens."""

@@ -76,4 +76,5 @@ def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
         request_id=last.request_id, prompt=last.prompt,
         prompt_token_ids=last.prompt_token_ids, outputs=merged, finished=last.finished,
         prompt_logprobs=prompt_logprobs, num_cached_tokens=last.num_cached_tokens,
-        metrics=last.metrics, lora_request=last.lora_request)
+        metrics=last.metrics, lora_request=last.lora_request,
+        num_prompt_tokens=last.num_prompt_tokens)

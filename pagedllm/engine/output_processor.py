@@ -102,6 +102,8 @@ class ParentRequest:
     sent_prompt_logprobs: bool = False
     # An embedding request (one child, never samples) and its pooled vector once back.
     is_pooling: bool = False
+    # Its prompt came as embeddings: prompt_token_ids are placeholders, never shown.
+    prompt_is_embeds: bool = False
     embedding: list[float] | None = None
     lora_request: LoRARequest | None = None
 
@@ -134,7 +136,8 @@ class OutputProcessor:
                     for i, r in enumerate(requests)]
         parent = ParentRequest(request_id or first.req_id, prompt, first.prompt_token_ids,
                                params, first.arrival_time, children,
-                               is_pooling=first.is_pooling, lora_request=first.lora_request)
+                               is_pooling=first.is_pooling, lora_request=first.lora_request,
+                               prompt_is_embeds=first.has_prompt_embeds)
         self.parents[parent.request_id] = parent
         for child in children:
             self.children[child.req_id] = (parent, child)
@@ -143,7 +146,9 @@ class OutputProcessor:
         sp = request.sampling_params
         if self.tokenizer is None or not sp.detokenize or request.is_pooling:
             return None
-        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+        # No prompt text to continue from when the prompt was embeddings.
+        context = [] if request.has_prompt_embeds else request.prompt_token_ids
+        return IncrementalDetokenizer(self.tokenizer, context,
                                       sp.skip_special_tokens,
                                       sp.spaces_between_special_tokens)
 
@@ -302,10 +307,11 @@ class OutputProcessor:
             metrics["finished_time"] = now
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids, outputs=completions,
-            finished=parent.finished, prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=None if parent.prompt_is_embeds else parent.prompt_token_ids,
+            outputs=completions, finished=parent.finished, prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(c.num_cached_tokens for c in parent.children),
-            metrics=metrics, lora_request=parent.lora_request)
+            metrics=metrics, lora_request=parent.lora_request,
+            num_prompt_tokens=len(parent.prompt_token_ids))
 
     @staticmethod
     def _embedding_output(parent: ParentRequest) -> EmbeddingRequestOutput:

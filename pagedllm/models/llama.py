@@ -288,6 +288,11 @@ class LlamaForCausalLM(Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata, hidden_states, inputs_embeds)
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]: the token embeddings (first stage; the rows a prompt's
+        embeddings go among)."""
+        return self.model.embed_tokens(input_ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 

@@ -61,6 +61,12 @@ _SEQUENCE_CLASSIFIERS = frozenset({"BertForSequenceClassification",
 
 # Architectures whose prompts may hold images (multi_modal_data, image_url parts).
 _MULTIMODAL = frozenset({"LlavaForConditionalGeneration"})
+# Architectures whose prompts may come as input embeddings (enable_prompt_embeds): the
+# Llama-shaped decoders, whose forward takes inputs_embeds in place of the token
+# embeddings (and LLaVA's, the same decoder).
+_PROMPT_EMBEDS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
+                            "Qwen3MoeForCausalLM", "LlavaForConditionalGeneration"})
 
 
 def supported_architectures() -> list[str]:
@@ -73,6 +79,10 @@ def is_encoder_only(architecture: str) -> bool:
 
 def is_multimodal(architecture: str) -> bool:
     return architecture in _MULTIMODAL
+
+
+def prompt_embeds_architectures() -> list[str]:
+    return sorted(_PROMPT_EMBEDS)
 
 
 def is_sequence_classifier(architecture: str) -> bool:

@@ -7,6 +7,10 @@ are kept for the request until its prefill is past the run, then dropped. Each i
 is encoded alone, so its rows, and the tokens after it, never depend on what else a
 step holds. A preempted (or finished) request forgets its rows; recomputing it
 encodes them again, to the same values.
+
+A prompt given as embeddings (PromptEmbedsInput) takes the same path with rows that
+need no encoder: they replace the token embeddings of every prompt position a step
+computes.
 """
 
 from __future__ import annotations
@@ -16,15 +20,15 @@ import torch
 from torch import nn
 
 from pagedllm.core.contracts import NewRequestData
-from pagedllm.mm_inputs import ImageInput
+from pagedllm.mm_inputs import PromptEmbedsInput, PromptInput
 
 
 class ImageEncoderCache:
     def __init__(self, model: nn.Module, device: torch.device) -> None:
-        # The model's encode_image(pixels [3, H, W]) -> [tokens, hidden] and
-        # embed_input_ids(ids [T]) -> [T, hidden].
+        # The model's encode_image(pixels [3, H, W]) -> [tokens, hidden] (a model with
+        # images) and embed_input_ids(ids [T]) -> [T, hidden].
         self.model, self.device = model, device
-        self._images: dict[str, list[ImageInput]] = {}
+        self._images: dict[str, list[PromptInput]] = {}
         # req_id -> image index -> its rows, for runs the prefill has not passed yet.
         self._rows: dict[str, dict[int, torch.Tensor]] = {}
 
@@ -75,7 +79,10 @@ class ImageEncoderCache:
             embeds[at:at + count] = rows[first:first + count]
         return embeds
 
-    def _encode(self, image: ImageInput) -> torch.Tensor:
+    def _encode(self, image: PromptInput) -> torch.Tensor:
+        if isinstance(image, PromptEmbedsInput):
+            # float32; put among the model's rows in its dtype.
+            return torch.from_numpy(image.rows).to(self.device)
         pixels = torch.from_numpy(image.pixel_values).to(self.device)
         rows = self.model.encode_image(pixels)
         if rows.shape[0] != image.length:

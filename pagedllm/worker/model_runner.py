@@ -174,9 +174,11 @@ class ModelRunner:
         proposer = make_proposer(config, self.device, self.dtype)
         self.spec = (SpecDecoder(proposer, self.sampler, parallel, self.device)
                      if proposer is not None else None)
-        # Image features of multimodal prompts (None: the model takes no images).
+        # Image features of multimodal prompts, and prompt embeddings (None: the model
+        # takes neither).
         self.images = (ImageEncoderCache(self.model, self.device)
-                       if getattr(self.model, "is_multimodal", False) else None)
+                       if getattr(self.model, "is_multimodal", False)
+                       or config.model.enable_prompt_embeds else None)
 
     def _draft(self) -> DraftModelProposer | None:
         """The draft model of speculative decoding, if it has one."""
@@ -437,7 +439,7 @@ class ModelRunner:
                 failed_loras = self.lora.begin_step(inputs.lora_ids, inputs.loras)
                 try:
                     hidden = self._forward(inputs.input_ids, inputs.positions,
-                                           inputs.attn_metadata)
+                                           inputs.attn_metadata, **self._image_embeds(inputs))
                 finally:
                     self.lora.end_step()
             elif self.parallel.pp_size == 1:

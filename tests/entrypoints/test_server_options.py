@@ -7,12 +7,15 @@ model."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import re
 import signal
 
 import httpx
 import pytest
+import torch
 
 from tests.entrypoints.utils import MODEL_NAME, RemoteServer
 
@@ -165,7 +168,8 @@ def plain(tmp_path_factory):
                         "--logits-processors",
                         "tests.engine.test_logits_processors:ForceToken",
                         "tests.engine.test_logits_processors:Faulty",
-                        "--enable-sleep-mode", "--profiler-dir", str(traces)])
+                        "--enable-sleep-mode", "--profiler-dir", str(traces),
+                        "--enable-prompt-embeds"])
     yield srv
     srv.stop()
 
@@ -234,6 +238,44 @@ def test_a_failing_logits_processor_is_its_requests_500(plain):
     again = httpx.post(plain.url + "/v1/completions", timeout=30, json=body)
     assert again.status_code == 200
     assert again.json()["usage"]["completion_tokens"] == 5
+
+
+def test_prompt_embeds(plain):
+    """--enable-prompt-embeds: the completions API's prompt_embeds (base64 of
+    torch.save), the bundled model's own embeddings of a prompt, give what its tokens
+    give (one, or a list of them streamed); bad ones are 400s."""
+    import gguf
+
+    from pagedllm.config import default_model_path
+
+    reader = gguf.GGUFReader(default_model_path())
+    t = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    table = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+    url = plain.url + "/v1/completions"
+    ids = httpx.post(plain.url + "/tokenize", timeout=30, json={
+        "model": MODEL_NAME, "prompt": "The capital of France is"}).json()["tokens"]
+    buf = io.BytesIO()
+    torch.save(table[torch.tensor(ids)].clone(), buf)
+    data = base64.b64encode(buf.getvalue()).decode()
+    body = {"model": MODEL_NAME, "max_tokens": 10, "temperature": 0}
+    by_ids = httpx.post(url, timeout=60, json=body | {"prompt": ids}).json()
+    by_rows = httpx.post(url, timeout=60, json=body | {"prompt_embeds": data}).json()
+    assert by_rows["choices"][0]["text"] == by_ids["choices"][0]["text"]
+    assert by_rows["usage"] == by_ids["usage"]
+    with httpx.stream("POST", url, timeout=60,
+                      json=body | {"prompt_embeds": [data, data], "stream": True}) as r:
+        chunks = [json.loads(line.removeprefix("data: ")) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    for index in (0, 1):
+        assert "".join(c["choices"][0]["text"] for c in chunks
+                       if c["choices"] and c["choices"][0]["index"] == index) \
+            == by_ids["choices"][0]["text"]
+    for extra, fragment in (({"prompt_embeds": "%%"}, "not valid base64"),
+                            ({"prompt_embeds": data, "prompt": "x"}, "exactly one of"),
+                            ({"prompt_embeds": data, "echo": True}, "echo needs"),
+                            ({"prompt_embeds": []}, "must not be empty")):
+        r = httpx.post(url, timeout=30, json=body | extra)
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
 
 
 def test_sleep_and_wake_up(plain):

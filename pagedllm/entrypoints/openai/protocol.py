@@ -212,7 +212,10 @@ class SamplingFields(RequestModel):
 # ------------------------------------------------------------------ completions
 
 class CompletionRequest(SamplingFields):
-    prompt: list[int] | list[list[int]] | str | list[str]
+    prompt: list[int] | list[list[int]] | str | list[str] | None = None
+    prompt_embeds: str | list[str] | None = None
+    """vLLM's: base64 of torch.save(tensor [tokens, hidden_size]), or a list of them, in
+    place of prompt (--enable-prompt-embeds)."""
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None

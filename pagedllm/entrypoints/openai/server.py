@@ -384,7 +384,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     # SageMaker's one inference route, as vLLM's: the body's keys say which API it is for.
     invocation_routes: list[tuple[tuple[str, ...], type, Any]] = [
         (("messages",), ChatCompletionRequest, create_chat_completion),
-        (("prompt",), CompletionRequest, create_completion),
+        (("prompt", "prompt_embeds"), CompletionRequest, create_completion),
         (("query",), RerankRequest, create_rerank),
         (("text_1", "queries"), ScoreRequest, create_score),
         (("input",), EmbeddingRequest, create_embedding)]
@@ -400,8 +400,9 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
                          else await offloader.run_in_thread(validate_body, body, model))
                 return await handler(typed, raw_request)
         raise InvalidRequestError(
-            "the body names no API: it needs messages (chat), prompt (completions), query "
-            "(rerank), text_1 or queries (score) or input (embeddings)")
+            "the body names no API: it needs messages (chat), prompt or prompt_embeds "
+            "(completions), query (rerank), text_1 or queries (score) or input "
+            "(embeddings)")
 
     @post("/tokenize", body=TokenizeRequest, response_model=TokenizeResponse)
     async def tokenize(request: TokenizeRequest, _: Request) -> TokenizeResponse:

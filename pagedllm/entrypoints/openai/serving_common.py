@@ -304,10 +304,11 @@ class OpenAIServing:
 
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
                      params: list[SamplingParams], request: SamplingFields,
-                     images: list[Any] | None = None,
+                     images: list[Any] | None = None, embeds: list[Any] | None = None,
                      ) -> list[AsyncIterator[RequestOutput]]:
         """Submit one engine request per prompt (ids `{request_id}-{i}`); all or none.
-        `images` (preprocessed) go with every prompt.
+        `images` (preprocessed) go with every prompt; `embeds` (tensors) are the
+        prompts themselves, whose ids are placeholders.
 
         QueueFullError when they would take the engine's queue past
         --max-queued-requests.
@@ -324,6 +325,8 @@ class OpenAIServing:
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
                 prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+                if embeds:
+                    prompt = {"prompt_embeds": embeds[i]}
                 if images:
                     prompt["multi_modal_data"] = {"image": images}
                 stream = self.engine.add_request(

@@ -1,5 +1,6 @@
-"""POST /v1/completions: prompts as text, token ids, or lists of either; n, best_of,
-echo, logprobs, stop, seed, streaming with usage."""
+"""POST /v1/completions: prompts as text, token ids, or lists of either (or as input
+embeddings, prompt_embeds); n, best_of, echo, logprobs, stop, seed, streaming with
+usage."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSERespon
                                                         merge_streams,
                                                         prompt_logprobs_bytes, sse,
                                                         sse_error)
+from pagedllm.engine.prompt_embeds import (PLACEHOLDER_ID, check_embeds,
+                                           decode_prompt_embeds)
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -58,7 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.max_tokens == 0 and not request.echo:
             raise InvalidRequestError("max_tokens must be at least 1 (0 only with echo, to "
                                       "score the prompt), got 0.")
-        prompts = await self._parse_prompts(request)
+        prompts, embeds = await self._parse_prompts(request)
         kwargs = request.sampling_kwargs()
         if request.echo and request.logprobs is not None and request.prompt_logprobs is None:
             # The echoed prompt's logprobs (vLLM: prompt_logprobs, when given, wins).
@@ -75,7 +78,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                self.engine.config.model.sampling_defaults))
         await self.check_constraints(params[0])
         request_id = request.request_id or random_id("cmpl")
-        streams = self.add_requests(request_id, prompts, params, request)
+        streams = self.add_requests(request_id, prompts, params, request, embeds=embeds)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, prompts, streams))
         try:
@@ -92,7 +95,14 @@ class OpenAIServingCompletion(OpenAIServing):
         envelope, choices = self._response(request, request_id, prompts, finals)
         return await self.choices_response(envelope, choices, size)
 
-    async def _parse_prompts(self, request: CompletionRequest) -> list[Prompt]:
+    async def _parse_prompts(self, request: CompletionRequest,
+                             ) -> tuple[list[Prompt], list[Any] | None]:
+        """The prompts as (text, ids), and the tensors of a prompt_embeds request (its
+        prompts' ids are then placeholders, one per row)."""
+        if (request.prompt is None) == (request.prompt_embeds is None):
+            raise InvalidRequestError("give exactly one of prompt or prompt_embeds")
+        if request.prompt_embeds is not None:
+            return await self._parse_embeds(request)
         prompt = request.prompt
         if isinstance(prompt, str):
             prompt = [prompt]
@@ -100,12 +110,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = [prompt]
         if not prompt:
             raise InvalidRequestError("prompt must not be empty")
-        limit = self.serve_config.max_n
-        if len(prompt) * (request.best_of or request.n) > limit:
-            raise InvalidRequestError(
-                f"{len(prompt)} prompts x {request.best_of or request.n} completions "
-                f"each is more than the {limit} sequences one request may ask for "
-                f"(--max-n).")
+        self.check_n(len(prompt), request)
         prompts: list[Prompt] = []
         for p in prompt:
             if isinstance(p, str):
@@ -113,7 +118,40 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompts.append(self.truncate(p, ids, request.truncate_prompt_tokens))
             else:
                 prompts.append(self.truncate(None, list(p), request.truncate_prompt_tokens))
-        return prompts
+        return prompts, None
+
+    async def _parse_embeds(self, request: CompletionRequest,
+                            ) -> tuple[list[Prompt], list[Any]]:
+        model = self.engine.config.model
+        if not model.enable_prompt_embeds:
+            raise InvalidRequestError("prompt_embeds needs the server started with "
+                                      "--enable-prompt-embeds")
+        if request.echo:
+            raise InvalidRequestError("echo needs a prompt of tokens; this one is "
+                                      "prompt_embeds")
+        data = request.prompt_embeds
+        data = [data] if isinstance(data, str) else data
+        if not data:
+            raise InvalidRequestError("prompt_embeds must not be empty")
+        self.check_n(len(data), request)
+        hidden_size = getattr(model.hf_config, "text_config", model.hf_config).hidden_size
+        prompts, tensors = [], []
+        for item in data:
+            tensor = check_embeds(await self.offloader.run(
+                "decoding prompt_embeds", len(item), decode_prompt_embeds, item), hidden_size)
+            _, kept = self.truncate(None, [PLACEHOLDER_ID] * tensor.shape[0],
+                                    request.truncate_prompt_tokens)
+            prompts.append((None, kept))
+            tensors.append(tensor[tensor.shape[0] - len(kept):])
+        return prompts, tensors
+
+    def check_n(self, num_prompts: int, request: CompletionRequest) -> None:
+        limit = self.serve_config.max_n
+        if num_prompts * (request.best_of or request.n) > limit:
+            raise InvalidRequestError(
+                f"{num_prompts} prompts x {request.best_of or request.n} completions "
+                f"each is more than the {limit} sequences one request may ask for "
+                f"(--max-n).")
 
     # ------------------------------------------------------------------ full response
 
@@ -126,7 +164,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt_tokens = num_completion_tokens = 0
         for i, ro in enumerate(finals):
             assert ro is not None, "every stream ends with a finished output"
-            num_prompt_tokens += len(ro.prompt_token_ids)
+            num_prompt_tokens += ro.num_prompt_tokens
             # The prompt's logprobs: converted once for its n choices, when first built.
             prompt_field = functools.cache(lambda ro=ro: prompt_logprobs_field(
                 ro.prompt_logprobs) if request.prompt_logprobs is not None else None)
@@ -203,7 +241,7 @@ class OpenAIServingCompletion(OpenAIServing):
         state = _StreamState()
         try:
             async for i, ro in merge_streams(streams):
-                state.num_prompt_tokens[i] = len(ro.prompt_token_ids)
+                state.num_prompt_tokens[i] = ro.num_prompt_tokens
                 state.num_cached_tokens[i] = ro.num_cached_tokens
                 for out in _visible(request, ro.outputs):
                     chunk = self._chunk(request, request_id, prompts, state, i, ro, out)
