@@ -313,8 +313,19 @@ class SchedulerConfig:
     max_loras: int | None = None
     """Most distinct LoRA adapters among the running requests (LoRAConfig.max_loras; a
     waiting request with another adapter waits); None: LoRA is off."""
+    long_prefill_token_threshold: int = 0
+    """Most tokens of one prompt a step prefills while other requests are live (vLLM's,
+    which caps always): a long prompt leaves the rest of the budget to the requests
+    behind it. 0: no cap."""
 
     def __post_init__(self) -> None:
+        if (not isinstance(self.long_prefill_token_threshold, int)
+                or self.long_prefill_token_threshold < 0):
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0: no cap), "
+                              f"got {self.long_prefill_token_threshold!r}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ConfigError("long_prefill_token_threshold needs chunked prefill (a "
+                              "prompt is cut into chunks across steps)")
         if self.policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, "
                               f"got {self.policy!r}")

@@ -42,6 +42,12 @@ chunks may cost only what a fresh prompt of the whole budget costs (StepState
 decodes that share it, stays about as long as the first. A request that wants prompt
 logprobs pays for scoring its positions too (`prompt_logprob_cost` a token).
 
+Long prefills (`SchedulerConfig.long_prefill_token_threshold` > 0, vLLM's): while
+other requests are live, a prompt chunk takes at most that many tokens a step, so a
+long prompt being prefilled leaves the rest of the budget to the requests behind it
+(their first tokens do not wait for the whole long prompt); alone it takes what the
+budget allows, as without the cap (vLLM caps it always).
+
 KV cache groups (core/kv_groups.py): with sliding-window layers a request holds blocks
 per group; block ids, allocation and preemption span the groups, and `CachedRequestData`
 carries each group's new blocks.
@@ -125,6 +131,7 @@ class Scheduler:
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.attention_pairs_per_token = scheduler_config.attention_pairs_per_token
         self.prompt_logprob_cost = scheduler_config.prompt_logprob_cost
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.policy = scheduler_config.policy
         self.max_loras = scheduler_config.max_loras
         self.clock = clock
@@ -259,7 +266,11 @@ class Scheduler:
         step = StepState(self.max_num_batched_tokens, self.max_num_tokens,
                          self.enable_chunked_prefill, self.num_lookahead_tokens,
                          attention_pairs_per_token=self.attention_pairs_per_token,
-                         prompt_logprob_cost=self.prompt_logprob_cost)
+                         prompt_logprob_cost=self.prompt_logprob_cost,
+                         # Only while another request could use the budget: alone, a
+                         # long prompt gains nothing by smaller steps.
+                         long_prefill_token_threshold=(self.long_prefill_token_threshold
+                                                       if len(self.requests) > 1 else 0))
         if self.policy == "priority":
             # Before _schedule_running, so no scheduled request has to be undone.
             self._preempt_for_waiting_head(step)

@@ -39,6 +39,9 @@ class StepState:
     attention_pairs_per_token: int = 0
     # SchedulerConfig.prompt_logprob_cost: what scoring a prompt position costs on top.
     prompt_logprob_cost: float = 0.0
+    # SchedulerConfig.long_prefill_token_threshold: most tokens of one prompt a step
+    # takes (0: no cap).
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         # What the step's prefill chunks may cost, in tokens: as much as a fresh prompt
@@ -60,11 +63,15 @@ class StepState:
         return self.prompt_logprob_cost if scored else 0.0
 
     def cap_chunk(self, request: Request, num_computed: int, num_new_tokens: int) -> int:
-        """A prefill chunk (more than one token) cut to what is left of the step's cost
-        budget, down to one token at least; decodes, and prompts that must fit one step
-        (no chunked prefill, embeddings), are left as they are."""
-        if (math.isinf(self.cost_left) or num_new_tokens <= 1
-                or not self.enable_chunked_prefill or request.is_pooling):
+        """A prefill chunk (more than one token) cut to long_prefill_token_threshold and
+        to what is left of the step's cost budget, down to one token at least; decodes,
+        and prompts that must fit one step (no chunked prefill, embeddings), are left as
+        they are."""
+        if num_new_tokens <= 1 or not self.enable_chunked_prefill or request.is_pooling:
+            return num_new_tokens
+        if 0 < self.long_prefill_token_threshold < num_new_tokens:
+            num_new_tokens = self.long_prefill_token_threshold
+        if math.isinf(self.cost_left):
             return num_new_tokens
         # The largest n with chunk_cost(num_computed, n) <= cost_left: the root of
         # n^2 / 2r + a n - cost_left with a = 1 + scoring + num_computed / r.

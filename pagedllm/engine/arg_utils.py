@@ -133,6 +133,17 @@ class EngineArgs:
                                                     "chunked prefill, else max_model_len)")
     enable_prefix_caching: bool = _arg(True, "reuse KV blocks of equal prompt prefixes")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    long_prefill_token_threshold: int | None = _arg(
+        None, "most tokens of one prompt a step prefills while other requests are live "
+              "(vLLM's option, which caps always): a long prompt then leaves the rest of "
+              "each step's budget to the requests behind it, whose first tokens no longer "
+              "wait for all of it; alone it is not cut (0: no cap; default: a quarter of "
+              "max_num_batched_tokens, at least 256, or with max_num_partial_prefills > 1 "
+              "vLLM's 4 percent of max_model_len)")
+    max_num_partial_prefills: int = _arg(
+        1, "vLLM's: more than 1 sets long_prefill_token_threshold's default to 4 percent "
+           "of max_model_len, as vLLM's V1 engine does (prompts prefill side by side in "
+           "any case)")
     attention_backend: str | None = _arg(None, "attention backend: torch_ref, cpu or triton "
                                                "(default: cpu on CPU, triton on CUDA; triton "
                                                "runs on CPU under TRITON_INTERPRET=1, slowly)")
@@ -318,7 +329,9 @@ class EngineArgs:
                                 attention_pairs_per_token=_attention_pairs_per_token(
                                     hf_config, model.quantization == "gguf"),
                                 prompt_logprob_cost=_prompt_logprob_cost(
-                                    hf_config, model.quantization == "gguf"))
+                                    hf_config, model.quantization == "gguf"),
+                                long_prefill_token_threshold=self._long_prefill_threshold(
+                                    max_model_len, budget))
         backend = self.attention_backend or ("cpu" if device == "cpu" else "triton")
         device_config = DeviceConfig(
             device=device, attention_backend=backend,
@@ -426,6 +439,25 @@ class EngineArgs:
         if refused:
             raise ConfigError(f"{model.architecture} (a model with images) does not run "
                               f"with {refused[0]} yet")
+
+    def _long_prefill_threshold(self, max_model_len: int, budget: int) -> int:
+        """long_prefill_token_threshold; by default a quarter of the step's budget, at
+        least 256 (without chunked prefill none), or vLLM's 4% of max_model_len with
+        max_num_partial_prefills > 1."""
+        if not isinstance(self.max_num_partial_prefills, int) \
+                or self.max_num_partial_prefills < 1:
+            raise ConfigError(f"max_num_partial_prefills must be >= 1, got "
+                              f"{self.max_num_partial_prefills!r}")
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        if not self.enable_chunked_prefill:
+            return 0
+        if self.max_num_partial_prefills > 1:
+            return max(1, int(max_model_len * 0.04))
+        # A quarter: a step behind a long prompt admits short ones with 3/4 of the
+        # budget, and the long prompt's chunks stay large enough to run at full speed
+        # (256 tokens at least: smaller GEMMs lose speed).
+        return max(budget // 4, min(budget, 256))
 
     def _prompt_embeds(self, model: ModelConfig,
                        speculative: SpeculativeConfig | None) -> None:

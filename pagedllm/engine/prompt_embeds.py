@@ -15,14 +15,16 @@ import base64
 import binascii
 import io
 import zipfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from pagedllm.errors import InvalidRequestError
 from pagedllm.mm_inputs import PromptEmbedsInput, pixels_hash
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 # The token id a prompt's embedded positions hold (any id would do: none is read).
 PLACEHOLDER_ID = 0
@@ -43,6 +45,8 @@ def prompt_embeds_of(prompt: Any) -> Any:
 
 def check_embeds(embeds: Any, hidden_size: int) -> torch.Tensor:
     """A prompt's embeddings as rows [tokens, hidden_size] (a batch of one accepted)."""
+    import torch  # here: the front end imports this module without torch
+
     if not isinstance(embeds, torch.Tensor) or embeds.layout != torch.strided:
         raise InvalidRequestError(f"prompt_embeds must be a dense torch.Tensor [tokens, "
                                   f"hidden_size], got {_kind(embeds)}")
@@ -61,6 +65,8 @@ def check_embeds(embeds: Any, hidden_size: int) -> torch.Tensor:
 
 def embeds_input(embeds: torch.Tensor) -> PromptEmbedsInput:
     """What a request carries of checked rows (check_embeds): float32, and hashed."""
+    import torch
+
     rows = np.ascontiguousarray(embeds.detach().to("cpu", torch.float32).numpy())
     if not np.isfinite(rows).all():
         raise InvalidRequestError("prompt_embeds holds NaN or infinite values")
@@ -87,6 +93,8 @@ def decode_prompt_embeds(data: str) -> torch.Tensor:
     small body may not inflate to gigabytes; torch.save compresses nothing), and sparse
     tensors' invariants checked as they load (vLLM's CVE-2025-62164: a crafted sparse
     tensor wrote out of bounds when made dense); only dense tensors are taken after."""
+    import torch
+
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -121,6 +129,8 @@ def _check_archive(raw: bytes) -> None:
 
 
 def _kind(value: Any) -> str:
+    import torch
+
     if isinstance(value, torch.Tensor):
         return f"a tensor of layout {value.layout}"
     return type(value).__name__

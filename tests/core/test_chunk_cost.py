@@ -1,6 +1,8 @@
 """The cost budget of prefill chunks (SchedulerConfig.attention_pairs_per_token): a
 chunk also pays for its attention over the tokens before it, so deep into a long prompt
-the chunks shrink and no step costs much more than the first."""
+the chunks shrink and no step costs much more than the first. And the cap on one
+prompt's chunk (long_prefill_token_threshold), which leaves the rest of the budget to
+the requests behind a long prompt."""
 
 from __future__ import annotations
 
@@ -170,3 +172,34 @@ def test_prompt_logprobs_chunks_pay_for_their_scoring() -> None:
 ])
 def test_prompt_logprob_cost_from_the_model_config(cfg, native, expected) -> None:
     assert _prompt_logprob_cost(SimpleNamespace(**cfg), native) == pytest.approx(expected)
+
+
+def test_a_long_prompt_leaves_room_to_the_requests_behind_it(
+        make_scheduler, make_request, step) -> None:
+    """Capped at 16 tokens a step while others are live, a 1000-token prompt leaves 48
+    of the 64 to a short request that arrives while it is prefilled: its first token
+    comes in the step it arrives, not after the whole long prompt. Alone it takes the
+    whole budget; decodes are not cut."""
+    def first_token_step(threshold: int) -> int:
+        sched = make_scheduler(long_prefill_token_threshold=threshold, **POOL)
+        sched.add_request(make_request("long", 1000, max_tokens=2))
+        output, _ = step(sched)
+        assert output.num_scheduled_tokens["long"] == BUDGET  # alone: not cut
+        sched.add_request(make_request("short", 20, max_tokens=4))
+        for i in range(1, 100):
+            output, _ = step(sched)
+            if "long" in output.num_scheduled_tokens:
+                assert output.num_scheduled_tokens["long"] <= (threshold or BUDGET)
+            if sched.requests["short"].num_output_tokens:
+                return i
+        raise AssertionError("no first token")
+
+    assert first_token_step(16) == 1
+    assert first_token_step(0) == 1000 // BUDGET
+    # A decode beside a capped prefill takes its one token.
+    sched = make_scheduler(long_prefill_token_threshold=8, **POOL)
+    sched.add_request(make_request("dec", 6, max_tokens=50))
+    step(sched)
+    sched.add_request(make_request("long", 200, max_tokens=2))
+    output, _ = step(sched)
+    assert output.num_scheduled_tokens == {"dec": 1, "long": 8}

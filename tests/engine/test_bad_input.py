@@ -8,7 +8,7 @@ import pytest
 from transformers import LlamaConfig
 
 from pagedllm import LLM, EngineArgs, InvalidRequestError, LLMEngine, SamplingParams
-from pagedllm.errors import ModelLoadError
+from pagedllm.errors import ConfigError, ModelLoadError
 from tests.utils import random_prompts, save_tiny_model
 
 
@@ -191,3 +191,27 @@ def test_runner_restricts_what_requests_the_engine_takes(tiny_path, tmp_path):
     bert = save_tiny_bert(tmp_path / "bert")
     with pytest.raises(ValueError, match="runner 'generate': BertModel cannot generate"):
         EngineArgs(model=str(bert), runner="generate").create_engine_config()
+
+
+def test_long_prefill_threshold_defaults_and_refusals(tiny_path):
+    def threshold(**kw) -> int:
+        config = EngineArgs(model=str(tiny_path), max_model_len=256,
+                            **kw).create_engine_config()
+        return config.scheduler.long_prefill_token_threshold
+
+    # A quarter of the step's budget (256 tokens at least), vLLM's 4% of max_model_len
+    # with partial prefills, what is given, or none without chunked prefill.
+    assert threshold() == 512
+    assert threshold(max_num_batched_tokens=4096) == 1024
+    assert threshold(max_num_batched_tokens=300) == 256
+    assert threshold(max_num_batched_tokens=64) == 64
+    assert threshold(max_num_partial_prefills=4) == int(256 * 0.04)
+    assert threshold(long_prefill_token_threshold=0) == 0
+    assert threshold(long_prefill_token_threshold=100) == 100
+    assert threshold(enable_chunked_prefill=False) == 0
+    for kw, fragment in (({"long_prefill_token_threshold": -1}, "must be >= 0"),
+                         ({"max_num_partial_prefills": 0}, "must be >= 1"),
+                         ({"long_prefill_token_threshold": 8,
+                           "enable_chunked_prefill": False}, "needs chunked prefill")):
+        with pytest.raises(ConfigError, match=fragment):
+            threshold(**kw)

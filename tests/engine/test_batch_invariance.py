@@ -2,7 +2,8 @@
 default: its GGUF blocks through the quantized GEMM) and in float32 (dequantized: the
 native float32 GEMM), each request's greedy and seeded-sampled tokens and its logprobs
 are bit-identical alone, in a batch (in any order), under chunked prefill with
-prefix-cache hits (full and partial), and after preemption."""
+prefix-cache hits (full and partial), with long prompts' chunks capped, and after
+preemption."""
 
 from __future__ import annotations
 
@@ -68,6 +69,14 @@ def test_outputs_do_not_depend_on_the_batch(config, monkeypatch):
     try:
         for params, expected in zip(PARAMS, alone):
             assert _run(llm, prompts, params) == expected
+            assert _run(llm, prompts, params) == expected
+    finally:
+        llm.shutdown()
+    # At most 5 tokens of a prompt a step (long_prefill_token_threshold): the prompts
+    # prefill side by side in small chunks.
+    llm = LLM(long_prefill_token_threshold=5, enable_prefix_caching=False, **kwargs)
+    try:
+        for params, expected in zip(PARAMS, alone):
             assert _run(llm, prompts, params) == expected
     finally:
         llm.shutdown()
