@@ -22,7 +22,7 @@ from pagedllm.entrypoints.openai.tool_parsers.base import (ParsedDelta, ToolPars
                                                            assemble_calls, parse_all)
 from pagedllm.entrypoints.openai.tool_parsers.guided import (NamedToolParser,
                                                              RequiredToolParser)
-from pagedllm.errors import InvalidRequestError
+from pagedllm.errors import ConfigError, InvalidRequestError
 from tests.entrypoints.utils import MODEL_NAME, RemoteServer
 
 WEATHER = {"type": "function", "function": {
@@ -361,24 +361,24 @@ def test_valid_tool_conversation_and_defaults():
     assert req.messages[2].template_dict()["tool_call_id"] == "call_2"
 
 
-AUTO = ServeConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+AUTO = ServeConfig(enable_auto_tool_choice=True, tool_call_parser="hermes").auto_tool_parser()
 
 
 def test_plan_per_tool_choice():
     with pytest.raises(InvalidRequestError) as e:
-        plan_tools(validate(tools=[WEATHER]), ServeConfig())
+        plan_tools(validate(tools=[WEATHER]), None)
     assert str(e.value) == AUTO_NEEDS_FLAGS and "--enable-auto-tool-choice" in str(e.value)
     auto = plan_tools(validate(tools=[WEATHER]), AUTO)
     assert auto.constraint is None and type(auto.make_parser()).__name__ == "HermesToolParser"
-    none = plan_tools(validate(tools=[WEATHER], tool_choice="none"), ServeConfig())
+    none = plan_tools(validate(tools=[WEATHER], tool_choice="none"), None)
     assert none.make_parser is None
     assert none.template_tools[0]["function"]["name"] == "get_weather"
     named = plan_tools(validate(tools=[WEATHER, TIME], tool_choice={
-        "type": "function", "function": {"name": "get_time"}}), ServeConfig())
+        "type": "function", "function": {"name": "get_time"}}), None)
     assert named.constraint == {"json": SCHEMAS["get_time"], "disable_any_whitespace": True}
     assert named.is_named
     required = plan_tools(validate(tools=[WEATHER, TIME], tool_choice="required",
-                                   parallel_tool_calls=False), ServeConfig())
+                                   parallel_tool_calls=False), None)
     schema = required.constraint["json"]
     assert schema["minItems"] == 1 and schema["maxItems"] == 1
     assert "$defs" not in WEATHER["function"]["parameters"]["properties"]  # not mutated
@@ -390,21 +390,76 @@ def test_plan_per_tool_choice():
         jsonschema.validate([{"name": "get_time", "parameters": {"city": "Rome"}}], schema)
 
 
+PLUGIN = '''
+from pagedllm.entrypoints.openai.tool_parsers.base import ParsedDelta, ToolParser
+
+
+class Shout(ToolParser):
+    """CALL name args: the whole output is one call."""
+
+    name = "shout"
+
+    def __init__(self):
+        super().__init__()
+        self.text = ""
+
+    def feed(self, text):
+        self.text += text
+        return ParsedDelta()
+
+    def finish(self):
+        name, _, args = self.text.removeprefix("CALL ").partition(" ")
+        return ParsedDelta(tool_calls=[self.new_call(name, args)])
+'''
+
+
+def test_custom_parsers_by_plugin_file_or_qualified_name(tmp_path):
+    """--tool-parser-plugin FILE with --tool-call-parser naming its parser's `name`
+    (vLLM's plugins), or a ToolParser subclass by qualified name; what cannot be found
+    is a start-up error saying what was looked for."""
+    plugin = tmp_path / "my_parsers.py"
+    plugin.write_text(PLUGIN)
+    config = ServeConfig(enable_auto_tool_choice=True, tool_call_parser="shout",
+                         tool_parser_plugin=str(plugin))
+    plan = plan_tools(validate(tools=[WEATHER]), config.auto_tool_parser())
+    parsed = parse_all(plan.make_parser(), 'CALL get_weather {"city": "Rome"}')
+    assert calls_of(parsed) == [("get_weather", {"city": "Rome"})]
+    by_name = ServeConfig(enable_auto_tool_choice=True, tool_call_parser=(
+        "pagedllm.entrypoints.openai.tool_parsers.hermes:HermesToolParser"))
+    assert by_name.auto_tool_parser().__name__ == "HermesToolParser"
+    for kw, fragment in (
+            ({"tool_call_parser": "nope", "tool_parser_plugin": str(plugin)},
+             "nor does the plugin"),
+            ({"tool_call_parser": "pkg.shout"}, "tool call parser 'pkg.shout': No module"),
+            ({"tool_call_parser": "json:dumps"}, "is not a subclass of"),
+            ({"tool_call_parser": "no_such_mod:P"}, "No module named"),
+            ({"tool_call_parser": "shout", "tool_parser_plugin": str(tmp_path / "x.py")},
+             "is not a file")):
+        with pytest.raises(ConfigError, match=fragment):
+            ServeConfig(enable_auto_tool_choice=True, **kw).auto_tool_parser()
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('boom')")
+    with pytest.raises(ConfigError, match="failed to load: RuntimeError: boom"):
+        ServeConfig(enable_auto_tool_choice=True, tool_call_parser="shout",
+                    tool_parser_plugin=str(broken)).auto_tool_parser()
+    with pytest.raises(ConfigError, match="--tool-parser-plugin needs --tool-call-parser"):
+        ServeConfig(tool_parser_plugin=str(plugin))
+
+
 def test_plan_conflicts():
     with pytest.raises(InvalidRequestError, match="cannot be combined"):
         plan_tools(validate(tools=[WEATHER], tool_choice="required",
-                            response_format={"type": "json_object"}), ServeConfig())
+                            response_format={"type": "json_object"}), None)
     other_unit = json.loads(json.dumps(TIME))
     other_unit["function"]["parameters"]["$defs"] = {"unit": {"enum": ["kelvin"]}}
     with pytest.raises(InvalidRequestError, match="defined differently"):
-        plan_tools(validate(tools=[WEATHER, other_unit], tool_choice="required"),
-                   ServeConfig())
+        plan_tools(validate(tools=[WEATHER, other_unit], tool_choice="required"), None)
 
 
 def test_serve_config_tool_flags(tmp_path):
     with pytest.raises(ValueError, match="requires --tool-call-parser"):
         ServeConfig(enable_auto_tool_choice=True)
-    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+    with pytest.raises(ValueError, match="unknown tool call parser 'granite'; choose one"):
         ServeConfig(tool_call_parser="granite")
     with pytest.raises(ValueError, match="neither a template nor a file"):
         ServeConfig(chat_template=str(tmp_path / "missing.jinja"))
@@ -632,6 +687,6 @@ def test_http_400s(server, body, param, needle):
 def test_qwen3_coder_reads_the_request_tools():
     """The server hands the request's tools to a parser that types values by them."""
     config = ServeConfig(enable_auto_tool_choice=True, tool_call_parser="qwen3_coder")
-    plan = plan_tools(validate(tools=CODER_TOOLS), config)
+    plan = plan_tools(validate(tools=CODER_TOOLS), config.auto_tool_parser())
     parsed = parse_all(plan.make_parser(), call_xml("f", days="4", city="5"))
     assert calls_of(parsed) == [("f", {"days": 4, "city": "5"})]

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine.content_format import CONTENT_FORMATS
-from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSER_NAMES
+from pagedllm.entrypoints.openai.tool_parsers import (TOOL_PARSER_NAMES, ToolParser,
+                                                      get_tool_parser)
 from pagedllm.errors import ConfigError
 
 
@@ -77,8 +78,13 @@ class ServeConfig:
                 "<parameter=a>1</parameter></function></tool_call>) or phi4_mini_json "
                 "(functools[{\"name\": ..., \"arguments\": ...}]: Phi-4-mini); "
                 "vLLM's llama4_json, llama4_pythonic and qwen3_xml are the same readers; "
-                "needed by --enable-auto-tool-choice",
-        "choices": TOOL_PARSER_NAMES})
+                "or your own: a ToolParser subclass by qualified name (pkg.module:Class), "
+                "or the `name` of one in --tool-parser-plugin; needed by "
+                "--enable-auto-tool-choice"})
+    tool_parser_plugin: str | None = _flag(
+        None, "a Python file defining ToolParser subclasses "
+              "(pagedllm.entrypoints.openai.tool_parsers.base) with a class attribute "
+              "`name`, which --tool-call-parser then names, as vLLM's plugins")
 
     enable_prompt_tokens_details: bool = _flag(
         False, "usage carries prompt_tokens_details.cached_tokens: the prompt tokens the "
@@ -147,15 +153,31 @@ class ServeConfig:
             raise ConfigError(f"chat_template_content_format must be one of "
                               f"{', '.join(CONTENT_FORMATS)}, got "
                               f"{self.chat_template_content_format!r}")
-        if self.tool_call_parser not in (None, *TOOL_PARSER_NAMES):
-            raise ConfigError(f"tool_call_parser must be one of "
-                              f"{', '.join(TOOL_PARSER_NAMES)}, got {self.tool_call_parser!r}")
+        name = self.tool_call_parser
+        if (name is not None and self.tool_parser_plugin is None
+                and name not in TOOL_PARSER_NAMES and not any(c in name for c in ":.")):
+            raise ConfigError(f"unknown tool call parser {name!r}; choose one of "
+                              f"{', '.join(TOOL_PARSER_NAMES)}, name a ToolParser class "
+                              f"(package.module:Class), or give --tool-parser-plugin")
+        if self.tool_parser_plugin is not None and self.tool_call_parser is None:
+            raise ConfigError("--tool-parser-plugin needs --tool-call-parser naming one of "
+                              "its parsers")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
         if (self.chat_template is not None and not is_template_text(self.chat_template)
                 and not os.path.isfile(self.chat_template)):
             raise ConfigError(f"chat_template is neither a template nor a file: "
                               f"{self.chat_template!r}")
+
+    def auto_tool_parser(self) -> type[ToolParser] | None:
+        """The parser class of tool_choice "auto" (None: auto tool choice is off), for
+        the server to resolve once at start-up; ConfigError when it cannot be found."""
+        if not (self.enable_auto_tool_choice and self.tool_call_parser):
+            return None
+        try:
+            return get_tool_parser(self.tool_call_parser, self.tool_parser_plugin)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
 
     def load_chat_template(self) -> str | None:
         """The --chat-template text (read from its file if it names one)."""

@@ -90,6 +90,8 @@ class OpenAIServingChat(OpenAIServing):
             if configured == "auto" else configured)
         # --reasoning-parser's format and tags (None: replies are all content).
         self.reasoning = self.engine.reasoning_tokens
+        # tool_choice "auto"'s parser, resolved once (a plugin file runs once).
+        self.auto_tool_parser = self.serve_config.auto_tool_parser()
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      ) -> ChatCompletionResponse | Response | SSEResponse:
@@ -160,7 +162,7 @@ class OpenAIServingChat(OpenAIServing):
             if not request.logprobs:
                 raise InvalidRequestError("top_logprobs requires logprobs to be true")
         self.check_limits(request, request.top_logprobs, logprobs_field="top_logprobs")
-        plan = plan_tools(request, self.serve_config)
+        plan = plan_tools(request, self.auto_tool_parser)
         text, ids, sources = await self.render_chat(
             request.messages, request.add_generation_prompt, request.continue_final_message,
             request.chat_template, template_kwargs(request), tools=plan.template_tools)

@@ -21,8 +21,6 @@ from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, DeltaToolCall,
                                                   NamedToolChoice, ToolCall, ToolParam)
-from pagedllm.entrypoints.openai.serve_config import ServeConfig
-from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pagedllm.entrypoints.openai.tool_parsers.base import (ParsedDelta, ToolCallDelta,
                                                            ToolParser, assemble_calls)
 from pagedllm.entrypoints.openai.tool_parsers.guided import (NamedToolParser,
@@ -57,9 +55,11 @@ class ToolPlan:
         return ToolCallReader(self.make_parser(), self.max_calls, self.is_named)
 
 
-def plan_tools(request: ChatCompletionRequest, serve_config: ServeConfig) -> ToolPlan:
-    """The plan of a validated request; InvalidRequestError for what this server's
-    flags do not allow, or a constraint that cannot be built."""
+def plan_tools(request: ChatCompletionRequest,
+               auto_parser: type[ToolParser] | None) -> ToolPlan:
+    """The plan of a validated request, `auto_parser` the server's parser of
+    tool_choice "auto" (None: off); InvalidRequestError for what this server's flags do
+    not allow, or a constraint that cannot be built."""
     tools = request.tools or []
     plan = ToolPlan([t.model_dump(exclude_none=True) for t in tools] or None)
     choice = request.effective_tool_choice
@@ -67,9 +67,9 @@ def plan_tools(request: ChatCompletionRequest, serve_config: ServeConfig) -> Too
     if choice == "none":
         return plan
     if choice == "auto":
-        if not (serve_config.enable_auto_tool_choice and serve_config.tool_call_parser):
+        if auto_parser is None:
             raise InvalidRequestError(AUTO_NEEDS_FLAGS)
-        parser = get_tool_parser(serve_config.tool_call_parser)
+        parser = auto_parser
         if getattr(parser, "reads_tool_schemas", False):  # typed by the tools' schemas
             template_tools = plan.template_tools
             plan.make_parser = lambda: parser(template_tools)

@@ -3,11 +3,18 @@
 `tool_choice: "auto"` runs the server's parser over each output; "required" and a
 named function are forced by guided decoding instead, and their outputs are read by
 the parsers of guided.py.
+
+Your own format: subclass `ToolParser` (base.py) and name it by its qualified name
+(`--tool-call-parser mypkg.parsers:MyParser`), or, as vLLM's plugins, put it in a file
+(`--tool-parser-plugin my_parser.py`) with a class attribute `name` and give that name
+(`--tool-call-parser myformat`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolParser
 
@@ -27,10 +34,49 @@ _PARSERS: dict[str, tuple[str, str]] = {
 TOOL_PARSER_NAMES: tuple[str, ...] = tuple(_PARSERS)
 
 
-def get_tool_parser(name: str) -> type[ToolParser]:
-    """The parser class registered as `name` (ValueError naming the choices)."""
-    if name not in _PARSERS:
+def get_tool_parser(name: str, plugin: str | None = None) -> type[ToolParser]:
+    """The parser class `name` names: a plugin file's parser of that `name`, a built-in
+    one, or a qualified class name (ValueError saying what was looked for)."""
+    if plugin is not None:
+        found = [cls for cls in vars(_load_plugin(plugin)).values()
+                 if isinstance(cls, type) and issubclass(cls, ToolParser)
+                 and getattr(cls, "name", None) == name]
+        if found:
+            return found[0]
+    if name in _PARSERS:
+        module, cls = _PARSERS[name]
+        return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    module_name, sep, attr = name.partition(":")
+    if not sep:
+        module_name, _, attr = name.rpartition(".")
+    if not module_name:
+        where = f"; nor does the plugin {plugin!r} define one" if plugin else ""
         raise ValueError(f"unknown tool call parser {name!r}; choose one of "
-                         f"{', '.join(TOOL_PARSER_NAMES)}")
-    module, cls = _PARSERS[name]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+                         f"{', '.join(TOOL_PARSER_NAMES)}, or name a ToolParser class "
+                         f"(package.module:Class){where}")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"tool call parser {name!r}: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
+        raise ValueError(f"tool call parser {name!r} is not a subclass of "
+                         f"{ToolParser.__module__}.ToolParser")
+    return cls
+
+
+def _load_plugin(path: str) -> object:
+    """The module of a plugin file (run once per call: the server resolves its parser
+    once, at start-up)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"tool parser plugin {path!r} is not a file")
+    name = "pagedllm_tool_parser_plugin_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"tool parser plugin {path!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the plugin's own error, reported at start-up
+        raise ValueError(f"tool parser plugin {path!r} failed to load: "
+                         f"{type(e).__name__}: {e}") from e
+    return module
