@@ -12,6 +12,7 @@ import io
 import json
 import re
 import signal
+import time
 
 import httpx
 import pytest
@@ -169,7 +170,7 @@ def plain(tmp_path_factory):
                         "tests.engine.test_logits_processors:ForceToken",
                         "tests.engine.test_logits_processors:Faulty",
                         "--enable-sleep-mode", "--profiler-dir", str(traces),
-                        "--enable-prompt-embeds"])
+                        "--enable-prompt-embeds", "--enable-server-load-tracking"])
     yield srv
     srv.stop()
 
@@ -238,6 +239,29 @@ def test_a_failing_logits_processor_is_its_requests_500(plain):
     again = httpx.post(plain.url + "/v1/completions", timeout=30, json=body)
     assert again.status_code == 200
     assert again.json()["usage"]["completion_tokens"] == 5
+
+
+def test_server_load_tracking(plain):
+    """GET /load counts the requests in flight: a stream until its last event."""
+    def load() -> int:
+        return httpx.get(plain.url + "/load", timeout=10).json()["server_load"]
+
+    assert load() == 0
+    body = {"model": MODEL_NAME, "prompt": "Count:", "max_tokens": 40, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", plain.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        assert load() == 1
+        assert "data: [DONE]" in list(lines)
+    # The count drops once the server's handler returns, just after the last event.
+    deadline = time.monotonic() + 5
+    while load() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert load() == 0
+    httpx.post(plain.url + "/v1/completions", timeout=60,
+               json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})
+    assert load() == 0
 
 
 def test_prompt_embeds(plain):

@@ -3,7 +3,8 @@
 Pure ASGI (not Starlette's BaseHTTPMiddleware): they leave `receive` to the app, so a
 streaming response still sees its client leave. `APIKeyMiddleware` checks the bearer
 key, `BodyLimitMiddleware` bounds a body's size and the time it may take to arrive,
-`RequestIdMiddleware` puts X-Request-Id on every answer.
+`RequestIdMiddleware` puts X-Request-Id on every answer, `LoadMiddleware` counts the
+requests in flight.
 """
 
 from __future__ import annotations
@@ -70,6 +71,41 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class ServerLoad:
+    """The requests the load middleware counts as in flight (GET /load reads it)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+# Routes that run requests on the engine (vLLM's load-aware ones).
+LOAD_PATHS = frozenset({
+    "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/pooling",
+    "/v1/responses", "/score", "/v1/score", "/classify", "/v1/classify", "/rerank",
+    "/v1/rerank", "/v2/rerank", "/invocations"})
+
+
+class LoadMiddleware:
+    """`--enable-server-load-tracking` (vLLM's): counts the POSTs to LOAD_PATHS from
+    arrival until their answer (a stream's last event included) is sent, for GET /load
+    (a load balancer's signal)."""
+
+    def __init__(self, app: ASGIApp, load: ServerLoad) -> None:
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not (scope["type"] == "http" and scope["method"] == "POST"
+                and scope["path"] in LOAD_PATHS):
+            await self.app(scope, receive, send)
+            return
+        self.load.value += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.value -= 1
 
 
 # Sent with an answer given before the request's body was read.

@@ -111,6 +111,9 @@ class ServeConfig:
     max_background_responses: int = _flag(
         256, "most Responses API requests with background: true running at once (each "
              "holds an engine request without a connection); 503 past it")
+    enable_server_load_tracking: bool = _flag(
+        False, "count the generation and pooling requests in flight (until their answer "
+               "or stream ends) for GET /load, {\"server_load\": N}, as vLLM's")
     enable_force_include_usage: bool = _flag(
         False, "every stream ends with a usage chunk, as if each request asked for it "
                "(stream_options.include_usage)")

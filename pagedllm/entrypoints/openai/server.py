@@ -56,7 +56,8 @@ from pagedllm.entrypoints.openai.connections import (ConnectionGuard, default_ma
                                                      raise_open_file_limit)
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, PoolingRequest
 from pagedllm.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware,
-                                                    RequestIdMiddleware, error_response)
+                                                    LoadMiddleware, RequestIdMiddleware,
+                                                    ServerLoad, error_response)
 from pagedllm.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
 from pagedllm.entrypoints.openai.responses_store import (ResponseNotFoundError,
                                                          list_input_items)
@@ -189,6 +190,15 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
                        read_timeout=serve_config.read_timeout)
     if serve_config.enable_request_id_headers:
         app.add_middleware(RequestIdMiddleware)
+    load = ServerLoad()
+    if serve_config.enable_server_load_tracking:
+        app.add_middleware(LoadMiddleware, load=load)
+
+    @app.get("/load")
+    async def server_load() -> dict[str, int]:
+        """Requests in flight (0 unless --enable-server-load-tracking), as vLLM's."""
+        return {"server_load": load.value}
+
     # Outermost: browsers' preflight requests are answered before the key check, and
     # every answer (401 and 413 included) carries the CORS headers.
     app.add_middleware(CORSMiddleware, allow_origins=serve_config.allowed_origins,
