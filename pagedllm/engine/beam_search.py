@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedllm.engine.input_processor import logprobs_cap, prompt_images
+from pagedllm.engine.prompt_embeds import prompt_embeds_of
 from pagedllm.errors import InvalidRequestError
 from pagedllm.lora_request import LoRARequest
 from pagedllm.mm_inputs import ProcessedImage
@@ -69,6 +70,9 @@ def beam_search(engine: LLMEngine, prompts: Sequence[PromptType], params: BeamSe
 
     instances = []
     for prompt, lora in zip(prompts, loras or [None] * len(prompts), strict=True):
+        if prompt_embeds_of(prompt) is not None:
+            raise InvalidRequestError("beam search takes text or token prompts, not "
+                                      "prompt_embeds")
         _, ids = engine.input_processor.tokenize(prompt)
         # Placeholders expanded: each step's prompt holds every image's whole run.
         ids, images = engine.input_processor.with_images(ids, prompt_images(prompt), None)

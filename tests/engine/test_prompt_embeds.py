@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pagedllm import LLM, PoolingParams, SamplingParams
+from pagedllm import BeamSearchParams, LLM, PoolingParams, SamplingParams
 from pagedllm.engine.prompt_embeds import decode_prompt_embeds
 from pagedllm.errors import ConfigError, InvalidRequestError
 from pagedllm.models.registry import prompt_embeds_architectures
@@ -156,6 +156,9 @@ def test_what_cannot_work_is_a_clear_error(tiny_path, llm, table):
             SamplingParams(max_tokens=2, repetition_penalty=1.2))
     with pytest.raises(InvalidRequestError, match="prompt_embeds in embedding"):
         llm.embed([{"prompt_embeds": rows}], use_tqdm=False, pooling_params=PoolingParams())
+    with pytest.raises(InvalidRequestError, match="not prompt_embeds"):
+        llm.beam_search([{"prompt_embeds": rows}], BeamSearchParams(beam_width=2,
+                                                                     max_tokens=2))
     plain = LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True)
     refused({"prompt_embeds": rows}, "enable_prompt_embeds=True", engine=plain)
 
