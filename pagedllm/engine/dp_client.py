@@ -4,8 +4,10 @@
 its own tp x pp workers) on its own cores or GPU (dp_placement.py), each reached by an
 EngineCoreClient. The front end above (LLMEngine, AsyncLLM) sees one engine:
 - a request goes to the replica with the fewest live requests (a waiting one counts
-  twice: it still needs its prefill), and the siblings of an n > 1 fan-out follow their
-  leader, whose prompt blocks they share through that replica's prefix cache;
+  twice: it still needs its prefill), or to one not much busier that recently took a
+  prompt beginning the same way (dp_routing.py: its prefix cache has those blocks); the
+  siblings of an n > 1 fan-out follow their leader, whose prompt blocks they share
+  through that replica's prefix cache;
 - aborts and stops go to the replica that holds the request;
 - output batches from every replica are received in arrival order, each applied to the
   mirrors of its own client (EngineCoreOutputs.engine_index);
@@ -32,6 +34,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.core_client import EngineCoreClient, EngineProcess
 from pagedllm.engine.core_proc import EngineCoreOutputs, EngineDead, SchedulerStats
 from pagedllm.engine.dp_placement import replica_configs
+from pagedllm.engine.dp_routing import ReplicaRouter, affinity_key
 from pagedllm.errors import EngineDeadError
 from pagedllm.request import Request
 
@@ -54,6 +57,7 @@ class DPEngineCoreClient:
         self.requests = collections.ChainMap(*(c.requests for c in self.clients))
         # req_id -> the replica it was sent to, while it is live.
         self._owner: dict[str, int] = {}
+        self._router = ReplicaRouter()
         self._poller = zmq.asyncio.Poller()
         for client in self.clients:
             self._poller.register(client.output_socket, zmq.POLLIN)
@@ -120,13 +124,11 @@ class DPEngineCoreClient:
     def add_request(self, request: Request, sibling_of: str | None = None) -> None:
         rank = self._owner.get(sibling_of) if sibling_of is not None else None
         if rank is None:
-            rank = min(range(len(self.clients)), key=self._load)
+            rank = self._router.route(affinity_key(request, self.block_size),
+                                      [len(c.requests) + c.num_unscheduled
+                                       for c in self.clients])
         self.clients[rank].add_request(request)
         self._owner[request.req_id] = rank
-
-    def _load(self, rank: int) -> tuple[int, int]:
-        client = self.clients[rank]
-        return len(client.requests) + client.num_unscheduled, rank
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         return self._finish(req_ids, EngineCoreClient.abort_requests)

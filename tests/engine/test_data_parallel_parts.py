@@ -1,5 +1,6 @@
 """Data parallel replicas' parts that need no process: how the cores are split, how the
-replicas' stats and KV grids combine, and the options refused."""
+replicas' stats and KV grids combine, where a request is routed, and the options
+refused."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from pagedllm.core.kv_snapshot import CACHED, FIRST_REQ, FREE, NULL, SHARED, KVS
 from pagedllm.engine.core_proc import SchedulerStats
 from pagedllm.engine.dp_client import combine_utility, sum_scheduler_stats
 from pagedllm.engine.dp_placement import physical_cores, split_cores
+from pagedllm.engine.dp_routing import ReplicaRouter, affinity_key
+from pagedllm.lora_request import LoRARequest
+from pagedllm.mm_inputs import PromptEmbedsInput
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.errors import ConfigError
 
 
@@ -117,3 +123,33 @@ def test_offline_engine_refuses_replicas():
         pytest.skip("two replicas need two physical cores")
     with pytest.raises(ValueError, match="runs replicas behind the server"):
         LLM(data_parallel_size=2)
+
+
+def _request(ids, **kw) -> Request:
+    return Request("r", list(ids), SamplingParams(max_tokens=4), None, **kw)
+
+
+def test_affinity_keys_are_the_first_blocks_and_the_adapter():
+    long = list(range(100))
+    key = affinity_key(_request(long), block_size=16)
+    assert key == affinity_key(_request(long[:65] + [7, 7]), 16)  # same first 64 tokens
+    assert key != affinity_key(_request([1] + long[1:]), 16)
+    assert key != affinity_key(_request(long, lora_request=LoRARequest("a", 1, "/a")), 16)
+    assert affinity_key(_request(long[:64]), 16) is None  # no whole block before the end
+    embeds = PromptEmbedsInput(rows=None, hash="h", offset=0, length=100)
+    assert affinity_key(_request([0] * 100, mm_inputs=[embeds]), 16) is None
+
+
+def test_router_keeps_a_prefix_on_its_replica_while_it_keeps_up():
+    router = ReplicaRouter(max_entries=2)
+    assert router.route(None, [3, 1, 2]) == 1  # no key: the least loaded
+    assert router.route("a", [0, 0]) == 0
+    # Back to replica 0 while it is at most max(2, a quarter) above the least loaded.
+    assert router.route("a", [2, 0]) == 0
+    assert router.route("a", [3, 0]) == 1  # too busy: the least loaded, remembered
+    assert router.route("a", [5, 2]) == 1
+    assert router.route("a", [9, 40]) == 0 and router.route("a", [11, 10]) == 0
+    # Least recently used prefixes are forgotten past max_entries.
+    router.route("b", [0, 1])
+    router.route("c", [1, 0])
+    assert router.route("a", [1, 0]) == 1  # "a" was forgotten: least loaded

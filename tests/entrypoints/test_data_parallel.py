@@ -121,6 +121,28 @@ def test_fan_out_stays_on_one_replica(server):
     assert hits[used] == 3 * full_blocks * 16
 
 
+def test_a_shared_prompt_beginning_stays_on_its_replica(server):
+    """A request whose prompt begins as a live one's goes to that replica while it is
+    not much busier than the idle one, and hits the cached blocks there."""
+    system = "You are a careful assistant who answers every question in one word. " * 8
+    before = _replicas(server)
+    body = {"model": MODEL_NAME, "prompt": system + "First question?", "max_tokens": 40,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        second = _complete(server, {"prompt": system + "Second one?", "max_tokens": 4})
+        assert "data: [DONE]" in list(lines)
+    after = _replicas(server)
+    queried = [a["prefix_cache_queries"] - b["prefix_cache_queries"]
+               for a, b in zip(after, before)]
+    hits = [a["prefix_cache_hits"] - b["prefix_cache_hits"] for a, b in zip(after, before)]
+    used = 0 if queried[0] else 1
+    assert queried[1 - used] == 0  # both on one replica, though the other was idle
+    shared_blocks = (second["usage"]["prompt_tokens"] - 4) // 16
+    assert hits[used] >= shared_blocks * 16 >= 64
+
+
 def test_aborted_streams_free_both_replicas(server):
     def stream_and_leave(i: int) -> None:
         body = {"model": MODEL_NAME, "prompt": f"Tell story number {i}.", "max_tokens": 300,
