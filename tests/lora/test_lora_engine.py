@@ -251,3 +251,23 @@ def test_an_adapter_that_fails_to_load_fails_only_its_requests(tiny, tmp_path):
     (broken / "adapter_model.safetensors").write_bytes(weights)
     again = llm.generate(_ids(prompts)[2:], sp, use_tqdm=False, lora_request=bad)[0]
     assert again.num_cached_tokens == 0 and _tokens([again]) == want[2:]
+
+
+def test_prompt_embeds_with_an_adapter(tiny):
+    """A prompt given as its own token embeddings runs under its adapter as its tokens
+    do (the LoRA step passes the embeddings in)."""
+    from safetensors.torch import load_file
+
+    model, full, _ = tiny
+    table = load_file(str(model / "model.safetensors"))["model.embed_tokens.weight"]
+    llm = LLM(str(model), dtype="float32", skip_tokenizer_init=True, enable_lora=True,
+              enable_prompt_embeds=True)
+    prompts = random_prompts(3, 256, 10, 30, seed=9)
+    lora = LoRARequest("full", 1, str(full))
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    by_ids = llm.generate(_ids(prompts), sp, use_tqdm=False, lora_request=lora)
+    by_rows = llm.generate([{"prompt_embeds": table[torch.tensor(p)]} for p in prompts], sp,
+                           use_tqdm=False, lora_request=lora)
+    assert _tokens(by_rows) == _tokens(by_ids)
+    base = llm.generate(_ids(prompts), sp, use_tqdm=False)
+    assert _tokens(base) != _tokens(by_ids)  # the adapter changes them
