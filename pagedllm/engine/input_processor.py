@@ -153,6 +153,15 @@ class InputProcessor:
             raise InvalidRequestError("prompt_embeds needs the engine started with "
                                       "enable_prompt_embeds=True (--enable-prompt-embeds)")
         check_embeds_params(params)
+        if isinstance(embeds, PromptEmbedsInput):
+            # Checked, copied and hashed already (the server does it off its event
+            # loop), its truncation applied.
+            if embeds.rows.ndim != 2 or embeds.rows.shape[1] != self.hidden_size:
+                raise InvalidRequestError(f"prompt_embeds must have shape [tokens, "
+                                          f"{self.hidden_size}]")
+            ids = [PLACEHOLDER_ID] * embeds.length
+            self.validate_prompt(ids)
+            return ids, [embeds]
         rows = check_embeds(embeds, self.hidden_size)
         kept = truncate_prompt([PLACEHOLDER_ID] * rows.shape[0],
                                params.truncate_prompt_tokens, self.max_model_len)

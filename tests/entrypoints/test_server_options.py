@@ -294,7 +294,13 @@ def test_prompt_embeds(plain):
         assert "".join(c["choices"][0]["text"] for c in chunks
                        if c["choices"] and c["choices"][0]["index"] == index) \
             == by_ids["choices"][0]["text"]
+    nan = io.BytesIO()
+    torch.save(torch.full((3, table.shape[1]), float("nan")), nan)
     for extra, fragment in (({"prompt_embeds": "%%"}, "not valid base64"),
+                            ({"prompt_embeds": base64.b64encode(nan.getvalue()).decode()},
+                             "NaN or infinite"),
+                            ({"prompt_embeds": base64.b64encode(buf.getvalue()).decode(),
+                              "repetition_penalty": 1.3}, "repetition_penalty counts"),
                             ({"prompt_embeds": data, "prompt": "x"}, "exactly one of"),
                             ({"prompt_embeds": data, "echo": True}, "echo needs"),
                             ({"prompt_embeds": []}, "must not be empty")):

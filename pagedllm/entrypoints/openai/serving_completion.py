@@ -22,7 +22,7 @@ from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSERespon
                                                         prompt_logprobs_bytes, sse,
                                                         sse_error)
 from pagedllm.engine.prompt_embeds import (PLACEHOLDER_ID, check_embeds,
-                                           decode_prompt_embeds)
+                                           decode_prompt_embeds, embeds_input)
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -142,7 +142,11 @@ class OpenAIServingCompletion(OpenAIServing):
             _, kept = self.truncate(None, [PLACEHOLDER_ID] * tensor.shape[0],
                                     request.truncate_prompt_tokens)
             prompts.append((None, kept))
-            tensors.append(tensor[tensor.shape[0] - len(kept):])
+            # Copied to float32, checked and hashed here, off the event loop when large:
+            # the engine takes the result as it is.
+            tensors.append(await self.offloader.run(
+                "reading prompt_embeds", len(item), embeds_input,
+                tensor[tensor.shape[0] - len(kept):]))
         return prompts, tensors
 
     def check_n(self, num_prompts: int, request: CompletionRequest) -> None:
