@@ -114,6 +114,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssl-cert-reqs", type=int, default=0,
                         help="TLS: client certificates (0 none, 1 optional, 2 required; "
                              "Python's ssl.CERT_*)")
+    parser.add_argument("--middleware", action="append", default=[], metavar="IMPORT.PATH",
+                        help="an ASGI middleware to add, as vLLM's: a class (added with "
+                             "app.add_middleware) or an async function (request, "
+                             "call_next) (added as an HTTP middleware), by import path "
+                             "(package.module:name or package.module.name); repeatable, "
+                             "the last given outermost")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level")

@@ -159,6 +159,29 @@ def test_requests_and_outputs_are_logged(server):
                      log)
 
 
+class TagAnswers:
+    """A pure ASGI middleware (--middleware by class): every answer carries a header."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def tagged(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-tagged", b"class")]}
+            await send(message)
+
+        await self.app(scope, receive, tagged if scope["type"] == "http" else send)
+
+
+async def tag_function(request, call_next):
+    """An HTTP middleware function (--middleware by function)."""
+    response = await call_next(request)
+    response.headers["x-tagged-by-function"] = "yes"
+    return response
+
+
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """A second server (plain HTTP) with the options the first cannot take."""
@@ -170,7 +193,9 @@ def plain(tmp_path_factory):
                         "tests.engine.test_logits_processors:ForceToken",
                         "tests.engine.test_logits_processors:Faulty",
                         "--enable-sleep-mode", "--profiler-dir", str(traces),
-                        "--enable-prompt-embeds", "--enable-server-load-tracking"])
+                        "--enable-prompt-embeds", "--enable-server-load-tracking",
+                        "--middleware", "tests.entrypoints.test_server_options:TagAnswers",
+                        "--middleware", "tests.entrypoints.test_server_options.tag_function"])
     yield srv
     srv.stop()
 
@@ -239,6 +264,23 @@ def test_a_failing_logits_processor_is_its_requests_500(plain):
     again = httpx.post(plain.url + "/v1/completions", timeout=30, json=body)
     assert again.status_code == 200
     assert again.json()["usage"]["completion_tokens"] == 5
+
+
+def test_middleware_by_import_path(plain):
+    """--middleware: a class and an async function, both on every answer (errors too);
+    a path that names neither is refused at start-up."""
+    from pagedllm.entrypoints.openai.server import import_middleware
+    from pagedllm.errors import ConfigError
+
+    for path in ("/health", "/v1/models", "/nope"):
+        r = httpx.get(plain.url + path, timeout=10)
+        assert r.headers["x-tagged"] == "class", path
+        assert r.headers["x-tagged-by-function"] == "yes", path
+    for path, fragment in (("json:dumps", "neither a class nor an async function"),
+                           ("no_such_mod_q:X", "No module named"),
+                           ("json:nope", "has no attribute")):
+        with pytest.raises(ConfigError, match=fragment):
+            import_middleware(path)
 
 
 def test_server_load_tracking(plain):

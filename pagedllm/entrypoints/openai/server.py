@@ -26,6 +26,8 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import importlib
+import inspect
 import json
 import logging
 import os
@@ -141,11 +143,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
               api_key: str | None = None, shutdown_engine: bool = False,
               serve_config: ServeConfig | None = None,
               lora_modules: list[tuple[str, str]] = (),
-              root_path: str | None = None) -> FastAPI:
+              root_path: str | None = None, middleware: list[Any] = ()) -> FastAPI:
     """The FastAPI app; with `shutdown_engine` the app's shutdown stops the engine.
     `lora_modules`: (name, path) of the LoRA adapters served from the start (checked
     now: InvalidRequestError for one that cannot run). `root_path`: the prefix a proxy
-    serves it under."""
+    serves it under. `middleware`: the user's (--middleware, import_middleware's), inside
+    the server's own."""
     from pagedllm import __version__
 
     serve_config = serve_config or ServeConfig()
@@ -181,6 +184,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__,
                   lifespan=lifespan, root_path=root_path or "", **docs)
     _install_error_handlers(app)
+    for extra in middleware:  # added first: innermost, after the server's checks
+        if isinstance(extra, type):
+            app.add_middleware(extra)
+        else:
+            app.middleware("http")(extra)
     # Added last = outermost: the body limit applies before anything reads the body.
     if api_key:
         open_paths = {"/health", "/ping"} | PAGE_PATHS | (
@@ -582,12 +590,28 @@ def _server_with_deadline(uv_config: Any, engine: AsyncLLM) -> Any:
     return Server(uv_config)
 
 
+def import_middleware(path: str) -> Any:
+    """The class or function --middleware names (ConfigError when it cannot be)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"--middleware {path!r}: {e}") from e
+    if not (isinstance(found, type) or inspect.iscoroutinefunction(found)):
+        raise ConfigError(f"--middleware {path!r} is neither a class nor an async "
+                          f"function (request, call_next)")
+    return found
+
+
 async def serve(args: argparse.Namespace, engine_args: Any,
                 serve_config: ServeConfig | None = None) -> None:
     """Start the engine, then serve HTTP until SIGINT/SIGTERM."""
     # The flags read, and bound, before the model loads: a bad flag or a port in use
     # fails in a second, not after the load.
     lora_modules = [parse_lora_module(m) for m in args.lora_modules or ()]
+    args.middleware = [import_middleware(m) for m in getattr(args, "middleware", ())]
     sockets = listen_sockets(args.host, args.port)
     # The engine process starts now: its imports overlap reading the model's config
     # here (~2.5 s each; the bundled model's server was healthy after 6.8-7.0 s, now
@@ -639,7 +663,8 @@ async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, conf
         gc.freeze()
         app = build_app(engine, names, api_key=args.api_key or env_api_key(),
                         shutdown_engine=True, serve_config=serve_config,
-                        lora_modules=lora_modules, root_path=args.root_path)
+                        lora_modules=lora_modules, root_path=args.root_path,
+                        middleware=args.middleware)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                    http=guard.protocol_class(),
                                    timeout_keep_alive=serve_config.keep_alive_timeout,
