@@ -283,6 +283,30 @@ def test_middleware_by_import_path(plain):
             import_middleware(path)
 
 
+def test_reset_prefix_cache(plain):
+    """POST /reset_prefix_cache: the same prompt again hits nothing; 409 while a stream
+    holds blocks."""
+    prompt = "A long and repeated prompt about the sea and its tides. " * 6
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}
+
+    def hits_of_one_request() -> int:
+        before = plain.stats()["prefix_cache_hits"]
+        httpx.post(plain.url + "/v1/completions", json=body, timeout=60)
+        return plain.stats()["prefix_cache_hits"] - before
+
+    hits_of_one_request()
+    assert hits_of_one_request() > 0
+    assert httpx.post(plain.url + "/reset_prefix_cache", timeout=30).status_code == 200
+    assert hits_of_one_request() == 0
+    stream = body | {"max_tokens": 60, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", plain.url + "/v1/completions", json=stream, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        busy = httpx.post(plain.url + "/reset_prefix_cache", timeout=30)
+        assert busy.status_code == 409 and "while requests are running" in busy.text
+        assert "data: [DONE]" in list(lines)
+
+
 def test_server_load_tracking(plain):
     """GET /load counts the requests in flight: a stream until its last event."""
     def load() -> int:
