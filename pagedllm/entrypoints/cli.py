@@ -120,6 +120,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "call_next) (added as an HTTP middleware), by import path "
                              "(package.module:name or package.module.name); repeatable, "
                              "the last given outermost")
+    parser.add_argument("--enable-uvicorn-access-log", dest="uvicorn_access_log",
+                        action="store_true", default=False,
+                        help="log a line per HTTP request (uvicorn's access log, at INFO "
+                             "whatever --uvicorn-log-level); off by default")
+    parser.add_argument("--disable-uvicorn-access-log", dest="uvicorn_access_log",
+                        action="store_false",
+                        help="no access log: the default (vLLM's flag, whose default is "
+                             "on)")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level")

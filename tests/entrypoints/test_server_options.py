@@ -195,7 +195,8 @@ def plain(tmp_path_factory):
                         "--enable-sleep-mode", "--profiler-dir", str(traces),
                         "--enable-prompt-embeds", "--enable-server-load-tracking",
                         "--middleware", "tests.entrypoints.test_server_options:TagAnswers",
-                        "--middleware", "tests.entrypoints.test_server_options.tag_function"])
+                        "--middleware", "tests.entrypoints.test_server_options.tag_function",
+                        "--enable-uvicorn-access-log"])
     yield srv
     srv.stop()
 
@@ -268,7 +269,7 @@ def test_a_failing_logits_processor_is_its_requests_500(plain):
 
 def test_middleware_by_import_path(plain):
     """--middleware: a class and an async function, both on every answer (errors too);
-    a path that names neither is refused at start-up."""
+    a path that names neither is refused at start-up. And the access log's lines."""
     from pagedllm.entrypoints.openai.server import import_middleware
     from pagedllm.errors import ConfigError
 
@@ -276,6 +277,9 @@ def test_middleware_by_import_path(plain):
         r = httpx.get(plain.url + path, timeout=10)
         assert r.headers["x-tagged"] == "class", path
         assert r.headers["x-tagged-by-function"] == "yes", path
+    # --enable-uvicorn-access-log: a line per request, though uvicorn logs at WARNING.
+    log = plain.read_log()
+    assert '"GET /v1/models HTTP/1.1" 200' in log and '"GET /nope HTTP/1.1" 404' in log
     for path, fragment in (("json:dumps", "neither a class nor an async function"),
                            ("no_such_mod_q:X", "No module named"),
                            ("json:nope", "has no attribute")):

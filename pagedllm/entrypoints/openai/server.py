@@ -679,13 +679,17 @@ async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, conf
                                    http=guard.protocol_class(),
                                    timeout_keep_alive=serve_config.keep_alive_timeout,
                                    log_level=args.uvicorn_log_level,
-                                   timeout_graceful_shutdown=3, access_log=False,
+                                   timeout_graceful_shutdown=3,
+                                   access_log=getattr(args, "uvicorn_access_log", False),
                                    ssl_keyfile=args.ssl_keyfile,
                                    ssl_certfile=args.ssl_certfile,
                                    ssl_ca_certs=args.ssl_ca_certs,
                                    ssl_cert_reqs=args.ssl_cert_reqs)
         guard.quiet_accept_errors(asyncio.get_running_loop())
         server = _server_with_deadline(uv_config, engine)
+        if getattr(args, "uvicorn_access_log", False):
+            # Its lines are INFO: shown even when uvicorn's other loggers say less.
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         scheme = "https" if args.ssl_certfile else "http"
         logger.info("serving %s on %s://%s:%d/v1", names[0], scheme, args.host, args.port)
         await server.serve(sockets=sockets)
