@@ -27,7 +27,6 @@ it finishes as "abort", logged), and the batch's other requests go on.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from pagedllm.errors import ConfigError
+from pagedllm.qualname import import_by_name
 from pagedllm.sampling_params import SamplingParams
 
 # (output token ids so far, logits row float32 [vocab_size]) -> the row.
@@ -91,19 +91,7 @@ def resolve_logits_processors(specs: Iterable[Any] | None,
 
 
 def _import_class(name: str) -> Any:
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        module_name, _, attr = name.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(f"logits_processors: {name!r} is not a qualified class name "
-                          f"(package.module.Class or package.module:Class)")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"logits_processors: cannot import {module_name!r} for "
-                          f"{name!r}: {e}") from e
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ConfigError(f"logits_processors: module {module_name!r} has no "
-                          f"{attr!r}") from None
+        return import_by_name(name)
+    except ValueError as e:
+        raise ConfigError(f"logits_processors: {e}") from e

@@ -55,8 +55,7 @@ class InputProcessor:
                          if lora_config is not None else None)
         self.reasoning = _reasoning_tokens(reasoning_parser, tokenizer)
         self.enable_prompt_embeds = model_config.enable_prompt_embeds
-        self.hidden_size = getattr(model_config.hf_config, "text_config",
-                                   model_config.hf_config).hidden_size
+        self.hidden_size = model_config.hf_config.get_text_config().hidden_size
         # The model's image processor (None: a text model, and images are refused).
         self.images = None
         if model_config.image_token_id is not None:

@@ -282,7 +282,7 @@ def test_middleware_by_import_path(plain):
     assert '"GET /v1/models HTTP/1.1" 200' in log and '"GET /nope HTTP/1.1" 404' in log
     for path, fragment in (("json:dumps", "neither a class nor an async function"),
                            ("no_such_mod_q:X", "No module named"),
-                           ("json:nope", "has no attribute")):
+                           ("json:nope", "module 'json' has no 'nope'")):
         with pytest.raises(ConfigError, match=fragment):
             import_middleware(path)
 

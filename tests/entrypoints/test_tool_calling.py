@@ -430,7 +430,7 @@ def test_custom_parsers_by_plugin_file_or_qualified_name(tmp_path):
     for kw, fragment in (
             ({"tool_call_parser": "nope", "tool_parser_plugin": str(plugin)},
              "nor does the plugin"),
-            ({"tool_call_parser": "pkg.shout"}, "tool call parser 'pkg.shout': No module"),
+            ({"tool_call_parser": "pkg.shout"}, "tool call parser 'pkg.shout': cannot import"),
             ({"tool_call_parser": "json:dumps"}, "is not a subclass of"),
             ({"tool_call_parser": "no_such_mod:P"}, "No module named"),
             ({"tool_call_parser": "shout", "tool_parser_plugin": str(tmp_path / "x.py")},

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import importlib
 import inspect
 import json
 import logging
@@ -79,6 +78,7 @@ from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.errors import (ConfigError, EngineBusyError, EngineDeadError,
                              EngineSleepingError, InvalidRequestError)
+from pagedllm.qualname import import_by_name
 from pagedllm.sample.constraint_check import ConstraintChecker
 
 logger = logging.getLogger(__name__)
@@ -602,12 +602,9 @@ def _server_with_deadline(uv_config: Any, engine: AsyncLLM) -> Any:
 
 def import_middleware(path: str) -> Any:
     """The class or function --middleware names (ConfigError when it cannot be)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
     try:
-        found = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
+        found = import_by_name(path)
+    except ValueError as e:
         raise ConfigError(f"--middleware {path!r}: {e}") from e
     if not (isinstance(found, type) or inspect.iscoroutinefunction(found)):
         raise ConfigError(f"--middleware {path!r} is neither a class nor an async "

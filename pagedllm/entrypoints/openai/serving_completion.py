@@ -134,7 +134,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if not data:
             raise InvalidRequestError("prompt_embeds must not be empty")
         self.check_n(len(data), request)
-        hidden_size = getattr(model.hf_config, "text_config", model.hf_config).hidden_size
+        hidden_size = model.hf_config.get_text_config().hidden_size
         prompts, tensors = [], []
         for item in data:
             tensor = check_embeds(await self.offloader.run(

@@ -17,6 +17,7 @@ import importlib.util
 import os
 
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolParser
+from pagedllm.qualname import import_by_name
 
 # name -> (module in this package, class)
 _PARSERS: dict[str, tuple[str, str]] = {
@@ -46,17 +47,14 @@ def get_tool_parser(name: str, plugin: str | None = None) -> type[ToolParser]:
     if name in _PARSERS:
         module, cls = _PARSERS[name]
         return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        module_name, _, attr = name.rpartition(".")
-    if not module_name:
+    if not any(c in name for c in ":."):
         where = f"; nor does the plugin {plugin!r} define one" if plugin else ""
         raise ValueError(f"unknown tool call parser {name!r}; choose one of "
                          f"{', '.join(TOOL_PARSER_NAMES)}, or name a ToolParser class "
                          f"(package.module:Class){where}")
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
+        cls = import_by_name(name)
+    except ValueError as e:
         raise ValueError(f"tool call parser {name!r}: {e}") from e
     if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
         raise ValueError(f"tool call parser {name!r} is not a subclass of "
