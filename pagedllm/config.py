@@ -503,6 +503,70 @@ class SpeculativeConfig:
         return cls(**values)
 
 
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass
+class KVEventsConfig:
+    """Publishing the prefix cache's KV events (vLLM's `kv_events_config`): each step's
+    blocks stored and removed, for a cache-aware router (engine/kv_events.py)."""
+
+    enable_kv_cache_events: bool = False
+    """Record the events (needs prefix caching)."""
+    publisher: str | None = None
+    """"zmq" (a ZeroMQ PUB socket) or "null" (recorded, not sent); default: zmq when
+    enabled."""
+    endpoint: str = "tcp://*:5557"
+    """The PUB socket: bound when it has a wildcard ('*', '::') or is ipc:// or
+    inproc://, else connected (the consumer binds). Data parallel replica r adds r to
+    the port (a tcp endpoint) or '_dp{r}' (ipc, inproc)."""
+    replay_endpoint: str | None = None
+    """A ROUTER socket (bound) where a consumer that missed batches asks for those from
+    a sequence number on: an 8-byte big-endian start, answered with (seq, payload)
+    frames and (-1, b"") at the end."""
+    buffer_steps: int = 10_000
+    """Batches (steps) kept for replay."""
+    hwm: int = 100_000
+    """The PUB socket's high-water mark: messages queued per subscriber before ZeroMQ
+    drops them for a subscriber that does not keep up."""
+    max_queue_size: int = 100_000
+    """Batches waiting for the publishing thread; past it new ones are dropped (logged)
+    rather than stall the engine."""
+    topic: str = ""
+    """The first frame of every message (subscribers filter on it)."""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ConfigError(f"kv_events_config publisher must be one of "
+                              f"{KV_EVENT_PUBLISHERS}, got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"kv_events_config {name} must be an integer >= 1, "
+                                  f"got {value!r}")
+        for name in ("endpoint", "topic"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"kv_events_config {name} must be a string, "
+                                  f"got {getattr(self, name)!r}")
+        if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
+            raise ConfigError(f"kv_events_config replay_endpoint must be a string, "
+                              f"got {self.replay_endpoint!r}")
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ConfigError(f"kv_events_config enable_kv_cache_events must be true or "
+                              f"false, got {self.enable_kv_cache_events!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> KVEventsConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ConfigError(f"unknown kv_events_config keys {sorted(unknown)}; "
+                              f"valid: {sorted(known)}")
+        return cls(**values)
+
+
 @dataclass
 class StructuredOutputsConfig:
     """Limits on compiling a request's grammar (JSON schema, regex, EBNF, choices).
@@ -569,6 +633,8 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     # Custom logits processors (pagedllm.logits_process.LogitsProcessor subclasses).
     logits_processors: tuple[type, ...] = ()
+    # None: no KV cache events recorded.
+    kv_events: KVEventsConfig | None = None
 
     @property
     def kv_cache_dtype(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pagedllm.core.block_hash import BlockHash
+from pagedllm.core.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 
 
 class KVCacheBlock:
@@ -116,10 +117,14 @@ class BlockPool:
     holds which block is the `KVCacheManager`'s job.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 events: list[KVCacheEvent] | None = None) -> None:
         assert num_blocks >= 2, "need the null block plus at least one usable block"
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        # KV cache events (core/kv_events.py), recorded here when asked for: removals
+        # and clears; the manager records stores, which need the request's tokens.
+        self.events = events
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         # Block 0 never enters the queue: blocks 1..num_blocks-1 start free, in id order.
@@ -160,19 +165,23 @@ class BlockPool:
         cached = self.cached_block_hash_to_block.get(block.block_hash)
         if cached is block:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.events is not None:
+                self.events.append(BlockRemoved((block.block_hash,)))
         block.block_hash = None
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock],
                           block_hashes: Sequence[BlockHash], num_cached_blocks: int,
-                          num_full_blocks: int) -> None:
-        """Register blocks[num_cached_blocks:num_full_blocks] under their hashes.
+                          num_full_blocks: int) -> list[int]:
+        """Register blocks[num_cached_blocks:num_full_blocks] under their hashes; return
+        the indices registered.
 
         `blocks` and `block_hashes` are one request's, in logical order (block i holds
         positions [i*B, (i+1)*B)). Blocks already cached (prefix hits) are skipped, and so
         is a block whose hash another block already owns.
         """
+        registered: list[int] = []
         if not self.enable_caching:
-            return
+            return registered
         assert num_full_blocks <= min(len(blocks), len(block_hashes))
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
@@ -183,6 +192,8 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+            registered.append(i)
+        return registered
 
     def forget(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop these blocks' hashes from the prefix cache (their contents are not what
@@ -218,4 +229,6 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return True

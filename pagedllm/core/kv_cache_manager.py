@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from pagedllm.core.block_hash import BlockHash, update_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_events import BlockStored, KVCacheEvent, coalesce
 from pagedllm.core.kv_groups import cdiv, num_skipped_blocks
 from pagedllm.request import Request
 
@@ -38,7 +39,7 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  group_windows: Sequence[int | None] = (None,),
-                 hash_prompt_rows: bool = False) -> None:
+                 hash_prompt_rows: bool = False, enable_kv_events: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -48,7 +49,10 @@ class KVCacheManager:
         # Per KV cache group: the sliding window of its layers (None: full attention).
         self.group_windows = tuple(group_windows)
         self.num_groups = len(self.group_windows)
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        # KV cache events since the last `take_events` (None: not recorded).
+        self.events: list[KVCacheEvent] | None = (
+            [] if enable_kv_events and enable_caching else None)
+        self.block_pool = BlockPool(num_blocks, enable_caching, self.events)
         self.null_block = self.block_pool.null_block
         # req_id -> blocks held, per group, in logical order.
         self.req_to_blocks: dict[str, GroupBlocks] = {}
@@ -324,8 +328,38 @@ class KVCacheManager:
         for g, group in enumerate(blocks):
             keys = (block_hashes if g == 0
                     else [group_block_hash(h, g) for h in block_hashes[:num_full_blocks]])
-            self.block_pool.cache_full_blocks(group, keys, num_cached, num_full_blocks)
+            stored = self.block_pool.cache_full_blocks(group, keys, num_cached,
+                                                       num_full_blocks)
+            if g == 0 and stored and self.events is not None:
+                self._record_stored(request, block_hashes, stored)
         self.num_cached_blocks[request.req_id] = num_full_blocks
+
+    def _record_stored(self, request: Request, block_hashes: list[BlockHash],
+                       stored: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks that entered the cache (group
+        0's hashes: the other groups' keys derive from them)."""
+        B = self.block_size
+        lora = request.lora_request
+        start = 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k] == stored[k - 1] + 1:
+                continue
+            first, last = stored[start], stored[k - 1]
+            self.events.append(BlockStored(
+                block_hashes=tuple(block_hashes[first:last + 1]),
+                parent_block_hash=block_hashes[first - 1] if first else None,
+                token_ids=tuple(request.all_token_ids[first * B:(last + 1) * B]),
+                block_size=B, lora_id=lora.lora_int_id if lora is not None else None,
+                lora_name=lora.lora_name if lora is not None else None))
+            start = k
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV cache events recorded since the last call, removals merged."""
+        if not self.events:
+            return []
+        events = coalesce(self.events)
+        self.events.clear()
+        return events
 
     def free(self, request: Request, forget: bool = False) -> None:
         """Release all of the request's blocks, last block first (evicted first);

@@ -124,7 +124,8 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic,
                  pipeline_depth: int = 1,
                  group_windows: Sequence[int | None] = (None,),
-                 num_lookahead_tokens: int = 0, hash_prompt_rows: bool = False) -> None:
+                 num_lookahead_tokens: int = 0, hash_prompt_rows: bool = False,
+                 enable_kv_events: bool = False) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -139,7 +140,8 @@ class Scheduler:
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
                                                cache_config.enable_prefix_caching,
-                                               group_windows, hash_prompt_rows)
+                                               group_windows, hash_prompt_rows,
+                                               enable_kv_events)
         # NOTE: a sequence whose K/V outgrows the whole pool could never be scheduled
         # again, so it ends with "length" once it holds capacity + 1 tokens (the last
         # sampled token needs no slot). Only matters when the pool < max_model_len.

@@ -16,9 +16,9 @@ from typing import Any
 
 from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS,
                              PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig,
-                             DeviceConfig, EngineConfig, LoRAConfig, ModelConfig,
-                             ParallelConfig, SchedulerConfig, SpeculativeConfig,
-                             StructuredOutputsConfig,
+                             DeviceConfig, EngineConfig, KVEventsConfig, LoRAConfig,
+                             ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig, StructuredOutputsConfig,
                              cache_root, default_model_path, env_kv_cache_space,
                              env_num_threads, env_profiler_dir)
 from pagedllm.errors import ConfigError, ModelLoadError
@@ -222,6 +222,12 @@ class EngineArgs:
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (prompt lookup) or "
               "'{\"model\": \"/path/draft\", \"num_speculative_tokens\": 4}' (a draft "
               "model of the same vocabulary); outputs equal those without it")
+    kv_events_config: dict[str, Any] | None = _arg(
+        None, "publish the prefix cache's KV events (blocks stored, removed, cleared) "
+              "for a cache-aware router, as vLLM's: a JSON object such as "
+              "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+              "\"topic\": \"kv\"}' (ZeroMQ PUB, vLLM's msgpack format; "
+              "\"replay_endpoint\" adds a ROUTER socket for missed batches)")
 
     enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT directories) per request: "
                                     "LLM.generate(lora_request=...), the server's "
@@ -354,7 +360,22 @@ class EngineArgs:
         return EngineConfig(model=model, cache=cache, scheduler=sched, device=device_config,
                             parallel=parallel, speculative=speculative,
                             structured_outputs=structured_outputs, lora=lora,
-                            logits_processors=logits_processors)
+                            logits_processors=logits_processors,
+                            kv_events=self._kv_events_config(cache))
+
+    def _kv_events_config(self, cache: CacheConfig) -> KVEventsConfig | None:
+        if self.kv_events_config is None:
+            return None
+        if not isinstance(self.kv_events_config, dict):
+            raise ConfigError(f"kv_events_config must be a dict (JSON object), got "
+                              f"{self.kv_events_config!r}")
+        config = KVEventsConfig.from_dict(self.kv_events_config)
+        if not config.enable_kv_cache_events:
+            return None
+        if not cache.enable_prefix_caching:
+            raise ConfigError("KV cache events (kv_events_config) describe the prefix "
+                              "cache: they need enable_prefix_caching")
+        return config
 
     def _logits_processors(self, speculative: SpeculativeConfig | None,
                            ) -> tuple[type, ...]:

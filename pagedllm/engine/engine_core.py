@@ -68,7 +68,18 @@ class EngineCore:
                                    pipeline_depth=self.max_concurrent_batches,
                                    group_windows=group_windows,
                                    num_lookahead_tokens=_num_lookahead_tokens(config),
-                                   hash_prompt_rows=self.executor.splits_prompt_rows())
+                                   hash_prompt_rows=self.executor.splits_prompt_rows(),
+                                   enable_kv_events=config.kv_events is not None)
+        # KV cache events (engine/kv_events.py; imported only when asked for).
+        self.kv_event_publisher = None
+        if config.kv_events is not None:
+            from pagedllm.engine.kv_events import make_publisher
+            try:
+                self.kv_event_publisher = make_publisher(
+                    config.kv_events, config.parallel.data_parallel_rank)
+            except BaseException:
+                self.executor.shutdown()
+                raise
         # (SchedulerOutput, future of its ModelRunnerOutput), oldest first.
         self.batch_queue: deque[tuple[Any, Any]] = deque()
         limits = config.structured_outputs
@@ -172,6 +183,19 @@ class EngineCore:
     def step(self) -> list[Request]:
         """Run one forward pass; return the requests that got tokens or finished
         (including those whose deadline passed: finished with FINISHED_TIMEOUT)."""
+        try:
+            return self._step()
+        finally:
+            if self.kv_event_publisher is not None:
+                self.publish_kv_events()
+
+    def publish_kv_events(self) -> None:
+        """Hand the KV cache events recorded since the last call to the publisher."""
+        events = self.scheduler.kv_cache_manager.take_events()
+        if events:
+            self.kv_event_publisher.publish(events)
+
+    def _step(self) -> list[Request]:
         finished = self._admit_compiled()
         if self.max_in_flight > 1:
             return finished + self._step_pipelined()
@@ -218,7 +242,10 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; only when no request holds a block (False:
         nothing was reset)."""
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+        done = self.scheduler.kv_cache_manager.reset_prefix_cache()
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
+        return done
 
     def update_weights(self, weights: Any) -> None:
         """Load new weights ((hf_name, tensor) pairs or a dict, as the model's checkpoint
@@ -307,6 +334,8 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output.shutdown()
         self.executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
 
 def check_sleep_level(level: Any) -> None:

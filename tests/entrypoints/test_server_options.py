@@ -15,8 +15,10 @@ import signal
 import time
 
 import httpx
+import msgspec
 import pytest
 import torch
+import zmq
 
 from tests.entrypoints.utils import MODEL_NAME, RemoteServer
 
@@ -134,7 +136,7 @@ def test_requests_and_outputs_are_logged(server):
     params = received.group(1)
     # The fields that differ from the defaults, each value's repr cut at --max-log-len.
     assert "max_tokens=9" in params and "temperature=0.0" in params
-    assert "ignore_eos=True" in params and f"logit_bias={{0: 0." in params
+    assert "ignore_eos=True" in params and "logit_bias={0: 0." in params
     assert "top_p=" not in params  # a default
     assert "A secret" not in log  # prompts go to DEBUG only
     generated = re.search(rf"Generated response {request_id}-0 \(sequence 0\): output: "
@@ -186,7 +188,10 @@ async def tag_function(request, call_next):
 def plain(tmp_path_factory):
     """A second server (plain HTTP) with the options the first cannot take."""
     traces = tmp_path_factory.mktemp("traces")
+    kv_events = {"enable_kv_cache_events": True, "topic": "kv",
+                 "endpoint": f"ipc://{traces}/kv", "replay_endpoint": f"ipc://{traces}/replay"}
     srv = RemoteServer(["--max-model-len", "256", "--disable-fastapi-docs",
+                        "--kv-events-config", json.dumps(kv_events),
                         "--enable-request-id-headers", "--enable-force-include-usage",
                         "--disable-log-requests", "--response-role", "bot",
                         "--logits-processors",
@@ -197,6 +202,7 @@ def plain(tmp_path_factory):
                         "--middleware", "tests.entrypoints.test_server_options:TagAnswers",
                         "--middleware", "tests.entrypoints.test_server_options.tag_function",
                         "--enable-uvicorn-access-log"])
+    srv.kv_replay = kv_events["replay_endpoint"]
     yield srv
     srv.stop()
 
@@ -300,7 +306,14 @@ def test_reset_prefix_cache(plain):
 
     hits_of_one_request()
     assert hits_of_one_request() > 0
+    # The engine process publishes its KV cache events (--kv-events-config): the
+    # prompt's blocks were stored, and the reset clears them.
+    prompt_ids = httpx.post(plain.url + "/tokenize", json={"model": MODEL_NAME,
+                            "prompt": prompt}, timeout=30).json()["tokens"]
+    stored = [e for e in kv_events(plain.kv_replay) if e[0] == "BlockStored"]
+    assert any(e[2] is None and e[3] == prompt_ids[:len(e[3])] for e in stored), stored
     assert httpx.post(plain.url + "/reset_prefix_cache", timeout=30).status_code == 200
+    assert kv_events(plain.kv_replay)[-1] == ["AllBlocksCleared"]
     assert hits_of_one_request() == 0
     stream = body | {"max_tokens": 60, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", plain.url + "/v1/completions", json=stream, timeout=60) as r:
@@ -309,6 +322,25 @@ def test_reset_prefix_cache(plain):
         busy = httpx.post(plain.url + "/reset_prefix_cache", timeout=30)
         assert busy.status_code == 409 and "while requests are running" in busy.text
         assert "data: [DONE]" in list(lines)
+
+
+def kv_events(replay_endpoint: str) -> list[list]:
+    """Every KV event batch the replay socket still holds, flattened (vLLM's msgpack
+    arrays: [kind, fields...]); tests/engine/test_kv_events.py checks them in depth."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(replay_endpoint)
+    sock.send_multipart([b"", (0).to_bytes(8, "big")])
+    events = []
+    try:
+        while True:
+            assert sock.poll(10_000), "no replay answer"
+            _, seq, payload = sock.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return events
+            ts, batch, rank = msgspec.msgpack.decode(payload)
+            events += batch
+    finally:
+        sock.close(linger=0)
 
 
 def test_server_load_tracking(plain):

@@ -1,0 +1,221 @@
+"""Publishing KV cache events over ZeroMQ, in vLLM's wire format.
+
+Each engine step's events (core/kv_events.py) become one batch: a msgpack array
+`[ts, [event, ...], data_parallel_rank]`, each event an array tagged with its kind,
+`["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name]`,
+`["BlockRemoved", hashes, medium]`, `["AllBlocksCleared"]`, hashes as the low 64 bits of
+the sha256 block hash (vLLM's integer block hashes). A batch goes out on a PUB socket as
+three frames: the topic, its sequence number (8 bytes, big-endian) and the payload. A
+consumer that missed some (ZeroMQ drops for a subscriber past the high-water mark, or
+one that joined late) asks the replay socket for the batches from a sequence number on.
+The medium is "GPU", vLLM's name for the engine's own KV pool, whatever the device: a
+router reads it as "the engine's cache", not as hardware.
+
+A thread owns the sockets (ZeroMQ sockets are not thread-safe) and does the encoding and
+sending, so the engine's step only hands it a list; when the thread falls behind by
+`max_queue_size` batches, new ones are dropped (and logged) rather than stall the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagedllm.config import KVEventsConfig
+from pagedllm.core.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
+                                     KVCacheEvent)
+from pagedllm.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+MEDIUM = "GPU"
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+class WireEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """An event as it goes on the wire (an array whose first item is the class name)."""
+
+
+class WireBlockStored(WireEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class WireBlockRemoved(WireEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class WireAllBlocksCleared(WireEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class WireEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[WireBlockStored | WireBlockRemoved | WireAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+def external_hash(block_hash: bytes) -> int:
+    """The integer consumers see: the digest's last 8 bytes, big-endian (vLLM's)."""
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+def to_wire(event: KVCacheEvent) -> WireEvent:
+    if isinstance(event, BlockStored):
+        parent = event.parent_block_hash
+        return WireBlockStored(
+            block_hashes=[external_hash(h) for h in event.block_hashes],
+            parent_block_hash=external_hash(parent) if parent is not None else None,
+            token_ids=list(event.token_ids), block_size=event.block_size,
+            lora_id=event.lora_id, medium=MEDIUM, lora_name=event.lora_name)
+    if isinstance(event, BlockRemoved):
+        return WireBlockRemoved(block_hashes=[external_hash(h) for h in event.block_hashes],
+                                medium=MEDIUM)
+    assert isinstance(event, AllBlocksCleared), event
+    return WireAllBlocksCleared()
+
+
+def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """Replica `rank`'s endpoint: the port + rank (tcp) or a '_dp{rank}' suffix."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{rank}"
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit():
+        return f"{head}:{int(port) + rank}"
+    raise ConfigError(f"kv_events_config endpoint {endpoint!r}: data parallel replicas "
+                      f"need a tcp://host:port, ipc:// or inproc:// endpoint")
+
+
+def _binds(endpoint: str) -> bool:
+    """vLLM's rule: a wildcard address or a local transport is bound, else connected."""
+    return ("*" in endpoint or "::" in endpoint
+            or endpoint.startswith(("ipc://", "inproc://")))
+
+
+class ZmqEventPublisher:
+    """A PUB socket (and optionally a ROUTER for replays) fed by one thread."""
+
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
+        self.rank = data_parallel_rank
+        self.topic = config.topic.encode()
+        self._queue: queue.Queue[WireEventBatch | None] = queue.Queue(
+            maxsize=config.max_queue_size)
+        self._replay_buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self.num_dropped = 0
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay = None
+        endpoint = rank_endpoint(config.endpoint, self.rank)
+        replay_endpoint = rank_endpoint(config.replay_endpoint, self.rank)
+        try:
+            self._pub.set_hwm(config.hwm)
+            if _binds(endpoint):
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise ConfigError(f"kv_events_config: cannot open {endpoint!r} / "
+                              f"{replay_endpoint!r}: {e}") from e
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+        logger.info("KV cache events published on %s%s", endpoint,
+                    f" (replays on {replay_endpoint})" if replay_endpoint else "")
+
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        """Queue one step's events (never blocks: a full queue drops the batch)."""
+        batch = WireEventBatch(ts=time.time(), events=[to_wire(e) for e in events],
+                               data_parallel_rank=self.rank)
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            self.num_dropped += 1
+            if self.num_dropped & (self.num_dropped - 1) == 0:  # 1, 2, 4, 8, ...
+                logger.warning("KV event publisher behind: %d batches dropped so far",
+                               self.num_dropped)
+
+    def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        seq = 0
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                batch = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if batch is None:
+                break
+            payload = encoder.encode(batch)
+            seq_bytes = seq.to_bytes(8, "big")
+            try:
+                self._pub.send_multipart((self.topic, seq_bytes, payload))
+            except zmq.ZMQError:
+                logger.exception("KV event batch %d not sent", seq)
+            self._replay_buffer.append((seq, payload))
+            seq += 1
+        self._close_sockets()
+
+    def _serve_replay(self) -> None:
+        """Answer one replay request: the buffered batches from its start on, then the
+        end marker."""
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            logger.warning("malformed KV event replay request (%d frames) ignored",
+                           len(frames))
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in list(self._replay_buffer):
+            if seq >= start_seq:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Send what is queued (within `timeout`), then close the sockets."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+
+class NullEventPublisher:
+    """Events recorded and dropped (publisher "null")."""
+
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_publisher(config: KVEventsConfig, data_parallel_rank: int) -> Any:
+    if config.publisher == "zmq":
+        return ZmqEventPublisher(config, data_parallel_rank)
+    return NullEventPublisher()
