@@ -448,6 +448,18 @@ class ParallelConfig:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
+def dataclass_from_dict(cls: type, values: dict[str, Any], what: str,
+                        internal: frozenset[str] = frozenset()) -> Any:
+    """`cls(**values)` for a user's JSON object, refusing keys it does not have (by
+    `what` the object is called, e.g. "speculative_config"); `internal` fields are
+    not the user's to set."""
+    known = {f.name for f in dataclasses.fields(cls)} - internal
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"unknown {what} keys {sorted(unknown)}; valid: {sorted(known)}")
+    return cls(**values)
+
+
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding: each decoding step also verifies up to
@@ -495,12 +507,8 @@ class SpeculativeConfig:
         values = dict(values)
         if "model" in values and "method" not in values:
             values["method"] = "draft_model"
-        known = {f.name for f in dataclasses.fields(cls)} - {"draft"}
-        unknown = set(values) - known
-        if unknown:
-            raise ConfigError(f"unknown speculative_config keys {sorted(unknown)}; "
-                              f"valid: {sorted(known)}")
-        return cls(**values)
+        return dataclass_from_dict(cls, values, "speculative_config",
+                                   internal=frozenset({"draft"}))
 
 
 KV_EVENT_PUBLISHERS = ("null", "zmq")
@@ -559,12 +567,7 @@ class KVEventsConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> KVEventsConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(values) - known
-        if unknown:
-            raise ConfigError(f"unknown kv_events_config keys {sorted(unknown)}; "
-                              f"valid: {sorted(known)}")
-        return cls(**values)
+        return dataclass_from_dict(cls, values, "kv_events_config")
 
 
 @dataclass

@@ -56,7 +56,7 @@ RANKS: dict[str, int] = {
     "config": -1, "errors": -1, "json_limits": -1, "sampling_params": -1, "pooling_params": -1,
     "lora_request": -1, "reasoning": -1, "mm_inputs": -1,
     "request": -1, "outputs": -1, "metrics": -1, "inputs": -1, "logits_process": -1,
-    "qualname": -1,
+    "qualname": -1, "log_config": -1,
 }
 NEVER_IMPORT_MODELS = ("attention", "loader")
 

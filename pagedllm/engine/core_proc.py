@@ -28,6 +28,7 @@ import msgspec
 
 from pagedllm.config import EngineConfig
 from pagedllm.errors import ConfigError, EngineBusyError, InvalidRequestError, ModelLoadError
+from pagedllm import log_config
 from pagedllm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -388,10 +389,14 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     parent_pid: int, log_level: int = logging.INFO) -> None:
     """Entry point of the spawned engine process."""
     # A data parallel replica's lines say which one wrote them.
-    replica = (f"[DP{config.parallel.data_parallel_rank}] "
-               if config.parallel.data_parallel_size > 1 else "")
-    logging.basicConfig(level=log_level, datefmt="%m-%d %H:%M:%S",
-                        format=f"{replica}%(levelname)s %(asctime)s %(name)s: %(message)s")
+    rank = config.parallel.data_parallel_rank
+    replicas = config.parallel.data_parallel_size > 1
+    # The front end's setting (the CLI puts it in the environment), else its level.
+    logging_config = (log_config.LoggingConfig.from_env() if log_config.ENV in os.environ
+                      else log_config.LoggingConfig(log_level=logging.getLevelName(log_level)))
+    log_config.configure(logging_config,
+                      process_name=f"engine_core_dp{rank}" if replicas else "engine_core",
+                      prefix=f"[DP{rank}] " if replicas else "")
     _die_with_parent()
     if config.device.cpu_ids is not None:
         _pin_to(config.device.cpu_ids)

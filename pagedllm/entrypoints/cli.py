@@ -243,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve MODEL (default: the bundled SmolLM2) with "
                                        "OpenAI's API on http://HOST:PORT/v1.")
     add_serve_args(serve)
+    add_logging_args(serve)
     add_engine_args(serve, positional_model=True)
     serve.set_defaults(func=_cmd_serve)
     chat = sub.add_parser("chat", help="interactive chat in the terminal (reads stdin lines)")
@@ -259,13 +260,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    import logging
+def add_logging_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's logging flags (pagedllm/log_config.py); later ones override earlier."""
+    group = parser.add_argument_group("logging")
+    group.add_argument("--logging-config", type=_json_object, default=None,
+                       help="a JSON object of log_level (DEBUG .. CRITICAL), formatter "
+                            "(text, json: one JSON object a line, uvicorn's too), "
+                            "configure_logging (false: leave logging alone) and "
+                            "pylogging_config_file (a logging.config.dictConfig JSON "
+                            "file); default: env PAGEDLLM_LOGGING_CONFIG, else INFO text")
+    for name, kind in (("log_level", str), ("formatter", str),
+                       ("configure_logging", _json_bool), ("pylogging_config_file", str)):
+        group.add_argument(f"--logging-config.{name}", dest=f"logging_config_{name}",
+                           type=kind, default=None, help=f"--logging-config's {name}")
+    group.add_argument("--log-level", default=None,
+                       help="the log level (overrides --logging-config's log_level)")
+    group.add_argument("--log-config-file", default=None,
+                       help="a logging.config.dictConfig JSON file (vLLM's older flag: "
+                            "--logging-config's pylogging_config_file)")
 
-    logging.basicConfig(level=logging.INFO, datefmt="%m-%d %H:%M:%S",
-                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+
+def _json_bool(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
+def logging_config_from(ns: argparse.Namespace) -> Any:
+    """The LoggingConfig of the flags over the environment's over the defaults."""
+    from pagedllm.log_config import LoggingConfig
+
+    config = LoggingConfig.from_env()
+    values = dataclasses.asdict(config) | (getattr(ns, "logging_config", None) or {})
+    for field in dataclasses.fields(LoggingConfig):
+        dotted = getattr(ns, f"logging_config_{field.name}", None)
+        if dotted is not None:
+            values[field.name] = dotted
+    if getattr(ns, "log_level", None) is not None:
+        values["log_level"] = ns.log_level
+    if getattr(ns, "log_config_file", None) is not None:
+        values["pylogging_config_file"] = ns.log_config_file
+    return LoggingConfig.from_dict(values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+
+    from pagedllm import log_config
+
     ns = build_parser().parse_args(argv)
     try:
+        config = logging_config_from(ns)
+        log_config.configure(config)
+        # The engine processes this one spawns set themselves up the same way.
+        os.environ[log_config.ENV] = config.to_env()
         return ns.func(ns)
     except KeyboardInterrupt:
         # Ctrl-C: the commands release what they hold on the way out (the server stops

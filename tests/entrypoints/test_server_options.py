@@ -201,7 +201,7 @@ def plain(tmp_path_factory):
                         "--enable-prompt-embeds", "--enable-server-load-tracking",
                         "--middleware", "tests.entrypoints.test_server_options:TagAnswers",
                         "--middleware", "tests.entrypoints.test_server_options.tag_function",
-                        "--enable-uvicorn-access-log"])
+                        "--enable-uvicorn-access-log", "--logging-config.formatter", "json"])
     srv.kv_replay = kv_events["replay_endpoint"]
     yield srv
     srv.stop()
@@ -283,9 +283,16 @@ def test_middleware_by_import_path(plain):
         r = httpx.get(plain.url + path, timeout=10)
         assert r.headers["x-tagged"] == "class", path
         assert r.headers["x-tagged-by-function"] == "yes", path
-    # --enable-uvicorn-access-log: a line per request, though uvicorn logs at WARNING.
-    log = plain.read_log()
-    assert '"GET /v1/models HTTP/1.1" 200' in log and '"GET /nope HTTP/1.1" 404' in log
+    # --enable-uvicorn-access-log: a line per request, though uvicorn logs at WARNING;
+    # --logging-config.formatter json: uvicorn's, the front end's and the engine
+    # process's records are JSON objects, one a line.
+    records = [json.loads(line) for line in plain.read_log().splitlines()
+               if line.startswith("{")]
+    messages = {r["message"] for r in records if r["name"] == "uvicorn.access"}
+    assert {'"GET /v1/models HTTP/1.1" 200', '"GET /nope HTTP/1.1" 404'} <= {
+        m.split(" - ", 1)[1] for m in messages}
+    processes = {r["pagedllm_process"] for r in records}
+    assert {"api_server", "engine_core"} <= processes, processes
     for path, fragment in (("json:dumps", "neither a class nor an async function"),
                            ("no_such_mod_q:X", "No module named"),
                            ("json:nope", "module 'json' has no 'nope'")):

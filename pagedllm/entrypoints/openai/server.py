@@ -676,6 +676,9 @@ async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, conf
                                    http=guard.protocol_class(),
                                    timeout_keep_alive=serve_config.keep_alive_timeout,
                                    log_level=args.uvicorn_log_level,
+                                   # Its records go through the root handler
+                                   # (log_config.py): one format, JSON included.
+                                   log_config=None,
                                    timeout_graceful_shutdown=3,
                                    access_log=getattr(args, "uvicorn_access_log", False),
                                    ssl_keyfile=args.ssl_keyfile,
