@@ -317,8 +317,15 @@ class SchedulerConfig:
     """Most tokens of one prompt a step prefills while other requests are live (vLLM's,
     which caps always): a long prompt leaves the rest of the budget to the requests
     behind it. 0: no cap."""
+    stream_interval: int = 1
+    """A stream's reader is woken once this many new tokens wait (or the request ends;
+    the first token goes at once): fewer, larger stream events (vLLM's)."""
 
     def __post_init__(self) -> None:
+        if (not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool)
+                or self.stream_interval < 1):
+            raise ConfigError(f"stream_interval must be an integer >= 1, "
+                              f"got {self.stream_interval!r}")
         if (not isinstance(self.long_prefill_token_threshold, int)
                 or self.long_prefill_token_threshold < 0):
             raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0: no cap), "

@@ -106,7 +106,8 @@ class EngineArgs:
                                               "or env PAGEDLLM_CPU_KVCACHE_SPACE); on CUDA "
                                               "gpu_memory_utilization sizes the cache")
     num_kv_blocks: int | None = _arg(None, "force the number of KV blocks (overrides "
-                                           "kv_cache_space and gpu_memory_utilization)")
+                                           "kv_cache_space and gpu_memory_utilization)",
+                                     aliases=("--num-gpu-blocks-override",))
     gpu_memory_utilization: float = _arg(
         0.9, "CUDA only: fraction of the GPU's total memory this engine may use, weights, "
              "activations and KV cache together (the KV cache gets what a profiled "
@@ -144,6 +145,10 @@ class EngineArgs:
         1, "vLLM's: more than 1 sets long_prefill_token_threshold's default to 4 percent "
            "of max_model_len, as vLLM's V1 engine does (prompts prefill side by side in "
            "any case)")
+    stream_interval: int = _arg(1, "tokens a stream gathers before its reader is woken "
+                                   "(the first token, and the last, go at once): 1 sends "
+                                   "every token, a larger value sends fewer, larger events "
+                                   "(less front-end work; vLLM's)")
     attention_backend: str | None = _arg(None, "attention backend: torch_ref, cpu or triton "
                                                "(default: cpu on CPU, triton on CUDA; triton "
                                                "runs on CPU under TRITON_INTERPRET=1, slowly)")
@@ -222,6 +227,12 @@ class EngineArgs:
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (prompt lookup) or "
               "'{\"model\": \"/path/draft\", \"num_speculative_tokens\": 4}' (a draft "
               "model of the same vocabulary); outputs equal those without it")
+    spec_method: str | None = _arg(None, "speculative_config's method (vLLM's shortcut): "
+                                         "ngram or draft_model")
+    spec_model: str | None = _arg(None, "speculative_config's model: the draft model "
+                                        "(vLLM's shortcut)")
+    spec_tokens: int | None = _arg(None, "speculative_config's num_speculative_tokens "
+                                         "(vLLM's shortcut)")
     kv_events_config: dict[str, Any] | None = _arg(
         None, "publish the prefix cache's KV events (blocks stored, removed, cleared) "
               "for a cache-aware router, as vLLM's: a JSON object such as "
@@ -337,7 +348,8 @@ class EngineArgs:
                                 prompt_logprob_cost=_prompt_logprob_cost(
                                     hf_config, model.quantization == "gguf"),
                                 long_prefill_token_threshold=self._long_prefill_threshold(
-                                    max_model_len, budget))
+                                    max_model_len, budget),
+                                stream_interval=self.stream_interval)
         backend = self.attention_backend or ("cpu" if device == "cpu" else "triton")
         device_config = DeviceConfig(
             device=device, attention_backend=backend,
@@ -455,7 +467,8 @@ class EngineArgs:
         refused = [what for what, used in (
             ("compile", self.compile),
             ("a GGUF file", model.is_gguf),
-            ("a draft model", bool(self.speculative_config)
+            ("a draft model", self.spec_model is not None
+             or isinstance(self.speculative_config, dict)
              and "model" in self.speculative_config)) if used]
         if refused:
             raise ConfigError(f"{model.architecture} (a model with images) does not run "
@@ -503,12 +516,18 @@ class EngineArgs:
 
     def _speculative_config(self, parallel: ParallelConfig, target: ModelConfig,
                             device: str) -> SpeculativeConfig | None:
-        if not self.speculative_config:
-            return None
-        if not isinstance(self.speculative_config, dict):
+        if self.speculative_config is not None and not isinstance(
+                self.speculative_config, dict):
             raise ConfigError(f"speculative_config must be a dict (JSON object), got "
                               f"{self.speculative_config!r}")
-        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        # vLLM's shortcut flags fill in (and override) the object's fields.
+        shortcuts = {key: value for key, value in (
+            ("method", self.spec_method), ("model", self.spec_model),
+            ("num_speculative_tokens", self.spec_tokens)) if value is not None}
+        values = (self.speculative_config or {}) | shortcuts
+        if not values:
+            return None
+        spec = SpeculativeConfig.from_dict(values)
         if parallel.pipeline_parallel_size > 1:
             raise ConfigError("speculative decoding with pipeline parallelism is not "
                               "supported (the stages overlap steps; a step's proposals "

@@ -180,7 +180,8 @@ class AsyncLLM:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         # Embedding requests (PoolingParams) have one output, their last.
         collector = RequestOutputCollector(
-            getattr(params, "output_kind", RequestOutputKind.FINAL_ONLY))
+            getattr(params, "output_kind", RequestOutputKind.FINAL_ONLY),
+            self.config.scheduler.stream_interval)
         self._collectors[request_id] = collector
         try:
             self.engine.add_request(request_id, prompt, params, priority=priority,

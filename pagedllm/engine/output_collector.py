@@ -20,13 +20,24 @@ from pagedllm.sampling_params import RequestOutputKind
 
 
 class RequestOutputCollector:
-    """One request's outputs (or the error that ended it) until its reader `get`s them."""
+    """One request's outputs (or the error that ended it) until its reader `get`s them.
 
-    def __init__(self, output_kind: RequestOutputKind) -> None:
+    `stream_interval` (SchedulerConfig's): the reader is woken once that many new tokens
+    wait, per sample, or when the request ends; its first token goes at once (the time
+    to first token is not held back).
+    """
+
+    def __init__(self, output_kind: RequestOutputKind, stream_interval: int = 1) -> None:
         self.is_delta = output_kind == RequestOutputKind.DELTA
+        # A final-only request (and a pooling one) has a single output to wait for.
+        self.stream_interval = (1 if output_kind == RequestOutputKind.FINAL_ONLY
+                                else stream_interval)
         self._outputs: list[RequestOutput] = []
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
+        # Tokens per sample: waiting (delta outputs), and already taken by the reader.
+        self._waiting = 0
+        self._taken = 0
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Add an output; an error ends the request (outputs still waiting are dropped:
@@ -38,18 +49,35 @@ class RequestOutputCollector:
                 self._outputs.append(item)
             else:
                 self._outputs = [item]
+            if not (item.finished or self._due(item)):
+                return
         self._ready.set()
+
+    def _due(self, item: RequestOutput) -> bool:
+        if self.stream_interval == 1:
+            return True
+        tokens = max((len(c.token_ids) for c in item.outputs), default=0)
+        if self.is_delta:
+            self._waiting += tokens
+            new = self._waiting
+        else:
+            new = tokens - self._taken
+        return new >= self.stream_interval or (self._taken == 0 and new > 0)
 
     async def get(self) -> RequestOutput:
         """The outputs put since the last call, as one (raises the request's error)."""
-        while not self._outputs and self._error is None:
+        while not self._ready.is_set():
             await self._ready.wait()
-            self._ready.clear()
         if self._error is not None:
-            raise self._error
-        outputs, self._outputs = self._outputs, []
+            raise self._error  # again at every call: ready stays set
         self._ready.clear()
-        return outputs[0] if len(outputs) == 1 else merge_deltas(outputs)
+        outputs, self._outputs = self._outputs, []
+        output = outputs[0] if len(outputs) == 1 else merge_deltas(outputs)
+        if self.stream_interval > 1:
+            tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+            self._taken = self._taken + tokens if self.is_delta else tokens
+            self._waiting = 0
+        return output
 
 
 def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import types
 import typing
 from typing import Any
 
@@ -54,7 +55,9 @@ def add_dataclass_args(group: Any, cls: type,
 
 
 def _scalar_type(hint: Any) -> Any:
-    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    # X | None is X; list[str] stays list[str] (its args are its items' type).
+    is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if is_union else [hint]
     if typing.get_origin(args[0]) is dict or args[0] is dict:
         return _json_object
     if typing.get_origin(args[0]) is list:
@@ -88,6 +91,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The `serve` flags beyond the engine's."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--uds", default=None, metavar="PATH",
+                        help="listen on this Unix domain socket instead of --host and "
+                             "--port (a socket file left by an earlier server is replaced)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "(default: env PAGEDLLM_API_KEY, which `ps` does not show)")
@@ -243,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve MODEL (default: the bundled SmolLM2) with "
                                        "OpenAI's API on http://HOST:PORT/v1.")
     add_serve_args(serve)
+    serve.add_argument("--config", default=None, metavar="FILE.yaml",
+                       help="read options from a YAML file of option: value lines, as "
+                            "vLLM's (names with - or _; true turns a flag on, a list "
+                            "gives one value each, an object goes as JSON); options on "
+                            "the command line win")
     add_logging_args(serve)
     add_engine_args(serve, positional_model=True)
     serve.set_defaults(func=_cmd_serve)
@@ -303,12 +314,81 @@ def logging_config_from(ns: argparse.Namespace) -> Any:
     return LoggingConfig.from_dict(values)
 
 
+def config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """The command-line arguments a --config YAML file stands for, under `parser`'s
+    options (ConfigError for a file that cannot be read or an option it lacks)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"--config {path!r}: {e}") from None
+    if values is None:
+        return []
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path!r} must hold option: value lines")
+    actions = {opt: a for a in parser._actions for opt in a.option_strings}
+    args: list[str] = []
+    for key, value in values.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = actions.get(flag)
+        if action is None or flag == "--config":
+            raise ConfigError(f"--config {path!r}: no option {flag}")
+        if action.nargs == 0:  # a flag: true turns it on
+            if not isinstance(value, bool):
+                raise ConfigError(f"--config {path!r}: {key} takes true or false, "
+                                  f"got {value!r}")
+            if isinstance(action, argparse.BooleanOptionalAction):
+                args.append(flag if value else "--no-" + flag[2:])
+            elif value:
+                args.append(flag)
+            continue
+        items = value if isinstance(value, list) else [value]
+        texts = [json.dumps(v) if isinstance(v, (dict, list)) else
+                 str(v).lower() if isinstance(v, bool) else str(v) for v in items]
+        if isinstance(action, argparse._AppendAction):
+            for text in texts:
+                args += [flag, text]
+        elif isinstance(value, list) and action.nargs not in ("+", "*"):
+            args += [flag, json.dumps(value)]  # a JSON-list option
+        else:
+            args += [flag, *texts]
+    return args
+
+
+def _expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`serve --config FILE` with the file's options put before the command line's
+    (argparse keeps the last value of an option: the command line wins)."""
+    if not argv or argv[0] != "serve":
+        return argv
+    rest = argv[1:]
+    for i, arg in enumerate(rest):
+        if arg == "--config" and i + 1 < len(rest):
+            path, rest = rest[i + 1], rest[:i] + rest[i + 2:]
+            break
+        if arg.startswith("--config="):
+            path, rest = arg.split("=", 1)[1], rest[:i] + rest[i + 1:]
+            break
+    else:
+        return argv
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    return ["serve", *config_file_args(serve, path), *rest]
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
     from pagedllm import log_config
 
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = _expand_config(parser, argv)
+    except ConfigError as e:
+        print(f"pagedllm serve: error: {e}", file=sys.stderr)
+        return 2
+    ns = parser.parse_args(argv)
     try:
         config = logging_config_from(ns)
         log_config.configure(config)

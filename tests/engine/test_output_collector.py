@@ -47,6 +47,36 @@ def test_a_cumulative_collector_keeps_only_the_newest_output():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_stream_interval_wakes_the_reader_every_k_tokens(kind):
+    """stream_interval 3: the first token at once, then every 3 tokens, the end at once;
+    what the reader gets adds up to every step's tokens."""
+    cumulative = kind == RequestOutputKind.CUMULATIVE
+
+    async def main():
+        collector = RequestOutputCollector(kind, stream_interval=3)
+        woken_at, tokens = [], []
+
+        async def reader():
+            while True:
+                out = await collector.get()
+                woken_at.append(out.metrics["step"])
+                ids = out.outputs[0].token_ids
+                tokens.extend(ids[len(tokens):] if cumulative else ids)
+                if out.finished:
+                    return
+
+        task = asyncio.ensure_future(reader())
+        for step in range(9):
+            collector.put(_output(step, finished=step == 8, cumulative=cumulative))
+            await asyncio.sleep(0)  # the reader runs if it was woken
+            await asyncio.sleep(0)
+        await task
+        assert woken_at == [0, 3, 6, 8]
+        assert tokens == [10 * s for s in range(9)]
+    asyncio.run(main())
+
+
 def test_deltas_taken_late_merge_into_what_each_step_said():
     async def main():
         collector = RequestOutputCollector(RequestOutputKind.DELTA)

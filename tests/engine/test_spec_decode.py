@@ -147,6 +147,32 @@ def test_speculative_config_is_validated(tiny_llama, tiny_draft, tmp_path):
         make({"model": str(other_vocab)})
 
 
+def test_vllm_shortcut_flags(tiny_llama, tiny_draft):
+    """--spec-method / --spec-model / --spec-tokens fill in speculative_config and win
+    over its fields (vLLM's); --num-gpu-blocks-override is --num-kv-blocks."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.cli import build_parser, engine_args_from
+
+    def spec_of(*flags):
+        ns = build_parser().parse_args(["serve", str(tiny_llama), *flags])
+        return engine_args_from(ns).create_engine_config().speculative
+
+    spec = spec_of("--spec-method", "ngram", "--spec-tokens", "3")
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 3)
+    spec = spec_of("--speculative-config", '{"num_speculative_tokens": 5, '
+                   '"prompt_lookup_max": 6}', "--spec-tokens", "2")
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_max) == (2, 6)
+    spec = spec_of("--spec-model", str(tiny_draft))
+    assert spec.method == "draft_model" and spec.model == str(tiny_draft)
+    assert spec_of() is None
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        spec_of("--spec-tokens", "0")
+    ns = build_parser().parse_args(["serve", "--num-gpu-blocks-override", "30"])
+    assert engine_args_from(ns).num_kv_blocks == 30
+    assert EngineArgs(model=str(tiny_llama), spec_tokens=4).create_engine_config() \
+        .speculative.num_speculative_tokens == 4
+
+
 @pytest.fixture(scope="module")
 def tiny_draft(tmp_path_factory):
     """A smaller random Llama of the same vocabulary: one layer, narrower."""

@@ -30,10 +30,12 @@ class RemoteServer:
 
     def __init__(self, args: list[str], api_key: str | None = None,
                  startup_timeout_s: float = 300.0, key_in_env: bool = False,
-                 ca_file: str | None = None) -> None:
+                 ca_file: str | None = None, uds: str | None = None) -> None:
         """`key_in_env` passes the API key as PAGEDLLM_API_KEY instead of --api-key;
-        `ca_file`: the server speaks HTTPS with a certificate this CA signed."""
+        `ca_file`: the server speaks HTTPS with a certificate this CA signed; `uds`:
+        it listens on this Unix socket (given in `args`, or its --config file)."""
         self.port = free_port()
+        self.uds = uds
         self.api_key = api_key
         self.scheme = "https" if ca_file else "http"
         # What httpx verifies the server's certificate with.
@@ -66,15 +68,22 @@ class RemoteServer:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
                                    f"{self.read_log()[-5000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=2,
-                             verify=self.verify).status_code == 200:
-                    return
+                with self.client() as client:
+                    if client.get("/health", timeout=2).status_code == 200:
+                        return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         log = self.read_log()
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout_s} s:\n{log[-5000:]}")
+
+    def client(self) -> httpx.Client:
+        """An httpx client of the server (over its Unix socket with `uds`)."""
+        if self.uds:
+            return httpx.Client(transport=httpx.HTTPTransport(uds=self.uds),
+                                base_url="http://localhost", headers=self.headers)
+        return httpx.Client(base_url=self.url, verify=self.verify, headers=self.headers)
 
     def read_log(self) -> str:
         with open(self.log.name) as f:

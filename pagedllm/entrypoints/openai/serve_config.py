@@ -19,6 +19,15 @@ from pagedllm.entrypoints.openai.tool_parsers import (TOOL_PARSER_NAMES, ToolPar
 from pagedllm.errors import ConfigError
 
 
+# Parameters of apply_chat_template itself: chat_template_kwargs may only add template
+# variables, never change how it renders (or smuggle in a template).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "chat_template", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "untrusted"})
+
+
 def _flag(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -130,6 +139,27 @@ class ServeConfig:
     max_log_len: int | None = _flag(
         None, "most characters of a prompt, output or parameter value, and most token ids, "
               "in those log lines (default: all)")
+    shutdown_timeout: float = _flag(
+        3.0, "seconds the requests in flight get to finish after SIGTERM or Ctrl-C "
+             "(0: aborted at once, vLLM's default); the process exits at most 7 s later "
+             "whatever still holds it")
+    sse_keep_alive_interval: float = _flag(
+        0.0, "seconds a chat or completions stream may send nothing before it sends an "
+             "SSE comment line (': keep-alive'), for proxies that close idle "
+             "connections; 0: none (vLLM's)")
+    default_chat_template_kwargs: dict[str, Any] | None = _flag(
+        None, "keyword arguments every chat template rendering gets, under a request's "
+              "own chat_template_kwargs, as vLLM's: e.g. '{\"enable_thinking\": false}' "
+              "turns Qwen3's thinking off unless a request asks for it")
+    exclude_tools_when_tool_choice_none: bool = _flag(
+        False, "leave the tools out of the prompt of a request whose tool_choice is "
+               "\"none\" (by default the template still shows them, as OpenAI's)")
+    enable_tokenizer_info_endpoint: bool = _flag(
+        True, "GET /tokenizer_info (the tokenizer's settings and chat template) is "
+              "always served here; vLLM's flag, which turns it on there, is taken")
+    disable_access_log_for_endpoints: str | None = _flag(
+        None, "paths whose requests leave no access log line, comma-separated, e.g. "
+              "\"/health,/metrics,/load\" (with --enable-uvicorn-access-log)")
     allow_runtime_lora_updating: bool = _flag(
         False, "serve /v1/load_lora_adapter and /v1/unload_lora_adapter, which add and "
                "remove LoRA adapters while serving (vLLM's "
@@ -145,6 +175,13 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if not (math.isfinite(self.sse_keep_alive_interval)
+                and self.sse_keep_alive_interval >= 0):
+            raise ConfigError(f"sse_keep_alive_interval must be >= 0 seconds, "
+                              f"got {self.sse_keep_alive_interval}")
+        if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
+            raise ConfigError(f"shutdown_timeout must be >= 0 seconds, "
+                              f"got {self.shutdown_timeout}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.max_log_len is not None and self.max_log_len < 0:
@@ -167,10 +204,24 @@ class ServeConfig:
                               "its parsers")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.default_chat_template_kwargs is not None:
+            if not isinstance(self.default_chat_template_kwargs, dict):
+                raise ConfigError(f"default_chat_template_kwargs must be a JSON object, "
+                                  f"got {self.default_chat_template_kwargs!r}")
+            reserved = sorted(self.default_chat_template_kwargs.keys()
+                              & RESERVED_TEMPLATE_KWARGS)
+            if reserved:
+                raise ConfigError(f"default_chat_template_kwargs may not set "
+                                  f"{reserved[0]!r}")
         if (self.chat_template is not None and not is_template_text(self.chat_template)
                 and not os.path.isfile(self.chat_template)):
             raise ConfigError(f"chat_template is neither a template nor a file: "
                               f"{self.chat_template!r}")
+
+    def access_log_excluded_paths(self) -> frozenset[str]:
+        """--disable-access-log-for-endpoints as a set of paths."""
+        value = self.disable_access_log_for_endpoints or ""
+        return frozenset(p.strip() for p in value.split(",") if p.strip())
 
     def auto_tool_parser(self) -> type[ToolParser] | None:
         """The parser class of tool_choice "auto" (None: auto tool choice is off), for

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable
@@ -86,7 +87,7 @@ logger = logging.getLogger(__name__)
 # Seconds a full queue asks clients to wait before retrying.
 RETRY_AFTER_S = 1
 # Seconds after SIGTERM/SIGINT before the process exits whatever still runs.
-SHUTDOWN_GRACE_S = 10.0
+SHUTDOWN_GRACE_S = 7.0
 
 
 # Errors named in a 400's message; the rest only make it longer.
@@ -543,6 +544,21 @@ def served_names(args: argparse.Namespace, model: str | None, model_path: str) -
     return [os.path.basename(model_path).split(".")[0]]
 
 
+class PathFilter(logging.Filter):
+    """Drops uvicorn access lines of some paths (--disable-access-log-for-endpoints):
+    its records' args are (client, method, path with query, http version, status)."""
+
+    def __init__(self, paths: frozenset[str]) -> None:
+        super().__init__()
+        self.paths = paths
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in self.paths
+        return True
+
+
 def listen_sockets(host: str, port: int) -> list[socket.socket]:
     """The server's TCP sockets, bound: one per address of `host`, as asyncio's
     create_server (which uvicorn calls when given no sockets) binds them ("localhost":
@@ -570,13 +586,33 @@ def listen_sockets(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
+def unix_socket(path: str) -> socket.socket:
+    """The server's Unix domain socket at `path` (--uds), bound; a socket file left
+    there by a server that died is replaced, any other file is refused."""
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {path}: {e.strerror or e}") from None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {path}: {e.strerror or e}") from None
+    return sock
+
+
 def _server_with_deadline(uv_config: Any, engine: AsyncLLM) -> Any:
     """A uvicorn.Server whose shutdown on SIGTERM/SIGINT has a deadline.
 
-    uvicorn stops gracefully (open streams get --timeout-graceful-shutdown); if anything
-    still holds the process SHUTDOWN_GRACE_S later, a watchdog thread (threads run even
+    uvicorn stops gracefully (open streams get --shutdown-timeout); if anything still
+    holds the process SHUTDOWN_GRACE_S after that, a watchdog thread (threads run even
     while the event loop is busy) kills the engine process and exits.
     """
+    deadline_s = uv_config.timeout_graceful_shutdown + SHUTDOWN_GRACE_S
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -591,8 +627,8 @@ def _server_with_deadline(uv_config: Any, engine: AsyncLLM) -> Any:
 
         @staticmethod
         def _deadline() -> None:
-            threading.Event().wait(SHUTDOWN_GRACE_S)
-            logger.error("shutdown took longer than %.0f s: exiting now", SHUTDOWN_GRACE_S)
+            threading.Event().wait(deadline_s)
+            logger.error("shutdown took longer than %.0f s: exiting now", deadline_s)
             with contextlib.suppress(Exception):
                 engine.core_client.kill()
             os._exit(1)
@@ -619,7 +655,8 @@ async def serve(args: argparse.Namespace, engine_args: Any,
     # fails in a second, not after the load.
     lora_modules = [parse_lora_module(m) for m in args.lora_modules or ()]
     args.middleware = [import_middleware(m) for m in getattr(args, "middleware", ())]
-    sockets = listen_sockets(args.host, args.port)
+    uds = getattr(args, "uds", None)
+    sockets = [unix_socket(uds)] if uds else listen_sockets(args.host, args.port)
     # The engine process starts now: its imports overlap reading the model's config
     # here (~2.5 s each; the bundled model's server was healthy after 6.8-7.0 s, now
     # 4.8-5.8 s).
@@ -632,6 +669,9 @@ async def serve(args: argparse.Namespace, engine_args: Any,
         core.cancel()  # unless the engine took it
         for sock in sockets:
             sock.close()
+        if uds:
+            with contextlib.suppress(OSError):
+                os.unlink(uds)
 
 
 async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, config: Any,
@@ -679,7 +719,7 @@ async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, conf
                                    # Its records go through the root handler
                                    # (log_config.py): one format, JSON included.
                                    log_config=None,
-                                   timeout_graceful_shutdown=3,
+                                   timeout_graceful_shutdown=serve_config.shutdown_timeout,
                                    access_log=getattr(args, "uvicorn_access_log", False),
                                    ssl_keyfile=args.ssl_keyfile,
                                    ssl_certfile=args.ssl_certfile,
@@ -689,9 +729,17 @@ async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, conf
         server = _server_with_deadline(uv_config, engine)
         if getattr(args, "uvicorn_access_log", False):
             # Its lines are INFO: shown even when uvicorn's other loggers say less.
-            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+            access = logging.getLogger("uvicorn.access")
+            access.setLevel(logging.INFO)
+            excluded = serve_config.access_log_excluded_paths()
+            if excluded:
+                access.addFilter(PathFilter(excluded))
         scheme = "https" if args.ssl_certfile else "http"
-        logger.info("serving %s on %s://%s:%d/v1", names[0], scheme, args.host, args.port)
+        if getattr(args, "uds", None):
+            logger.info("serving %s on %s (unix socket) /v1", names[0], args.uds)
+        else:
+            logger.info("serving %s on %s://%s:%d/v1", names[0], scheme, args.host,
+                        args.port)
         await server.serve(sockets=sockets)
     finally:
         engine.shutdown()

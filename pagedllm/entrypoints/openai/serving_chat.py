@@ -21,6 +21,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
                                                   ChatMessage, ChatResponseMessage,
                                                   ChatStreamChoice, DeltaMessage,
                                                   prompt_logprobs_field, random_id)
+from pagedllm.entrypoints.openai.serve_config import RESERVED_TEMPLATE_KWARGS
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSEResponse,
                                                         clamp_logprob, logprobs_bytes,
                                                         merge_streams,
@@ -40,13 +41,6 @@ from pagedllm.sampling_params import SamplingParams
 # What reading one message into the template's form costs, counted as bytes of input
 # for the offloader (~2 us: past a few dozen messages, a worker thread does it).
 MESSAGE_COST_BYTES = 256
-# Parameters of apply_chat_template itself: chat_template_kwargs may only add template
-# variables, never change how it renders (or smuggle in a template).
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "chat_template", "tools", "documents", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-    "untrusted"})
 
 
 @dataclass
@@ -101,7 +95,8 @@ class OpenAIServingChat(OpenAIServing):
         streams = self.add_requests(request_id, [(prepared.text, prepared.ids)],
                                     [prepared.params], request, images=prepared.images)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, streams, plan, phase))
+            return SSEResponse(self._stream(request, request_id, streams, plan, phase),
+                               self.serve_config.sse_keep_alive_interval)
         final = await self.final_output(request_id, streams)
         choices = []
         echo = _echo_text(request)
@@ -162,7 +157,8 @@ class OpenAIServingChat(OpenAIServing):
             if not request.logprobs:
                 raise InvalidRequestError("top_logprobs requires logprobs to be true")
         self.check_limits(request, request.top_logprobs, logprobs_field="top_logprobs")
-        plan = plan_tools(request, self.auto_tool_parser)
+        plan = plan_tools(request, self.auto_tool_parser,
+                          self.serve_config.exclude_tools_when_tool_choice_none)
         text, ids, sources = await self.render_chat(
             request.messages, request.add_generation_prompt, request.continue_final_message,
             request.chat_template, template_kwargs(request), tools=plan.template_tools)
@@ -294,10 +290,13 @@ class OpenAIServingChat(OpenAIServing):
         if chat_template is not None and not self.serve_config.trust_request_chat_template:
             raise InvalidRequestError("`chat_template` in a request is disabled on this server "
                                       "(start it with --trust-request-chat-template)")
-        kwargs = dict(chat_template_kwargs or {})
-        reserved = sorted(kwargs.keys() & _RESERVED_TEMPLATE_KWARGS)
+        reserved = sorted((chat_template_kwargs or {}).keys() & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved[0]!r}")
+        # The server's defaults (--default-chat-template-kwargs, checked at start-up)
+        # under the request's own.
+        kwargs = (self.serve_config.default_chat_template_kwargs or {}) | (
+            chat_template_kwargs or {})
         content_format = self.content_format
         if chat_template is not None and self.serve_config.chat_template_content_format == "auto":
             content_format = await self.offloader.run(

@@ -497,6 +497,41 @@ def sse_error(exc: BaseException) -> str:
     return sse(json.dumps(error_body(exception_message(exc), status)))
 
 
+KEEP_ALIVE = ": keep-alive\n\n"
+
+
+async def with_keep_alive(content: AsyncIterator[str], interval_s: float,
+                          ) -> AsyncIterator[str]:
+    """`content`'s events, and KEEP_ALIVE after every `interval_s` without one. The next
+    event is awaited in a task that outlives each wait (a timeout must not cancel the
+    generator midway); closing this closes `content`."""
+    events = content.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(events.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            finally:
+                pending = None
+            yield event
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 class SSEResponse(StreamingResponse):
     """Server-sent events that stop (and close their generator) when the client leaves.
 
@@ -504,7 +539,12 @@ class SSEResponse(StreamingResponse):
     a gone client's request running. Here a listener races the stream and cancels it.
     """
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], keep_alive_s: float = 0.0) -> None:
+        """`keep_alive_s` > 0 (--sse-keep-alive-interval): an SSE comment whenever the
+        stream has sent nothing for that long, so that proxies with read timeouts keep
+        the connection while the request waits, prefills or decodes slowly."""
+        if keep_alive_s > 0:
+            content = with_keep_alive(content, keep_alive_s)
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
 

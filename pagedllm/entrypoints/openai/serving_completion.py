@@ -80,7 +80,8 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = request.request_id or random_id("cmpl")
         streams = self.add_requests(request_id, prompts, params, request, embeds=embeds)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, prompts, streams))
+            return SSEResponse(self._stream(request, request_id, prompts, streams),
+                               self.serve_config.sse_keep_alive_interval)
         try:
             finals: list[RequestOutput | None] = [None] * len(prompts)
             async for i, out in merge_streams(streams):

@@ -55,16 +55,19 @@ class ToolPlan:
         return ToolCallReader(self.make_parser(), self.max_calls, self.is_named)
 
 
-def plan_tools(request: ChatCompletionRequest,
-               auto_parser: type[ToolParser] | None) -> ToolPlan:
+def plan_tools(request: ChatCompletionRequest, auto_parser: type[ToolParser] | None,
+               exclude_tools_when_none: bool = False) -> ToolPlan:
     """The plan of a validated request, `auto_parser` the server's parser of
     tool_choice "auto" (None: off); InvalidRequestError for what this server's flags do
-    not allow, or a constraint that cannot be built."""
+    not allow, or a constraint that cannot be built. `exclude_tools_when_none`: a
+    tool_choice "none" request's prompt shows no tools."""
     tools = request.tools or []
     plan = ToolPlan([t.model_dump(exclude_none=True) for t in tools] or None)
     choice = request.effective_tool_choice
     plan.max_calls = 1 if request.parallel_tool_calls is False else None
     if choice == "none":
+        if exclude_tools_when_none:
+            plan.template_tools = None
         return plan
     if choice == "auto":
         if auto_parser is None:
