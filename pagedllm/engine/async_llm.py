@@ -137,6 +137,16 @@ class AsyncLLM:
         return self.core_client.num_unscheduled
 
     @property
+    def num_in_flight(self) -> int:
+        """Requests added and not finished (their streams still open)."""
+        return len(self._collectors)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens of the requests in the core without a first token yet."""
+        return self.core_client.num_prefill_tokens
+
+    @property
     def num_kv_cache_tokens(self) -> int:
         """Tokens the whole KV cache holds (block 0 is the null block)."""
         return (self.core_client.num_blocks - 1) * self.core_client.block_size

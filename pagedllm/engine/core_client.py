@@ -183,6 +183,13 @@ class EngineCoreClient:
     def num_unscheduled(self) -> int:
         return len(self._unscheduled)
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens of the live requests that have no token yet (waiting, or in
+        their prefill)."""
+        return sum(r.num_prompt_tokens for r in self.requests.values()
+                   if r.num_output_tokens == 0)
+
     def add_request(self, request: Request, sibling_of: str | None = None) -> None:
         self._send(AddRequest(request=pickle.dumps(request)))
         self.requests[request.req_id] = request

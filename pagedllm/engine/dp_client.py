@@ -121,6 +121,10 @@ class DPEngineCoreClient:
     def num_unscheduled(self) -> int:
         return sum(c.num_unscheduled for c in self.clients)
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_prefill_tokens for c in self.clients)
+
     def add_request(self, request: Request, sibling_of: str | None = None) -> None:
         rank = self._owner.get(sibling_of) if sibling_of is not None else None
         if rank is None:

@@ -153,3 +153,37 @@ def test_full_queue_answers_503_with_retry_after(server):
     assert [r.json()["usage"]["completion_tokens"] for r in accepted] == (
         [120] * MAX_NUM_SEQS + [10] * MAX_QUEUED)
     assert _rejected(server) == rejected_before + 1
+
+
+def test_queue_limits_in_order():
+    """--max-queued-requests (waiting), --max-num-queued-reqs (in flight) and
+    --max-num-queued-tokens (prompt tokens before their first token; a request is let
+    in when none wait, however long) each refuse with their flag named."""
+    from types import SimpleNamespace
+
+    from pagedllm.engine.async_llm import QueueFullError
+    from pagedllm.entrypoints.openai.serve_config import ServeConfig
+    from pagedllm.entrypoints.openai.serving_common import OpenAIServing
+
+    rejected: list[str] = []
+    engine = SimpleNamespace(num_queued=0, num_in_flight=0, num_prefill_tokens=0,
+                             metrics=SimpleNamespace(observe_rejected=rejected.append))
+    serving = SimpleNamespace(engine=engine, serve_config=ServeConfig(
+        max_queued_requests=4, max_num_queued_reqs=6, max_num_queued_tokens=100))
+    prompt = [(None, [1] * 60)]
+
+    def admit(prompts=prompt):
+        OpenAIServing._admit(serving, prompts)
+
+    admit([(None, [1] * 5000)])  # nothing pending: a long prompt goes in
+    engine.num_prefill_tokens = 60
+    with pytest.raises(QueueFullError, match="--max-num-queued-tokens 100"):
+        admit()
+    admit([(None, [1] * 40)])  # 60 + 40 fits
+    engine.num_in_flight = 6
+    with pytest.raises(QueueFullError, match="6 requests are in flight"):
+        admit()
+    engine.num_queued = 4
+    with pytest.raises(QueueFullError, match="--max-queued-requests 4"):
+        admit()
+    assert rejected == ["prefill_tokens_full", "in_flight_full", "queue_full"]

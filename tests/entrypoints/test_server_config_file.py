@@ -7,6 +7,7 @@ model, every option from the file; the command line overrides the file."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -42,7 +43,8 @@ def server(tmp_path_factory):
         "enable-uvicorn-access-log": True,
         "disable_access_log_for_endpoints": "/health,/load",
         "enable-prefix-caching": False, "shutdown_timeout": 0,
-        "max_n": 2, "stream_interval": 4, "sse_keep_alive_interval": 0.005}))
+        "max_n": 2, "stream_interval": 4, "sse_keep_alive_interval": 0.005,
+        "max_num_queued_reqs": 3}))
     # The command line wins over the file.
     srv = RemoteServer(["--config", str(tmp / "serve.yaml"), "--max-n", "3"], uds=uds)
     yield srv
@@ -163,6 +165,25 @@ def test_openai_client_reads_streams_with_keep_alives(server):
         model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
         stream=True))
     assert chunks and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_requests_in_flight_limit(server):
+    """--max-num-queued-reqs 3: three open streams, the fourth request gets 503."""
+    body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 250, "ignore_eos": True,
+            "stream": True}
+    with server.client() as client:
+        with contextlib.ExitStack() as streams:
+            readers = []  # kept: a dropped iter_lines() closes its stream
+            for _ in range(3):
+                r = streams.enter_context(client.stream("POST", "/v1/completions",
+                                                        json=body, timeout=60))
+                readers.append(r.iter_lines())
+                assert next(line for line in readers[-1] if line.startswith("data: {"))
+            refused = client.post("/v1/completions", json=body | {"stream": False})
+        assert refused.status_code == 503 and "--max-num-queued-reqs 3" in refused.text
+        assert refused.headers["Retry-After"]
+        ok = client.post("/v1/completions", json=body | {"stream": False, "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
 
 
 def test_shutdown_timeout_zero_cuts_streams_at_once(server):

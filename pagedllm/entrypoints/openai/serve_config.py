@@ -64,6 +64,14 @@ class ServeConfig:
     max_queued_requests: int | None = _flag(None, "most requests waiting to be scheduled; "
                                                   "beyond, 503 with Retry-After (default: "
                                                   "unbounded)")
+    max_num_queued_reqs: int | None = _flag(
+        None, "most requests in flight (waiting or running, every data parallel "
+              "replica's); past it a request gets 503 with Retry-After (vLLM's)")
+    max_num_queued_tokens: int | None = _flag(
+        None, "most prompt tokens of the requests still waiting or in their prefill; a "
+              "request that would take them past it gets 503 with Retry-After, unless "
+              "none are pending (vLLM's time-to-first-token valve: target TTFT x "
+              "prefill tokens/s)")
     metrics_without_key: bool = _flag(False, "serve /metrics (and the dashboard's feed, "
                                              "/dashboard/state) without the API key")
     chat_template: str | None = _flag(
@@ -186,6 +194,10 @@ class ServeConfig:
             raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ConfigError(f"max_log_len must be >= 0, got {self.max_log_len}")
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ConfigError(f"max_queued_requests must be >= 0, got "
                               f"{self.max_queued_requests}")

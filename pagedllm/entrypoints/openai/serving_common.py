@@ -302,6 +302,30 @@ class OpenAIServing:
                                  else RequestOutputKind.FINAL_ONLY)
         return SamplingParams(**kw)
 
+    def _admit(self, prompts: list[tuple[str | None, list[int]]]) -> None:
+        """QueueFullError when these prompts would take the server past one of its
+        queue limits (each counted in request_rejected_total by its reason)."""
+        config, engine = self.serve_config, self.engine
+        limit = config.max_queued_requests
+        if limit is not None and engine.num_queued + len(prompts) > limit:
+            engine.metrics.observe_rejected("queue_full")
+            raise QueueFullError(f"The server is busy: {engine.num_queued} requests are "
+                                 f"already waiting (--max-queued-requests {limit}). "
+                                 f"Retry later.")
+        limit = config.max_num_queued_reqs
+        if limit is not None and engine.num_in_flight + len(prompts) > limit:
+            engine.metrics.observe_rejected("in_flight_full")
+            raise QueueFullError(f"The server is busy: {engine.num_in_flight} requests are "
+                                 f"in flight (--max-num-queued-reqs {limit}). Retry later.")
+        limit = config.max_num_queued_tokens
+        if limit is not None:
+            pending = engine.num_prefill_tokens
+            if pending and pending + sum(len(ids) for _, ids in prompts) > limit:
+                engine.metrics.observe_rejected("prefill_tokens_full")
+                raise QueueFullError(
+                    f"The server is busy: {pending} prompt tokens wait for their prefill "
+                    f"(--max-num-queued-tokens {limit}). Retry later.")
+
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
                      params: list[SamplingParams], request: SamplingFields,
                      images: list[Any] | None = None, embeds: list[Any] | None = None,
@@ -313,12 +337,7 @@ class OpenAIServing:
         QueueFullError when they would take the engine's queue past
         --max-queued-requests.
         """
-        limit = self.serve_config.max_queued_requests
-        if limit is not None and self.engine.num_queued + len(prompts) > limit:
-            self.engine.metrics.observe_rejected("queue_full")
-            raise QueueFullError(f"The server is busy: {self.engine.num_queued} requests are "
-                                 f"already waiting (--max-queued-requests {limit}). "
-                                 f"Retry later.")
+        self._admit(prompts)
         timeout = request.timeout or self.serve_config.request_timeout
         lora = self.models.resolve(request.model)
         streams = []
