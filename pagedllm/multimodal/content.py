@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.errors import InvalidRequestError
-from pagedllm.multimodal.image import load_image_url
+from pagedllm.multimodal.image import load_image_bytes, load_image_url
+from pagedllm.multimodal.media_fetch import MediaPolicy, fetch_media
 
 # Content part types that carry an image: OpenAI's image_url (a data URL here), and
 # vLLM's offline image_pil (a PIL image); "image" with an "image" field as transformers'
@@ -73,6 +74,10 @@ def split_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     return out, images
 
 
-def load_images(sources: list[Any]) -> list[Any]:
-    """Data URLs decoded (with the size limits of image.py); PIL images as given."""
-    return [load_image_url(s) if isinstance(s, str) else s for s in sources]
+def load_images(sources: list[Any], media: MediaPolicy | None = None) -> list[Any]:
+    """Data URLs decoded (with the size limits of image.py); http(s):// and file://
+    URLs fetched where `media` allows (media_fetch.py); PIL images as given."""
+    return [s if not isinstance(s, str)
+            else load_image_bytes(fetch_media(s, media))
+            if media is not None and not s.startswith("data:")
+            else load_image_url(s) for s in sources]

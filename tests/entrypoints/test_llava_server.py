@@ -39,11 +39,49 @@ def llava_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(llava_dir):
+def media_dir(tmp_path_factory):
+    """Image files for file:// URLs, also served over HTTP on 127.0.0.1."""
+    return tmp_path_factory.mktemp("media")
+
+
+@pytest.fixture(scope="module")
+def server(llava_dir, media_dir):
     srv = RemoteServer([str(llava_dir), "--dtype", "float32", "--max-model-len", "128",
-                        "--limit-mm-per-prompt", '{"image": 2}'])
+                        "--limit-mm-per-prompt", '{"image": 2}',
+                        "--allowed-media-domains", "127.0.0.1",
+                        "--allowed-local-media-path", str(media_dir)])
     yield srv
     srv.stop()
+
+
+def test_images_by_http_and_file_urls(server, media_dir):
+    """--allowed-media-domains / --allowed-local-media-path: an image fetched from an
+    allowed host, or read from a file under the allowed directory, gives the reply its
+    data URL gives; another host, or a file elsewhere, is a 400."""
+    import functools
+    import http.server
+    import threading
+
+    random_image(3).save(media_dir / "cat.png", "PNG")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler,
+                                directory=str(media_dir))
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        port = web.server_address[1]
+        replies = []
+        for url in (_data_url(random_image(3)), f"http://127.0.0.1:{port}/cat.png",
+                    f"file://{media_dir}/cat.png"):
+            r = _chat(server, _message(_image(url), TEXT))
+            assert r.status_code == 200, r.text
+            replies.append(r.json()["choices"][0]["message"]["content"])
+        assert replies[0] == replies[1] == replies[2]
+        for url, message in [(f"http://localhost:{port}/cat.png", "allowed-media-domains"),
+                             ("file:///etc/hostname", "allowed-local-media-path")]:
+            r = _chat(server, _message(_image(url), TEXT))
+            assert r.status_code == 400 and message in r.json()["error"]["message"]
+    finally:
+        web.shutdown()
 
 
 def _chat(server, messages, **fields) -> httpx.Response:
@@ -96,7 +134,8 @@ def _png_declaring(width: int, height: int) -> str:
     ((_image("data:image/png;base64,@@@not base64@@@"), TEXT), "not valid base64"),
     ((_image("data:image/png;base64," + base64.b64encode(b"plain text").decode()), TEXT),
      "cannot decode the image"),
-    ((_image("http://169.254.169.254/latest/meta-data"), TEXT), "fetches no remote images"),
+    ((_image("http://169.254.169.254/latest/meta-data"), TEXT),
+     "is not one of the server's --allowed-media-domains"),
     ((_image("data:image/png,rawbytes"), TEXT), "must be base64"),
     (({"type": "image_url", "image_url": {}}, TEXT), "needs {'url'"),
     (({"type": "input_audio", "input_audio": {}}, TEXT), "'input_audio' is not supported"),

@@ -17,6 +17,7 @@ from pagedllm.engine.content_format import CONTENT_FORMATS
 from pagedllm.entrypoints.openai.tool_parsers import (TOOL_PARSER_NAMES, ToolParser,
                                                       get_tool_parser)
 from pagedllm.errors import ConfigError
+from pagedllm.multimodal.media_fetch import MediaPolicy
 
 
 # Parameters of apply_chat_template itself: chat_template_kwargs may only add template
@@ -147,6 +148,13 @@ class ServeConfig:
     max_log_len: int | None = _flag(
         None, "most characters of a prompt, output or parameter value, and most token ids, "
               "in those log lines (default: all)")
+    allowed_media_domains: list[str] | None = field(default=None, metadata={
+        "nargs": "+", "help": "hosts whose http(s) image URLs the server may fetch (\"*\": "
+        "any, the addresses behind the server included); default: none, data URLs only "
+        "(vLLM fetches from any host unless given this)"})
+    allowed_local_media_path: str | None = _flag(
+        None, "a directory whose files file:// image URLs may read (symbolic links "
+              "resolved first); default: none")
     shutdown_timeout: float = _flag(
         3.0, "seconds the requests in flight get to finish after SIGTERM or Ctrl-C "
              "(0: aborted at once, vLLM's default); the process exits at most 7 s later "
@@ -216,6 +224,7 @@ class ServeConfig:
                               "its parsers")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice requires --tool-call-parser")
+        self.media_policy()  # a local media path that is no directory: refused now
         if self.default_chat_template_kwargs is not None:
             if not isinstance(self.default_chat_template_kwargs, dict):
                 raise ConfigError(f"default_chat_template_kwargs must be a JSON object, "
@@ -234,6 +243,11 @@ class ServeConfig:
         """--disable-access-log-for-endpoints as a set of paths."""
         value = self.disable_access_log_for_endpoints or ""
         return frozenset(p.strip() for p in value.split(",") if p.strip())
+
+    def media_policy(self) -> MediaPolicy:
+        """Where image URLs may point (ConfigError for a path that is no directory)."""
+        return MediaPolicy.from_flags(self.allowed_media_domains,
+                                      self.allowed_local_media_path)
 
     def auto_tool_parser(self) -> type[ToolParser] | None:
         """The parser class of tool_choice "auto" (None: auto tool choice is off), for

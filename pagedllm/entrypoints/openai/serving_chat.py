@@ -86,6 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning = self.engine.reasoning_tokens
         # tool_choice "auto"'s parser, resolved once (a plugin file runs once).
         self.auto_tool_parser = self.serve_config.auto_tool_parser()
+        self.media_policy = self.serve_config.media_policy()
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      ) -> ChatCompletionResponse | Response | SSEResponse:
@@ -237,7 +238,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def work() -> list[ProcessedImage]:
             processor.check_count(len(sources))  # before decoding any of them
-            return processor.preprocess(load_images(sources))
+            return processor.preprocess(load_images(sources, self.media_policy))
 
         # Never inline: even a small image is resized to the model's input size.
         return await self.offloader.run("decoding images", size + (1 << 20), work)
