@@ -108,6 +108,9 @@ QUANTIZATION_METHODS = (None, "gguf")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
 @dataclass
 class ModelConfig:
     """What model to run and how its tensors are typed."""
@@ -187,8 +190,16 @@ class ModelConfig:
     limit_mm_per_prompt {"image": N})."""
     enable_prompt_embeds: bool = False
     """Whether prompts may come as input embeddings (vLLM's enable_prompt_embeds)."""
+    logprobs_mode: str = "raw_logprobs"
+    """What logprobs report (vLLM's --logprobs-mode): raw_logprobs (the model's
+    distribution), raw_logits, processed_logprobs / processed_logits (after the
+    request's logits processors, penalties, temperature, min_p, top-k and top-p: the
+    distribution the token was drawn from)."""
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES}, "
+                              f"got {self.logprobs_mode!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary; "
                               f"got {self.max_logprobs!r}")

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS,
-                             PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig,
+                             LOGPROBS_MODES, PREEMPTION_MODES, SCHEDULING_POLICIES,
+                             CacheConfig,
                              DeviceConfig, EngineConfig, KVEventsConfig, LoRAConfig,
                              ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, StructuredOutputsConfig,
@@ -156,6 +157,13 @@ class EngineArgs:
     max_logprobs: int = _arg(20, "most logprobs / top_logprobs / prompt_logprobs a request "
                                  "may ask for per position (vLLM's max_logprobs; -1: the "
                                  "whole vocabulary)")
+    logprobs_mode: str = _arg(
+        "raw_logprobs", "what logprobs and prompt_logprobs report, as vLLM's: "
+                        "raw_logprobs (the model's log-softmax), raw_logits, or "
+                        "processed_logprobs / processed_logits (after logits processors, "
+                        "penalties, temperature, min_p, top-k and top-p: the distribution "
+                        "a token was drawn from; prompt tokens have none of those)",
+        choices=LOGPROBS_MODES)
     num_threads: int | None = _arg(None, "intra-op threads (default: the physical cores this "
                                          "process may run on, or env PAGEDLLM_NUM_THREADS)")
     compile: bool = _arg(False, "compile the model with torch.compile (inductor; graphs "
@@ -313,6 +321,7 @@ class EngineArgs:
         model = ModelConfig(path=path, hf_config=hf_config, dtype=dtype,
                             max_model_len=max_model_len, tokenizer=self.tokenizer,
                             seed=self.seed, max_logprobs=self.max_logprobs,
+                            logprobs_mode=self.logprobs_mode,
                             quantization=self._resolve_quantization(path, device, dtype),
                             trust_remote_code=self.trust_remote_code,
                             load_format=self.load_format)

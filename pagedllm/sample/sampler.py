@@ -11,7 +11,10 @@ Steps (vLLM's order; each is skipped when no row of the step uses it):
     call does temperature, top-p, softmax and draw); seeded rows draw u from their own
     generator
  6. logprobs of the chosen token (with its rank) and the top-k: the log-softmax of
-    step 1's logits (on CPU one native pass, sample/logprobs.py)
+    step 1's logits (on CPU one native pass, sample/logprobs.py); with another
+    `logprobs_mode` (vLLM's) the raw logits themselves, or the processed logits (after
+    steps 2-3, temperature, min_p, top-k and top-p: what the token was drawn from) or
+    their log-softmax
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from typing import Any
 import torch
 
 from pagedllm.logits_process import processor_failure
-from pagedllm.sample.logprobs import LogprobsTensors, score_logprobs
+from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs, score_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.ops import (apply_min_p, apply_penalties, argmax_rows, draw_tempered,
-                                 draw_top_k_top_p, draw_uniforms)
+from pagedllm.sample.ops import (apply_min_p, apply_penalties, apply_top_k_top_p,
+                                 argmax_rows, draw_tempered, draw_top_k_top_p,
+                                 draw_uniforms)
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +43,9 @@ class SamplerOutput:
 
 
 class Sampler:
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        self.logprobs_mode = logprobs_mode
+
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [N, V] in the model's dtype (float32 logits are modified in place) ->
         sampled token ids [N] int64."""
@@ -46,16 +53,19 @@ class Sampler:
             # Nothing but the argmax: no float32 copy of the logits (same result: the
             # conversion is exact).
             return SamplerOutput(sampled_token_ids=argmax_rows(logits))
-        raw = None
-        if md.max_num_logprobs is not None:
+        scored = None
+        processed = self.logprobs_mode.startswith("processed")
+        if md.max_num_logprobs is not None and not processed:
             # Scored after the draw, from the logits as the model gave them (float32 ones
             # are transformed in place below: kept as a copy).
-            raw = logits.clone() if logits.dtype == torch.float32 else logits
+            scored = logits.clone() if logits.dtype == torch.float32 else logits
         logits = self.apply_logits_processors(logits.float(), md)
+        if md.max_num_logprobs is not None and processed:
+            scored = processed_logits(logits, md)
         sampled = self.sample(logits, md)
         lp = None
-        if raw is not None:
-            lp = score_logprobs(raw, sampled, md.max_num_logprobs)
+        if scored is not None:
+            lp = score_values(scored, sampled, md.max_num_logprobs, self.logprobs_mode)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
 
     @staticmethod
@@ -163,6 +173,28 @@ class Sampler:
             sampled[rows] = draw_top_k_top_p(logits[rows], top_k[rows],
                                              None if top_p is None else top_p[rows], u[rows])
         return sampled
+
+
+def processed_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """A new tensor of the logits a row's token is drawn from: `logits` (after the
+    processors and penalties) divided by the temperature, min_p, top-k and top-p
+    masked (-inf). Greedy rows keep their logits (temperature 1.0 in md; top-k 1, the
+    other greedy kind, masks all but the argmax)."""
+    if md.all_greedy:
+        return logits.clone()
+    out = logits / md.temperature[:, None]
+    if md.min_p is not None:
+        out = apply_min_p(out, md.min_p)
+    return apply_top_k_top_p(out, md.top_k, md.top_p)
+
+
+def score_values(values: torch.Tensor, token_ids: torch.Tensor, k: int,
+                 logprobs_mode: str) -> LogprobsTensors:
+    """The chosen tokens' and the top-k entries of `values` (logits of some kind): their
+    log-softmax, or in a *_logits mode the values themselves (ranked the same way)."""
+    if logprobs_mode.endswith("_logits"):
+        return gather_logprobs(values.float(), token_ids, min(k, values.shape[-1]))
+    return score_logprobs(values, token_ids, k)
 
 
 def _describe(value: Any) -> str:

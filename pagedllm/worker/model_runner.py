@@ -107,7 +107,7 @@ class ModelRunner:
         self._pending_send: tuple[object, torch.Tensor] | None = None
         self.hidden_size = config.model.hf_config.hidden_size
         self.vocab_size = config.model.hf_config.vocab_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.model.logprobs_mode)
         self._build_model()
         if self._step_rows is not None and parallel.is_driver:
             logger.info("quantized GEMM: prompt tokens on AMX bfloat16 tiles, generated "
@@ -465,7 +465,7 @@ class ModelRunner:
         if self.input_batch.sampling.has_prompt_logprobs():
             output.prompt_logprobs = prompt_logprobs_chunks(
                 self.model, hidden, self.input_batch, inputs.req_ids,
-                inputs.attn_metadata.query_start_loc_cpu)
+                inputs.attn_metadata.query_start_loc_cpu, self.config.model.logprobs_mode)
         if self.parallel.is_driver and self.input_batch.pooling_params:
             # Under TP every rank holds the full hidden states; only the driver reports.
             output.pooler_output = pool_hidden_states(

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.contracts import PromptLogprobsChunk, TokenLogprobs
-from pagedllm.sample.logprobs import score_logprobs
+from pagedllm.sample.sampler import score_values
 from pagedllm.worker.input_batch import InputBatch
 
 # Logits scored at once (rows x vocabulary): 64 MB per float32 tensor.
@@ -19,6 +19,7 @@ MAX_LOGITS_ELEMENTS = 16 << 20
 
 def prompt_logprobs_chunks(model: torch.nn.Module, hidden: torch.Tensor, batch: InputBatch,
                            req_ids: list[str], query_start_loc: np.ndarray,
+                           logprobs_mode: str = "raw_logprobs",
                            ) -> dict[str, PromptLogprobsChunk] | None:
     """Prompt logprobs of the prompt positions computed this step.
 
@@ -53,7 +54,9 @@ def prompt_logprobs_chunks(model: torch.nn.Module, hidden: torch.Tensor, batch: 
             if logits is None:
                 break  # a tensor parallel rank but 0: it only took part in the gather
             targets = torch.from_numpy(batch.token_ids[row, start + 1:stop + 1])
-            lp = score_logprobs(logits, targets.to(logits.device), k)
+            # No processor, penalty or temperature acts on a prompt token: the
+            # processed modes report what the raw ones do.
+            lp = score_values(logits, targets.to(logits.device), k, logprobs_mode)
             entries += lp.tolists([k] * (stop - start))
         if entries:
             chunks[req_id] = PromptLogprobsChunk(start=computed + 1, entries=entries)

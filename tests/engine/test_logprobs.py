@@ -182,3 +182,40 @@ def test_logprobs_over_max_logprobs_are_refused(tiny_path):
     assert len(out.outputs[0].logprobs[0]) == VOCAB
     with pytest.raises(ValueError, match=f"greater than max allowed: {VOCAB}"):
         everything.generate(prompt, SamplingParams(max_tokens=1, logprobs=VOCAB + 1))
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs"])
+def test_logprobs_mode(tiny_path, hf_model, mode):
+    """vLLM's logprobs_mode: raw_logits reports transformers' logits themselves;
+    processed_logprobs the log-softmax of what the token was drawn from (temperature
+    0.5, top-k 4: the fifth entry is -inf). Prompt tokens have no processing: their
+    entries are the logits, or the plain log-softmax."""
+    from pagedllm.sample.ops import apply_top_k_top_p
+
+    llm = LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True,
+              logprobs_mode=mode)
+    prompt = random_prompts(1, VOCAB, 12, 12, seed=21)[0]
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0.5, top_k=4, seed=3, max_tokens=6,
+                                      logprobs=5, prompt_logprobs=2), use_tqdm=False)[0]
+    ids = prompt + out.outputs[0].token_ids
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+
+    def same(entry, want):
+        for token_id, lp in entry.items():
+            if want[token_id] == float("-inf"):
+                assert lp.logprob == float("-inf"), (token_id, lp)
+            else:
+                assert abs(lp.logprob - float(want[token_id])) < ATOL, (token_id, lp)
+
+    for i, entry in enumerate(out.outputs[0].logprobs):
+        row = logits[len(prompt) - 1 + i]
+        if mode == "processed_logprobs":
+            row = apply_top_k_top_p(row[None] / 0.5, torch.tensor([4]), None)[0]
+            row = row.log_softmax(-1)
+            assert sum(lp.logprob > float("-inf") for lp in entry.values()) == 4
+        same(entry, row)
+    for pos in range(1, len(prompt)):
+        row = logits[pos - 1]
+        same(out.prompt_logprobs[pos], row if mode == "raw_logits" else row.log_softmax(-1))

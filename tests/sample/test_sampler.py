@@ -626,3 +626,47 @@ def test_top_p_over_a_large_vocabulary_matches_transformers_in_a_mixed_batch():
     assert torch.equal(actual[5], logits[5])  # neither option: untouched
     kept = torch.isfinite(actual).sum(dim=1).tolist()
     assert kept[0] < NUCLEUS_CANDIDATES < kept[2]  # both paths taken
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs",
+                                  "processed_logits"])
+def test_logprobs_modes(mode) -> None:
+    """vLLM's logprobs_mode: the chosen token's and the top-k entries are the raw
+    logits' log-softmax, the raw logits, or the logits the row drew from (bias,
+    temperature, top-k, top-p applied) or their log-softmax; greedy rows' processed
+    values are their logits after the processors; the draw is the same in every mode."""
+    vocab = 64
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(5))
+    is_greedy = torch.tensor([True, False, False, True])
+    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0])
+    bias = torch.zeros(2, vocab)
+    bias[:, 7] = 3.0  # rows 1 and 3 favour token 7
+
+    def md() -> SamplingMetadata:
+        return SamplingMetadata(
+            temperature=temperature, is_greedy=is_greedy, all_greedy=False,
+            all_random=False, top_k=torch.tensor([vocab, 5, vocab, vocab]),
+            top_p=torch.tensor([1.0, 1.0, 0.8, 1.0]), max_num_logprobs=3,
+            logit_bias=(torch.tensor([1, 3]), bias),
+            generators={1: torch.Generator().manual_seed(1),
+                        2: torch.Generator().manual_seed(2)},
+            random_rows=torch.tensor([1, 2]), random_row_ids=[1, 2])
+
+    out = Sampler(mode)(logits.clone(), md())
+    plain = Sampler()(logits.clone(), md())
+    assert out.sampled_token_ids.tolist() == plain.sampled_token_ids.tolist()
+    biased = logits.clone()
+    biased[[1, 3]] += bias
+    processed = apply_top_k_top_p(biased / temperature[:, None],
+                                  torch.tensor([vocab, 5, vocab, vocab]),
+                                  torch.tensor([1.0, 1.0, 0.8, 1.0]))
+    values = {"raw_logprobs": logits.log_softmax(-1), "raw_logits": logits,
+              "processed_logprobs": processed.log_softmax(-1),
+              "processed_logits": processed}[mode]
+    want = gather_logprobs(values, out.sampled_token_ids, 3)
+    assert out.logprobs.token_ids.tolist() == want.token_ids.tolist()
+    torch.testing.assert_close(out.logprobs.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+    if mode.startswith("processed"):
+        # The chosen tokens lie inside what their rows drew from; row 1 kept 5 tokens.
+        assert torch.isfinite(out.logprobs.logprobs[:, 0]).all()
+        assert int(torch.isfinite(processed[1]).sum()) == 5
