@@ -331,6 +331,8 @@ def config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
     actions = {opt: a for a in parser._actions for opt in a.option_strings}
     args: list[str] = []
     for key, value in values.items():
+        if value is None:  # `option:` with no value: its default
+            continue
         flag = "--" + str(key).replace("_", "-")
         action = actions.get(flag)
         if action is None or flag == "--config":
@@ -357,23 +359,24 @@ def config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
     return args
 
 
-def _expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """`serve --config FILE` with the file's options put before the command line's
-    (argparse keeps the last value of an option: the command line wins)."""
+def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """`serve --config FILE`: the file's options become the serve parser's defaults,
+    so the command line's win (its positional model too: the file's arguments are
+    parsed on their own, never next to the command line's)."""
     if not argv or argv[0] != "serve":
-        return argv
-    rest = argv[1:]
-    for i, arg in enumerate(rest):
-        if arg == "--config" and i + 1 < len(rest):
-            path, rest = rest[i + 1], rest[:i] + rest[i + 2:]
-            break
-        if arg.startswith("--config="):
-            path, rest = arg.split("=", 1)[1], rest[:i] + rest[i + 1:]
-            break
-    else:
-        return argv
+        return
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+    if path is None:
+        return
     serve = parser._subparsers._group_actions[0].choices["serve"]
-    return ["serve", *config_file_args(serve, path), *rest]
+    from_file = serve.parse_args(config_file_args(serve, path))
+    serve.set_defaults(**{dest: value for dest, value in vars(from_file).items()
+                          if value != serve.get_default(dest)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        argv = _expand_config(parser, argv)
+        _apply_config_file(parser, argv)
     except ConfigError as e:
         print(f"pagedllm serve: error: {e}", file=sys.stderr)
         return 2

@@ -227,3 +227,22 @@ def test_config_file_errors(tmp_path):
     assert config_file_args(serve, str(path)) == [
         "--allowed-origins", '["https://a"]', "--middleware", "m:X",
         "--hf-overrides", '{"a": 1}', "--no-enable-lora"]
+
+
+def test_the_command_line_wins_and_keeps_its_model(tmp_path):
+    """The file's options are defaults: the command line overrides them, appends to
+    its lists, and its positional model is never taken for a list option's value."""
+    from pagedllm.entrypoints.cli import _apply_config_file
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("served-model-name: [a, b]\nport: 8123\nmax_model_len: 512\n"
+                    "middleware: [x:Y]\nenable-prefix-caching: false\ntool-call-parser:\n")
+    parser = build_parser()
+    argv = ["serve", "--config", str(path), "my-model", "--port", "9000",
+            "--middleware", "z:W"]
+    _apply_config_file(parser, argv)
+    ns = parser.parse_args(argv)
+    assert (ns.model_pos, ns.served_model_name, ns.port, ns.max_model_len) == (
+        "my-model", ["a", "b"], 9000, 512)
+    assert ns.middleware == ["x:Y", "z:W"] and ns.enable_prefix_caching is False
+    assert ns.tool_call_parser is None
