@@ -123,13 +123,13 @@ def test_prompt_logprobs_scored_in_pieces(llm, hf_model, monkeypatch):
 
     monkeypatch.setattr(prompt_logprobs, "MAX_LOGITS_ELEMENTS", 3 * VOCAB)  # 3 rows
     pieces = []
-    real = prompt_logprobs.score_logprobs
+    real = prompt_logprobs.score_values
 
-    def score(logits, token_ids, k):
+    def score(logits, token_ids, k, mode):
         pieces.append(len(token_ids))
-        return real(logits, token_ids, k)
+        return real(logits, token_ids, k, mode)
 
-    monkeypatch.setattr(prompt_logprobs, "score_logprobs", score)
+    monkeypatch.setattr(prompt_logprobs, "score_values", score)
     prompt = random_prompts(1, VOCAB, 23, 23, seed=11)[0]
     out = llm.generate([{"prompt_token_ids": prompt}],
                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
