@@ -556,8 +556,8 @@ class KVEventsConfig:
     """The PUB socket's high-water mark: messages queued per subscriber before ZeroMQ
     drops them for a subscriber that does not keep up."""
     max_queue_size: int = 100_000
-    """Batches waiting for the publishing thread; past it new ones are dropped (logged)
-    rather than stall the engine."""
+    """vLLM's queue for its publishing thread; taken and unused (the engine's thread
+    sends each batch itself, and the high-water mark bounds what waits)."""
     topic: str = ""
     """The first frame of every message (subscribers filter on it)."""
 
