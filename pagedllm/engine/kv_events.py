@@ -120,11 +120,11 @@ class ZmqEventPublisher:
         self._encoder = msgspec.msgpack.Encoder()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._lock = threading.Lock()  # the buffer, between publish and replays
+        endpoint = rank_endpoint(config.endpoint, self.rank)  # refused before any socket
+        replay_endpoint = rank_endpoint(config.replay_endpoint, self.rank)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         replay = None
-        endpoint = rank_endpoint(config.endpoint, self.rank)
-        replay_endpoint = rank_endpoint(config.replay_endpoint, self.rank)
         try:
             self._pub.set_hwm(config.hwm)
             if _binds(endpoint):
