@@ -197,15 +197,11 @@ class ModelConfig:
     distribution the token was drawn from)."""
 
     def __post_init__(self) -> None:
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES}, "
-                              f"got {self.logprobs_mode!r}")
+        require_one_of("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary; "
                               f"got {self.max_logprobs!r}")
-        if self.quantization not in QUANTIZATION_METHODS:
-            raise ConfigError(f"quantization must be one of {QUANTIZATION_METHODS}, "
-                              f"got {self.quantization!r}")
+        require_one_of("quantization", self.quantization, QUANTIZATION_METHODS)
         if not isinstance(self.max_images_per_prompt, int) or self.max_images_per_prompt < 0:
             raise ConfigError(f"the image limit per prompt must be >= 0, got "
                               f"{self.max_images_per_prompt!r}")
@@ -260,9 +256,7 @@ class CacheConfig:
     of fp8_e4m3, as in vLLM, and normalized to it)."""
 
     def __post_init__(self) -> None:
-        if self.cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
-                              f"got {self.cache_dtype!r}")
+        require_one_of("kv_cache_dtype", self.cache_dtype, KV_CACHE_DTYPES)
         if self.cache_dtype == "fp8":
             self.cache_dtype = "fp8_e4m3"
         if self.block_size < 1:
@@ -344,12 +338,8 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ConfigError("long_prefill_token_threshold needs chunked prefill (a "
                               "prompt is cut into chunks across steps)")
-        if self.policy not in SCHEDULING_POLICIES:
-            raise ConfigError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, "
-                              f"got {self.policy!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
-                              f"got {self.preemption_mode!r}")
+        require_one_of("scheduling policy", self.policy, SCHEDULING_POLICIES)
+        require_one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -466,6 +456,12 @@ class ParallelConfig:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
+def require_one_of(what: str, value: Any, choices: tuple[Any, ...]) -> None:
+    """ConfigError naming `what` unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ConfigError(f"{what} must be one of {choices}, got {value!r}")
+
+
 def dataclass_from_dict(cls: type, values: dict[str, Any], what: str,
                         internal: frozenset[str] = frozenset()) -> Any:
     """`cls(**values)` for a user's JSON object, refusing keys it does not have (by
@@ -500,9 +496,7 @@ class SpeculativeConfig:
     """draft_model: the draft's resolved config (set by EngineArgs, not by users)."""
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ConfigError(f"speculative method must be one of {SPECULATIVE_METHODS}, "
-                              f"got {self.method!r}")
+        require_one_of("speculative method", self.method, SPECULATIVE_METHODS)
         if self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 1, "
                               f"got {self.num_speculative_tokens}")
@@ -564,9 +558,7 @@ class KVEventsConfig:
     def __post_init__(self) -> None:
         if self.publisher is None:
             self.publisher = "zmq" if self.enable_kv_cache_events else "null"
-        if self.publisher not in KV_EVENT_PUBLISHERS:
-            raise ConfigError(f"kv_events_config publisher must be one of "
-                              f"{KV_EVENT_PUBLISHERS}, got {self.publisher!r}")
+        require_one_of("kv_events_config publisher", self.publisher, KV_EVENT_PUBLISHERS)
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -586,6 +578,83 @@ class KVEventsConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> KVEventsConfig:
         return dataclass_from_dict(cls, values, "kv_events_config")
+
+
+KV_CONNECTORS = ("ExampleConnector", "SharedStorageConnector")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass
+class KVTransferConfig:
+    """KV blocks shared between engines through a directory (vLLM's
+    `kv_transfer_config` with its ExampleConnector, once SharedStorageConnector): a
+    producer writes the K/V of each full prompt block it computes, keyed by the block's
+    hash; a consumer loads the blocks it finds instead of computing them (disaggregated
+    prefill: a prefill engine and a decode engine; or a prefix cache that outlives the
+    process). core/kv_store.py decides what moves, worker/kv_transfer.py moves it."""
+
+    kv_connector: str | None = None
+    """"ExampleConnector" (or its old name "SharedStorageConnector")."""
+    kv_role: str | None = None
+    """"kv_producer" (writes blocks), "kv_consumer" (reads them) or "kv_both"."""
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    """"shared_storage_path": the directory (default /tmp, vLLM's); pagedllm's files go
+    in a pagedllm-kv/ folder there, one subfolder per model and layout.
+    "min_free_disk_gb": saving pauses while the file system has less free (default 2)."""
+    kv_load_failure_policy: str = "fail"
+    """A block that cannot be loaded (its file vanished or is not what its name says):
+    "fail" ends the requests that hold it with an error (vLLM's default); "recompute"
+    sends them back to the queue to compute it (a request of a step still in flight,
+    under async scheduling, fails instead)."""
+    engine_id: str | None = None
+    """vLLM's; taken and unused (the directory is the only link between engines)."""
+    kv_buffer_device: str | None = None
+    """vLLM's; taken and unused (blocks go straight between the cache and the files)."""
+    kv_port: int | None = None
+    """vLLM's; taken and unused."""
+
+    def __post_init__(self) -> None:
+        require_one_of("kv_transfer_config kv_connector", self.kv_connector, KV_CONNECTORS)
+        require_one_of("kv_transfer_config kv_role", self.kv_role, KV_ROLES)
+        require_one_of("kv_transfer_config kv_load_failure_policy",
+                       self.kv_load_failure_policy, KV_LOAD_FAILURE_POLICIES)
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict):
+            raise ConfigError(f"kv_transfer_config kv_connector_extra_config must be a "
+                              f"JSON object, got {extra!r}")
+        unknown = set(extra) - {"shared_storage_path", "min_free_disk_gb"}
+        if unknown:
+            raise ConfigError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                              f"valid: ['min_free_disk_gb', 'shared_storage_path']")
+        path = extra.get("shared_storage_path", "/tmp")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"kv_connector_extra_config shared_storage_path must be a "
+                              f"directory path, got {path!r}")
+        floor = extra.get("min_free_disk_gb", 2.0)
+        if isinstance(floor, bool) or not isinstance(floor, int | float) or not floor >= 0:
+            raise ConfigError(f"kv_connector_extra_config min_free_disk_gb must be a "
+                              f"number >= 0, got {floor!r}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def storage_path(self) -> str:
+        return self.kv_connector_extra_config.get("shared_storage_path", "/tmp")
+
+    @property
+    def min_free_disk_bytes(self) -> int:
+        return int(self.kv_connector_extra_config.get("min_free_disk_gb", 2.0) * (1 << 30))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> KVTransferConfig:
+        return dataclass_from_dict(cls, values, "kv_transfer_config")
 
 
 @dataclass
@@ -656,6 +725,8 @@ class EngineConfig:
     logits_processors: tuple[type, ...] = ()
     # None: no KV cache events recorded.
     kv_events: KVEventsConfig | None = None
+    # None: no KV blocks shared with other engines.
+    kv_transfer: KVTransferConfig | None = None
 
     @property
     def kv_cache_dtype(self) -> str:

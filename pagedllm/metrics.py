@@ -43,6 +43,8 @@ class SchedulerStatsLike(Protocol):
     num_swaps_in: int  # cumulative
     num_draft_tokens: int  # cumulative speculative proposals
     num_accepted_tokens: int  # cumulative proposals accepted
+    external_prefix_cache_queries: int  # cumulative prompt tokens looked up in the KV store
+    external_prefix_cache_hits: int  # cumulative prompt tokens loaded from it
 
 
 class CoreOutputLike(Protocol):
@@ -113,6 +115,11 @@ class EngineMetrics:
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits",
                                          "Prompt tokens served from the prefix cache.")
+        self.external_prefix_cache_queries = counter(
+            "external_prefix_cache_queries",
+            "Prompt tokens looked up in the KV store of kv_transfer_config.")
+        self.external_prefix_cache_hits = counter(
+            "external_prefix_cache_hits", "Prompt tokens loaded from the KV store.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
                                          "Tokens proposed by speculative decoding.")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
@@ -182,6 +189,10 @@ class EngineMetrics:
                  last.prefix_cache_hits if last else 0),
                 (self.num_preemptions, stats.num_preemptions,
                  last.num_preemptions if last else 0),
+                (self.external_prefix_cache_queries, stats.external_prefix_cache_queries,
+                 last.external_prefix_cache_queries if last else 0),
+                (self.external_prefix_cache_hits, stats.external_prefix_cache_hits,
+                 last.external_prefix_cache_hits if last else 0),
                 (self.spec_draft_tokens, stats.num_draft_tokens,
                  last.num_draft_tokens if last else 0),
                 (self.spec_accepted_tokens, stats.num_accepted_tokens,

@@ -97,6 +97,12 @@ class SchedulerOutput:
     # after every swap-out of the step (a device block freed by a swap-out of this step
     # may be the destination of a swap-in).
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # KV blocks shared with other engines (core/kv_store.py): (file stem, block id) to
+    # read into the cache before the forward pass, after the swaps (blocks a newly
+    # admitted request found in the store), and (block id, file stem) to write after it
+    # (prompt blocks this step completes).
+    kv_blocks_to_load: list[tuple[str, int]] = field(default_factory=list)
+    kv_blocks_to_save: list[tuple[int, str]] = field(default_factory=list)
     # Speculative decoding: req_id -> the proposed tokens this step verifies after the
     # request's last token (its num_scheduled_tokens count them: 1 + len(drafts)).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
@@ -138,6 +144,10 @@ class ModelRunnerOutput:
     # req_id -> how code the engine ran for it failed (a custom logits processor raised):
     # failed as above, but answered as a server error, not a bad request. None: none.
     errored_requests: dict[str, str] | None = None
+    # block id -> why the block could not be loaded from the KV store (any tensor
+    # parallel rank's file); the engine fails or recomputes the requests holding it.
+    # None: every load of the step succeeded (or there were none).
+    kv_load_failures: dict[int, str] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -61,7 +61,8 @@ class KVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
-    def _block_hashes(self, request: Request) -> list[BlockHash]:
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """The request's hashes of its full blocks (computed as its tokens come)."""
         return update_block_hashes(request, self.block_size,
                                    prompt_rows=self.hash_prompt_rows)
 
@@ -117,7 +118,7 @@ class KVCacheManager:
         empty: GroupBlocks = [[] for _ in self.group_windows]
         if not self.enable_caching or request.num_tokens == 0:
             return empty, 0
-        block_hashes = self._block_hashes(request)
+        block_hashes = self.block_hashes(request)
         num_hit = min((request.num_tokens - 1) // self.block_size, len(block_hashes))
         # cached[g][i]: block i of group g. A full group's run stops at its first miss
         # (the waiting head is looked up again every step while it does not fit).
@@ -156,7 +157,8 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: GroupBlocks | None = None,
                        num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> GroupBlocks | None:
+                       num_lookahead_tokens: int = 0,
+                       num_external_tokens: int = 0) -> GroupBlocks | None:
         """Give the request blocks for `num_new_tokens` more tokens; None if the pool can't.
 
         Layout of the request's tokens after this call:
@@ -174,6 +176,10 @@ class KVCacheManager:
         entries included, so block ids line up with positions).
         `num_lookahead_tokens` more slots are allocated past the new tokens (speculative
         decoding: a draft model's proposals) but never cached.
+        The last `num_external_tokens` of the new computed tokens come from outside the
+        pool (the KV store, core/kv_store.py): no hits cover them, so their blocks are
+        new ones, the first appended (the caller has them filled before any step reads
+        them); the prefix-cache stats do not count them as hits.
         """
         req_id = request.req_id
         held = self.req_to_blocks.get(req_id)
@@ -202,7 +208,7 @@ class KVCacheManager:
         is_admission = req_id not in self.req_to_blocks
         if is_admission and self.enable_caching:
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_new_computed_tokens
+            self.prefix_cache_hits += num_new_computed_tokens - num_external_tokens
         # Touch before popping new blocks so a hit can't be evicted under our feet.
         self.block_pool.touch(hit_blocks)
         fresh = iter(self.block_pool.get_new_blocks(num_new_blocks))
@@ -266,7 +272,7 @@ class KVCacheManager:
         request's. No reference is taken (`allocate_swapped_in` touches the hits).
         """
         hits: list[list[KVCacheBlock | None]] = []
-        block_hashes = self._block_hashes(request) if self.enable_caching else []
+        block_hashes = self.block_hashes(request) if self.enable_caching else []
         for g, (window, n) in enumerate(zip(self.group_windows, num_blocks)):
             skip = num_skipped_blocks(request.num_computed_tokens, window, self.block_size)
             group: list[KVCacheBlock | None] = [self.null_block] * min(skip, n)
@@ -319,7 +325,7 @@ class KVCacheManager:
         """Register blocks full once `num_tokens` tokens are written: num_tokens // B."""
         if not self.enable_caching:
             return
-        block_hashes = self._block_hashes(request)
+        block_hashes = self.block_hashes(request)
         # Only blocks whose tokens are all known have a hash.
         num_full_blocks = min(num_tokens // self.block_size, len(block_hashes))
         num_cached = self.num_cached_blocks.get(request.req_id, 0)

@@ -79,6 +79,16 @@ False, so the engine schedules the next step after N's output, with nothing in f
 to be sampled (penalties, bad words, min_tokens, a grammar): the engine then waits for
 each step before the next.
 
+KV store (`kv_store`, core/kv_store.py: blocks shared with other engines through a
+directory): a waiting request admitted with prefix hits for its first k blocks also takes
+the blocks after them that the store holds, as fresh blocks the runner fills from the
+files before the step's forward pass (`kv_blocks_to_load`), so it computes only the
+rest; each step asks the runner to save the prompt blocks it completes that the store
+lacks (`kv_blocks_to_save`). A block whose load fails is dropped from the prefix cache
+and every request holding it fails, or (kv_load_failure_policy "recompute") goes back
+to the front of the waiting queue as a recompute preemption would, unless a step in
+flight still holds it (async scheduling): then it fails.
+
 Deadlines: a request with `deadline` (absolute `time.monotonic()` time) still live at
 the start of a `schedule()` at or after it is finished as FINISHED_TIMEOUT, waiting,
 swapped or running; its blocks are freed at once and `pop_timed_out_requests()` hands it over.
@@ -96,6 +106,7 @@ from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.deadlines import DeadlineHeap
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_store import KVStore
 from pagedllm.core.output_update import apply_runner_output
 from pagedllm.core.request_queue import RequestQueue, create_request_queue, priority_key
 from pagedllm.core.step_state import StepState
@@ -125,7 +136,8 @@ class Scheduler:
                  pipeline_depth: int = 1,
                  group_windows: Sequence[int | None] = (None,),
                  num_lookahead_tokens: int = 0, hash_prompt_rows: bool = False,
-                 enable_kv_events: bool = False) -> None:
+                 enable_kv_events: bool = False, kv_store: KVStore | None = None,
+                 kv_load_failure_policy: str = "fail") -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -187,6 +199,12 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # Blocks shared with other engines (None: none), and requests sent back to
+        # waiting outside schedule() (a failed load) whose runner state the next step's
+        # output drops.
+        self.kv_store = kv_store
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self._preempted_since_step: set[str] = set()
 
     # ---------------------------------------------------------------- requests
 
@@ -281,6 +299,11 @@ class Scheduler:
         # would only thrash.
         if not step.is_short_of_blocks:
             self._schedule_admissions(step)
+        if self.kv_store is not None and self.kv_store.save:
+            step.kv_saves = self.kv_store.plan_saves(self.requests, step.num_scheduled_tokens,
+                                                     self.kv_cache_manager)
+        step.preempted_req_ids |= self._preempted_since_step
+        self._preempted_since_step = set()
         output = step.to_output(self.finished_req_ids)
         self.finished_req_ids = set()
         # The runner reads num_computed_tokens from the output (values before this step);
@@ -371,15 +394,18 @@ class Scheduler:
                 return i
         return -1
 
-    def _preempt(self, request: Request, step: StepState) -> None:
+    def _preempt(self, request: Request, step: StepState | None) -> None:
         """Preempt a running request (already out of `running`, not scheduled this step).
 
         Swap mode with room on the host: copy its blocks out, keep num_computed_tokens,
         queue it in `swapped`. Otherwise recompute: free the blocks, reset, requeue in
-        waiting (fcfs: at the front; priority: by its key).
+        waiting (fcfs: at the front; priority: by its key). `step` None: outside
+        schedule() (its KV failed to load): recomputed, and the next step's output tells
+        the runner.
         """
         kv = self.kv_cache_manager
-        if self.swap_space is not None and self.swap_space.can_swap_out(kv, request):
+        if (step is not None and self.swap_space is not None
+                and self.swap_space.can_swap_out(kv, request)):
             # Swap-outs precede swap-ins within a step (the runner copies in that order,
             # and a host block freed by a swap-in must not be overwritten first).
             assert not step.blocks_to_swap_in, "swap-out after a swap-in in one step"
@@ -395,7 +421,8 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
-        step.preempted_req_ids.add(request.req_id)
+        preempted = step.preempted_req_ids if step is not None else self._preempted_since_step
+        preempted.add(request.req_id)
 
     def _schedule_admissions(self, step: StepState) -> None:
         """Swap in swapped requests and admit waiting ones, in `_next_queue` order; stop
@@ -440,15 +467,22 @@ class Scheduler:
         """Give the waiting head its prefix hits and blocks for its first chunk (the
         caller pops it); False when it does not fit."""
         computed_blocks, num_computed_tokens = self._get_computed_blocks(request)
+        stored = self._stored_after_hits(request, num_computed_tokens)
+        num_external_tokens = len(stored or ()) * self.block_size
+        num_computed_tokens += num_external_tokens
         # >= 1: the last token is never a prefix hit.
         num_new_tokens = step.num_tokens_to_schedule(request, num_computed_tokens)
         if num_new_tokens == 0:
             return False
         new_blocks = self.kv_cache_manager.allocate_slots(
             request, num_new_tokens, computed_blocks, num_computed_tokens,
-            step.num_lookahead(request, num_computed_tokens, num_new_tokens))
+            step.num_lookahead(request, num_computed_tokens, num_new_tokens),
+            num_external_tokens=num_external_tokens)
         if new_blocks is None:
             return False
+        if stored is not None:
+            # The stored blocks are the first new ones (one KV cache group).
+            step.kv_loads += self.kv_store.record_loads(request, stored, new_blocks[0])
         request.num_computed_tokens = num_computed_tokens
         request.num_cached_tokens = num_computed_tokens
         self._start_running(request, num_new_tokens, step)
@@ -486,12 +520,20 @@ class Scheduler:
                              ) -> tuple[list[list[KVCacheBlock]], int]:
         """Prefix-cache hits of a waiting request, per KV cache group (none when it
         wants prompt logprobs or mean pooling)."""
-        if (request.sampling_params.prompt_logprobs is not None
-                or (request.is_pooling and request.pooling_params.needs_all_positions)):
-            # Prompt logprobs need the logits of every prompt position, mean pooling
-            # their hidden states: no cache hits.
+        if not may_hit(request):
             return [[] for _ in self.kv_cache_manager.group_windows], 0
         return self.kv_cache_manager.get_computed_blocks(request)
+
+    def _stored_after_hits(self, request: Request, num_hit_tokens: int,
+                           ) -> list[bytes] | None:
+        """Hashes of the blocks after a waiting request's prefix hits that the KV store
+        holds, in order (None: not looked up, as without a store to load from)."""
+        store = self.kv_store
+        if (store is None or not store.load or not self.kv_cache_manager.enable_caching
+                or not may_hit(request)):
+            return None
+        return store.lookup(request, num_hit_tokens,
+                            self.kv_cache_manager.block_hashes(request))
 
     # ---------------------------------------------------------------- priority, deadlines
 
@@ -551,6 +593,10 @@ class Scheduler:
         """
         # Counter subtraction drops the ids whose count reaches 0.
         self.in_flight -= Counter(scheduler_output.num_scheduled_tokens.keys())
+        # Requests whose blocks failed to load: failed, or back in waiting (either way
+        # not RUNNING, so what they sampled this step is dropped below).
+        failed = (self._handle_kv_load_failures(model_runner_output.kv_load_failures)
+                  if model_runner_output.kv_load_failures else [])
         if self.async_scheduling:
             # The tokens of this step's placeholders are here (applied below).
             for req_id, token_ids in zip(model_runner_output.req_ids,
@@ -567,7 +613,32 @@ class Scheduler:
                 self._free_request(request)
             finished = {r.req_id for r in update.finished}
             self.running = [r for r in self.running if r.req_id not in finished]
-        return update.updated
+        return failed + update.updated
+
+    def _handle_kv_load_failures(self, failures: dict[int, str]) -> list[Request]:
+        """Blocks the runner could not fill from the KV store (block id -> why): they
+        leave the prefix cache (and the store's lookups), and every request holding one
+        is recomputed or failed (kv_load_failure_policy). Returns the failed ones."""
+        kv = self.kv_cache_manager
+        self.kv_store.num_load_failures += len(failures)
+        blocks = [kv.block_pool.blocks[block_id] for block_id in failures]
+        self.kv_store.forget([b.block_hash for b in blocks if b.block_hash is not None])
+        kv.block_pool.forget(blocks)
+        bad = set(failures)
+        why: dict[str, str] = {}
+        for request in self.running:
+            ids = [b.block_id for b in kv.get_blocks(request.req_id) if b.block_id in bad]
+            if ids:
+                why[request.req_id] = f"KV cache load failed: {failures[ids[0]]}"
+        failed = []
+        for req_id, message in why.items():
+            request = self.requests[req_id]
+            if self.kv_load_failure_policy == "recompute" and req_id not in self.in_flight:
+                self.running.remove(request)
+                self._preempt(request, None)
+            else:
+                failed += self.fail_requests({req_id: message}, invalid=False)
+        return failed
 
     def finish_requests(self, req_ids: Iterable[str] | str,
                         status: RequestStatus) -> list[Request]:
@@ -625,6 +696,13 @@ class Scheduler:
         self._num_needing_host_tokens -= needs_host_tokens(request)
         del self.requests[request.req_id]
         self.finished_req_ids.add(request.req_id)
+
+
+def may_hit(request: Request) -> bool:
+    """Whether a request may start from cached K/V: not when it wants prompt logprobs
+    (the logits of every prompt position) or mean pooling (their hidden states)."""
+    return not (request.sampling_params.prompt_logprobs is not None
+                or (request.is_pooling and request.pooling_params.needs_all_positions))
 
 
 def needs_host_tokens(request: Request) -> bool:

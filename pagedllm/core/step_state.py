@@ -30,6 +30,10 @@ class StepState:
     # (device, host) block pairs of this step's swap-outs, (host, device) of swap-ins.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # KV store transfers (core/kv_store.py): (file stem, block id) loads, (block id,
+    # file stem) saves.
+    kv_loads: list[tuple[str, int]] = field(default_factory=list)
+    kv_saves: list[tuple[int, str]] = field(default_factory=list)
     # req_id -> proposed tokens scheduled after the request's last token.
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # A running request could not get its blocks (set by _allocate_or_preempt, not by
@@ -164,6 +168,8 @@ class StepState:
             blocks_to_swap_out=self.blocks_to_swap_out,
             blocks_to_swap_in=self.blocks_to_swap_in,
             scheduled_spec_decode_tokens=self.spec_tokens,
+            kv_blocks_to_load=self.kv_loads,
+            kv_blocks_to_save=self.kv_saves,
         )
 
 

@@ -17,7 +17,8 @@ from typing import Any
 from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS,
                              LOGPROBS_MODES, PREEMPTION_MODES, SCHEDULING_POLICIES,
                              CacheConfig,
-                             DeviceConfig, EngineConfig, KVEventsConfig, LoRAConfig,
+                             DeviceConfig, EngineConfig, KVEventsConfig, KVTransferConfig,
+                             LoRAConfig,
                              ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, StructuredOutputsConfig,
                              cache_root, default_model_path, env_kv_cache_space,
@@ -247,6 +248,14 @@ class EngineArgs:
               "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
               "\"topic\": \"kv\"}' (ZeroMQ PUB, vLLM's msgpack format; "
               "\"replay_endpoint\" adds a ROUTER socket for missed batches)")
+    kv_transfer_config: dict[str, Any] | None = _arg(
+        None, "share KV blocks with other engines through a directory, as vLLM's "
+              "ExampleConnector: a JSON object such as '{\"kv_connector\": "
+              "\"ExampleConnector\", \"kv_role\": \"kv_both\", "
+              "\"kv_connector_extra_config\": {\"shared_storage_path\": \"/data/kv\"}}' "
+              "(kv_producer saves each prompt block it computes, kv_consumer loads the "
+              "blocks it finds: disaggregated prefill, or a prefix cache that outlives "
+              "the process)")
 
     enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT directories) per request: "
                                     "LLM.generate(lora_request=...), the server's "
@@ -382,20 +391,37 @@ class EngineArgs:
                             parallel=parallel, speculative=speculative,
                             structured_outputs=structured_outputs, lora=lora,
                             logits_processors=logits_processors,
-                            kv_events=self._kv_events_config(cache))
+                            kv_events=self._kv_events_config(cache),
+                            kv_transfer=self._kv_transfer_config(cache, parallel,
+                                                                 speculative))
 
     def _kv_events_config(self, cache: CacheConfig) -> KVEventsConfig | None:
         if self.kv_events_config is None:
             return None
-        if not isinstance(self.kv_events_config, dict):
-            raise ConfigError(f"kv_events_config must be a dict (JSON object), got "
-                              f"{self.kv_events_config!r}")
+        require_json_object("kv_events_config", self.kv_events_config)
         config = KVEventsConfig.from_dict(self.kv_events_config)
         if not config.enable_kv_cache_events:
             return None
         if not cache.enable_prefix_caching:
             raise ConfigError("KV cache events (kv_events_config) describe the prefix "
                               "cache: they need enable_prefix_caching")
+        return config
+
+    def _kv_transfer_config(self, cache: CacheConfig, parallel: ParallelConfig,
+                            speculative: SpeculativeConfig | None,
+                            ) -> KVTransferConfig | None:
+        if self.kv_transfer_config is None:
+            return None
+        require_json_object("kv_transfer_config", self.kv_transfer_config)
+        config = KVTransferConfig.from_dict(self.kv_transfer_config)
+        refused = [what for what, used in (
+            ("enable_prefix_caching off (stored blocks are found by their prefix-cache "
+             "hashes)", not cache.enable_prefix_caching),
+            ("pipeline parallelism", parallel.pipeline_parallel_size > 1),
+            ("a draft model (its K/V is not stored)",
+             speculative is not None and speculative.method == "draft_model")) if used]
+        if refused:
+            raise ConfigError(f"kv_transfer_config does not work with {refused[0]}")
         return config
 
     def _logits_processors(self, speculative: SpeculativeConfig | None,
@@ -525,10 +551,8 @@ class EngineArgs:
 
     def _speculative_config(self, parallel: ParallelConfig, target: ModelConfig,
                             device: str) -> SpeculativeConfig | None:
-        if self.speculative_config is not None and not isinstance(
-                self.speculative_config, dict):
-            raise ConfigError(f"speculative_config must be a dict (JSON object), got "
-                              f"{self.speculative_config!r}")
+        if self.speculative_config is not None:
+            require_json_object("speculative_config", self.speculative_config)
         # vLLM's shortcut flags fill in (and override) the object's fields.
         shortcuts = {key: value for key, value in (
             ("method", self.spec_method), ("model", self.spec_model),
@@ -648,8 +672,7 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None,
     first's: a 2-way softmax as a sigmoid), else one per token."""
     if not overrides:
         return hf_config
-    if not isinstance(overrides, dict):
-        raise ConfigError(f"hf_overrides must be a dict (JSON object), got {overrides!r}")
+    require_json_object("hf_overrides", overrides)
     for key, value in overrides.items():
         setattr(hf_config, key, value)
     tokens = overrides.get("classifier_from_token")
@@ -814,3 +837,9 @@ def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
         logger.warning("max_model_len %d is greater than the %d positions this model was "
                        "trained on: outputs past them may be poor", requested, derived)
     return requested
+
+
+def require_json_object(what: str, value: Any) -> None:
+    """ConfigError naming `what` unless `value` is a dict (a JSON object)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} must be a dict (JSON object), got {value!r}")

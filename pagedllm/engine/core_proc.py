@@ -111,6 +111,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     """Cumulative tokens proposed by speculative decoding."""
     num_accepted_tokens: int = 0
     """Cumulative proposed tokens accepted."""
+    external_prefix_cache_queries: int = 0
+    """Cumulative prompt tokens looked up in the KV store (kv_transfer_config)."""
+    external_prefix_cache_hits: int = 0
+    """Cumulative prompt tokens loaded from it."""
     """Host blocks held by swapped requests."""
 
 
@@ -309,6 +313,7 @@ class EngineCoreProc:
     def _stats(self) -> SchedulerStats:
         sched = self.core.scheduler
         kv = sched.kv_cache_manager
+        store = sched.kv_store
         return SchedulerStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting + self.core.num_compiling,  # grammars compiling too
@@ -318,7 +323,9 @@ class EngineCoreProc:
             num_swapped=sched.num_swapped, num_swaps_out=sched.num_swaps_out,
             num_swaps_in=sched.num_swaps_in, num_swapped_blocks=sched.num_swapped_blocks,
             num_draft_tokens=sched.num_draft_tokens,
-            num_accepted_tokens=sched.num_accepted_tokens)
+            num_accepted_tokens=sched.num_accepted_tokens,
+            external_prefix_cache_queries=store.queries if store is not None else 0,
+            external_prefix_cache_hits=store.hits if store is not None else 0)
 
     def _utility(self, call: UtilityCall) -> Any:
         if call.method == "get_stats":

@@ -63,13 +63,26 @@ class EngineCore:
         # one step ahead of the one whose output is read next.
         self.max_in_flight = 2 if self.async_scheduling else self.max_concurrent_batches
         group_windows = self.executor.kv_cache_group_windows()
+        kv_store = None
+        if config.kv_transfer is not None:
+            from pagedllm.engine.kv_transfer import make_kv_store
+            try:
+                kv_store = make_kv_store(config, tuple(group_windows),
+                                         self.executor.splits_prompt_rows())
+            except BaseException:
+                self.executor.shutdown()
+                raise
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
                                    num_swap_blocks=self.num_swap_blocks,
                                    pipeline_depth=self.max_concurrent_batches,
                                    group_windows=group_windows,
                                    num_lookahead_tokens=_num_lookahead_tokens(config),
                                    hash_prompt_rows=self.executor.splits_prompt_rows(),
-                                   enable_kv_events=config.kv_events is not None)
+                                   enable_kv_events=config.kv_events is not None,
+                                   kv_store=kv_store,
+                                   kv_load_failure_policy=(
+                                       config.kv_transfer.kv_load_failure_policy
+                                       if config.kv_transfer is not None else "fail"))
         # KV cache events (engine/kv_events.py; imported only when asked for).
         self.kv_event_publisher = None
         if config.kv_events is not None:
@@ -90,6 +103,9 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", self.num_blocks,
                     config.cache.block_size, (self.num_blocks - 1) * config.cache.block_size,
                     config.kv_cache_dtype)
+        if kv_store is not None:
+            logger.info("KV store (%s): %s/%s", config.kv_transfer.kv_role, kv_store.root,
+                        kv_store.namespace)
         if group_windows != (None,):
             logger.info("KV cache groups (windows give blocks back): %s",
                         ", ".join(f"{w or 'full'}" for w in group_windows))
@@ -269,6 +285,9 @@ class EngineCore:
                                   "engine is idle")
         self.executor.update_weights(pairs)
         self.reset_prefix_cache()
+        if self.scheduler.kv_store is not None:
+            from pagedllm.engine.kv_transfer import new_weights_salt
+            self.scheduler.kv_store.renew_namespace(new_weights_salt())
         self.asleep.discard("weights")
 
     # ------------------------------------------------------------------ profiling

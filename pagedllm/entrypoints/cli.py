@@ -186,6 +186,13 @@ def _cmd_models(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_disagg_proxy(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.disagg_proxy import run
+
+    run(ns.prefill, ns.decode, ns.host, ns.port, ns.max_body_bytes)
+    return 0
+
+
 def _cmd_serve(ns: argparse.Namespace) -> int:
     import asyncio
 
@@ -266,6 +273,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat, positional_model=True)
     chat.set_defaults(func=_cmd_chat)
     _add_bench(sub)
+    proxy = sub.add_parser(
+        "disagg-proxy", help="disaggregated prefill: each request's prompt computed by a "
+                             "prefill server, its answer by a decode server",
+        description="Send each completion or chat request first to a prefill server "
+                    "(kv_role kv_producer) with one token to generate, then to a decode "
+                    "server (kv_consumer) that loads the prompt's blocks from the shared "
+                    "directory (both started with the same --kv-transfer-config path); "
+                    "the decode server's answer is streamed back.")
+    proxy.add_argument("--prefill", action="append", required=True, metavar="URL",
+                       help="a prefill server's base URL, e.g. http://localhost:8100 "
+                            "(repeat for several: taken in turn)")
+    proxy.add_argument("--decode", action="append", required=True, metavar="URL",
+                       help="a decode server's base URL (repeat for several)")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    proxy.add_argument("--port", type=int, default=8000, help="port to listen on")
+    proxy.add_argument("--max-body-bytes", type=int, default=2 << 20,
+                       help="most bytes of a request body (413 beyond), as the servers'")
+    proxy.set_defaults(func=_cmd_disagg_proxy)
     models = sub.add_parser("models", help="list supported model architectures")
     models.set_defaults(func=_cmd_models)
     return parser

@@ -31,6 +31,7 @@ from pagedllm.sample.sampler import Sampler
 from pagedllm.models.pipeline import layer_range
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_layout import check_layer_windows, kv_cache_layout
+from pagedllm.worker.kv_transfer import KVTransfer
 from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.invariance import batch_invariance_caveat
 from pagedllm.worker.mm_encoder import ImageEncoderCache
@@ -127,6 +128,9 @@ class ModelRunner:
         # Host blocks of swap preemption, one tensor per KV cache tensor ([] unless
         # swapping).
         self.host_kv_caches: list[torch.Tensor] = []
+        # Blocks shared with other engines through a directory (None: not configured).
+        self.kv_transfer = (KVTransfer(config.kv_transfer.storage_path, parallel)
+                            if config.kv_transfer is not None else None)
         # Captured decode steps (CUDA; None: every step runs eagerly).
         self.graphs: DecodeGraphs | None = None
         # Async scheduling: a step's sampled ids are read when the engine asks for its
@@ -425,6 +429,8 @@ class ModelRunner:
         if so.blocks_to_swap_out or so.blocks_to_swap_in:
             swap_blocks(self.kv_caches, self.host_kv_caches, so.blocks_to_swap_out,
                         so.blocks_to_swap_in)
+        load_failures = (self.kv_transfer.load(self.kv_caches, so.kv_blocks_to_load)
+                         if so.kv_blocks_to_load else None)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return StepOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
@@ -451,7 +457,11 @@ class ModelRunner:
                 if not self.parallel.is_last_stage:
                     return StepOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         output = ModelRunnerOutput(req_ids=inputs.req_ids,
-                                   sampled_token_ids=[[] for _ in inputs.req_ids])
+                                   sampled_token_ids=[[] for _ in inputs.req_ids],
+                                   kv_load_failures=load_failures or None)
+        if so.kv_blocks_to_save:
+            # The forward pass has written them.
+            self.kv_transfer.save(self.kv_caches, so.kv_blocks_to_save)
         if failed_loras:
             output.failed_requests = self._requests_of_loras(inputs.req_ids, failed_loras)
         deferred = None
