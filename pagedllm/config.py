@@ -241,6 +241,10 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     """Override of the block count computed from kv_cache_space or the CUDA memory
     profile (tests force tiny caches)."""
+    kv_cache_memory_bytes: int | None = None
+    """The KV cache's size per worker in bytes (vLLM's): instead of kv_cache_space on a
+    CPU and of the memory profile (gpu_memory_utilization) on CUDA; num_kv_blocks still
+    wins."""
     gpu_memory_utilization: float = 0.9
     """CUDA: fraction of the GPU's total memory the engine may use, weights, activations
     and KV cache together; the KV cache gets what a profiled forward pass leaves of it
@@ -268,6 +272,12 @@ class CacheConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], "
                               f"got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and (
+                isinstance(self.kv_cache_memory_bytes, bool)
+                or not isinstance(self.kv_cache_memory_bytes, int)
+                or self.kv_cache_memory_bytes < 1):
+            raise ConfigError(f"kv_cache_memory_bytes must be a positive integer, got "
+                              f"{self.kv_cache_memory_bytes!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be >= 2 (block 0 is the null block), "
                               f"got {self.num_kv_blocks}")

@@ -110,6 +110,9 @@ class EngineArgs:
     num_kv_blocks: int | None = _arg(None, "force the number of KV blocks (overrides "
                                            "kv_cache_space and gpu_memory_utilization)",
                                      aliases=("--num-gpu-blocks-override",))
+    kv_cache_memory_bytes: int | None = _arg(
+        None, "the KV cache's size per worker in bytes, as vLLM's (CPU: instead of "
+              "kv_cache_space; CUDA: instead of what gpu_memory_utilization leaves)")
     gpu_memory_utilization: float = _arg(
         0.9, "CUDA only: fraction of the GPU's total memory this engine may use, weights, "
              "activations and KV cache together (the KV cache gets what a profiled "
@@ -341,12 +344,14 @@ class EngineArgs:
         space = self.kv_cache_space
         if space is None:
             space = env_kv_cache_space()
-        elif device == "cuda" and self.num_kv_blocks is None:
+        elif (device == "cuda" and self.num_kv_blocks is None
+              and self.kv_cache_memory_bytes is None):
             logger.warning("kv_cache_space is ignored on CUDA: gpu_memory_utilization "
                            "(%s) sizes the KV cache; num_kv_blocks forces a block count",
                            self.gpu_memory_utilization)
         cache = CacheConfig(block_size=self.block_size, kv_cache_space=space,
                             num_kv_blocks=self.num_kv_blocks,
+                            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             # An encoder's prompt is recomputed whole: a bidirectional
                             # layer needs every position, and it keeps no KV to reuse.

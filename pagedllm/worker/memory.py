@@ -62,8 +62,9 @@ def determine_num_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerC
                          first_layer: int = 0, extra_bytes_per_block: int = 0,
                          profile_run: Callable[[], int] | None = None) -> int:
     """Blocks that fit the memory budget, block 0 included: the num_kv_blocks override,
-    else (with `profile_run`, on CUDA) what gpu_memory_utilization leaves after the
-    weights and a profiled forward pass (`cuda_num_blocks`), else kv_cache_space.
+    else kv_cache_memory_bytes, else (with `profile_run`, on CUDA) what
+    gpu_memory_utilization leaves after the weights and a profiled forward pass
+    (`cuda_num_blocks`), else kv_cache_space.
 
     Never more than every sequence at full length needs (a window group: its window's
     blocks): beyond that, memory (and the scheduler's per-block bookkeeping) would be
@@ -78,14 +79,19 @@ def determine_num_blocks(model: nn.Module, cache: CacheConfig, sched: SchedulerC
         # No paged attention layer (an encoder-only model): block ids are the
         # scheduler's bookkeeping only and cost no memory, so every useful one exists.
         return _num_useful_blocks(cache, sched, layout)
-    if profile_run is not None:
+    if cache.kv_cache_memory_bytes is not None:
+        budget, what = cache.kv_cache_memory_bytes, "kv_cache_memory_bytes="
+    elif profile_run is not None:
         return cuda_num_blocks(cache, per_block, _num_useful_blocks(cache, sched, layout),
                                profile_run)
-    fit = int(cache.kv_cache_space * GiB) // per_block
+    else:
+        budget = int(cache.kv_cache_space * GiB)
+        what = f"kv_cache_space={cache.kv_cache_space} GiB = "
+    fit = budget // per_block
     num_blocks = min(fit, _num_useful_blocks(cache, sched, layout))
     if num_blocks < 2:
-        raise ConfigError(f"kv_cache_space={cache.kv_cache_space} GiB holds {fit} blocks of "
-                         f"{per_block} bytes; at least 2 are needed")
+        raise ConfigError(f"{what}{budget} bytes hold {fit} blocks of {per_block} bytes; "
+                          f"at least 2 are needed")
     return num_blocks
 
 
