@@ -335,8 +335,25 @@ class SchedulerConfig:
     stream_interval: int = 1
     """A stream's reader is woken once this many new tokens wait (or the request ends;
     the first token goes at once): fewer, larger stream events (vLLM's)."""
+    max_num_active_seqs: int | None = None
+    """Most requests running at once (vLLM's), below max_num_seqs, which sizes the
+    runner's buffers; None: max_num_seqs."""
+    watermark: float = 0.0
+    """Fraction of the KV blocks an admission (waiting or swapped request) must leave
+    free when the step already runs another request (vLLM's): headroom for the running
+    requests' next blocks, so admissions do not end in preemptions. 0: none."""
 
     def __post_init__(self) -> None:
+        if self.max_num_active_seqs is not None and (
+                isinstance(self.max_num_active_seqs, bool)
+                or not isinstance(self.max_num_active_seqs, int)
+                or not 1 <= self.max_num_active_seqs <= self.max_num_seqs):
+            raise ConfigError(f"max_num_active_seqs must be an integer in [1, max_num_seqs "
+                              f"({self.max_num_seqs})], got {self.max_num_active_seqs!r}")
+        if (isinstance(self.watermark, bool) or not isinstance(self.watermark, int | float)
+                or not 0 <= self.watermark < 1):
+            raise ConfigError(f"watermark must be a fraction in [0, 1), "
+                              f"got {self.watermark!r}")
         if (not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool)
                 or self.stream_interval < 1):
             raise ConfigError(f"stream_interval must be an integer >= 1, "

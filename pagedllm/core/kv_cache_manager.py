@@ -158,7 +158,8 @@ class KVCacheManager:
                        new_computed_blocks: GroupBlocks | None = None,
                        num_new_computed_tokens: int = 0,
                        num_lookahead_tokens: int = 0,
-                       num_external_tokens: int = 0) -> GroupBlocks | None:
+                       num_external_tokens: int = 0,
+                       reserve_blocks: int = 0) -> GroupBlocks | None:
         """Give the request blocks for `num_new_tokens` more tokens; None if the pool can't.
 
         Layout of the request's tokens after this call:
@@ -179,7 +180,8 @@ class KVCacheManager:
         The last `num_external_tokens` of the new computed tokens come from outside the
         pool (the KV store, core/kv_store.py): no hits cover them, so their blocks are
         new ones, the first appended (the caller has them filled before any step reads
-        them); the prefix-cache stats do not count them as hits.
+        them); the prefix-cache stats do not count them as hits. `reserve_blocks`: the
+        pool must keep that many free after the call (the scheduler's watermark).
         """
         req_id = request.req_id
         held = self.req_to_blocks.get(req_id)
@@ -202,7 +204,8 @@ class KVCacheManager:
         # Hits that sit in the free queue (ref_cnt 0) leave it when touched, so they are
         # not part of the supply for the new blocks.
         num_evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+        if (num_new_blocks + reserve_blocks
+                > self.block_pool.get_num_free_blocks() - num_evictable_hits):
             return None
 
         is_admission = req_id not in self.req_to_blocks
@@ -286,7 +289,8 @@ class KVCacheManager:
 
     def allocate_swapped_in(self, request: Request,
                             hits: Sequence[Sequence[KVCacheBlock | None]],
-                            num_new_tokens: int) -> GroupBlocks | None:
+                            num_new_tokens: int, reserve_blocks: int = 0,
+                            ) -> GroupBlocks | None:
         """Give a swapped-out request device blocks again; None (no side effects) if the
         pool can't.
 
@@ -307,7 +311,8 @@ class KVCacheManager:
         num_new_blocks += sum(1 for group in hits for b in group if b is None)
         # Hits in the free queue leave it when touched: not part of the supply.
         num_evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+        if (num_new_blocks + reserve_blocks
+                > self.block_pool.get_num_free_blocks() - num_evictable_hits):
             return None
         self.block_pool.touch(hit_blocks)
         fresh = iter(self.block_pool.get_new_blocks(num_new_blocks))

@@ -2,8 +2,9 @@
 
 Each `schedule()` call decides `num_scheduled_tokens` per request: running requests
 continue (a decode asks for 1 token, a prompt being prefilled for a chunk), then waiting
-requests are admitted in queue order while blocks, budget and `max_num_seqs` allow.
-When a running request cannot get a block, the last running request is preempted.
+requests are admitted in queue order while blocks, budget and `max_num_seqs` allow
+(`max_num_active_seqs` running at most, if lower; beside requests the step already runs,
+an admission must leave the watermark's blocks free). When a running request cannot get a block, the last running request is preempted.
 
 Preemption modes (`SchedulerConfig.preemption_mode`):
 - "recompute": its blocks are freed and it re-enters the waiting queue, to be
@@ -139,6 +140,11 @@ class Scheduler:
                  enable_kv_events: bool = False, kv_store: KVStore | None = None,
                  kv_load_failure_policy: str = "fail") -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
+        # Admission's limits: running requests at most, and blocks an admission beside
+        # scheduled requests must leave free (the watermark).
+        self.max_num_active_seqs = (scheduler_config.max_num_active_seqs
+                                    or self.max_num_seqs)
+        self.watermark_blocks = int(scheduler_config.watermark * num_blocks)
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
@@ -427,7 +433,7 @@ class Scheduler:
     def _schedule_admissions(self, step: StepState) -> None:
         """Swap in swapped requests and admit waiting ones, in `_next_queue` order; stop
         at the first that does not fit (no skipping, so neither queue is starved)."""
-        while (len(self.running) < self.max_num_seqs and step.token_budget > 0
+        while (len(self.running) < self.max_num_active_seqs and step.token_budget > 0
                and len(step.num_scheduled_tokens) < self.max_num_seqs_per_step):
             queue = self._next_queue()
             if queue is None:
@@ -477,7 +483,7 @@ class Scheduler:
         new_blocks = self.kv_cache_manager.allocate_slots(
             request, num_new_tokens, computed_blocks, num_computed_tokens,
             step.num_lookahead(request, num_computed_tokens, num_new_tokens),
-            num_external_tokens=num_external_tokens)
+            num_external_tokens=num_external_tokens, reserve_blocks=self._reserve(step))
         if new_blocks is None:
             return False
         if stored is not None:
@@ -496,13 +502,19 @@ class Scheduler:
         num_new_tokens = step.num_tokens_to_schedule(request, request.num_computed_tokens)
         if num_new_tokens == 0:
             return False
-        pairs = self.swap_space.swap_in(self.kv_cache_manager, request, num_new_tokens)
+        pairs = self.swap_space.swap_in(self.kv_cache_manager, request, num_new_tokens,
+                                        self._reserve(step))
         if pairs is None:
             return False
         step.blocks_to_swap_in += pairs
         self.num_swaps_in += 1
         self._start_running(request, num_new_tokens, step)
         return True
+
+    def _reserve(self, step: StepState) -> int:
+        """Blocks an admission must leave free: the watermark's, once the step runs
+        another request (a lone request is never held back by it)."""
+        return self.watermark_blocks if step.num_scheduled_tokens else 0
 
     def _start_running(self, request: Request, num_new_tokens: int,
                        step: StepState) -> None:
@@ -549,7 +561,7 @@ class Scheduler:
             head = self.waiting.peek()
             if self.running[-1].priority <= head.priority or not self._lora_fits(head):
                 return  # (not preempted for a LoRA adapter: it waits for a free one)
-            if (len(self.running) < self.max_num_seqs
+            if (len(self.running) < self.max_num_active_seqs
                     and self._fits_after_preempting(head, ())):
                 return  # admissible as is
             # running is sorted by priority_key: the worse requests are a suffix (the

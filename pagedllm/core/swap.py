@@ -76,14 +76,15 @@ class SwapSpace:
         kv.free(request)
         return pairs
 
-    def swap_in(self, kv: KVCacheManager, request: Request,
-                num_new_tokens: int) -> list[tuple[int, int]] | None:
+    def swap_in(self, kv: KVCacheManager, request: Request, num_new_tokens: int,
+                reserve_blocks: int = 0) -> list[tuple[int, int]] | None:
         """Give a swapped request device blocks for its computed tokens plus
         `num_new_tokens`; returns (host, device) pairs to copy, or None (nothing changed)
-        when the device pool is short. Its host blocks are freed on success."""
+        when the device pool is short (of them and `reserve_blocks` more). Its host
+        blocks are freed on success."""
         host_groups = self.req_to_host_blocks[request.req_id]
         hits = kv.get_swap_in_hits(request, [len(hosts) for hosts in host_groups])
-        groups = kv.allocate_swapped_in(request, hits, num_new_tokens)
+        groups = kv.allocate_swapped_in(request, hits, num_new_tokens, reserve_blocks)
         if groups is None:
             return None
         # Hits need no copy: the device already holds those blocks' K/V. A window

@@ -119,6 +119,12 @@ class EngineArgs:
              "max_num_batched_tokens step leaves; memory of other processes counts "
              "against it)")
     max_num_seqs: int = _arg(256, "maximum number of sequences per step")
+    max_num_active_seqs: int | None = _arg(
+        None, "most requests running at once, below max_num_seqs (which sizes the "
+              "runner's buffers), as vLLM's (default: max_num_seqs)")
+    watermark: float = _arg(0.0, "fraction of the KV blocks a request admitted beside "
+                                 "running ones must leave free (headroom against "
+                                 "preemptions), as vLLM's; 0: none")
     scheduling_policy: str = _arg("fcfs", "fcfs: serve requests in arrival order; priority: "
                                           "by each request's priority (lower first, then "
                                           "arrival), preempting lower-priority ones",
@@ -363,6 +369,8 @@ class EngineArgs:
             budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len,
+                                max_num_active_seqs=self.max_num_active_seqs,
+                                watermark=self.watermark,
                                 enable_chunked_prefill=self.enable_chunked_prefill,
                                 policy=self.scheduling_policy,
                                 preemption_mode=self.preemption_mode,

@@ -1,0 +1,70 @@
+"""vLLM's admission limits: `max_num_active_seqs` (requests running at once, below
+max_num_seqs) and `watermark` (the fraction of KV blocks an admission beside running
+requests must leave free)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.errors import ConfigError
+
+
+def test_active_seqs_cap_running(make_scheduler, make_request, step) -> None:
+    sched = make_scheduler(num_blocks=40, max_num_seqs=8)
+    sched.max_num_active_seqs = 2
+    for i in range(5):
+        sched.add_request(make_request(f"r{i}", [10 * i + j for j in range(4)], max_tokens=3))
+    most = 0
+    while sched.has_unfinished_requests():
+        step(sched)
+        most = max(most, sched.num_running)
+    assert most == 2
+
+
+def test_watermark_leaves_headroom_beside_running_requests(make_scheduler, make_request,
+                                                          step) -> None:
+    # 20 blocks of 4 tokens (19 usable); a watermark of 10 blocks.
+    sched = make_scheduler(num_blocks=20, max_num_batched_tokens=64)
+    sched.watermark_blocks = 10
+    # Alone, a request is admitted whatever the watermark (it needs 8 blocks, 11 left).
+    sched.add_request(make_request("a", 30, max_tokens=2))
+    sched.add_request(make_request("b", [100 + i for i in range(6)], max_tokens=2))
+    output, _ = step(sched)
+    # b needs 2 blocks beside a: 11 - 2 < 10, so it waits for a.
+    assert list(output.num_scheduled_tokens) == ["a"]
+    seen = []
+    while sched.has_unfinished_requests():
+        output, _ = step(sched)
+        seen.append(list(output.num_scheduled_tokens))
+    assert seen[0] == ["a"] and seen[1] == ["b"]
+    # Without the watermark both start at once.
+    sched = make_scheduler(num_blocks=20, max_num_batched_tokens=64)
+    sched.add_request(make_request("a", 30, max_tokens=2))
+    sched.add_request(make_request("b", [100 + i for i in range(6)], max_tokens=2))
+    assert list(step(sched)[0].num_scheduled_tokens) == ["a", "b"]
+
+
+def test_limits_are_checked() -> None:
+    base = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    for bad in (0, 9, 2.5, True):
+        with pytest.raises(ConfigError, match="max_num_active_seqs must be an integer"):
+            SchedulerConfig(**base, max_num_active_seqs=bad)
+    for bad in (-0.1, 1.0, "0.1", True):
+        with pytest.raises(ConfigError, match="watermark must be a fraction"):
+            SchedulerConfig(**base, watermark=bad)
+    assert SchedulerConfig(**base, max_num_active_seqs=8, watermark=0.5).watermark == 0.5
+
+
+def test_the_engine_takes_them(tmp_path) -> None:
+    from pagedllm import LLM, SamplingParams
+    from tests.utils import save_tiny_model, tiny_llama_config
+
+    path = save_tiny_model(tmp_path, tiny_llama_config())
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=100,
+              max_num_active_seqs=3, watermark=0.2)
+    sched = llm.llm_engine.engine_core.scheduler
+    assert (sched.max_num_active_seqs, sched.watermark_blocks) == (3, 20)
+    out = llm.generate([{"prompt_token_ids": [i, i + 1, i + 2]} for i in range(6)],
+                       SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
