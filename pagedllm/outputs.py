@@ -133,7 +133,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
     metrics: dict[str, float] = field(default_factory=dict)
-    """Timestamps (arrival, first token, finish) for latency reporting."""
+    """time.monotonic() timestamps for latency reporting: arrival_time,
+    first_scheduled_time, first_token_time, last_token_time, finished_time (each once
+    it happened)."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter it ran with (None: the base model)."""
     num_prompt_tokens: int | None = None

@@ -107,6 +107,8 @@ class Request:
         self.num_computed_tokens = 0
         # Tokens served from the prefix cache at the latest admission (for stats).
         self.num_cached_tokens = 0
+        # time.monotonic() of its first admission (None until then): its queue time ends.
+        self.first_scheduled_time: float | None = None
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

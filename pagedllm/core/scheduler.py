@@ -525,6 +525,8 @@ class Scheduler:
         else:
             self.running.append(request)
         request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
         step.add_new(request, num_new_tokens,
                      self.kv_cache_manager.get_block_ids(request.req_id))
 

@@ -218,6 +218,8 @@ class EngineCoreClient:
                 req.status = RequestStatus(out.status)
                 req.stop_reason = out.stop_reason
                 req.num_cached_tokens = out.num_cached_tokens
+                if out.first_scheduled_time is not None:
+                    req.first_scheduled_time = out.first_scheduled_time
                 if out.extras is not None:
                     for attr, values in pickle.loads(out.extras).items():
                         if attr in GROWING_ATTRS or attr == "output_logprobs":

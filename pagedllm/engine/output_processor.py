@@ -99,6 +99,9 @@ class ParentRequest:
     prompt_logprobs_so_far: list[dict[int, Logprob] | None] = field(
         default_factory=lambda: [None])
     first_token_time: float | None = None
+    # When a child was first scheduled (the earliest), and when a token last came.
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
     sent_prompt_logprobs: bool = False
     # An embedding request (one child, never samples) and its pooled vector once back.
     is_pooling: bool = False
@@ -211,6 +214,12 @@ class OutputProcessor:
         child.num_cached_tokens = req.num_cached_tokens
         if new_ids and parent.first_token_time is None:
             parent.first_token_time = now
+        if new_ids:
+            parent.last_token_time = now
+        if req.first_scheduled_time is not None and (
+                parent.first_scheduled_time is None
+                or req.first_scheduled_time < parent.first_scheduled_time):
+            parent.first_scheduled_time = req.first_scheduled_time
         if child.params.logprobs is not None:
             self._add_logprobs(child, req.take_output_logprobs())
         child.token_ids.extend(new_ids)
@@ -301,8 +310,9 @@ class OutputProcessor:
                 prompt_logprobs = None
             parent.sent_prompt_logprobs = prompt_logprobs is not None
         metrics = {"arrival_time": parent.arrival_time}
-        if parent.first_token_time is not None:
-            metrics["first_token_time"] = parent.first_token_time
+        for name in ("first_scheduled_time", "first_token_time", "last_token_time"):
+            if getattr(parent, name) is not None:
+                metrics[name] = getattr(parent, name)
         if parent.finished:
             metrics["finished_time"] = now
         return RequestOutput(

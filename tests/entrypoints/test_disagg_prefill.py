@@ -78,6 +78,7 @@ def test_the_decode_server_loads_what_the_prefill_server_computed(servers):
     assert _metric(decode, "external_prefix_cache_hits") == (prompt_tokens - 1) // 16 * 16
     alone = httpx.post(prefill.url + "/v1/completions", json=body, timeout=60)
     assert r.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    assert "metrics" not in r.json()  # (only with --enable-per-request-metrics)
 
 
 def test_a_streamed_chat_goes_through(servers):

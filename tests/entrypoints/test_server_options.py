@@ -2,8 +2,8 @@
 default for any origin as vLLM), --root-path behind a proxy,
 --enable-prompt-tokens-details (usage.prompt_tokens_details.cached_tokens) and
 --return-tokens-as-token-ids (also per request), --enable-log-requests /
---enable-log-outputs / --max-log-len. One HTTPS server with all of them on; the bundled
-model."""
+--enable-log-outputs / --max-log-len, --enable-per-request-metrics. One HTTPS server
+with all of them on; the bundled model."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def server(tmp_path_factory):
                         f'["{ORIGIN}"]', "--root-path", "/api",
                         "--enable-prompt-tokens-details", "--return-tokens-as-token-ids",
                         "--enable-log-requests", "--enable-log-outputs",
-                        "--max-log-len", str(MAX_LOG_LEN)],
+                        "--max-log-len", str(MAX_LOG_LEN), "--enable-per-request-metrics"],
                        api_key=KEY, ca_file=str(tmp / "ca.pem"))
     yield srv
     srv.stop()
@@ -498,6 +498,38 @@ def test_response_role(plain):
 
 
 # Runs last in this module: it stops the server.
+def _check_timing(metrics: dict, num_tokens: int) -> None:
+    assert set(metrics) == {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms",
+                            "mean_itl_ms", "tokens_per_second"}
+    assert all(v is not None and v >= 0 for v in metrics.values()), metrics
+    assert metrics["mean_itl_ms"] == pytest.approx(
+        metrics["generation_time_ms"] / (num_tokens - 1))
+    inference_s = (metrics["time_to_first_token_ms"] + metrics["generation_time_ms"]) / 1000
+    assert metrics["tokens_per_second"] == pytest.approx(num_tokens / inference_s, rel=1e-6)
+    # A 2-core VM decodes SmolLM2 at tens of ms a token, not microseconds or minutes.
+    assert 0.1 < metrics["mean_itl_ms"] < 10_000
+
+
+def test_per_request_metrics(server):
+    """vLLM's `metrics`: on a whole response, and on a stream's usage chunk only."""
+    body = {"model": MODEL_NAME, "prompt": "Count: one, two,", "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    _check_timing(r.json()["metrics"], 6)
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hi"}],
+            "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True}
+    for options, usage_chunk in ((None, False), ({"include_usage": True}, True)):
+        events = _post(server, "/v1/chat/completions", chat | (
+            {"stream_options": options} if options else {})).text.split("\n\n")
+        chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+        assert not any("metrics" in c for c in chunks[:-1])
+        if usage_chunk:
+            _check_timing(chunks[-1]["metrics"], 5)
+        else:
+            assert "metrics" not in chunks[-1]
+
+
 def test_ctrl_c_stops_the_server_quietly(server):
     """SIGINT (Ctrl-C in a terminal) shuts the server down as SIGTERM does; uvicorn
     raises the signal again once it is down, which printed a KeyboardInterrupt
@@ -506,3 +538,4 @@ def test_ctrl_c_stops_the_server_quietly(server):
     assert server.proc.wait(30) == 130
     log = server.read_log()
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+

@@ -257,6 +257,26 @@ def prompt_logprobs_field(prompt_logprobs: list | None) -> PromptLogprobs | None
             for entry in prompt_logprobs]
 
 
+class PerRequestMetrics(OpenAIBaseModel):
+    """A request's timing (vLLM's, with --enable-per-request-metrics), in ms from the
+    engine's clock; None where a timestamp it needs is missing."""
+
+    time_to_first_token_ms: float | None = None
+    """First scheduled to first token (the queue excluded)."""
+    generation_time_ms: float | None = None
+    """First token to last token."""
+    queue_time_ms: float | None = None
+    """Arrival to first scheduled."""
+    mean_itl_ms: float | None = None
+    """generation_time_ms over the tokens after the first."""
+    tokens_per_second: float | None = None
+    """Tokens generated over first scheduled to last token."""
+
+
+def _absent(value: Any) -> bool:
+    return value is None
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
@@ -274,6 +294,8 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+    # --enable-per-request-metrics: the whole response's, or a stream's usage chunk's.
+    metrics: PerRequestMetrics | None = Field(default=None, exclude_if=_absent)
 
 
 # ------------------------------------------------------------------ chat
@@ -517,6 +539,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo | None = None
+    metrics: PerRequestMetrics | None = Field(default=None, exclude_if=_absent)
     # vLLM's extension, when the request asked for prompt_logprobs.
     prompt_logprobs: PromptLogprobs | None = None
 
@@ -544,6 +567,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    metrics: PerRequestMetrics | None = Field(default=None, exclude_if=_absent)
 
 
 # ------------------------------------------------------------------ tokenize

@@ -104,6 +104,10 @@ class ServeConfig:
               "(pagedllm.entrypoints.openai.tool_parsers.base) with a class attribute "
               "`name`, which --tool-call-parser then names, as vLLM's plugins")
 
+    enable_per_request_metrics: bool = _flag(
+        False, "completion and chat responses carry `metrics` (vLLM's): the request's "
+               "queue time, time to first token, generation time, mean inter-token "
+               "latency (ms) and tokens per second; a stream on its usage chunk")
     enable_prompt_tokens_details: bool = _flag(
         False, "usage carries prompt_tokens_details.cached_tokens: the prompt tokens the "
                "prefix cache served")

@@ -128,7 +128,8 @@ class OpenAIServingChat(OpenAIServing):
         def envelope() -> ChatCompletionResponse:
             field = prompt_logprobs_field(final.prompt_logprobs) if k is not None else None
             return ChatCompletionResponse(id=request_id, model=self.response_model(request.model),
-                                          choices=[], usage=usage, prompt_logprobs=field)
+                                          choices=[], usage=usage, prompt_logprobs=field,
+                                          metrics=self.timing([final], num_completion))
 
         size = prompt_logprobs_bytes(k, 1, len(final.prompt_token_ids)) + logprobs_bytes(
             request.top_logprobs or 0 if request.logprobs else None, num_completion)
@@ -358,6 +359,7 @@ class OpenAIServingChat(OpenAIServing):
         states = {i: ChoiceState(reasoning=self._reasoning_reader(phase),
                                   tools=plan.new_reader()) for i in range(request.n)}
         num_prompt_tokens = 0
+        latest = None  # the latest output (its timestamps)
 
         def chunk(choice: ChatStreamChoice) -> str:
             return sse(ChatCompletionStreamResponse(
@@ -374,6 +376,7 @@ class OpenAIServingChat(OpenAIServing):
                 if echo:
                     yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)))
             async for _, ro in merge_streams(streams):
+                latest = ro
                 num_prompt_tokens = len(ro.prompt_token_ids)
                 num_cached_tokens = ro.num_cached_tokens
                 for out in ro.outputs:
@@ -403,7 +406,8 @@ class OpenAIServingChat(OpenAIServing):
                 usage = self.usage(num_prompt_tokens, num_completion, num_cached_tokens)
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, model=self.response_model(request.model), choices=[],
-                    usage=usage).model_dump_json())
+                    usage=usage, metrics=self.timing([latest] if latest else [], num_completion),
+                ).model_dump_json())
         except Exception as e:
             yield sse_error(e)
         finally:

@@ -24,8 +24,8 @@ from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
 from pagedllm.engine.input_processor import check_num_logprobs, truncate_prompt
 from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
 from pagedllm.entrypoints.openai.protocol import (  # noqa: F401  (clamp_logprob: re-exported)
-    ErrorInfo, ErrorResponse, OpenAIBaseModel, PromptTokenUsageInfo, SamplingFields,
-    UsageInfo, clamp_logprob)
+    ErrorInfo, ErrorResponse, OpenAIBaseModel, PerRequestMetrics, PromptTokenUsageInfo,
+    SamplingFields, UsageInfo, clamp_logprob)
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.responses_store import ResponseNotFoundError
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
@@ -427,6 +427,15 @@ class OpenAIServing:
                          total_tokens=num_prompt + num_completion,
                          prompt_tokens_details=details)
 
+    def timing(self, finals: list[RequestOutput], num_generated: int,
+               ) -> PerRequestMetrics | None:
+        """A response's `metrics` with --enable-per-request-metrics (else None), over
+        its requests (several prompts: from the first one scheduled to the last token
+        of any)."""
+        if not self.serve_config.enable_per_request_metrics:
+            return None
+        return per_request_metrics([ro.metrics for ro in finals], num_generated)
+
     def tokens_as_ids(self, request: Any) -> bool:
         """Whether a request's logprobs name tokens by id (its field, else the flag)."""
         asked = getattr(request, "return_tokens_as_token_ids", None)
@@ -581,3 +590,28 @@ class SSEResponse(StreamingResponse):
         if stream.done() and not stream.cancelled() and stream.exception() is not None:
             if not isinstance(stream.exception(), OSError):  # the client went away
                 raise stream.exception()
+
+
+def per_request_metrics(stamps: list[dict[str, float]], num_generated: int,
+                        ) -> PerRequestMetrics:
+    """vLLM's per-request timing from RequestOutput.metrics timestamps (the earliest
+    start and the latest end over several requests), in ms."""
+    def first(name: str) -> float | None:
+        return min((s[name] for s in stamps if name in s), default=None)
+
+    arrival, scheduled = first("arrival_time"), first("first_scheduled_time")
+    first_token = first("first_token_time")
+    last_token = max((s["last_token_time"] for s in stamps if "last_token_time" in s),
+                     default=None)
+    m = PerRequestMetrics()
+    if arrival is not None and scheduled is not None:
+        m.queue_time_ms = max(scheduled - arrival, 0.0) * 1000
+    if scheduled is not None and first_token is not None:
+        m.time_to_first_token_ms = max(first_token - scheduled, 0.0) * 1000
+    if first_token is not None and last_token is not None:
+        m.generation_time_ms = (last_token - first_token) * 1000
+        if num_generated > 1:
+            m.mean_itl_ms = m.generation_time_ms / (num_generated - 1)
+    if scheduled is not None and last_token is not None and last_token > scheduled:
+        m.tokens_per_second = num_generated / (last_token - scheduled)
+    return m

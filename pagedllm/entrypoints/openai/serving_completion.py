@@ -45,6 +45,8 @@ class _StreamState:
     choices: dict[int, _ChoiceState] = field(default_factory=dict)
     num_prompt_tokens: dict[int, int] = field(default_factory=dict)
     num_cached_tokens: dict[int, int] = field(default_factory=dict)
+    # Each prompt's latest output (its timestamps).
+    latest: dict[int, RequestOutput] = field(default_factory=dict)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -179,10 +181,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                                  i * request.n + out.index, prompt_field))
         usage = self.usage(num_prompt_tokens, num_completion_tokens,
                            sum(ro.num_cached_tokens for ro in finals))
+        metrics = self.timing(finals, num_completion_tokens)
 
         def envelope() -> CompletionResponse:
             return CompletionResponse(id=request_id, model=self.response_model(request.model),
-                                      choices=[], usage=usage)
+                                      choices=[], usage=usage, metrics=metrics)
         return envelope, choices
 
     def _choice(self, request: CompletionRequest, prompt: Prompt, ro: RequestOutput,
@@ -248,6 +251,7 @@ class OpenAIServingCompletion(OpenAIServing):
             async for i, ro in merge_streams(streams):
                 state.num_prompt_tokens[i] = ro.num_prompt_tokens
                 state.num_cached_tokens[i] = ro.num_cached_tokens
+                state.latest[i] = ro
                 for out in _visible(request, ro.outputs):
                     chunk = self._chunk(request, request_id, prompts, state, i, ro, out)
                     if chunk is not None:
@@ -259,7 +263,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                    sum(state.num_cached_tokens.values()))
                 final = CompletionResponse(
                     id=request_id, model=self.response_model(request.model), choices=[],
-                    usage=usage)
+                    usage=usage, metrics=self.timing(list(state.latest.values()),
+                                                     num_completion))
                 yield sse(final.model_dump_json())
         except Exception as e:
             yield sse_error(e)
