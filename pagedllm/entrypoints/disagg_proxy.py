@@ -10,7 +10,8 @@ in turn.
 What a client sees is the decode server's answer, byte for byte: its errors included
 (a request the prefill server refuses with a 4xx is answered with that refusal). When a
 prefill server is down or fails, the request still goes to a decode server, which then
-computes the prompt itself: slower, never lost.
+computes the prompt itself: slower, never lost. A decode server that cannot be reached
+is a 502.
 """
 
 from __future__ import annotations
@@ -99,8 +100,14 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
         return await forward(next(decode) + request.url.path, raw, headers)
 
     async def forward(url: str, raw: bytes, headers: dict[str, str]) -> Response:
-        upstream = await client.send(client.build_request("POST", url, content=raw,
-                                                          headers=headers), stream=True)
+        try:
+            upstream = await client.send(client.build_request("POST", url, content=raw,
+                                                              headers=headers), stream=True)
+        except httpx.HTTPError as e:
+            logger.warning("decode %s failed: %s", url, e)
+            return JSONResponse({"error": {
+                "message": f"the decode server {url} could not be reached: {e}",
+                "type": "BadGateway", "code": 502}}, status_code=502)
 
         async def body() -> AsyncIterator[bytes]:
             try:

@@ -131,6 +131,10 @@ def test_a_prefill_server_that_is_down_costs_only_speed(servers):
     health, r = asyncio.run(ask())
     assert health.status_code == 503
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    # No decode server: a 502 saying so.
+    app = build_app([decode.url], [dead])
+    _, r = asyncio.run(ask())
+    assert r.status_code == 502 and dead in r.json()["error"]["message"]
 
 
 def test_the_prefill_request():
