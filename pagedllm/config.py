@@ -700,6 +700,9 @@ class StructuredOutputsConfig:
     reasoning_parser: str | None = None
     """The model's reasoning format (reasoning.py): a grammar then constrains only what
     follows the reasoning, and the server returns the reasoning in its own field."""
+    disable_any_whitespace: bool = False
+    """Every JSON grammar compact, as if each request had set its
+    disable_any_whitespace (vLLM's structured_outputs_config field)."""
 
     def __post_init__(self) -> None:
         for name in ("compile_timeout_s", "compile_memory_gib"):

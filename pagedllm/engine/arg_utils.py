@@ -286,6 +286,12 @@ class EngineArgs:
         "auto", "structured outputs' engine, as vLLM's flag: auto or xgrammar (the one "
                 "pagedllm runs; outlines, lm-format-enforcer and guidance are not "
                 "available)", choices=_GUIDED_DECODING_BACKENDS)
+    structured_outputs_config: dict[str, Any] | None = _arg(
+        None, "vLLM's structured outputs options as a JSON object: backend (auto | "
+              "xgrammar), disable_any_whitespace (every JSON grammar compact), "
+              "reasoning_parser (as --reasoning-parser); vLLM's guidance-only "
+              "disable_additional_properties, reasoning_parser_plugin and "
+              "enable_in_reasoning are refused by name")
     grammar_compile_timeout: float = _arg(
         60.0, "CPU seconds the grammar of one structured-output request may take to "
               "compile; past it the compile is killed and the request fails as invalid "
@@ -313,6 +319,38 @@ class EngineArgs:
                               f"encoder or a classifier); use runner 'pooling' or 'auto'")
         return runner
 
+    def _structured_outputs_options(self) -> tuple[str, str | None, bool]:
+        """(backend, reasoning parser, disable_any_whitespace): the flags, with
+        structured_outputs_config's fields over them."""
+        if self.structured_outputs_config is None:
+            return self.guided_decoding_backend, self.reasoning_parser, False
+        require_json_object("structured_outputs_config", self.structured_outputs_config)
+        values = dict(self.structured_outputs_config)
+        known = {"backend", "disable_any_whitespace", "disable_additional_properties",
+                 "reasoning_parser", "reasoning_parser_plugin", "enable_in_reasoning"}
+        unknown = set(values) - known
+        if unknown:
+            raise ConfigError(f"unknown structured_outputs_config keys {sorted(unknown)}; "
+                              f"valid: {sorted(known)}")
+        for name, why in (("disable_additional_properties", "a guidance backend option"),
+                          ("reasoning_parser_plugin", "reasoning parser plugins"),
+                          ("enable_in_reasoning", "grammars inside the reasoning")):
+            if values.get(name):
+                raise ConfigError(f"structured_outputs_config {name}: {why} is not "
+                                  f"supported by pagedllm")
+        reasoning_parser = self.reasoning_parser
+        if values.get("reasoning_parser"):
+            if reasoning_parser not in (None, values["reasoning_parser"]):
+                raise ConfigError(f"structured_outputs_config reasoning_parser "
+                                  f"{values['reasoning_parser']!r} and --reasoning-parser "
+                                  f"{reasoning_parser!r} disagree")
+            reasoning_parser = values["reasoning_parser"]
+        flag = values.get("disable_any_whitespace", False)
+        if not isinstance(flag, bool):
+            raise ConfigError(f"structured_outputs_config disable_any_whitespace must be "
+                              f"true or false, got {flag!r}")
+        return values.get("backend", self.guided_decoding_backend), reasoning_parser, flag
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -322,10 +360,11 @@ class EngineArgs:
         # loader/ imports torch: only here, so `import pagedllm` (and core/) stays light.
         from pagedllm.loader.hf_config import load_hf_config
 
-        if self.guided_decoding_backend not in _GUIDED_DECODING_BACKENDS:
+        backend, reasoning_parser, compact_json = self._structured_outputs_options()
+        if backend not in _GUIDED_DECODING_BACKENDS:
             raise ConfigError(f"guided_decoding_backend must be one of "
                               f"{_GUIDED_DECODING_BACKENDS} (pagedllm's structured outputs "
-                              f"run on xgrammar), got {self.guided_decoding_backend!r}")
+                              f"run on xgrammar), got {backend!r}")
         if self.tokenizer_mode not in _TOKENIZER_MODES:
             raise ConfigError(f"tokenizer_mode must be one of {_TOKENIZER_MODES} (transformers' "
                               f"tokenizer), got {self.tokenizer_mode!r}")
@@ -396,7 +435,7 @@ class EngineArgs:
         structured_outputs = StructuredOutputsConfig(
             compile_timeout_s=self.grammar_compile_timeout,
             compile_memory_gib=self.grammar_compile_memory,
-            reasoning_parser=self.reasoning_parser)
+            reasoning_parser=reasoning_parser, disable_any_whitespace=compact_json)
         lora = self._lora_config(parallel, model)
         logits_processors = self._logits_processors(speculative)
         sched.max_loras = lora.max_loras if lora is not None else None

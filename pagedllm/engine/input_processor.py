@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 from dataclasses import replace
 from typing import Any
@@ -29,10 +31,13 @@ class InputProcessor:
                  lora_config: LoRAConfig | None = None,
                  reasoning_parser: str | None = None,
                  constraints: ConstraintChecker | None = None,
-                 logits_processors: tuple[type, ...] = ()) -> None:
+                 logits_processors: tuple[type, ...] = (),
+                 disable_any_whitespace: bool = False) -> None:
         """`constraints` checks structured-output constraints (default: parsed in the
         caller's thread, no limits); `logits_processors`: the custom processors' classes,
         whose validate_params each request passes."""
+        # The engine's default for every grammar (structured_outputs_config).
+        self.disable_any_whitespace = disable_any_whitespace
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.hf_config.vocab_size
         self.max_logprobs = model_config.max_logprobs
@@ -292,6 +297,9 @@ class InputProcessor:
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
         if params.structured_outputs is not None:
+            if self.disable_any_whitespace and not params.structured_outputs.disable_any_whitespace:
+                params.structured_outputs = dataclasses.replace(params.structured_outputs,
+                                                                disable_any_whitespace=True)
             self.constraints.check(params.structured_outputs)
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:

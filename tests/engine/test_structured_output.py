@@ -155,3 +155,28 @@ def test_invalid_constraints_rejected_up_front(default_llm, kwargs):
         default_llm.generate(["x"], SamplingParams(
             structured_outputs=StructuredOutputsParams(**kwargs)), use_tqdm=False)
     assert not default_llm.llm_engine.has_unfinished_requests()
+
+
+def test_the_engines_structured_outputs_config(outputs):
+    """vLLM's structured_outputs_config: disable_any_whitespace for every JSON grammar
+    (the same output as a request that asks for it itself); what pagedllm cannot do is
+    refused by name."""
+    from pagedllm import LLM
+    from pagedllm.errors import ConfigError
+
+    llm = LLM(structured_outputs_config={"backend": "xgrammar",
+                                         "disable_any_whitespace": True})
+    out = llm.generate([PROMPTS[3], PROMPTS[0]], SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(
+            json=json.dumps(SCHEMAS[3]))), use_tqdm=False)
+    assert out[0].outputs[0].text == outputs[3].outputs[0].text
+    assert "\n" not in out[1].outputs[0].text and "  " not in out[1].outputs[0].text
+    assert out[1].outputs[0].text != outputs[0].outputs[0].text  # (that one has spaces)
+    for config, match in (({"backend": "guidance"}, "guided_decoding_backend must be"),
+                          ({"disable_additional_properties": True}, "guidance backend"),
+                          ({"enable_in_reasoning": True}, "inside the reasoning"),
+                          ({"disable_any_whitespace": "yes"}, "true or false"),
+                          ({"whitespace": False}, r"unknown structured_outputs_config keys"),
+                          ({"reasoning_parser": "qwen3"}, "disagree")):
+        with pytest.raises(ConfigError, match=match):
+            LLM(structured_outputs_config=config, reasoning_parser="deepseek_r1")
