@@ -56,7 +56,8 @@ class EngineArgs:
 
     model: str | None = _arg(None, "HF model directory, .gguf file or Hugging Face model id "
                                    "org/name (default: bundled SmolLM2-135M-Instruct)")
-    tokenizer: str | None = _arg(None, "tokenizer directory, when not the model's own")
+    tokenizer: str | None = _arg(None, "tokenizer directory or Hugging Face id org/name, "
+                                       "when not the model's own")
     runner: str = _arg("auto", "what requests the engine takes, as vLLM's --runner: auto "
                                "(what the model can do: generation and embeddings for a "
                                "decoder, pooling for an encoder or a classifier), "
@@ -71,6 +72,11 @@ class EngineArgs:
                                        "custom modes are not available)",
                                choices=_TOKENIZER_MODES)
     revision: str | None = _arg(None, "branch, tag or commit of a Hugging Face model id")
+    tokenizer_revision: str | None = _arg(
+        None, "branch, tag or commit of the tokenizer's Hugging Face id (the model's own "
+              "repository without --tokenizer)")
+    hf_token: str | None = _arg(None, "token for the Hugging Face Hub when fetching model "
+                                      "ids (default: HF_TOKEN or `hf auth login`'s)")
     download_dir: str | None = _arg(None, "Hugging Face cache directory for model ids "
                                           "(default: the hub's own, HF_HUB_CACHE)")
     trust_remote_code: bool = _arg(False, "let transformers run the model directory's own "
@@ -369,14 +375,15 @@ class EngineArgs:
             raise ConfigError(f"tokenizer_mode must be one of {_TOKENIZER_MODES} (transformers' "
                               f"tokenizer), got {self.tokenizer_mode!r}")
         path = self._resolve_model_path()
+        tokenizer = self._resolve_tokenizer()
         hf_config = apply_hf_overrides(load_hf_config(path, self.trust_remote_code),
-                                       self.hf_overrides, self.tokenizer or path,
+                                       self.hf_overrides, tokenizer or path,
                                        self.trust_remote_code)
         device = _resolve_device(self.device)
         dtype = _resolve_dtype(self.dtype, device, hf_config)
         max_model_len = _resolve_max_model_len(self.max_model_len, hf_config)
         model = ModelConfig(path=path, hf_config=hf_config, dtype=dtype,
-                            max_model_len=max_model_len, tokenizer=self.tokenizer,
+                            max_model_len=max_model_len, tokenizer=tokenizer,
                             seed=self.seed, max_logprobs=self.max_logprobs,
                             logprobs_mode=self.logprobs_mode,
                             quantization=self._resolve_quantization(path, device, dtype),
@@ -625,7 +632,7 @@ class EngineArgs:
         if spec.model is not None:
             from pagedllm.loader.hf_config import load_hf_config
 
-            spec.model = self._resolve_path(spec.model)
+            spec.model = self._resolve_path(spec.model, revision=None)
             hf_config = load_hf_config(spec.model, self.trust_remote_code)
             if hf_config.vocab_size != target.hf_config.vocab_size:
                 raise ConfigError(f"the draft model's vocabulary ({hf_config.vocab_size} "
@@ -702,17 +709,38 @@ class EngineArgs:
             return default_model_path()
         return self._resolve_path(self.model)
 
-    def _resolve_path(self, model: str) -> str:
-        """A local path (made absolute) or a Hugging Face id (resolved to its snapshot)."""
+    def _resolve_path(self, model: str, revision: str | None | bool = True,
+                      weights: bool = True) -> str:
+        """A local path (made absolute) or a Hugging Face id (resolved to its snapshot at
+        `revision`, True: the model's --revision; without `weights`: the tokenizer's
+        files only)."""
         path = os.path.expanduser(model)
         if os.path.exists(path):
             return os.path.abspath(path)
         from pagedllm.loader.hub import looks_like_repo_id, resolve_repo_id
 
         if looks_like_repo_id(model):
-            return resolve_repo_id(model, self.revision, self.download_dir)
-        raise ModelLoadError(f"model path does not exist: {model!r} (pass an HF model "
+            return resolve_repo_id(model, self.revision if revision is True else revision,
+                                   self.download_dir, token=self.hf_token, weights=weights,
+                                   code=self.trust_remote_code)
+        what = "model" if weights else "tokenizer"
+        raise ModelLoadError(f"{what} path does not exist: {model!r} (pass an HF model "
                              f"directory, a .gguf file or a Hugging Face id org/name)")
+
+    def _resolve_tokenizer(self) -> str | None:
+        """The tokenizer's own directory (None: the model's): --tokenizer, or the model's
+        repository at --tokenizer-revision."""
+        if self.tokenizer is not None:
+            return self._resolve_path(self.tokenizer, self.tokenizer_revision, weights=False)
+        if self.tokenizer_revision is None:
+            return None
+        from pagedllm.loader.hub import looks_like_repo_id
+
+        if (self.model is None or os.path.exists(os.path.expanduser(self.model))
+                or not looks_like_repo_id(self.model)):
+            raise ConfigError("tokenizer_revision names a revision of a Hugging Face id: "
+                              "give the model (or --tokenizer) as org/name")
+        return self._resolve_path(self.model, self.tokenizer_revision, weights=False)
 
 
 def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None,

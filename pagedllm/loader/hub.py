@@ -2,7 +2,8 @@
 
 Through `huggingface_hub.snapshot_download`: from the local cache when HF_HUB_OFFLINE=1
 (nothing is fetched), downloading what is missing otherwise. Only the files pagedllm
-reads are fetched: configs, safetensors weights, tokenizer files and chat templates.
+reads are fetched: configs, safetensors weights, tokenizer files and chat templates (and
+the repository's Python files with trust_remote_code, for its auto_map classes).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from pagedllm.errors import ModelLoadError
 
 # "org/name" (one slash, Hub-legal characters): anything else is a local path.
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+TOKENIZER_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+WEIGHT_PATTERNS = ["*.safetensors"]
+CODE_PATTERNS = ["*.py"]
 
 
 def looks_like_repo_id(name: str) -> bool:
@@ -21,15 +24,21 @@ def looks_like_repo_id(name: str) -> bool:
 
 
 def resolve_repo_id(repo_id: str, revision: str | None = None,
-                    cache_dir: str | None = None) -> str:
-    """The local directory of `repo_id` at `revision` (a branch, tag or commit)."""
+                    cache_dir: str | None = None, token: str | None = None,
+                    weights: bool = True, code: bool = False) -> str:
+    """The local directory of `repo_id` at `revision` (a branch, tag or commit): its
+    configs and tokenizer files, its weights unless `weights` is False, its Python files
+    with `code` (trust_remote_code). `token`: the Hub's (None: HF_TOKEN or the stored
+    login)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import LocalEntryNotFoundError
 
     try:
+        patterns = (TOKENIZER_PATTERNS + (WEIGHT_PATTERNS if weights else [])
+                    + (CODE_PATTERNS if code else []))
         return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                 allow_patterns=_PATTERNS)
+                                 allow_patterns=patterns, token=token)
     except LocalEntryNotFoundError as e:
         raise ModelLoadError(
             f"model {repo_id!r}{f' (revision {revision!r})' if revision else ''} is not a "

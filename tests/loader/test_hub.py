@@ -54,3 +54,36 @@ def test_missing_id_or_revision_is_a_clear_error(hub_cache):
                                          ("a/b/c", False), ("model.gguf", False)])
 def test_repo_id_shape(name, is_id):
     assert looks_like_repo_id(name) is is_id
+
+
+def test_hub_options_reach_the_download(hub_cache, monkeypatch):
+    """--hf-token, --tokenizer-revision and trust_remote_code (the repository's Python
+    files) as huggingface_hub's snapshot_download gets them."""
+    import huggingface_hub
+
+    from pagedllm.errors import ConfigError
+
+    root, local = hub_cache
+    calls = []
+
+    def fake_snapshot_download(repo_id, **kw):
+        calls.append((repo_id, kw))
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    llm = LLM("org/tiny", revision="v1", tokenizer_revision="tok-v2", hf_token="hf_secret",
+              trust_remote_code=True, dtype="float32", skip_tokenizer_init=True,
+              num_kv_blocks=32)
+    (model_id, model_kw), (tok_id, tok_kw) = calls
+    assert model_id == tok_id == "org/tiny"
+    assert (model_kw["revision"], tok_kw["revision"]) == ("v1", "tok-v2")
+    assert model_kw["token"] == tok_kw["token"] == "hf_secret"
+    assert {"*.safetensors", "*.json", "*.py"} <= set(model_kw["allow_patterns"])
+    assert "*.safetensors" not in tok_kw["allow_patterns"]  # a tokenizer's files only
+    assert llm.llm_engine.config.model.tokenizer == str(local)
+    calls.clear()
+    LLM("org/tiny", dtype="float32", skip_tokenizer_init=True, num_kv_blocks=32)
+    ((_, kw),) = calls
+    assert "*.py" not in kw["allow_patterns"] and kw["token"] is None
+    with pytest.raises(ConfigError, match="tokenizer_revision names a revision"):
+        LLM(str(local), tokenizer_revision="v2", skip_tokenizer_init=True)
