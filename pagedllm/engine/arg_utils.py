@@ -109,6 +109,9 @@ class EngineArgs:
                             choices=LOAD_FORMATS)
     max_model_len: int | None = _arg(None, "maximum prompt + output length (default: the "
                                            "model's, capped at 8192)")
+    disable_sliding_window: bool = _arg(
+        False, "run a sliding-window model as full attention, max_model_len capped at its "
+               "smallest window (vLLM's): one KV cache group, the same outputs")
     block_size: int = _arg(16, "tokens per KV cache block")
     kv_cache_space: float | None = _arg(None, "KV cache size in GiB, CPU only (default 4, "
                                               "or env PAGEDLLM_CPU_KVCACHE_SPACE); on CUDA "
@@ -382,6 +385,8 @@ class EngineArgs:
         device = _resolve_device(self.device)
         dtype = _resolve_dtype(self.dtype, device, hf_config)
         max_model_len = _resolve_max_model_len(self.max_model_len, hf_config)
+        if self.disable_sliding_window:
+            max_model_len = _cap_at_window(max_model_len, hf_config)
         model = ModelConfig(path=path, hf_config=hf_config, dtype=dtype,
                             max_model_len=max_model_len, tokenizer=tokenizer,
                             seed=self.seed, max_logprobs=self.max_logprobs,
@@ -890,6 +895,22 @@ def _resolve_dtype(dtype: Any, device: str, hf_config: Any) -> str:
     if device == "cuda":
         return "bfloat16"
     return "bfloat16" if has_avx512_bf16() else "float32"
+
+
+def _cap_at_window(max_model_len: int, hf_config: Any) -> int:
+    """disable_sliding_window: max_model_len within the model's smallest sliding window,
+    where a window layer sees every position (its KV group is then full attention,
+    core/kv_groups.py); unchanged for a model without windows."""
+    from pagedllm.models.registry import get_model_class
+
+    architecture = (getattr(hf_config, "architectures", None) or [None])[0]
+    layer_windows = getattr(get_model_class(architecture), "layer_sliding_windows", None)
+    windows = [w for w in (layer_windows(hf_config) if layer_windows else ()) if w]
+    if windows and min(windows) < max_model_len:
+        logger.info("disable_sliding_window: max_model_len %d capped at the sliding "
+                    "window, %d", max_model_len, min(windows))
+        return min(windows)
+    return max_model_len
 
 
 def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:

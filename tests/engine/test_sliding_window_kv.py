@@ -139,3 +139,29 @@ def test_window_groups_halve_gemma2_block_bytes(tmp_path, monkeypatch):
     # Blocks that fit the space (the null block included).
     assert grouped.llm_engine.engine_core.num_blocks == \
         2 * plain.llm_engine.engine_core.num_blocks == 256
+
+
+def test_disable_sliding_window_caps_the_length(model, tmp_path):
+    """vLLM's disable_sliding_window: max_model_len at the smallest window, where a
+    window sees everything: one full-attention KV group, the same tokens as with the
+    window groups (prompts and outputs within the window)."""
+    path, windows = model
+    prompts = random_prompts(3, VOCAB, 4, 12, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=WINDOW - 12, ignore_eos=True)
+
+    def run(**kw):
+        llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True,
+                  block_size=BLOCK_SIZE, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    windowed, _ = run(max_model_len=256)
+    full, llm = run(max_model_len=256, disable_sliding_window=True)
+    assert full == windowed
+    assert llm.llm_engine.config.model.max_model_len == WINDOW
+    assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.group_windows == (None,)
+    # One group: what needs one (a KV store) runs.
+    run(disable_sliding_window=True, kv_transfer_config={
+        "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}})
