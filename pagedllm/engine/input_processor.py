@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import copy
 from dataclasses import replace
 from typing import Any
@@ -298,8 +296,8 @@ class InputProcessor:
             params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
         if params.structured_outputs is not None:
             if self.disable_any_whitespace and not params.structured_outputs.disable_any_whitespace:
-                params.structured_outputs = dataclasses.replace(params.structured_outputs,
-                                                                disable_any_whitespace=True)
+                params.structured_outputs = replace(params.structured_outputs,
+                                                    disable_any_whitespace=True)
             self.constraints.check(params.structured_outputs)
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
