@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from pagedllm.core.block_pool import KVCacheBlock
     from pagedllm.core.kv_cache_manager import KVCacheManager
 
+# Free files the file system must keep for saving to go on (with min_free_bytes).
+MIN_FREE_INODES = 10_000
 # Hashes whose load failed, kept out of lookups (a file that cannot be read would be
 # found again by every admission); the oldest are dropped past this many.
 MAX_BAD_BLOCKS = 100_000
@@ -154,8 +156,9 @@ class KVStore:
             del self.bad[next(iter(self.bad))]
 
     def has_room(self) -> bool:
-        """Whether the file system keeps min_free_bytes free (saving pauses otherwise:
-        a stream of distinct prompts must not fill the disk)."""
+        """Whether the file system keeps min_free_bytes free, and MIN_FREE_INODES files
+        (a file a block: small blocks run out of inodes first). Saving pauses otherwise:
+        a stream of distinct prompts must not fill the disk."""
         if not self.min_free_bytes:
             return True
         try:
@@ -163,7 +166,9 @@ class KVStore:
                             os.path.dirname(self.root) or ".")
         except OSError:
             return False
-        return st.f_bavail * st.f_frsize >= self.min_free_bytes
+        # f_files 0: the file system has no inode limit to report.
+        inodes_ok = st.f_files == 0 or st.f_favail >= MIN_FREE_INODES
+        return st.f_bavail * st.f_frsize >= self.min_free_bytes and inodes_ok
 
     def renew_namespace(self, salt: str) -> None:
         """Use another folder from now on (the engine's weights changed: blocks saved

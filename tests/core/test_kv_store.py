@@ -113,3 +113,18 @@ def test_a_failed_load_fails_or_requeues_the_requests_holding_the_block(
             # it in the step, hits).
             assert output.kv_blocks_to_load == []
             assert [r.num_computed_tokens for r in output.scheduled_new_reqs] == [4, 12]
+
+
+def test_saving_pauses_when_space_or_files_run_short(tmp_path, monkeypatch) -> None:
+    import os as os_module
+    from types import SimpleNamespace
+
+    store = KVStore(str(tmp_path), "ns", num_ranks=1, block_size=4, load=True, save=True,
+                    min_free_bytes=1 << 30)
+    for (blocks, inodes, files), room in (((1 << 20, 10**6, 10**6), True),
+                                         ((1 << 10, 10**6, 10**6), False),
+                                         ((1 << 20, 100, 10**6), False),
+                                         ((1 << 20, 0, 0), True)):  # no inode limit
+        st = SimpleNamespace(f_bavail=blocks, f_frsize=4096, f_favail=inodes, f_files=files)
+        monkeypatch.setattr(os_module, "statvfs", lambda path, st=st: st)
+        assert store.has_room() is room
