@@ -684,6 +684,44 @@ class KVTransferConfig:
         return dataclass_from_dict(cls, values, "kv_transfer_config")
 
 
+# vLLM's histogram bucket families (--custom-histogram-buckets); those without a
+# histogram here are taken and have nothing to change.
+HISTOGRAM_FAMILIES = ("request_latency", "time_to_first_token", "inter_token_latency",
+                      "iteration_tokens", "request_params_n", "request_num_preemptions",
+                      "request_tokens", "kv_cache_residency")
+
+
+@dataclass
+class ObservabilityConfig:
+    """What the engine measures beyond its defaults (vLLM's observability options)."""
+
+    kv_cache_metrics_sample: float = 0.0
+    """The fraction of KV blocks whose stays are measured (--kv-cache-metrics: block
+    lifetime, idle time before eviction, reuse gaps); 0: off."""
+    histogram_buckets: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """Bucket bounds replacing the defaults of a histogram family (HISTOGRAM_FAMILIES)."""
+
+    def __post_init__(self) -> None:
+        sample = self.kv_cache_metrics_sample
+        if isinstance(sample, bool) or not isinstance(sample, int | float) \
+                or not 0 <= sample <= 1:
+            raise ConfigError(f"kv_cache_metrics_sample must be in (0, 1], got {sample!r}")
+        if not isinstance(self.histogram_buckets, dict):
+            raise ConfigError(f"custom_histogram_buckets must be a JSON object of family -> "
+                              f"bounds, got {self.histogram_buckets!r}")
+        for family, bounds in self.histogram_buckets.items():
+            require_one_of("custom_histogram_buckets family", family, HISTOGRAM_FAMILIES)
+            ok = (isinstance(bounds, list | tuple) and bounds
+                  and all(isinstance(b, int | float) and not isinstance(b, bool)
+                          and 0 < b < float("inf") for b in bounds)
+                  and all(a < b for a, b in zip(bounds, bounds[1:])))
+            if not ok:
+                raise ConfigError(f"custom_histogram_buckets {family}: bounds must be a "
+                                  f"non-empty list of strictly increasing, positive, finite "
+                                  f"numbers, got {bounds!r}")
+            self.histogram_buckets[family] = tuple(float(b) for b in bounds)
+
+
 @dataclass
 class StructuredOutputsConfig:
     """Limits on compiling a request's grammar (JSON schema, regex, EBNF, choices).
@@ -757,6 +795,7 @@ class EngineConfig:
     kv_events: KVEventsConfig | None = None
     # None: no KV blocks shared with other engines.
     kv_transfer: KVTransferConfig | None = None
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     @property
     def kv_cache_dtype(self) -> str:

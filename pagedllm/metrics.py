@@ -26,6 +26,9 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                  1.0, 2.5, 5.0, 10.0, 20.0)
+# A KV block's stay: milliseconds between hits up to half an hour in the cache.
+_RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+                      10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0)
 
 # The engine core's messages are described here by the fields this module reads, not
 # imported: metrics sits below engine/ and must not import it (DESIGN.md section 5).
@@ -45,6 +48,8 @@ class SchedulerStatsLike(Protocol):
     num_accepted_tokens: int  # cumulative proposals accepted
     external_prefix_cache_queries: int  # cumulative prompt tokens looked up in the KV store
     external_prefix_cache_hits: int  # cumulative prompt tokens loaded from it
+    # kv_cache_metrics: (lifetime, idle, reuse gaps) of sampled blocks since the last stats
+    kv_block_residency: list[tuple[float, float, tuple[float, ...]]]
 
 
 class CoreOutputLike(Protocol):
@@ -86,7 +91,11 @@ NUM_RECENT_REQUESTS = 256
 class EngineMetrics:
     """vLLM-style `pagedllm:*` metrics, labelled with the served model name."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, buckets: dict[str, tuple[float, ...]] | None = None,
+                 kv_cache_metrics: bool = False) -> None:
+        """`buckets`: bounds replacing a histogram family's defaults (vLLM's families,
+        config.HISTOGRAM_FAMILIES); `kv_cache_metrics`: the block residency histograms."""
+        buckets = buckets or {}
         self.registry = CollectorRegistry()
         self.model_name = model_name
         reg, labels = self.registry, ["model_name"]
@@ -131,14 +140,26 @@ class EngineMetrics:
                                  "(out to host memory, in back to the cache).", ("direction",))
         self.kv_cache_usage = gauge("kv_cache_usage_perc",
                                     "Fraction of KV cache blocks in use (0..1).")
+        latency = buckets.get("request_latency", _LATENCY_BUCKETS)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
-                              _LATENCY_BUCKETS)
+                              buckets.get("time_to_first_token", _LATENCY_BUCKETS))
         self.tpot = histogram("time_per_output_token_seconds", "Mean time between output "
-                              "tokens of a request (first to last).", _TPOT_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.",
-                             _LATENCY_BUCKETS)
+                              "tokens of a request (first to last).",
+                              buckets.get("inter_token_latency", _TPOT_BUCKETS))
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", latency)
         self.queue_time = histogram("request_queue_time_seconds",
-                                    "Arrival to first scheduled.", _LATENCY_BUCKETS)
+                                    "Arrival to first scheduled.", latency)
+        # vLLM's KV cache residency histograms (kv_cache_metrics only).
+        self.residency: tuple[Histogram, Histogram, Histogram] | None = None
+        if kv_cache_metrics:
+            residency = buckets.get("kv_cache_residency", _RESIDENCY_BUCKETS)
+            self.residency = (
+                histogram("kv_block_lifetime_seconds", "A sampled KV block's stay, from "
+                          "allocation until it is handed out again.", residency),
+                histogram("kv_block_idle_before_evict_seconds", "A sampled KV block's "
+                          "time since its last use when its stay ended.", residency),
+                histogram("kv_block_reuse_gap_seconds", "Time between a sampled KV "
+                          "block's consecutive uses (its last few).", residency))
         # req_id -> time of its first token.
         self._first_token_time: dict[str, float] = {}
         # req_id -> time of its first scheduling step (the dashboard's timeline).
@@ -171,6 +192,13 @@ class EngineMetrics:
         self.request_rejected.labels(model_name=self.model_name, reason=reason).inc()
 
     def observe_scheduler_stats(self, stats: SchedulerStatsLike) -> None:
+        if self.residency is not None:
+            lifetime, idle, reuse = (self._labels(h) for h in self.residency)
+            for life, idle_s, gaps in stats.kv_block_residency:
+                lifetime.observe(life)
+                idle.observe(idle_s)
+                for gap in gaps:
+                    reuse.observe(gap)
         self._labels(self.num_running).set(stats.num_running)
         self._labels(self.num_waiting).set(stats.num_waiting)
         self._labels(self.kv_cache_usage).set(stats.kv_cache_usage)

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from pagedllm.core.block_hash import BlockHash
 from pagedllm.core.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+from pagedllm.core.kv_residency import BlockResidency
 
 
 class KVCacheBlock:
@@ -118,13 +119,16 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool,
-                 events: list[KVCacheEvent] | None = None) -> None:
+                 events: list[KVCacheEvent] | None = None,
+                 residency: BlockResidency | None = None) -> None:
         assert num_blocks >= 2, "need the null block plus at least one usable block"
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         # KV cache events (core/kv_events.py), recorded here when asked for: removals
         # and clears; the manager records stores, which need the request's tokens.
         self.events = events
+        # Sampled blocks' stays (core/kv_residency.py; None: not tracked).
+        self.residency = residency
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         # Block 0 never enters the queue: blocks 1..num_blocks-1 start free, in id order.
@@ -157,6 +161,8 @@ class BlockPool:
             assert block.ref_cnt == 0 and not block.is_null, block
             self._evict(block)
             block.ref_cnt = 1
+            if self.residency is not None:
+                self.residency.allocated(block.block_id)
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -208,6 +214,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            if self.residency is not None:
+                self.residency.accessed(block.block_id)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block, in eviction order.
@@ -231,4 +239,6 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         if self.events is not None:
             self.events.append(AllBlocksCleared())
+        if self.residency is not None:
+            self.residency.reset()
         return True

@@ -9,6 +9,7 @@ from pagedllm.core.block_hash import BlockHash, update_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_events import BlockStored, KVCacheEvent, coalesce
 from pagedllm.core.kv_groups import cdiv, num_skipped_blocks
+from pagedllm.core.kv_residency import BlockResidency, ResidencyEvent
 from pagedllm.request import Request
 
 GroupBlocks = list[list[KVCacheBlock]]
@@ -39,7 +40,8 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  group_windows: Sequence[int | None] = (None,),
-                 hash_prompt_rows: bool = False, enable_kv_events: bool = False) -> None:
+                 hash_prompt_rows: bool = False, enable_kv_events: bool = False,
+                 residency_sample_rate: float = 0.0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -52,7 +54,10 @@ class KVCacheManager:
         # KV cache events since the last `take_events` (None: not recorded).
         self.events: list[KVCacheEvent] | None = (
             [] if enable_kv_events and enable_caching else None)
-        self.block_pool = BlockPool(num_blocks, enable_caching, self.events)
+        # vLLM's kv_cache_metrics: a sample of blocks' stays (None: off).
+        self.residency = (BlockResidency(residency_sample_rate)
+                          if residency_sample_rate > 0 else None)
+        self.block_pool = BlockPool(num_blocks, enable_caching, self.events, self.residency)
         self.null_block = self.block_pool.null_block
         # req_id -> blocks held, per group, in logical order.
         self.req_to_blocks: dict[str, GroupBlocks] = {}
@@ -363,6 +368,10 @@ class KVCacheManager:
                 block_size=B, lora_id=lora.lora_int_id if lora is not None else None,
                 lora_name=lora.lora_name if lora is not None else None))
             start = k
+
+    def take_residency_events(self) -> list[ResidencyEvent]:
+        """The sampled blocks' stays that ended since the last call ([] when off)."""
+        return self.residency.drain() if self.residency is not None else []
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV cache events recorded since the last call, removals merged."""

@@ -4,7 +4,8 @@ Each `schedule()` call decides `num_scheduled_tokens` per request: running reque
 continue (a decode asks for 1 token, a prompt being prefilled for a chunk), then waiting
 requests are admitted in queue order while blocks, budget and `max_num_seqs` allow
 (`max_num_active_seqs` running at most, if lower; beside requests the step already runs,
-an admission must leave the watermark's blocks free). When a running request cannot get a block, the last running request is preempted.
+an admission must leave the watermark's blocks free). When a running request cannot get
+a block, the last running request is preempted.
 
 Preemption modes (`SchedulerConfig.preemption_mode`):
 - "recompute": its blocks are freed and it re-enters the waiting queue, to be
@@ -138,7 +139,8 @@ class Scheduler:
                  group_windows: Sequence[int | None] = (None,),
                  num_lookahead_tokens: int = 0, hash_prompt_rows: bool = False,
                  enable_kv_events: bool = False, kv_store: KVStore | None = None,
-                 kv_load_failure_policy: str = "fail") -> None:
+                 kv_load_failure_policy: str = "fail",
+                 residency_sample_rate: float = 0.0) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         # Admission's limits: running requests at most, and blocks an admission beside
         # scheduled requests must leave free (the watermark).
@@ -159,7 +161,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
                                                cache_config.enable_prefix_caching,
                                                group_windows, hash_prompt_rows,
-                                               enable_kv_events)
+                                               enable_kv_events, residency_sample_rate)
         # NOTE: a sequence whose K/V outgrows the whole pool could never be scheduled
         # again, so it ends with "length" once it holds capacity + 1 tokens (the last
         # sampled token needs no slot). Only matters when the pool < max_model_len.

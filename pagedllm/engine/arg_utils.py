@@ -18,7 +18,7 @@ from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, LOA
                              LOGPROBS_MODES, PREEMPTION_MODES, SCHEDULING_POLICIES,
                              CacheConfig,
                              DeviceConfig, EngineConfig, KVEventsConfig, KVTransferConfig,
-                             LoRAConfig,
+                             LoRAConfig, ObservabilityConfig,
                              ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, StructuredOutputsConfig,
                              cache_root, default_model_path, env_kv_cache_space,
@@ -295,6 +295,16 @@ class EngineArgs:
         "auto", "structured outputs' engine, as vLLM's flag: auto or xgrammar (the one "
                 "pagedllm runs; outlines, lm-format-enforcer and guidance are not "
                 "available)", choices=_GUIDED_DECODING_BACKENDS)
+    kv_cache_metrics: bool = _arg(False, "measure how long a sample of KV blocks stay "
+                                         "(lifetime, idle time before eviction, reuse "
+                                         "gaps: /metrics histograms), as vLLM's")
+    kv_cache_metrics_sample: float = _arg(0.01, "the fraction of blocks kv_cache_metrics "
+                                                "follows, in (0, 1]")
+    custom_histogram_buckets: dict[str, Any] | None = _arg(
+        None, "bucket bounds replacing a histogram family's defaults, as vLLM's: a JSON "
+              "object such as '{\"time_to_first_token\": [0.05, 0.1, 0.5, 1, 5]}' "
+              "(families request_latency, time_to_first_token, inter_token_latency, "
+              "kv_cache_residency, and vLLM's others, taken)")
     structured_outputs_config: dict[str, Any] | None = _arg(
         None, "vLLM's structured outputs options as a JSON object: backend (auto | "
               "xgrammar), disable_any_whitespace (every JSON grammar compact), "
@@ -457,7 +467,8 @@ class EngineArgs:
                             logits_processors=logits_processors,
                             kv_events=self._kv_events_config(cache),
                             kv_transfer=self._kv_transfer_config(cache, parallel,
-                                                                 speculative))
+                                                                 speculative),
+                            observability=self._observability_config())
 
     def _kv_events_config(self, cache: CacheConfig) -> KVEventsConfig | None:
         if self.kv_events_config is None:
@@ -470,6 +481,19 @@ class EngineArgs:
             raise ConfigError("KV cache events (kv_events_config) describe the prefix "
                               "cache: they need enable_prefix_caching")
         return config
+
+    def _observability_config(self) -> ObservabilityConfig:
+        if not self.kv_cache_metrics and self.kv_cache_metrics_sample != 0.01:
+            raise ConfigError("kv_cache_metrics_sample needs kv_cache_metrics")
+        if self.kv_cache_metrics and not 0 < self.kv_cache_metrics_sample <= 1:
+            raise ConfigError(f"kv_cache_metrics_sample must be in (0, 1], got "
+                              f"{self.kv_cache_metrics_sample!r}")
+        buckets = self.custom_histogram_buckets
+        if buckets is not None:
+            require_json_object("custom_histogram_buckets", buckets)
+        return ObservabilityConfig(
+            kv_cache_metrics_sample=self.kv_cache_metrics_sample if self.kv_cache_metrics
+            else 0.0, histogram_buckets=dict(buckets or {}))
 
     def _kv_transfer_config(self, cache: CacheConfig, parallel: ParallelConfig,
                             speculative: SpeculativeConfig | None,

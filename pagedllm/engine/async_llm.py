@@ -82,7 +82,10 @@ class AsyncLLM:
             self.core_client.shutdown()
             raise
         self.tokenizer = self.engine.tokenizer
-        self.metrics = EngineMetrics(model_name or config.model.path)
+        observe = config.observability
+        self.metrics = EngineMetrics(model_name or config.model.path,
+                                     observe.histogram_buckets,
+                                     kv_cache_metrics=observe.kv_cache_metrics_sample > 0)
         self.log_stats_interval_s = log_stats_interval_s
         self._collectors: dict[str, RequestOutputCollector] = {}
         # (engine_index, call_id) -> the utility call's result, to come.

@@ -115,6 +115,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     """Cumulative prompt tokens looked up in the KV store (kv_transfer_config)."""
     external_prefix_cache_hits: int = 0
     """Cumulative prompt tokens loaded from it."""
+    kv_block_residency: list[tuple[float, float, tuple[float, ...]]] = msgspec.field(
+        default_factory=list)
+    """kv_cache_metrics: the sampled blocks' stays that ended since the last stats
+    (lifetime, idle seconds, reuse gaps; core/kv_residency.py)."""
     """Host blocks held by swapped requests."""
 
 
@@ -310,7 +314,9 @@ class EngineCoreProc:
 
     # ------------------------------------------------------------------ helpers
 
-    def _stats(self) -> SchedulerStats:
+    def _stats(self, drain: bool = True) -> SchedulerStats:
+        """The scheduler's counters; `drain`: with the residency events since the last
+        call (they go to the metrics once)."""
         sched = self.core.scheduler
         kv = sched.kv_cache_manager
         store = sched.kv_store
@@ -325,11 +331,12 @@ class EngineCoreProc:
             num_draft_tokens=sched.num_draft_tokens,
             num_accepted_tokens=sched.num_accepted_tokens,
             external_prefix_cache_queries=store.queries if store is not None else 0,
-            external_prefix_cache_hits=store.hits if store is not None else 0)
+            external_prefix_cache_hits=store.hits if store is not None else 0,
+            kv_block_residency=kv.take_residency_events() if drain else [])
 
     def _utility(self, call: UtilityCall) -> Any:
         if call.method == "get_stats":
-            stats = self._stats()
+            stats = self._stats(drain=False)  # (the events are the metrics')
             import psutil
 
             return {f: getattr(stats, f) for f in stats.__struct_fields__} | {

@@ -204,7 +204,10 @@ class DPEngineCoreClient:
 def sum_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """One engine's view of several replicas' states: counts and cumulative counters
     add up; kv_cache_usage is the share of all their usable blocks in use."""
-    fields = {f: sum(getattr(s, f) for s in stats) for f in SchedulerStats.__struct_fields__}
+    # Counts add up; lists (events) are laid end to end.
+    fields = {f: sum((getattr(s, f) for s in stats),
+                     [] if isinstance(getattr(stats[0], f), list) else 0)
+              for f in SchedulerStats.__struct_fields__}
     fields["kv_cache_usage"] = _usage([(s.kv_cache_usage, s.num_blocks) for s in stats])
     return SchedulerStats(**fields)
 

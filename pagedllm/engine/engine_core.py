@@ -82,7 +82,9 @@ class EngineCore:
                                    kv_store=kv_store,
                                    kv_load_failure_policy=(
                                        config.kv_transfer.kv_load_failure_policy
-                                       if config.kv_transfer is not None else "fail"))
+                                       if config.kv_transfer is not None else "fail"),
+                                   residency_sample_rate=(
+                                       config.observability.kv_cache_metrics_sample))
         # KV cache events (engine/kv_events.py; imported only when asked for).
         self.kv_event_publisher = None
         if config.kv_events is not None:

@@ -1,7 +1,8 @@
 """`pagedllm serve --config FILE.yaml` (vLLM's), and the options it sets here: --uds (a
 Unix domain socket), --default-chat-template-kwargs, --exclude-tools-when-tool-choice-none,
---disable-access-log-for-endpoints, --shutdown-timeout, --stream-interval and
---sse-keep-alive-interval. One server, the bundled
+--disable-access-log-for-endpoints, --shutdown-timeout, --stream-interval,
+--sse-keep-alive-interval, --kv-cache-metrics and --custom-histogram-buckets. One server,
+the bundled
 model, every option from the file; the command line overrides the file."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -45,7 +47,9 @@ def server(tmp_path_factory):
         "disable_access_log_for_endpoints": "/health,/load",
         "enable-prefix-caching": False, "shutdown_timeout": 0,
         "max_n": 2, "stream_interval": 4, "sse_keep_alive_interval": 0.005,
-        "max_num_queued_reqs": 3}))
+        "max_num_queued_reqs": 3, "num-kv-blocks": 64, "kv-cache-metrics": True,
+        "kv-cache-metrics-sample": 1.0,
+        "custom-histogram-buckets": {"time_to_first_token": [0.5, 1, 100]}}))
     # The command line wins over the file.
     srv = RemoteServer(["--config", str(tmp / "serve.yaml"), "--max-n", "3"], uds=uds)
     yield srv
@@ -100,6 +104,30 @@ def test_file_options_and_command_line_override(server):
               if "HTTP/1.1\" " in json_line]
     assert any("GET /v1/models " in line for line in access), access
     assert not any("/health" in line or "/load" in line for line in access), access
+
+
+def test_kv_cache_metrics_and_custom_buckets(server):
+    """Every block sampled: once the 63 usable blocks have all been handed out, blocks
+    handed out again end their stays (lifetime and idle histograms); TTFT takes the
+    file's bounds."""
+    words = " ".join(f"word{i}" for i in range(70))  # ~230 tokens: ~15 blocks each
+    with server.client() as client:
+        for i in range(5):
+            r = client.post("/v1/completions", json={
+                "model": MODEL_NAME, "prompt": f"{i} {words}", "max_tokens": 1})
+            assert r.status_code == 200, r.text
+        text = client.get("/metrics").text
+
+    def value(line_start: str) -> float:
+        (line,) = [x for x in text.splitlines() if x.startswith(line_start)]
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("pagedllm:kv_block_lifetime_seconds_count") > 0
+    assert value("pagedllm:kv_block_idle_before_evict_seconds_count") \
+        == value("pagedllm:kv_block_lifetime_seconds_count")
+    assert "pagedllm:kv_block_reuse_gap_seconds_count" in text
+    bounds = re.findall(r'pagedllm:time_to_first_token_seconds_bucket\{le="([^"]+)"', text)
+    assert bounds == ["0.5", "1.0", "100.0", "+Inf"]
 
 
 def test_stream_interval(server):
