@@ -54,6 +54,19 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def prefill_content(raw: bytes) -> bytes | None:
+    """The prefill server's request body, or None when `raw` is no JSON object the
+    proxy can rewrite (the decode server then answers it, a 400 naming the problem):
+    invalid or too deeply nested JSON, NaN or infinite numbers, lone surrogates."""
+    try:
+        body = json.loads(raw)
+        if not isinstance(body, dict):
+            return None
+        return json.dumps(prefill_body(body), allow_nan=False).encode()
+    except (ValueError, RecursionError):  # (UnicodeError is a ValueError)
+        return None
+
+
 def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
               timeout_s: float = PREFILL_TIMEOUT_S,
               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
@@ -81,14 +94,11 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str],
     async def generate(request: Request) -> Response:
         raw = await request.body()
         headers = headers_of(request)
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None  # the decode server answers with its 400
-        if isinstance(body, dict):
+        content = prefill_content(raw)
+        if content is not None:
             url = next(prefill) + request.url.path
             try:
-                r = await client.post(url, json=prefill_body(body), headers=headers)
+                r = await client.post(url, content=content, headers=headers)
                 if 400 <= r.status_code < 500:
                     return Response(r.content, status_code=r.status_code,
                                     media_type=r.headers.get("content-type"))

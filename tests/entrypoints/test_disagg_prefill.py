@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from pagedllm.entrypoints.disagg_proxy import build_app, prefill_body
+from pagedllm.entrypoints.disagg_proxy import build_app, prefill_body, prefill_content
 from tests.entrypoints.utils import MODEL_NAME, RemoteServer, free_port
 
 PROMPT = ("The history of the Roman empire is long. It began with a small city on seven "
@@ -105,9 +105,10 @@ def test_a_refused_request_is_refused_with_the_servers_message(servers):
         "model": MODEL_NAME, "prompt": "hi", "max_tokens": 4, "temperature": -1},
         timeout=30)
     assert r.status_code == 400 and "temperature" in r.text
-    r = httpx.post(url + "/v1/completions", content=b"{not json",
-                   headers={"content-type": "application/json"}, timeout=30)
-    assert r.status_code == 400
+    for raw in (b"{not json", b'{"prompt": "x", "max_tokens": NaN}', b"[" * 3000 + b"]" * 3000):
+        r = httpx.post(url + "/v1/completions", content=raw,
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400, (raw[:40], r.text)
     r = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x" * (3 << 20)},
                    timeout=30)
     assert r.status_code == 413 and "--max-body-bytes" in r.text
@@ -145,3 +146,10 @@ def test_the_prefill_request():
                     "stream": False, "n": 1, "temperature": 0.5}
     with pytest.raises(ValueError, match="at least one --prefill"):
         build_app([], ["http://x"])
+    # Bodies the proxy cannot rewrite go to the decode server alone (its 400).
+    for raw in (b"{not json", b"[1]", b'{"prompt": "x", "top_p": NaN}',
+                b'{"prompt": "x", "temperature": Infinity}', b"[" * 3000 + b"]" * 3000,
+                b'{"a":' * 3000 + b"1" + b"}" * 3000):
+        assert prefill_content(raw) is None
+    assert json.loads(prefill_content(b'{"prompt": "\\ud800", "max_tokens": 9}')) == {
+        "prompt": "\ud800", "max_tokens": 1, "stream": False, "n": 1}
