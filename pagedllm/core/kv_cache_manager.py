@@ -242,10 +242,10 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(freed))
 
     def fits_after_freeing(self, num_tokens: int, computed_blocks: GroupBlocks,
-                           req_ids: Sequence[str]) -> bool:
+                           req_ids: Sequence[str], reserve_blocks: int = 0) -> bool:
         """Whether a new request of `num_tokens` tokens with prefix hits `computed_blocks`
-        could get its blocks once the requests `req_ids` freed theirs (mirrors
-        allocate_slots' check)."""
+        could get its blocks, leaving `reserve_blocks` free, once the requests `req_ids`
+        freed theirs (mirrors allocate_slots' check)."""
         blocks = self.block_pool.blocks
         # A block returns to the free queue once all its holders are freed.
         num_held = Counter(b.block_id for req_id in req_ids
@@ -266,7 +266,7 @@ class KVCacheManager:
             skip = num_skipped_blocks(num_computed, window, self.block_size)
             num_new_blocks += num_needed - max(len(group), skip)
         num_supply = self.get_num_free_blocks() + num_freed - num_evictable_hits
-        return num_new_blocks <= num_supply
+        return num_new_blocks + reserve_blocks <= num_supply
 
     def get_swap_in_hits(self, request: Request,
                          num_blocks: Sequence[int]) -> GroupBlocks | list[list[None]]:

@@ -528,7 +528,8 @@ class Scheduler:
             self.running.append(request)
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
-            request.first_scheduled_time = self.clock()
+            # time.monotonic(), as arrival_time (the injectable clock is the deadlines').
+            request.first_scheduled_time = time.monotonic()
         step.add_new(request, num_new_tokens,
                      self.kv_cache_manager.get_block_ids(request.req_id))
 
@@ -581,10 +582,12 @@ class Scheduler:
 
     def _fits_after_preempting(self, request: Request, victims: Sequence[Request]) -> bool:
         """Whether the pool could hold the uncached part of waiting `request` once every
-        request in `victims` were preempted (either mode frees the same device blocks)."""
+        request in `victims` were preempted (either mode frees the same device blocks),
+        with the watermark's blocks to spare while running requests remain."""
         computed_blocks, _ = self._get_computed_blocks(request)
+        reserve = self.watermark_blocks if len(victims) < len(self.running) else 0
         return self.kv_cache_manager.fits_after_freeing(
-            request.num_tokens, computed_blocks, [r.req_id for r in victims])
+            request.num_tokens, computed_blocks, [r.req_id for r in victims], reserve)
 
     def _finish_expired_requests(self) -> None:
         """Finish every live request whose deadline is <= now as FINISHED_TIMEOUT."""

@@ -68,3 +68,22 @@ def test_the_engine_takes_them(tmp_path) -> None:
     out = llm.generate([{"prompt_token_ids": [i, i + 1, i + 2]} for i in range(6)],
                        SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+
+
+def test_priority_preemption_counts_the_watermark(make_scheduler, make_request,
+                                                  step) -> None:
+    """A better waiting request that fits only without the watermark's headroom preempts
+    a worse one (it would otherwise wait behind them, the watermark never met)."""
+    sched = make_scheduler(num_blocks=20, max_num_batched_tokens=64, policy="priority")
+    sched.watermark_blocks = 5
+    sched.add_request(make_request("a", 30, max_tokens=20, priority=5))  # 8 blocks
+    step(sched)
+    sched.add_request(make_request("c", [50 + i for i in range(14)], max_tokens=20,
+                                   priority=5))  # 4 blocks beside a's 8: 7 free after
+    step(sched)
+    assert [r.req_id for r in sched.running] == ["a", "c"]
+    sched.add_request(make_request("h", [90 + i for i in range(22)], max_tokens=2,
+                                   priority=0))  # 6 blocks: 6 + 5 > 7
+    output, _ = step(sched)
+    assert "c" in output.preempted_req_ids
+    assert {r.req_id for r in sched.running} == {"a", "h"}
