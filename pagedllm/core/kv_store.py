@@ -19,6 +19,8 @@ dtype, block size or tensor-parallel layout (engine/kv_transfer.py names it).
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -169,6 +171,18 @@ class KVStore:
         # f_files 0: the file system has no inode limit to report.
         inodes_ok = st.f_files == 0 or st.f_favail >= MIN_FREE_INODES
         return st.f_bavail * st.f_frsize >= self.min_free_bytes and inodes_ok
+
+    def clear(self) -> None:
+        """Delete this engine's blocks from the directory (its namespace folder; other
+        models' folders stay). The folder is renamed first, so other engines see each
+        block there or gone, never half of one."""
+        folder = os.path.join(self.root, self.namespace)
+        doomed = f"{folder}.deleting-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(folder, doomed)
+        except FileNotFoundError:
+            return  # nothing stored (or another replica cleared it first)
+        shutil.rmtree(doomed, ignore_errors=True)
 
     def renew_namespace(self, salt: str) -> None:
         """Use another folder from now on (the engine's weights changed: blocks saved

@@ -343,7 +343,7 @@ class EngineCoreProc:
                 "engine_pid": os.getpid(),
                 "engine_rss_bytes": psutil.Process().memory_info().rss}
         if call.method == "reset_prefix_cache":
-            return self.core.reset_prefix_cache()
+            return self.core.reset_prefix_cache(*call.args)
         if call.method == "ping":
             return "pong"
         if call.method in ("sleep", "wake_up", "is_sleeping", "start_profile",

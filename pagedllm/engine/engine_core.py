@@ -257,10 +257,13 @@ class EngineCore:
         runner_output = future.result()
         return timed_out + self._update(scheduler_output, runner_output)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
         """Forget every cached prefix block; only when no request holds a block (False:
-        nothing was reset)."""
+        nothing was reset). `reset_external` (vLLM's): then delete this engine's blocks
+        from the KV store of kv_transfer_config too."""
         done = self.scheduler.kv_cache_manager.reset_prefix_cache()
+        if done and reset_external and self.scheduler.kv_store is not None:
+            self.scheduler.kv_store.clear()
         if self.kv_event_publisher is not None:
             self.publish_kv_events()
         return done

@@ -51,11 +51,13 @@ class LLM:
         LLM does the same once it is garbage collected, and so does interpreter exit.)"""
         self.llm_engine.shutdown()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
         """Forget every cached prefix block, so the next prompts are computed afresh (as
         vLLM's LLM.reset_prefix_cache, e.g. between benchmark runs); True when done.
-        Between `generate` calls no request holds blocks, so it always is."""
-        return self.llm_engine.reset_prefix_cache()
+        Between `generate` calls no request holds blocks, so it always is.
+        `reset_external`: also delete this model's blocks from the KV store
+        (kv_transfer_config)."""
+        return self.llm_engine.reset_prefix_cache(reset_external)
 
     def sleep(self, level: int = 1) -> None:
         """Release memory until `wake_up` (needs enable_sleep_mode=True, as vLLM's):

@@ -137,10 +137,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests() or len(self.deferred) > 0
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
         """Forget every cached prefix block (True), unless a request still holds blocks
-        (False)."""
-        return self.engine_core.reset_prefix_cache()
+        (False); `reset_external`: and this engine's blocks in the KV store."""
+        return self.engine_core.reset_prefix_cache(reset_external)
 
     def sleep(self, level: int = 1) -> None:
         """EngineCore.sleep: release the KV cache (and at level 2 the weights)."""

@@ -277,3 +277,18 @@ def test_async_scheduling(tiny_path, prompts, reference, tmp_path):
     out = _run(llm, prompts[2:5])
     assert [o[2] for o in out] == ["length", "abort", "length"]
     assert [out[0], out[2]] == [reference[2], reference[4]]
+
+
+def test_reset_external_clears_this_models_folder(tiny_path, prompts, reference, tmp_path):
+    llm = _llm(tiny_path, tmp_path, "kv_both")
+    _run(llm, prompts[:2])
+    store = _core(llm).scheduler.kv_store
+    other = tmp_path / "pagedllm-kv" / "another-model" / "ab" / "ab.r0.kv"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"")
+    assert llm.reset_prefix_cache() and len(_files(tmp_path)) > 1
+    assert llm.reset_prefix_cache(reset_external=True)
+    assert list(_files(tmp_path).values()) == [other]  # another model's folder stays
+    hits = store.hits
+    assert _run(llm, prompts[:2]) == reference[:2]
+    assert store.hits == hits and len(_files(tmp_path)) > 1  # computed, saved again

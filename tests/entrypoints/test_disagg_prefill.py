@@ -37,6 +37,7 @@ def _transfer(store, role: str) -> list[str]:
 def servers(tmp_path_factory):
     store = tmp_path_factory.mktemp("disagg_store")
     prefill = RemoteServer(_transfer(store, "kv_producer"))
+    prefill.store = store
     decode = RemoteServer(_transfer(store, "kv_consumer"))
     port = free_port()
     proxy = subprocess.Popen(
@@ -136,6 +137,17 @@ def test_a_prefill_server_that_is_down_costs_only_speed(servers):
     app = build_app([decode.url], [dead])
     _, r = asyncio.run(ask())
     assert r.status_code == 502 and dead in r.json()["error"]["message"]
+
+
+def test_reset_external_deletes_the_stored_blocks(servers):
+    """vLLM's /reset_prefix_cache?reset_external=true: the model's blocks leave the
+    store (a plain reset keeps them)."""
+    prefill, _, url = servers
+    assert list(prefill.store.rglob("*.kv"))  # from the tests before
+    assert httpx.post(prefill.url + "/reset_prefix_cache").status_code == 200
+    assert list(prefill.store.rglob("*.kv"))
+    r = httpx.post(prefill.url + "/reset_prefix_cache", params={"reset_external": "true"})
+    assert r.status_code == 200 and not list(prefill.store.rglob("*.kv"))
 
 
 def test_the_prefill_request():

@@ -243,11 +243,12 @@ def _add_engine_routes(app: FastAPI, engine: AsyncLLM, version_str: str) -> None
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Response:
+    async def reset_prefix_cache(reset_external: bool = False) -> Response:
         """Forget the prefix cache's blocks (vLLM's route, e.g. between benchmark runs):
         200, or 409 while requests hold blocks (with data parallel replicas: every one
-        reset, else 409)."""
-        if await engine.call_utility("reset_prefix_cache"):
+        reset, else 409). `?reset_external=true` (vLLM's): also delete this model's
+        blocks from the KV store of --kv-transfer-config."""
+        if await engine.call_utility("reset_prefix_cache", reset_external):
             return Response(status_code=200)
         return error_response("the prefix cache cannot be reset while requests are "
                               "running: retry once they finish", 409)
