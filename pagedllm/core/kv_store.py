@@ -164,8 +164,7 @@ class KVStore:
         if not self.min_free_bytes:
             return True
         try:
-            st = os.statvfs(self.root if os.path.isdir(self.root) else
-                            os.path.dirname(self.root) or ".")
+            st = os.statvfs(self.root)  # (created at start-up: engine/kv_transfer.py)
         except OSError:
             return False
         # f_files 0: the file system has no inode limit to report.

@@ -310,8 +310,9 @@ class Scheduler:
         if self.kv_store is not None and self.kv_store.save:
             step.kv_saves = self.kv_store.plan_saves(self.requests, step.num_scheduled_tokens,
                                                      self.kv_cache_manager)
-        step.preempted_req_ids |= self._preempted_since_step
-        self._preempted_since_step = set()
+        if self._preempted_since_step:  # (a failed KV load's recompute: rare)
+            step.preempted_req_ids |= self._preempted_since_step
+            self._preempted_since_step = set()
         output = step.to_output(self.finished_req_ids)
         self.finished_req_ids = set()
         # The runner reads num_computed_tokens from the output (values before this step);

@@ -204,11 +204,13 @@ class EngineCore:
         try:
             return self._step()
         finally:
-            if self.kv_event_publisher is not None:
-                self.publish_kv_events()
+            self.publish_kv_events()
 
     def publish_kv_events(self) -> None:
-        """Hand the KV cache events recorded since the last call to the publisher."""
+        """Hand the KV cache events recorded since the last call to the publisher (none
+        without kv_events_config)."""
+        if self.kv_event_publisher is None:
+            return
         events = self.scheduler.kv_cache_manager.take_events()
         if events:
             self.kv_event_publisher.publish(events)
@@ -264,8 +266,7 @@ class EngineCore:
         done = self.scheduler.kv_cache_manager.reset_prefix_cache()
         if done and reset_external and self.scheduler.kv_store is not None:
             self.scheduler.kv_store.clear()
-        if self.kv_event_publisher is not None:
-            self.publish_kv_events()
+        self.publish_kv_events()
         return done
 
     def update_weights(self, weights: Any) -> None:
