@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -174,14 +175,16 @@ class KVStore:
     def clear(self) -> None:
         """Delete this engine's blocks from the directory (its namespace folder; other
         models' folders stay). The folder is renamed first, so other engines see each
-        block there or gone, never half of one."""
+        block there or gone, never half of one; the renamed folder is deleted on a
+        thread of its own (thousands of files must not hold up the engine's steps)."""
         folder = os.path.join(self.root, self.namespace)
         doomed = f"{folder}.deleting-{uuid.uuid4().hex[:8]}"
         try:
             os.rename(folder, doomed)
         except FileNotFoundError:
             return  # nothing stored (or another replica cleared it first)
-        shutil.rmtree(doomed, ignore_errors=True)
+        threading.Thread(target=shutil.rmtree, args=(doomed, True), daemon=True,
+                         name="kv-store-clear").start()
 
     def renew_namespace(self, salt: str) -> None:
         """Use another folder from now on (the engine's weights changed: blocks saved

@@ -11,6 +11,7 @@ The server flag, its metrics and the proxy: tests/entrypoints/test_disagg_prefil
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -288,6 +289,11 @@ def test_reset_external_clears_this_models_folder(tiny_path, prompts, reference,
     other.write_bytes(b"")
     assert llm.reset_prefix_cache() and len(_files(tmp_path)) > 1
     assert llm.reset_prefix_cache(reset_external=True)
+    # At once out of the model's folder (renamed aside), then deleted on a thread.
+    assert not (tmp_path / "pagedllm-kv" / store.namespace).exists()
+    deadline = time.monotonic() + 30
+    while list(_files(tmp_path).values()) != [other] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert list(_files(tmp_path).values()) == [other]  # another model's folder stays
     hits = store.hits
     assert _run(llm, prompts[:2]) == reference[:2]

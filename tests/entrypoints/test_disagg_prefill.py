@@ -147,7 +147,11 @@ def test_reset_external_deletes_the_stored_blocks(servers):
     assert httpx.post(prefill.url + "/reset_prefix_cache").status_code == 200
     assert list(prefill.store.rglob("*.kv"))
     r = httpx.post(prefill.url + "/reset_prefix_cache", params={"reset_external": "true"})
-    assert r.status_code == 200 and not list(prefill.store.rglob("*.kv"))
+    assert r.status_code == 200
+    deadline = time.monotonic() + 30  # (the renamed folder is deleted on a thread)
+    while list(prefill.store.rglob("*.kv")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not list(prefill.store.rglob("*.kv"))
 
 
 def test_the_prefill_request():
