@@ -149,7 +149,8 @@ def test_reset_external_deletes_the_stored_blocks(servers):
     r = httpx.post(prefill.url + "/reset_prefix_cache", params={"reset_external": "true"})
     assert r.status_code == 200
     deadline = time.monotonic() + 30  # (the renamed folder is deleted on a thread)
-    while list(prefill.store.rglob("*.kv")) and time.monotonic() < deadline:
+    while (list((prefill.store / "pagedllm-kv").glob("*.deleting-*"))
+           and time.monotonic() < deadline):
         time.sleep(0.05)
     assert not list(prefill.store.rglob("*.kv"))
 

@@ -34,6 +34,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -305,10 +306,14 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     scores = OpenAIServingScore(engine, models, serve_config, offloader)
     responses = OpenAIServingResponses(engine, models, serve_config, offloader)
 
+    # A model card's `created`: when this server began serving (the same in every
+    # answer: a listing and a retrieve a second apart once disagreed).
+    created = int(time.time())
+
     def model_cards() -> list[ModelCard]:
-        cards = [ModelCard(id=name, root=engine.config.model.path,
+        cards = [ModelCard(id=name, root=engine.config.model.path, created=created,
                            max_model_len=engine.max_model_len) for name in models.base_names]
-        return cards + [ModelCard(id=lora.lora_name, root=lora.lora_path,
+        return cards + [ModelCard(id=lora.lora_name, root=lora.lora_path, created=created,
                                   parent=models.model_name,
                                   max_model_len=engine.max_model_len) for lora in models]
 
