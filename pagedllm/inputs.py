@@ -12,6 +12,8 @@ class TextPrompt(TypedDict):
     prompt: str
     multi_modal_data: NotRequired[dict[str, Any]]
     """{"image": an image or a list of them} (multimodal models)."""
+    cache_salt: NotRequired[str]
+    """Only prompts with the same salt share prefix-cache blocks (vLLM's)."""
 
 
 class TokensPrompt(TypedDict):
@@ -20,6 +22,7 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
     multi_modal_data: NotRequired[dict[str, Any]]
+    cache_salt: NotRequired[str]
 
 
 class EmbedsPrompt(TypedDict):

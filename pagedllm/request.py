@@ -92,7 +92,8 @@ class Request:
                  max_tokens: int | None = None, deadline: float | None = None,
                  pooling_params: PoolingParams | None = None,
                  lora_request: LoRARequest | None = None,
-                 mm_inputs: list[PromptInput] | None = None) -> None:
+                 mm_inputs: list[PromptInput] | None = None,
+                 cache_salt: str | None = None) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -124,6 +125,9 @@ class Request:
         self.pooling_params = pooling_params
         # The LoRA adapter the model runs with for this request (None: the base model).
         self.lora_request = lora_request
+        # Its prompt's prefix-cache salt (vLLM's cache_salt): only requests with the
+        # same salt share cached blocks.
+        self.cache_salt = cache_salt
         # Images of a multimodal prompt, in prompt order, or the prompt's embeddings
         # (one PromptEmbedsInput over the whole prompt); [] for text.
         self.mm_inputs: list[PromptInput] = list(mm_inputs or ())
@@ -155,10 +159,15 @@ class Request:
         return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
-    def block_hash_extra_keys(self) -> tuple[int, ...] | None:
+    def block_hash_extra_keys(self) -> tuple[Any, ...] | None:
         """What its prefix-cache block hashes add to the tokens: the adapter's id (KV
-        computed under one adapter is not another's, nor the base model's)."""
-        return (self.lora_int_id,) if self.lora_request is not None else None
+        computed under one adapter is not another's, nor the base model's) and its
+        cache salt (blocks are chained, so every block of a salted prompt differs from
+        an unsalted one's; a tenant cannot time another's prefixes)."""
+        keys: tuple[Any, ...] = (self.lora_int_id,) if self.lora_request is not None else ()
+        if self.cache_salt is not None:
+            keys += (("cache_salt", self.cache_salt),)
+        return keys or None
 
     @property
     def has_prompt_embeds(self) -> bool:

@@ -66,18 +66,20 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, model_name: str = "",
                  log_stats_interval_s: float = 10.0,
                  constraints: ConstraintChecker | None = None,
-                 core_process: EngineProcess | None = None) -> None:
+                 core_process: EngineProcess | None = None,
+                 skip_tokenizer_init: bool = False) -> None:
         """`constraints`: the structured-output checks (the server's parse in a child
         process under limits; default: in the caller's thread), shut down with this.
         `core_process`: the engine-core process when it was started already (the
-        server's, during its start-up)."""
+        server's, during its start-up). `skip_tokenizer_init`: no tokenizer (token-id
+        prompts, no text out)."""
         self.config = config
         # The core starts loading the model while this process loads the tokenizer.
         # One engine core, or data parallel replicas behind the same interface.
         self.core_client = make_core_client(config, core_process)
         try:
-            self.engine = LLMEngine(config, engine_core=self.core_client,
-                                    constraints=constraints)
+            self.engine = LLMEngine(config, skip_tokenizer_init,
+                                    engine_core=self.core_client, constraints=constraints)
         except BaseException:
             self.core_client.shutdown()
             raise
@@ -234,11 +236,17 @@ class AsyncLLM:
             await stream.aclose()
 
     def abort(self, request_id: str) -> None:
-        """Abort a live request (no-op when it is finished or unknown)."""
+        """Abort a live request (no-op when it is finished or unknown). A stream still
+        read gets its last output, finish_reason "abort" (an abort by id from another
+        route, such as /inference/v1/abort_requests, must end it)."""
         try:
-            self.engine.abort_request([request_id])
+            outputs = self.engine.abort_request([request_id])
         except EngineDeadError:
-            pass
+            outputs = []
+        for out in outputs:
+            collector = self._collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
         self._drain_local_finishes()
 
     async def call_utility(self, method: str, *args: Any) -> Any:

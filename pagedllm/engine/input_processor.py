@@ -99,6 +99,8 @@ class InputProcessor:
         with that adapter (checked here: LoRA on, the adapter's files fit the model).
         """
         self.check_lora(lora_request)
+        salt = check_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict)
+                                else None)
         embeds = prompt_embeds_of(prompt)
         if isinstance(params, PoolingParams):
             if embeds is not None:
@@ -122,7 +124,7 @@ class InputProcessor:
             request = Request(req_id, ids, SamplingParams(max_tokens=1), self.eos_token_id,
                               arrival_time, priority=priority, max_tokens=1,
                               deadline=deadline, pooling_params=params,
-                              lora_request=lora_request)
+                              lora_request=lora_request, cache_salt=salt)
             return request, text
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got "
@@ -142,7 +144,7 @@ class InputProcessor:
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
         request = Request(req_id, ids, params, self.eos_token_id, arrival_time,
                           priority=priority, max_tokens=max_tokens, deadline=deadline,
-                          lora_request=lora_request, mm_inputs=images)
+                          lora_request=lora_request, mm_inputs=images, cache_salt=salt)
         if self.reasoning is not None and params.structured_outputs is not None:
             request.reasoning_gate = ReasoningGate(self.reasoning,
                                                    self.reasoning.initial_phase(ids))
@@ -311,6 +313,22 @@ class InputProcessor:
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 token_ids.append(spaced)
         return token_ids
+
+
+MAX_CACHE_SALT_CHARS = 128
+
+
+def check_cache_salt(salt: Any) -> str | None:
+    """The salt as given (None: none), or InvalidRequestError: a non-empty string of at
+    most MAX_CACHE_SALT_CHARS characters (vLLM's rule)."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise InvalidRequestError("cache_salt must be a non-empty string")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} "
+                                  f"characters, got {len(salt)}")
+    return salt
 
 
 def prompt_images(prompt: PromptType) -> list[Any]:

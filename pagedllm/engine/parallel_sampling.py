@@ -44,7 +44,7 @@ def fan_out(request: Request) -> list[Request]:
                         params, request.eos_token_id, request.arrival_time,
                         request.priority, max_tokens=request.max_tokens,
                         deadline=request.deadline, lora_request=request.lora_request,
-                        mm_inputs=request.mm_inputs)
+                        mm_inputs=request.mm_inputs, cache_salt=request.cache_salt)
         # Each sample reads its own output: a gate of its own, at the prompt's phase.
         child.reasoning_gate = copy.copy(request.reasoning_gate)
         children.append(child)

@@ -120,6 +120,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssl-cert-reqs", type=int, default=0,
                         help="TLS: client certificates (0 none, 1 optional, 2 required; "
                              "Python's ssl.CERT_*)")
+    parser.add_argument("--ssl-ciphers", default=None,
+                        help="TLS: the cipher suites (TLS 1.2 and below; OpenSSL's "
+                             "cipher list format; default: uvicorn's)")
     parser.add_argument("--middleware", action="append", default=[], metavar="IMPORT.PATH",
                         help="an ASGI middleware to add, as vLLM's: a class (added with "
                              "app.add_middleware) or an async function (request, "

@@ -6,12 +6,14 @@ server accepted nothing more, /health included. Now an idle connection is closed
 --keep-alive-timeout, a request's headers and then its body must each arrive within
 --read-timeout (408), a response nobody reads is cut off after --write-timeout (and its
 request aborted), and past --max-connections the connection waiting longest for a
-request makes room.
+request makes room. A request's line and headers are limited in size and number
+(--h11-max-incomplete-event-size, --h11-max-header-count): 431 past either.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -30,11 +32,15 @@ READ_TIMEOUT_S = 4
 WRITE_TIMEOUT_S = 3
 MAX_CONNECTIONS = 8
 IDLE_TIMEOUT_S = 1
+MAX_HEADER_BYTES = 8192
+MAX_HEADERS = 64
 SERVER_ARGS = ["--max-model-len", "512", "--num-kv-blocks", "512",
                "--max-num-seqs", "16", "--keep-alive-timeout", str(IDLE_TIMEOUT_S),
                "--read-timeout", str(READ_TIMEOUT_S),
                "--write-timeout", str(WRITE_TIMEOUT_S),
-               "--max-connections", str(MAX_CONNECTIONS)]
+               "--max-connections", str(MAX_CONNECTIONS),
+               "--h11-max-incomplete-event-size", str(MAX_HEADER_BYTES),
+               "--h11-max-header-count", str(MAX_HEADERS)]
 
 
 @pytest.fixture(scope="module")
@@ -336,10 +342,67 @@ def test_a_body_refused_by_its_length_closes_the_connection_at_once(server):
     assert closed_at - started < READ_TIMEOUT_S - 0.5  # not by the read timeout
 
 
+def _get_with_headers(server: RemoteServer, headers: list[str]) -> bytes:
+    """The raw answer to GET /health with these extra header lines, read until the
+    server closes the connection (the request asks it to)."""
+    sock = _connect(server)
+    try:
+        head = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        sock.sendall((head + "".join(h + "\r\n" for h in headers) + "\r\n").encode())
+        return _read_until_closed(sock)[0]
+    finally:
+        sock.close()
+
+
+def test_too_many_headers_get_a_431_naming_the_flag(server):
+    # The Host and Connection lines count: MAX_HEADERS in all pass, one more does not.
+    ok = _get_with_headers(server, [f"X-H{i}: v" for i in range(MAX_HEADERS - 2)])
+    assert ok.startswith(b"HTTP/1.1 200")
+    raw = _get_with_headers(server, [f"X-H{i}: v" for i in range(MAX_HEADERS - 1)])
+    status, headers, body = _status_and_body(raw)
+    assert status == 431 and headers["connection"] == "close"
+    assert f"{MAX_HEADERS + 1} headers" in body["error"]["message"]
+    assert "--h11-max-header-count" in body["error"]["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_headers_past_the_size_limit_get_a_431_naming_the_flag(server):
+    fits = _get_with_headers(server, ["X-Big: " + "a" * (MAX_HEADER_BYTES - 200)])
+    assert fits.startswith(b"HTTP/1.1 200")
+    # Sent whole or in pieces, the server stops buffering at the limit (below h11's
+    # default of 16 KiB, so the flag is what refuses it).
+    for pieces in (1, 16):
+        sock = _connect(server)
+        try:
+            data = ("GET /health HTTP/1.1\r\nHost: x\r\nX-Big: "
+                    + "a" * (MAX_HEADER_BYTES + 4096)).encode()
+            step = len(data) // pieces
+            for i in range(0, len(data), step):
+                with contextlib.suppress(OSError):  # closed by the server midway
+                    sock.sendall(data[i:i + step])
+            raw, _ = _read_until_closed(sock)
+        finally:
+            sock.close()
+        status, headers, body = _status_and_body(raw)
+        assert status == 431 and headers["connection"] == "close"
+        assert f"{MAX_HEADER_BYTES} bytes" in body["error"]["message"]
+        assert "--h11-max-incomplete-event-size" in body["error"]["message"]
+    # A request h11 cannot parse for another reason keeps uvicorn's 400.
+    sock = _connect(server)
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
+        raw, _ = _read_until_closed(sock)
+    finally:
+        sock.close()
+    assert raw.startswith(b"HTTP/1.1 400")
+
+
 @pytest.mark.parametrize("field,value", [("keep_alive_timeout", 0.0),
                                          ("read_timeout", -1.0),
                                          ("write_timeout", float("nan")),
-                                         ("max_connections", 0)])
+                                         ("max_connections", 0),
+                                         ("h11_max_header_count", 0),
+                                         ("h11_max_incomplete_event_size", 0)])
 def test_connection_limits_must_be_positive(field, value):
     with pytest.raises(ConfigError, match=field):
         ServeConfig(**{field: value})

@@ -16,6 +16,9 @@ client_header_timeout, send_timeout; llama.cpp's server a read and a write timeo
   comes from the app).
 - A response whose client reads nothing for --write-timeout is cut off: the connection
   is aborted, which aborts its request too.
+- A request's line and headers may take --h11-max-incomplete-event-size bytes and
+  --h11-max-header-count headers (vLLM's flags); past either the client gets a 431 and
+  the connection is closed, before any middleware or route sees the request.
 - When the open connections pass --max-connections, the connection that has waited
   longest for a request is closed to make room: a client that sends its request at once
   waits milliseconds, an idle or trickling one is the oldest, so a flood of idle
@@ -46,6 +49,10 @@ RESERVED_FILES = 256
 # Each kind of warning (connections closed to make room, failed accepts) is logged at
 # most this often.
 LOG_EVERY_S = 10.0
+# A request's line and headers: h11's own default size (vLLM's is 4 MiB: every
+# connection may then buffer that much before its request is even parsed), vLLM's count.
+DEFAULT_MAX_HEADER_BYTES = 16 * 1024
+DEFAULT_MAX_HEADER_COUNT = 256
 
 
 def raise_open_file_limit() -> int:
@@ -78,10 +85,13 @@ class ConnectionGuard:
     """One server's limits, and its connections waiting for a request (oldest first)."""
 
     def __init__(self, read_timeout: float, write_timeout: float,
-                 max_connections: int) -> None:
+                 max_connections: int, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+                 max_header_count: int = DEFAULT_MAX_HEADER_COUNT) -> None:
         self.read_timeout = read_timeout
         self.write_timeout = write_timeout
         self.max_connections = max_connections
+        self.max_header_bytes = max_header_bytes
+        self.max_header_count = max_header_count
         self.waiting: dict[Any, None] = {}  # insertion order: when each began to wait
         # Closed here but not yet gone (the loop reports it on its next turn): not
         # counted, or a burst of connections would close one waiting connection each.
@@ -150,6 +160,7 @@ class ConnectionGuard:
             def connection_made(  # type: ignore[override]
                     self, transport: asyncio.Transport) -> None:
                 super().connection_made(transport)
+                self.app = _header_count_limited(self.app, guard.max_header_count)
                 self._await_request()
                 # Idle before the first byte as uvicorn allows after a response; the
                 # first byte cancels it (data_received).
@@ -162,6 +173,18 @@ class ConnectionGuard:
                         f"{guard.max_connections})."))
                     guard.closing.add(self)
                     transport.close()
+
+            def send_400_response(self, msg: str) -> None:
+                # uvicorn's answer to any request h11 cannot parse; one that outgrew
+                # the size limit gets a 431 that says which.
+                if len(self.conn.trailing_data[0]) > guard.max_header_bytes:
+                    self.transport.write(_raw_response(
+                        431, f"The request's line and headers are larger than the "
+                        f"{guard.max_header_bytes} bytes this server accepts "
+                        f"(--h11-max-incomplete-event-size)."))
+                    self.transport.close()
+                    return
+                super().send_400_response(msg)
 
             def _await_request(self) -> None:
                 guard.waiting[self] = None
@@ -234,3 +257,26 @@ class ConnectionGuard:
                 super().connection_lost(exc)
 
         return GuardedH11Protocol
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        """uvicorn.Config's arguments for this guard's protocol."""
+        return {"http": self.protocol_class(),
+                "h11_max_incomplete_event_size": self.max_header_bytes}
+
+
+def _header_count_limited(app: Any, limit: int) -> Any:
+    """`app` behind a 431 for a request with more than `limit` headers (the request's
+    headers are parsed by then, within the size limit; what is refused is every
+    middleware's and route's linear walk over thousands of them)."""
+    async def limited(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or len(scope["headers"]) <= limit:
+            return await app(scope, receive, send)
+        body = json.dumps(error_body(
+            f"The request has {len(scope['headers'])} headers, more than the {limit} "
+            f"this server accepts (--h11-max-header-count).", 431)).encode()
+        await send({"type": "http.response.start", "status": 431,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+    return limited

@@ -84,7 +84,7 @@ class ServerLoad:
 LOAD_PATHS = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/pooling",
     "/v1/responses", "/score", "/v1/score", "/classify", "/v1/classify", "/rerank",
-    "/v1/rerank", "/v2/rerank", "/invocations"})
+    "/v1/rerank", "/v2/rerank", "/invocations", "/inference/v1/generate"})
 
 
 class LoadMiddleware:

@@ -152,6 +152,9 @@ class SamplingFields(RequestModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     request_id: str | None = None
+    cache_salt: str | None = None
+    """Only requests with the same salt share prefix-cache blocks (vLLM's: a tenant
+    cannot learn another's prompts from the cache's timing)."""
     vllm_xargs: dict[str, Any] | None = None
     """Arguments for the server's custom logits processors (--logits-processors):
     SamplingParams.extra_args, as vLLM's."""

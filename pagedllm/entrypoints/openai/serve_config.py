@@ -59,6 +59,10 @@ class ServeConfig:
     write_timeout: float = _flag(60.0, "seconds a response waits on a client that reads none "
                                        "of it; beyond, the connection is closed and its "
                                        "request aborted")
+    h11_max_incomplete_event_size: int = _flag(
+        16 * 1024, "most bytes of a request's line and headers (431 beyond); h11's "
+                   "default, where vLLM's is 4 MiB")
+    h11_max_header_count: int = _flag(256, "most headers of a request (431 beyond)")
     max_connections: int | None = _flag(None, "most open connections: past it the one that "
                                               "has waited longest for a request is closed "
                                               "(default: the open-file limit less 256)")
@@ -185,8 +189,20 @@ class ServeConfig:
                "remove LoRA adapters while serving (vLLM's "
                "VLLM_ALLOW_RUNTIME_LORA_UPDATING; needs --enable-lora)")
 
+    tokens_only: bool = _flag(
+        False, "serve only the Tokens In<>Out API (POST /inference/v1/generate, "
+               "/abort_requests) beside health, metrics and models, and load no "
+               "tokenizer (vLLM's, for a server behind a separate renderer)")
+    skip_tokenizer_init: bool = _flag(
+        False, "load no tokenizer: POST /inference/v1/generate serves token ids and "
+               "the routes that read or write text answer 400")
+    log_error_stack: bool = _flag(
+        False, "log the traceback of every error response, 4xx included (5xx from a "
+               "failure are always logged with theirs)")
+
     def __post_init__(self) -> None:
         for name in ("max_n", "max_stop", "max_prompt_bytes", "max_body_bytes",
+                     "h11_max_incomplete_event_size", "h11_max_header_count",
                      "responses_store_max_bytes", "max_background_responses"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

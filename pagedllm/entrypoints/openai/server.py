@@ -35,6 +35,7 @@ import stat
 import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -58,6 +59,7 @@ from pagedllm.entrypoints.openai.dashboard import (PAGE_PATHS, STATE_PATH, Dashb
 from pagedllm.entrypoints.openai.connections import (ConnectionGuard, default_max_connections,
                                                      raise_open_file_limit)
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, PoolingRequest
+from pagedllm.entrypoints.openai.generate_protocol import AbortRequest, GenerateRequest
 from pagedllm.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware,
                                                     LoadMiddleware, RequestIdMiddleware,
                                                     ServerLoad, error_response)
@@ -76,6 +78,8 @@ from pagedllm.entrypoints.openai.serving_common import (RequestTimeoutError, err
                                                         exception_message)
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_generate import (GENERATE_ID_PREFIX,
+                                                          OpenAIServingGenerate)
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.errors import (ConfigError, EngineBusyError, EngineDeadError,
@@ -93,6 +97,11 @@ SHUTDOWN_GRACE_S = 7.0
 
 # Errors named in a 400's message; the rest only make it longer.
 MAX_ERRORS_SHOWN = 8
+# The routes that read or write text: a server without a tokenizer refuses them.
+TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/pooling",
+               "/v1/responses", "/score", "/v1/score", "/classify", "/v1/classify",
+               "/rerank", "/v1/rerank", "/v2/rerank", "/invocations", "/tokenize",
+               "/detokenize", "/tokenizer_info")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -174,7 +183,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
         offloader.start_check(engine.constraints.warm_up)
         yield
         sampler.cancel()
-        await responses.cancel_background()
+        if responses is not None:
+            await responses.cancel_background()
         offloader.shutdown()
         if shutdown_engine:
             # Here, not after uvicorn returns: on SIGTERM uvicorn re-raises the signal
@@ -185,7 +195,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
                             if serve_config.disable_fastapi_docs else {})
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__,
                   lifespan=lifespan, root_path=root_path or "", **docs)
-    _install_error_handlers(app)
+    _install_error_handlers(app, serve_config.log_error_stack)
     for extra in middleware:  # added first: innermost, after the server's checks
         if isinstance(extra, type):
             app.add_middleware(extra)
@@ -299,13 +309,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
                        serve_config: ServeConfig, offloader: Offloader,
                        ) -> OpenAIServingResponses:
     """The OpenAI routes; returns the Responses handler (shutdown cancels its
-    background responses)."""
-    completions = OpenAIServingCompletion(engine, models, serve_config, offloader)
-    chat = OpenAIServingChat(engine, models, serve_config, offloader)
-    embeddings = OpenAIServingEmbedding(engine, models, serve_config, offloader)
-    scores = OpenAIServingScore(engine, models, serve_config, offloader)
-    responses = OpenAIServingResponses(engine, models, serve_config, offloader)
-
+    background responses), None where the server has only the Tokens In<>Out ones."""
     # A model card's `created`: when this server began serving (the same in every
     # answer: a listing and a retrieve a second apart once disagreed).
     created = int(time.time())
@@ -346,6 +350,18 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
                             f"successfully.", media_type="text/plain")
 
     post = BodyRoutes(app, offloader).post
+    _add_generate_routes(app, post, engine,
+                         OpenAIServingGenerate(engine, models, serve_config, offloader))
+    if serve_config.tokens_only:
+        return None
+    if engine.tokenizer is None:
+        _refuse_text_routes(app)
+        return None
+    completions = OpenAIServingCompletion(engine, models, serve_config, offloader)
+    chat = OpenAIServingChat(engine, models, serve_config, offloader)
+    embeddings = OpenAIServingEmbedding(engine, models, serve_config, offloader)
+    scores = OpenAIServingScore(engine, models, serve_config, offloader)
+    responses = OpenAIServingResponses(engine, models, serve_config, offloader)
 
     @post("/v1/completions", body=CompletionRequest)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
@@ -478,6 +494,43 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     return responses
 
 
+def _add_generate_routes(app: FastAPI, post: Any, engine: AsyncLLM,
+                         generate: OpenAIServingGenerate) -> None:
+    """vLLM's Tokens In<>Out routes: /inference/v1/generate and the abort of its
+    requests by id (also at /abort_requests, vLLM's path for --tokens-only servers)."""
+
+    @post("/inference/v1/generate", body=GenerateRequest)
+    async def generate_tokens(request: GenerateRequest, raw_request: Request) -> Any:
+        given = (request.request_id or raw_request.headers.get("x-request-id", "")[:128]
+                 or uuid.uuid4().hex)
+        request_id = GENERATE_ID_PREFIX + given
+        if request.stream:
+            return await generate.generate(request, request_id)
+        return await _cancel_on_disconnect(raw_request,
+                                           generate.generate(request, request_id))
+
+    @post("/inference/v1/abort_requests", "/abort_requests", body=AbortRequest)
+    async def abort_requests(request: AbortRequest, _: Request) -> Response:
+        """Abort these requests (by the response's request_id, or the caller's own);
+        an id that is not running is no error."""
+        for given in request.request_ids:
+            for request_id in {given, GENERATE_ID_PREFIX + given}:
+                generate.abort_all(request_id, 1)
+        return Response(status_code=200)
+
+
+def _refuse_text_routes(app: FastAPI) -> None:
+    """A server without a tokenizer answers the routes that need one with a 400 that
+    says why (with --tokens-only they are not served at all: 404, as vLLM's)."""
+    async def refuse(_: Request) -> Response:
+        raise InvalidRequestError(
+            "this server loads no tokenizer (--skip-tokenizer-init): only the Tokens "
+            "In<>Out API, POST /inference/v1/generate, generates here")
+
+    for path in TEXT_ROUTES:
+        app.api_route(path, methods=["GET", "POST"], include_in_schema=False)(refuse)
+
+
 def _take_header_request_id(request: CompletionRequest | ChatCompletionRequest,
                             raw_request: Request, prefix: str) -> None:
     """A request with no `request_id` of its own is named after its X-Request-Id header
@@ -508,7 +561,7 @@ def tokenizer_info_of(tokenizer: Any, max_model_len: int) -> dict[str, Any]:
     return info
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, log_error_stack: bool = False) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
@@ -527,6 +580,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         if status >= 500 and not isinstance(exc, (EngineDeadError, QueueFullError,
                                                   EngineSleepingError)):
             logger.error("request failed", exc_info=exc)
+        elif log_error_stack:
+            logger.info("request answered %d", status, exc_info=exc)
         headers = ({"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, QueueFullError)
                    else None)
         return error_response(exception_message(exc), status, headers=headers)
@@ -698,7 +753,9 @@ async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, conf
     serve_config = serve_config or ServeConfig()
     guard = ConnectionGuard(serve_config.read_timeout, serve_config.write_timeout,
                             serve_config.max_connections
-                            or default_max_connections(raise_open_file_limit()))
+                            or default_max_connections(raise_open_file_limit()),
+                            serve_config.h11_max_incomplete_event_size,
+                            serve_config.h11_max_header_count)
     # Constraints are parsed in a child process, each under --render-timeout of CPU time
     # (constraint_check.py: a few bytes of JSON schema can take xgrammar minutes).
     constraints = ConstraintChecker(
@@ -707,7 +764,9 @@ async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, conf
         limit_names=("--render-timeout", "--grammar-compile-memory"))
     engine = AsyncLLM(config, model_name=names[0],
                       log_stats_interval_s=args.log_stats_interval, constraints=constraints,
-                      core_process=core)
+                      core_process=core,
+                      skip_tokenizer_init=(serve_config.tokens_only
+                                           or serve_config.skip_tokenizer_init))
     try:
         await engine.start()
         # Start-up objects (torch, transformers, the tokenizer) are permanent: keep
@@ -719,7 +778,7 @@ async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, conf
                         lora_modules=lora_modules, root_path=args.root_path,
                         middleware=args.middleware)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port,
-                                   http=guard.protocol_class(),
+                                   **guard.uvicorn_options(),
                                    timeout_keep_alive=serve_config.keep_alive_timeout,
                                    log_level=args.uvicorn_log_level,
                                    # Its records go through the root handler
@@ -730,7 +789,9 @@ async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, conf
                                    ssl_keyfile=args.ssl_keyfile,
                                    ssl_certfile=args.ssl_certfile,
                                    ssl_ca_certs=args.ssl_ca_certs,
-                                   ssl_cert_reqs=args.ssl_cert_reqs)
+                                   ssl_cert_reqs=args.ssl_cert_reqs,
+                                   **({"ssl_ciphers": args.ssl_ciphers}
+                                      if getattr(args, "ssl_ciphers", None) else {}))
         guard.quiet_accept_errors(asyncio.get_running_loop())
         server = _server_with_deadline(uv_config, engine)
         if getattr(args, "uvicorn_access_log", False):

@@ -16,14 +16,13 @@ from pagedllm.engine.content_format import ContentFormat, detect_content_format
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
                                                   ChatCompletionResponse,
                                                   ChatCompletionResponseChoice,
-                                                  ChatCompletionStreamResponse, ChatLogprobs,
-                                                  ChatLogprobTop, ChatLogprobToken,
+                                                  ChatCompletionStreamResponse,
                                                   ChatMessage, ChatResponseMessage,
                                                   ChatStreamChoice, DeltaMessage,
                                                   prompt_logprobs_field, random_id)
 from pagedllm.entrypoints.openai.serve_config import RESERVED_TEMPLATE_KWARGS
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, SSEResponse,
-                                                        clamp_logprob, logprobs_bytes,
+                                                        logprobs_bytes,
                                                         merge_streams,
                                                         prompt_logprobs_bytes, sse,
                                                         sse_error)
@@ -33,7 +32,7 @@ from pagedllm.entrypoints.openai.tool_calling import (ToolCallReader, ToolPlan, 
 from pagedllm.errors import ConfigError, InvalidRequestError
 from pagedllm.mm_inputs import ProcessedImage
 from pagedllm.multimodal.content import load_images, template_parts
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.reasoning import Phase, ReasoningReader
 from pagedllm.sampling_params import SamplingParams
 
@@ -112,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
 
             def choice(out=out, message=message, finish_reason=finish_reason,
                        ) -> ChatCompletionResponseChoice:
-                logprobs = (self._logprobs(out.token_ids, out.logprobs,
+                logprobs = (self.chat_logprobs(out.token_ids, out.logprobs,
                                            request.top_logprobs or 0,
                                            self.tokens_as_ids(request))
                             if request.logprobs else None)
@@ -327,30 +326,6 @@ class OpenAIServingChat(OpenAIServing):
         return (text, await self.encode(text, add_special_tokens=False, check_bytes=False),
                 sources)
 
-    def _logprobs(self, token_ids: list[int], logprobs: list | None,
-                  num_top: int, as_ids: bool = False) -> ChatLogprobs:
-        """`as_ids`: tokens named "token_id:<id>" (return_tokens_as_token_ids)."""
-        content = []
-        for k, token_id in enumerate(token_ids):
-            step: dict[int, Logprob] | None = logprobs[k] if logprobs and k < len(
-                logprobs) else None
-            chosen = step.get(token_id) if step else None
-            token = self.token_text(token_id, chosen, as_ids)
-            top = []
-            if step:
-                ranked = sorted((lp.rank, t, lp) for t, lp in step.items()
-                                if lp.rank is not None and lp.rank <= num_top)
-                top = [self._top(t, lp, as_ids) for _, t, lp in ranked[:num_top]]
-            content.append(ChatLogprobToken(
-                token=token, logprob=clamp_logprob(chosen.logprob) if chosen else -9999.0,
-                bytes=list(token.encode("utf-8")), top_logprobs=top))
-        return ChatLogprobs(content=content)
-
-    def _top(self, token_id: int, lp: Logprob, as_ids: bool) -> ChatLogprobTop:
-        token = self.token_text(token_id, lp, as_ids)
-        return ChatLogprobTop(token=token, logprob=clamp_logprob(lp.logprob),
-                              bytes=list(token.encode("utf-8")))
-
     # ------------------------------------------------------------------ streaming
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
@@ -388,7 +363,7 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if request.logprobs and new_ids:
                         new_lps = out.logprobs[st.num_tokens:] if out.logprobs else None
-                        logprobs = self._logprobs(new_ids, new_lps, request.top_logprobs or 0,
+                        logprobs = self.chat_logprobs(new_ids, new_lps, request.top_logprobs or 0,
                                                   self.tokens_as_ids(request))
                     st.num_chars = max(st.num_chars, len(out.text))
                     st.num_tokens = len(out.token_ids)

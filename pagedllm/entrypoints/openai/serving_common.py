@@ -24,8 +24,9 @@ from pagedllm.engine.async_llm import AsyncLLM, QueueFullError
 from pagedllm.engine.input_processor import check_num_logprobs, truncate_prompt
 from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
 from pagedllm.entrypoints.openai.protocol import (  # noqa: F401  (clamp_logprob: re-exported)
-    ErrorInfo, ErrorResponse, OpenAIBaseModel, PerRequestMetrics, PromptTokenUsageInfo,
-    SamplingFields, UsageInfo, clamp_logprob)
+    ChatLogprobs, ChatLogprobTop, ChatLogprobToken, ErrorInfo, ErrorResponse,
+    OpenAIBaseModel, PerRequestMetrics, PromptTokenUsageInfo, SamplingFields, UsageInfo,
+    clamp_logprob)
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.responses_store import ResponseNotFoundError
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
@@ -348,6 +349,8 @@ class OpenAIServing:
                     prompt = {"prompt_embeds": embeds[i]}
                 if images:
                     prompt["multi_modal_data"] = {"image": images}
+                if getattr(request, "cache_salt", None) is not None:
+                    prompt["cache_salt"] = request.cache_salt
                 stream = self.engine.add_request(
                     f"{request_id}-{i}", prompt, sp, priority=request.priority,
                     timeout=timeout, lora_request=lora)
@@ -448,6 +451,32 @@ class OpenAIServing:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list | None,
+                  num_top: int, as_ids: bool = False) -> ChatLogprobs:
+        """Chat's logprobs of `token_ids` (each token's text, bytes and top
+        alternatives). `as_ids`: tokens named "token_id:<id>"
+        (return_tokens_as_token_ids)."""
+        content = []
+        for k, token_id in enumerate(token_ids):
+            step: dict[int, Logprob] | None = logprobs[k] if logprobs and k < len(
+                logprobs) else None
+            chosen = step.get(token_id) if step else None
+            token = self.token_text(token_id, chosen, as_ids)
+            top = []
+            if step:
+                ranked = sorted((lp.rank, t, lp) for t, lp in step.items()
+                                if lp.rank is not None and lp.rank <= num_top)
+                top = [self._chat_top(t, lp, as_ids) for _, t, lp in ranked[:num_top]]
+            content.append(ChatLogprobToken(
+                token=token, logprob=clamp_logprob(chosen.logprob) if chosen else -9999.0,
+                bytes=list(token.encode("utf-8")), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def _chat_top(self, token_id: int, lp: Logprob, as_ids: bool) -> ChatLogprobTop:
+        token = self.token_text(token_id, lp, as_ids)
+        return ChatLogprobTop(token=token, logprob=clamp_logprob(lp.logprob),
+                              bytes=list(token.encode("utf-8")))
 
 
 def logprobs_bytes(k: int | None, num_tokens: int) -> int:

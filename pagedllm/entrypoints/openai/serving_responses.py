@@ -376,7 +376,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         if reasoned:
             start = max(start, self._num_reasoning_tokens(token_ids))
         lps = logprobs[start:] if logprobs else None
-        content = self._logprobs(token_ids[start:], lps, request.top_logprobs or 0,
+        content = self.chat_logprobs(token_ids[start:], lps, request.top_logprobs or 0,
                                  self.tokens_as_ids(request)).content
         return content or []
 
