@@ -425,6 +425,9 @@ class ParallelConfig:
     KV cache and tp x pp workers; the server sends each request to one of them."""
     data_parallel_rank: int = 0
     """Which replica this engine core is (its outputs carry it back to the front end)."""
+    worker_extension_cls: str = ""
+    """A class (package.module:Class) whose methods every rank's worker gets, for
+    collective_rpc to call (vLLM's; worker/rpc.py)."""
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:

@@ -226,6 +226,10 @@ class EngineArgs:
               "ray (one Ray actor per worker, on any node of a Ray cluster: "
               "pip install pagedllm[ray]); default: uni for one worker, mp for more",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    worker_extension_cls: str = _arg(
+        "", "a class (package.module:Class) whose methods every worker gets, for "
+            "LLM.collective_rpc to call on every rank (vLLM's; RL frameworks' weight "
+            "syncs); its methods see the rank's model_runner, model, device and rank")
     hf_overrides: dict[str, Any] | None = _arg(
         None, "fields set on the model's HF config, as vLLM's: a JSON object such as "
               "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
@@ -719,8 +723,13 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
-            data_parallel_size=self.data_parallel_size)
+            data_parallel_size=self.data_parallel_size,
+            worker_extension_cls=self.worker_extension_cls)
         parallel.verify_with_model(hf_config)
+        if self.worker_extension_cls:
+            from pagedllm.worker.rpc import extension_class
+
+            extension_class(self.worker_extension_cls)  # a ConfigError now, not on a rank
         if parallel.world_size > 1 and self.compile:
             raise ConfigError("compile=True with tensor_parallel_size > 1 is not supported "
                               "yet (the compiled graph has no collectives)")

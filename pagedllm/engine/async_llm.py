@@ -249,7 +249,8 @@ class AsyncLLM:
                 collector.put(out)
         self._drain_local_finishes()
 
-    async def call_utility(self, method: str, *args: Any) -> Any:
+    async def call_utility(self, method: str, *args: Any,
+                           timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
         """Run a utility on the core ("get_stats", "reset_prefix_cache", "ping",
         "kv_snapshot", "sleep", "wake_up", "is_sleeping")."""
         self.check_health()
@@ -259,7 +260,7 @@ class AsyncLLM:
         futures = [loop.create_future() for _ in keys]
         self._utility_futures.update(zip(keys, futures))
         try:
-            results = await asyncio.wait_for(asyncio.gather(*futures), UTILITY_TIMEOUT_S)
+            results = await asyncio.wait_for(asyncio.gather(*futures), timeout)
         finally:
             for key in keys:
                 self._utility_futures.pop(key, None)
@@ -269,6 +270,17 @@ class AsyncLLM:
         return self.core_client.combine_utility(method, results)
 
     # ------------------------------------------------------------------ sleep mode
+
+    async def collective_rpc(self, method: Any, timeout: float | None = None,
+                             args: tuple = (), kwargs: dict[str, Any] | None = None,
+                             ) -> list:
+        """LLM.collective_rpc through the core (every data parallel replica's ranks,
+        in replica order); `timeout`: seconds to wait for the answer (the call itself
+        still runs to its end)."""
+        from pagedllm.worker.rpc import encode_call
+
+        payload = encode_call(method, args, kwargs)
+        return await self.call_utility("collective_rpc", payload, timeout=timeout)
 
     async def sleep(self, level: int = 1) -> None:
         """EngineCore.sleep in the core (every replica). New requests are refused from

@@ -165,7 +165,8 @@ class EngineCoreProc:
     """Runs an EngineCore and serves the sockets until Shutdown or the parent exits."""
 
     UTILITIES = ("get_stats", "reset_prefix_cache", "ping", "kv_snapshot", "sleep",
-                 "wake_up", "is_sleeping", "start_profile", "stop_profile")
+                 "wake_up", "is_sleeping", "start_profile", "stop_profile",
+                 "collective_rpc")
 
     def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
                  parent_pid: int) -> None:
@@ -346,6 +347,11 @@ class EngineCoreProc:
             return self.core.reset_prefix_cache(*call.args)
         if call.method == "ping":
             return "pong"
+        if call.method == "collective_rpc":
+            try:
+                return self.core.collective_rpc(*call.args)
+            except Exception as e:  # noqa: BLE001 - the caller's call failed: its answer
+                return e
         if call.method in ("sleep", "wake_up", "is_sleeping", "start_profile",
                            "stop_profile"):
             try:

@@ -232,8 +232,8 @@ def combine_utility(method: str, results: list[Any]) -> Any:
         return all(results)
     if method == "is_sleeping":
         return any(results)
-    if method == "stop_profile":
-        return [path for paths in results for path in paths]
+    if method in ("stop_profile", "collective_rpc"):  # per replica, per rank
+        return [item for items in results for item in items]
     if method == "kv_snapshot":
         from pagedllm.core.kv_snapshot import concat_snapshots
 

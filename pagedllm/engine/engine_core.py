@@ -269,6 +269,14 @@ class EngineCore:
         self.publish_kv_events()
         return done
 
+    def collective_rpc(self, payload: bytes) -> list:
+        """An encoded call (worker/rpc.py) on every rank's worker; results in rank
+        order. Between steps only: the workers run one thing at a time."""
+        if self.batch_queue:
+            raise EngineBusyError(f"{len(self.batch_queue)} steps are in flight: "
+                                  f"collective_rpc runs between steps; retry")
+        return self.executor.collective_rpc(payload)
+
     def update_weights(self, weights: Any) -> None:
         """Load new weights ((hf_name, tensor) pairs or a dict, as the model's checkpoint
         names them; names not given keep the files' values) into an idle engine, e.g. a

@@ -84,6 +84,18 @@ class LLM:
         dense)."""
         self.llm_engine.update_weights(weights)
 
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list:
+        """Run `method` on every rank's worker, as vLLM's: a name of the worker's
+        methods (those of `worker_extension_cls` among them) or a function taking the
+        worker first, importable by name; its results in rank order. The worker has
+        the rank's `model_runner`, `model`, `device` and `rank`. `timeout` is vLLM's
+        and not supported (a call runs to its end)."""
+        if timeout is not None:
+            raise ValueError("collective_rpc's timeout is not supported: a call runs to "
+                             "its end")
+        return self.llm_engine.collective_rpc(method, args, kwargs)
+
     def start_profile(self) -> None:
         """Record the model's steps with torch's profiler (needs profiler_dir, or env
         PAGEDLLM_TORCH_PROFILER_DIR / VLLM_TORCH_PROFILER_DIR, as vLLM's)."""

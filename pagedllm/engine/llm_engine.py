@@ -161,6 +161,12 @@ class LLMEngine:
                                   f"change only when the engine is idle")
         self.engine_core.update_weights(weights)
 
+    def collective_rpc(self, method: Any, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list:
+        from pagedllm.worker.rpc import encode_call
+
+        return self.engine_core.collective_rpc(encode_call(method, args, kwargs))
+
     def start_profile(self) -> None:
         self.engine_core.start_profile()
 

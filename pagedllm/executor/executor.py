@@ -59,6 +59,11 @@ class Executor(Protocol):
         """Stop recording; the traces' paths, one per runner."""
         ...
 
+    def collective_rpc(self, payload: bytes) -> list:
+        """An encoded call (worker/rpc.py) run on every rank's worker; the results in
+        rank order."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -71,6 +76,7 @@ class InProcExecutor:
         from pagedllm.worker.model_runner import ModelRunner
 
         self.runner = ModelRunner(config)
+        self.rpc_worker = None  # built on the first collective_rpc
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
@@ -111,6 +117,14 @@ class InProcExecutor:
 
     def stop_profile(self) -> list[str]:
         return [self.runner.stop_profile()]
+
+    def collective_rpc(self, payload: bytes) -> list:
+        from pagedllm.worker.rpc import make_rank_worker, run_call
+
+        if self.rpc_worker is None:
+            self.rpc_worker = make_rank_worker(
+                self.runner, 0, self.runner.config.parallel.worker_extension_cls)
+        return [run_call(self.rpc_worker, payload)]
 
     def shutdown(self) -> None:
         pass

@@ -49,3 +49,6 @@ class WorkerGroupExecutor:
 
     def update_weights(self, weights: list) -> None:
         self._call_all("update_weights", weights)
+
+    def collective_rpc(self, payload: bytes) -> list:
+        return self._call_all("collective_rpc", payload)

@@ -49,6 +49,8 @@ class Worker:
         parallel = init_parallel(init.store_host, init.store_port, init.rank,
                                  init.tp_size, init.pp_size)
         self.runner = ModelRunner(init.config, parallel)
+        self.rank = init.rank
+        self.rpc_worker: Any = None  # built on the first collective_rpc
 
     @property
     def is_driver(self) -> bool:
@@ -59,5 +61,12 @@ class Worker:
         """Run one of the runner's executor-facing methods: determine_num_blocks,
         determine_num_swap_blocks, kv_cache_group_windows, splits_prompt_rows,
         initialize_kv_cache, execute_model, sleep, wake_up, start_profile,
-        stop_profile, update_weights."""
+        stop_profile, update_weights; or collective_rpc (worker/rpc.py)."""
+        if method == "collective_rpc":
+            from pagedllm.worker.rpc import make_rank_worker, run_call
+
+            if self.rpc_worker is None:
+                self.rpc_worker = make_rank_worker(
+                    self.runner, self.rank, self.runner.config.parallel.worker_extension_cls)
+            return run_call(self.rpc_worker, *args)
         return getattr(self.runner, method)(*args)
