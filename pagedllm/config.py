@@ -703,6 +703,8 @@ class ObservabilityConfig:
     lifetime, idle time before eviction, reuse gaps); 0: off."""
     histogram_buckets: dict[str, tuple[float, ...]] = field(default_factory=dict)
     """Bucket bounds replacing the defaults of a histogram family (HISTOGRAM_FAMILIES)."""
+    enable_mfu_metrics: bool = False
+    """Count each step's estimated FLOPs and bytes moved per worker (core/perf.py)."""
 
     def __post_init__(self) -> None:
         sample = self.kv_cache_metrics_sample

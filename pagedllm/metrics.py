@@ -48,6 +48,10 @@ class SchedulerStatsLike(Protocol):
     num_accepted_tokens: int  # cumulative proposals accepted
     external_prefix_cache_queries: int  # cumulative prompt tokens looked up in the KV store
     external_prefix_cache_hits: int  # cumulative prompt tokens loaded from it
+    # enable_mfu_metrics: cumulative estimates per worker (core/perf.py)
+    estimated_flops: float
+    estimated_read_bytes: float
+    estimated_write_bytes: float
     # kv_cache_metrics: (lifetime, idle, reuse gaps) of sampled blocks since the last stats
     kv_block_residency: list[tuple[float, float, tuple[float, ...]]]
 
@@ -92,9 +96,10 @@ class EngineMetrics:
     """vLLM-style `pagedllm:*` metrics, labelled with the served model name."""
 
     def __init__(self, model_name: str, buckets: dict[str, tuple[float, ...]] | None = None,
-                 kv_cache_metrics: bool = False) -> None:
+                 kv_cache_metrics: bool = False, mfu_metrics: bool = False) -> None:
         """`buckets`: bounds replacing a histogram family's defaults (vLLM's families,
-        config.HISTOGRAM_FAMILIES); `kv_cache_metrics`: the block residency histograms."""
+        config.HISTOGRAM_FAMILIES); `kv_cache_metrics`: the block residency histograms;
+        `mfu_metrics`: the estimated FLOPs and bytes counters (vLLM's names)."""
         buckets = buckets or {}
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -149,6 +154,17 @@ class EngineMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", latency)
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Arrival to first scheduled.", latency)
+        # vLLM's model-FLOPs-utilization counters (mfu_metrics only): "gpu" is vLLM's
+        # word for a worker, kept so its dashboards' queries work.
+        self.perf: tuple[Counter, Counter, Counter] | None = None
+        if mfu_metrics:
+            self.perf = (
+                counter("estimated_flops_per_gpu", "Estimated floating point operations "
+                        "per worker (for model FLOPs utilization)."),
+                counter("estimated_read_bytes_per_gpu", "Estimated bytes read from "
+                        "memory per worker."),
+                counter("estimated_write_bytes_per_gpu", "Estimated bytes written to "
+                        "memory per worker."))
         # vLLM's KV cache residency histograms (kv_cache_metrics only).
         self.residency: tuple[Histogram, Histogram, Histogram] | None = None
         if kv_cache_metrics:
@@ -227,6 +243,11 @@ class EngineMetrics:
                  last.num_accepted_tokens if last else 0)):
             if now > before:
                 self._labels(metric).inc(now - before)
+        if self.perf is not None:
+            for metric, now, before in zip(
+                    self.perf, _perf_of(stats), _perf_of(last) if last else (0, 0, 0)):
+                if now > before:
+                    self._labels(metric).inc(now - before)
         self._last_stats = stats
         self.stats_log.scheduler_stats = stats
 
@@ -281,6 +302,10 @@ class EngineMetrics:
                                     finished_reason=reason).inc()
 
 
+def _perf_of(stats: SchedulerStatsLike) -> tuple[float, float, float]:
+    return stats.estimated_flops, stats.estimated_read_bytes, stats.estimated_write_bytes
+
+
 class StatsLog:
     """The periodic "Avg prompt throughput ..." line, as vLLM prints it."""
 
@@ -293,7 +318,19 @@ class StatsLog:
         self._last_hits = 0
         # Cumulative (swaps out, swaps in) at the last line.
         self._last_swaps = (0, 0)
+        # Cumulative (flops, bytes read and written) at the last line (mfu metrics).
+        self._last_perf = (0.0, 0.0, 0.0)
         self._was_idle = True
+
+    def _perf_text(self, stats: SchedulerStatsLike | None, elapsed: float) -> str:
+        """", Est. X TFLOP/s, Y GB/s per worker" once the mfu estimates count."""
+        if stats is None or not stats.estimated_flops:
+            return ""
+        now = _perf_of(stats)
+        flops, read, written = (a - b for a, b in zip(now, self._last_perf))
+        self._last_perf = now
+        return (f", Est. {flops / elapsed / 1e12:.3f} TFLOP/s, "
+                f"{(read + written) / elapsed / 1e9:.1f} GB/s per worker")
 
     def _swap_text(self, stats: SchedulerStatsLike | None) -> str:
         """"Swapped: N reqs (out X, in Y since the last line), " once anything swapped."""
@@ -323,7 +360,8 @@ class StatsLog:
                     f"Running: {running} reqs, Waiting: {waiting} reqs, "
                     f"{self._swap_text(stats)}"
                     f"KV cache usage: {100 * (stats.kv_cache_usage if stats else 0):.1f}%, "
-                    f"Prefix cache hit rate: {100 * hits / queries if queries else 0:.1f}%")
+                    f"Prefix cache hit rate: {100 * hits / queries if queries else 0:.1f}%"
+                    f"{self._perf_text(stats, elapsed)}")
             logger.info(line)
         if stats:
             self._last_queries, self._last_hits = (stats.prefix_cache_queries,

@@ -299,6 +299,12 @@ class EngineArgs:
         "auto", "structured outputs' engine, as vLLM's flag: auto or xgrammar (the one "
                 "pagedllm runs; outlines, lm-format-enforcer and guidance are not "
                 "available)", choices=_GUIDED_DECODING_BACKENDS)
+    enable_mfu_metrics: bool = _arg(
+        False, "estimate each step's FLOPs and bytes read and written per worker from the "
+               "model's shape (vLLM's model-FLOPs-utilization metrics): Prometheus "
+               "counters pagedllm:estimated_flops_per_gpu_total and "
+               "estimated_{read,write}_bytes_per_gpu_total, and TFLOP/s and GB/s in the "
+               "stats log line")
     kv_cache_metrics: bool = _arg(False, "measure how long a sample of KV blocks stay "
                                          "(lifetime, idle time before eviction, reuse "
                                          "gaps: /metrics histograms), as vLLM's")
@@ -497,7 +503,8 @@ class EngineArgs:
             require_json_object("custom_histogram_buckets", buckets)
         return ObservabilityConfig(
             kv_cache_metrics_sample=self.kv_cache_metrics_sample if self.kv_cache_metrics
-            else 0.0, histogram_buckets=dict(buckets or {}))
+            else 0.0, histogram_buckets=dict(buckets or {}),
+            enable_mfu_metrics=self.enable_mfu_metrics)
 
     def _kv_transfer_config(self, cache: CacheConfig, parallel: ParallelConfig,
                             speculative: SpeculativeConfig | None,

@@ -87,7 +87,8 @@ class AsyncLLM:
         observe = config.observability
         self.metrics = EngineMetrics(model_name or config.model.path,
                                      observe.histogram_buckets,
-                                     kv_cache_metrics=observe.kv_cache_metrics_sample > 0)
+                                     kv_cache_metrics=observe.kv_cache_metrics_sample > 0,
+                                     mfu_metrics=observe.enable_mfu_metrics)
         self.log_stats_interval_s = log_stats_interval_s
         self._collectors: dict[str, RequestOutputCollector] = {}
         # (engine_index, call_id) -> the utility call's result, to come.

@@ -115,6 +115,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     """Cumulative prompt tokens looked up in the KV store (kv_transfer_config)."""
     external_prefix_cache_hits: int = 0
     """Cumulative prompt tokens loaded from it."""
+    estimated_flops: float = 0.0
+    """Cumulative estimated FLOPs per worker (enable_mfu_metrics; core/perf.py)."""
+    estimated_read_bytes: float = 0.0
+    estimated_write_bytes: float = 0.0
     kv_block_residency: list[tuple[float, float, tuple[float, ...]]] = msgspec.field(
         default_factory=list)
     """kv_cache_metrics: the sampled blocks' stays that ended since the last stats
@@ -321,6 +325,7 @@ class EngineCoreProc:
         sched = self.core.scheduler
         kv = sched.kv_cache_manager
         store = sched.kv_store
+        perf = self.core.perf
         return SchedulerStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting + self.core.num_compiling,  # grammars compiling too
@@ -333,6 +338,9 @@ class EngineCoreProc:
             num_accepted_tokens=sched.num_accepted_tokens,
             external_prefix_cache_queries=store.queries if store is not None else 0,
             external_prefix_cache_hits=store.hits if store is not None else 0,
+            estimated_flops=perf.flops if perf is not None else 0.0,
+            estimated_read_bytes=perf.read_bytes if perf is not None else 0.0,
+            estimated_write_bytes=perf.write_bytes if perf is not None else 0.0,
             kv_block_residency=kv.take_residency_events() if drain else [])
 
     def _utility(self, call: UtilityCall) -> Any:

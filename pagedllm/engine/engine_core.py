@@ -30,6 +30,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.perf import ModelShape, PerfCounter
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.structured_output import StructuredOutputManager
 from pagedllm.errors import (ConfigError, EngineBusyError, EngineSleepingError,
@@ -95,6 +96,9 @@ class EngineCore:
             except BaseException:
                 self.executor.shutdown()
                 raise
+        # Estimated FLOPs and bytes of the steps (enable_mfu_metrics).
+        self.perf = (make_perf_counter(config) if config.observability.enable_mfu_metrics
+                     else None)
         # (SchedulerOutput, future of its ModelRunnerOutput), oldest first.
         self.batch_queue: deque[tuple[Any, Any]] = deque()
         limits = config.structured_outputs
@@ -184,7 +188,24 @@ class EngineCore:
         """scheduler.schedule(), with the grammar bitmask of the requests that sample."""
         scheduler_output = self.scheduler.schedule()
         self.structured_output.fill_bitmask(scheduler_output)
+        if self.perf is not None:
+            self.perf.observe(self._step_work(scheduler_output))
         return scheduler_output
+
+    def _step_work(self, so: SchedulerOutput) -> list[tuple[int, int, int]]:
+        """Per scheduled request: (context before the step, tokens computed, rows
+        sampled), for the perf estimates. The scheduler has counted the step's tokens
+        into num_computed_tokens already."""
+        work = []
+        for req_id, num in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            after = req.num_computed_tokens
+            if req_id in so.scheduled_spec_decode_tokens:
+                rows = num
+            else:
+                rows = int(after >= req.num_prompt_tokens and not req.is_pooling)
+            work.append((after - num, num, rows))
+        return work
 
     def _update(self, scheduler_output: SchedulerOutput,
                 runner_output: ModelRunnerOutput) -> list[Request]:
@@ -398,3 +419,20 @@ def _load_tokenizer(config: EngineConfig) -> Any:
 def _num_lookahead_tokens(config: EngineConfig) -> int:
     """KV slots a sampling step reserves past its tokens (a draft model's proposals)."""
     return config.speculative.num_lookahead_tokens if config.speculative else 0
+
+
+def make_perf_counter(config: EngineConfig) -> PerfCounter:
+    """The perf estimates' counter for this engine's model and layout."""
+    import os
+
+    model = config.model
+    dtype_bytes = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}.get(str(model.dtype)
+                                                                       .split(".")[-1], 2.0)
+    shape = ModelShape.from_hf_config(model.hf_config, dtype_bytes,
+                                      1.0 if config.cache.cache_dtype.startswith("fp8")
+                                      else dtype_bytes, config.parallel.world_size)
+    if model.quantization == "gguf" and os.path.isfile(model.path):
+        # Blocks of several sizes: the file's bytes over its weights, on average.
+        shape = ModelShape(**{**shape.__dict__, "weight_bytes_per_param":
+                              os.path.getsize(model.path) / shape.weight_params})
+    return PerfCounter(shape)
