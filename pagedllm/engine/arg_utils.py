@@ -46,6 +46,10 @@ _LEARNED_POSITION_MODEL_TYPES = frozenset({"gpt2", "opt", "bert", "roberta", "xl
 _OFFSET_POSITION_MODEL_TYPES = frozenset({"roberta", "xlm-roberta"})
 
 
+# What a Hugging Face id's download leaves out unless told otherwise (vLLM's default).
+DEFAULT_IGNORE_PATTERNS = ["original/**/*"]
+
+
 def _arg(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
@@ -72,6 +76,13 @@ class EngineArgs:
                                        "custom modes are not available)",
                                choices=_TOKENIZER_MODES)
     revision: str | None = _arg(None, "branch, tag or commit of a Hugging Face model id")
+    hf_config_path: str | None = _arg(
+        None, "the HF config to use instead of the model's: a directory holding a "
+              "config.json, or a Hugging Face id (vLLM's)")
+    ignore_patterns: list[str] | None = _arg(
+        None, "files of a Hugging Face id not to download (glob patterns, vLLM's); "
+              "default: original/**/*, the original checkpoint some repositories carry "
+              "beside the HF one", nargs="+")
     tokenizer_revision: str | None = _arg(
         None, "branch, tag or commit of the tokenizer's Hugging Face id (the model's own "
               "repository without --tokenizer)")
@@ -399,7 +410,9 @@ class EngineArgs:
                               f"tokenizer), got {self.tokenizer_mode!r}")
         path = self._resolve_model_path()
         tokenizer = self._resolve_tokenizer()
-        hf_config = apply_hf_overrides(load_hf_config(path, self.trust_remote_code),
+        config_path = (self._resolve_path(self.hf_config_path, weights=False)
+                       if self.hf_config_path is not None else path)
+        hf_config = apply_hf_overrides(load_hf_config(config_path, self.trust_remote_code),
                                        self.hf_overrides, tokenizer or path,
                                        self.trust_remote_code)
         device = _resolve_device(self.device)
@@ -767,7 +780,10 @@ class EngineArgs:
         if looks_like_repo_id(model):
             return resolve_repo_id(model, self.revision if revision is True else revision,
                                    self.download_dir, token=self.hf_token, weights=weights,
-                                   code=self.trust_remote_code)
+                                   code=self.trust_remote_code,
+                                   ignore_patterns=(DEFAULT_IGNORE_PATTERNS
+                                                    if self.ignore_patterns is None
+                                                    else self.ignore_patterns))
         what = "model" if weights else "tokenizer"
         raise ModelLoadError(f"{what} path does not exist: {model!r} (pass an HF model "
                              f"directory, a .gguf file or a Hugging Face id org/name)")

@@ -25,11 +25,13 @@ def looks_like_repo_id(name: str) -> bool:
 
 def resolve_repo_id(repo_id: str, revision: str | None = None,
                     cache_dir: str | None = None, token: str | None = None,
-                    weights: bool = True, code: bool = False) -> str:
+                    weights: bool = True, code: bool = False,
+                    ignore_patterns: list[str] | None = None) -> str:
     """The local directory of `repo_id` at `revision` (a branch, tag or commit): its
     configs and tokenizer files, its weights unless `weights` is False, its Python files
-    with `code` (trust_remote_code). `token`: the Hub's (None: HF_TOKEN or the stored
-    login)."""
+    with `code` (trust_remote_code), but no file `ignore_patterns` match (vLLM's
+    default: "original/**/*", the original checkpoint some repositories carry beside
+    the HF one). `token`: the Hub's (None: HF_TOKEN or the stored login)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import LocalEntryNotFoundError
@@ -38,7 +40,8 @@ def resolve_repo_id(repo_id: str, revision: str | None = None,
         patterns = (TOKENIZER_PATTERNS + (WEIGHT_PATTERNS if weights else [])
                     + (CODE_PATTERNS if code else []))
         return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                 allow_patterns=patterns, token=token)
+                                 allow_patterns=patterns, token=token,
+                                 ignore_patterns=list(ignore_patterns or ()) or None)
     except LocalEntryNotFoundError as e:
         raise ModelLoadError(
             f"model {repo_id!r}{f' (revision {revision!r})' if revision else ''} is not a "

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, EngineArgs, SamplingParams
 from pagedllm.errors import ModelLoadError
 from pagedllm.loader.hub import looks_like_repo_id
 from tests.utils import save_tiny_model, tiny_llama_config
@@ -80,10 +81,38 @@ def test_hub_options_reach_the_download(hub_cache, monkeypatch):
     assert model_kw["token"] == tok_kw["token"] == "hf_secret"
     assert {"*.safetensors", "*.json", "*.py"} <= set(model_kw["allow_patterns"])
     assert "*.safetensors" not in tok_kw["allow_patterns"]  # a tokenizer's files only
+    assert model_kw["ignore_patterns"] == ["original/**/*"]  # vLLM's default
     assert llm.llm_engine.config.model.tokenizer == str(local)
     calls.clear()
-    LLM("org/tiny", dtype="float32", skip_tokenizer_init=True, num_kv_blocks=32)
+    LLM("org/tiny", dtype="float32", skip_tokenizer_init=True, num_kv_blocks=32,
+        ignore_patterns=["*.pt", "extra/*"])
     ((_, kw),) = calls
     assert "*.py" not in kw["allow_patterns"] and kw["token"] is None
+    assert kw["ignore_patterns"] == ["*.pt", "extra/*"]
+    # The HF config from another place (a Hugging Face id: its config files only).
+    calls.clear()
+    args = EngineArgs(model=str(local), hf_config_path="org/other-config")
+    args.create_engine_config()
+    ((config_id, config_kw),) = calls
+    assert config_id == "org/other-config" and "*.safetensors" not in \
+        config_kw["allow_patterns"]
     with pytest.raises(ConfigError, match="tokenizer_revision names a revision"):
         LLM(str(local), tokenizer_revision="v2", skip_tokenizer_init=True)
+
+
+def test_the_hf_config_can_come_from_elsewhere(tmp_path):
+    model = save_tiny_model(tmp_path / "model", tiny_llama_config(vocab_size=64), seed=1)
+    other = tmp_path / "config"
+    other.mkdir()
+    config = json.loads((model / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 0.25}))
+    llm = LLM(str(model), hf_config_path=str(other), dtype="float32",
+              skip_tokenizer_init=True, num_kv_blocks=32)
+    assert llm.llm_engine.config.model.hf_config.rms_norm_eps == 0.25
+    assert llm.llm_engine.config.model.path == str(model)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                       SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        EngineArgs(model=str(model), hf_config_path=str(tmp_path / "nowhere"),
+                   ).create_engine_config()
