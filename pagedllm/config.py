@@ -767,6 +767,10 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
     """Adapters a worker keeps loaded (least recently used dropped first; None:
     max_loras); at least max_loras."""
+    target_modules: tuple[str, ...] | None = None
+    """The linears adapters may change, by name (q_proj, ..., or a fused qkv_proj /
+    gate_up_proj for its parts); an adapter's weights for others are left unused.
+    None: every linear an adapter has weights for."""
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

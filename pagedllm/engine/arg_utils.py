@@ -299,6 +299,10 @@ class EngineArgs:
     max_cpu_loras: int | None = _arg(None, "LoRA adapters each worker keeps loaded (least "
                                            "recently used dropped first; default: "
                                            "max_loras)")
+    lora_target_modules: list[str] | None = _arg(
+        None, "the linears LoRA adapters may change (vLLM's): names such as o_proj or "
+              "q_proj, or a fused qkv_proj / gate_up_proj for its parts; an adapter's "
+              "weights for the others are left unused (default: all)", nargs="+")
     reasoning_parser: str | None = _arg(
         None, "the model's reasoning format (<think> ... </think>): deepseek_r1 (DeepSeek-R1, "
               "QwQ: reasoning until </think>) or qwen3 (Qwen3: reasoning when the output "
@@ -557,11 +561,20 @@ class EngineArgs:
             ("an encoder-only model", model.is_encoder_only)) if applies]
         if reasons:
             raise ConfigError(f"enable_lora is not supported with {reasons[0]}")
-        from pagedllm.lora.adapter import lora_targets
+        from pagedllm.lora.adapter import FUSED_TARGETS, lora_targets
 
-        lora_targets(model.hf_config)  # raises for an architecture without LoRA support
+        # Raises for an architecture without LoRA support.
+        known = set(lora_targets(model.hf_config)) | set(FUSED_TARGETS)
+        targets = self.lora_target_modules
+        if targets is not None:
+            unknown = [t for t in targets if t not in known]
+            if unknown or not targets:
+                raise ConfigError(f"lora_target_modules: {unknown[0] if unknown else '[]'} "
+                                  f"is not a linear LoRA can adapt here; choose from "
+                                  f"{', '.join(sorted(known))}")
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                          max_cpu_loras=self.max_cpu_loras)
+                          max_cpu_loras=self.max_cpu_loras,
+                          target_modules=tuple(targets) if targets is not None else None)
 
     def _resolve_async_scheduling(self, parallel: ParallelConfig,
                                   speculative: SpeculativeConfig | None, device: str) -> bool:

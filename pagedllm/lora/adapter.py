@@ -74,6 +74,20 @@ def lora_targets(hf_config: Any) -> dict[str, tuple[str, int, int]]:
                               f"{', '.join(sorted(_SUPPORTED))})")
 
 
+# vLLM's names of fused linears, standing for their parts in lora_target_modules.
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                 "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def targeted(module: str, target_modules: tuple[str, ...] | None) -> bool:
+    """Whether a PEFT module name (model.layers.3.self_attn.q_proj) is among
+    `target_modules` (None: every module)."""
+    if target_modules is None:
+        return True
+    leaf = module.rpartition(".")[2]
+    return any(leaf == t or leaf in FUSED_TARGETS.get(t, ()) for t in target_modules)
+
+
 def check_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterSpec:
     """The adapter at `path` as this model can run it; InvalidRequestError naming the
     first thing that is wrong (files, config options, names, shapes, rank)."""

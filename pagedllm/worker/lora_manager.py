@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import LoRAConfig
-from pagedllm.lora.adapter import read_adapter
+from pagedllm.lora.adapter import read_adapter, targeted
 from pagedllm.lora.layers import LinearLoRA, LoRABatch
 from pagedllm.lora_request import LoRARequest
 from pagedllm.models.layers.linear import LinearBase
@@ -96,6 +96,8 @@ class LoRAManager:
                                      self.config.max_lora_rank)
         shards: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}
         for module, (a, b) in weights.items():
+            if not targeted(module, self.config.target_modules):
+                continue  # left unused (lora_target_modules)
             name, shard_id = self._target(module)
             linear = self.linears[name]
             start, rows = linear.output_range(shard_id)

@@ -271,3 +271,48 @@ def test_prompt_embeds_with_an_adapter(tiny):
     assert _tokens(by_rows) == _tokens(by_ids)
     base = llm.generate(_ids(prompts), sp, use_tqdm=False)
     assert _tokens(base) != _tokens(by_ids)  # the adapter changes them
+
+
+def _subset(full, path, leaves):
+    """`full` with only the weights of the linears named `leaves`."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir()
+    weights = load_file(str(full / "adapter_model.safetensors"))
+    save_file({k: v for k, v in weights.items() if k.split(".")[-3] in leaves},
+              path / "adapter_model.safetensors")
+    config = json.loads((full / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps(config | {"target_modules":
+                                                                   list(leaves)}))
+    return path
+
+
+def test_lora_target_modules_leave_the_other_linears_alone(tiny, tmp_path):
+    """With lora_target_modules an adapter acts as if it had only those linears' weights
+    (a fused name stands for its parts); an unknown name is refused."""
+    from pagedllm.errors import ConfigError
+
+    model, full, _ = tiny
+    prompts = _ids(random_prompts(2, 256, 5, 12, seed=8))
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                        logprobs=2)
+    for targets, leaves in ((["o_proj", "down_proj"], ("o_proj", "down_proj")),
+                            (["qkv_proj"], ("q_proj", "k_proj", "v_proj"))):
+        subset = _subset(full, tmp_path / "-".join(targets), leaves)
+        limited = LLM(str(model), skip_tokenizer_init=True, dtype="float32",
+                      enable_lora=True, lora_target_modules=targets)
+        plain = LLM(str(model), skip_tokenizer_init=True, dtype="float32", enable_lora=True)
+        got = limited.generate(prompts, sp, lora_request=LoRARequest("full", 1, str(full)),
+                               use_tqdm=False)
+        want = plain.generate(prompts, sp, lora_request=LoRARequest("sub", 1, str(subset)),
+                              use_tqdm=False)
+        whole = plain.generate(prompts, sp, lora_request=LoRARequest("full", 2, str(full)),
+                               use_tqdm=False)
+        assert _tokens(got) == _tokens(want) != _tokens(whole)
+        assert [o.outputs[0].cumulative_logprob for o in got] == \
+            [o.outputs[0].cumulative_logprob for o in want]
+    with pytest.raises(ConfigError, match="lora_target_modules: lm_head"):
+        LLM(str(model), skip_tokenizer_init=True, enable_lora=True,
+            lora_target_modules=["lm_head"])
