@@ -244,3 +244,39 @@ def test_a_server_without_a_tokenizer_refuses_text_routes_by_name():
         assert httpx.get(srv.url + "/tokenizer_info").status_code == 400
     finally:
         srv.stop()
+
+
+def test_completions_and_chat_return_token_ids_when_asked(server):
+    """vLLM's return_token_ids: the generated ids (the same as /inference/v1/generate's),
+    the prompt's ids; streams send each chunk's new ids, the prompt's once."""
+    sampling = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
+    ids = _post(server, GENERATE, {"token_ids": PROMPT, "sampling_params": sampling}
+                ).json()["choices"][0]["token_ids"]
+    body = {"prompt": PROMPT, "return_token_ids": True, **sampling}
+    choice = _post(server, "/v1/completions", body).json()["choices"][0]
+    assert choice["token_ids"] == ids and choice["prompt_token_ids"] == PROMPT
+    assert "token_ids" not in _completion(server, max_tokens=2)  # only when asked
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json=body | {"stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    parts = [c["choices"][0] for c in chunks]
+    assert parts[0]["prompt_token_ids"] == PROMPT
+    assert all("prompt_token_ids" not in p for p in parts[1:])
+    assert sum((p["token_ids"] for p in parts), []) == ids
+
+    messages = [{"role": "user", "content": "Name three colors."}]
+    prompt_ids = _post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    body = {"messages": messages, "return_token_ids": True, **sampling}
+    reply = _post(server, "/v1/chat/completions", body).json()
+    assert reply["prompt_token_ids"] == prompt_ids
+    expected = _post(server, GENERATE, {"token_ids": prompt_ids, "sampling_params": sampling}
+                     ).json()["choices"][0]["token_ids"]
+    assert reply["choices"][0]["token_ids"] == expected
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
+                      json=body | {"stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == expected

@@ -147,6 +147,10 @@ class SamplingFields(RequestModel):
     return_tokens_as_token_ids: bool | None = None
     """Logprobs name tokens "token_id:<id>" instead of their text (for tokens that are
     no valid UTF-8 alone); default: --return-tokens-as-token-ids."""
+    return_token_ids: bool | None = None
+    """vLLM's: each choice carries its generated `token_ids` and the prompt's
+    `prompt_token_ids` (completions: on the choice; chat: on the response); a stream
+    sends each chunk's new ids, the prompt's on its first chunk."""
     guided_json: str | dict | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None

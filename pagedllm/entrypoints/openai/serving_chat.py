@@ -95,7 +95,8 @@ class OpenAIServingChat(OpenAIServing):
         streams = self.add_requests(request_id, [(prepared.text, prepared.ids)],
                                     [prepared.params], request, images=prepared.images)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, streams, plan, phase),
+            return SSEResponse(self._stream(request, request_id, streams, plan, phase,
+                                            prepared.ids),
                                self.serve_config.sse_keep_alive_interval)
         final = await self.final_output(request_id, streams)
         choices = []
@@ -115,9 +116,10 @@ class OpenAIServingChat(OpenAIServing):
                                            request.top_logprobs or 0,
                                            self.tokens_as_ids(request))
                             if request.logprobs else None)
+                ids = {"token_ids": list(out.token_ids)} if request.return_token_ids else {}
                 return ChatCompletionResponseChoice(
                     index=out.index, message=message, logprobs=logprobs,
-                    finish_reason=finish_reason, stop_reason=out.stop_reason)
+                    finish_reason=finish_reason, stop_reason=out.stop_reason, **ids)
             choices.append(choice)
         num_completion = sum(len(o.token_ids) for o in final.outputs)
         usage = self.usage(len(final.prompt_token_ids), num_completion,
@@ -126,9 +128,11 @@ class OpenAIServingChat(OpenAIServing):
 
         def envelope() -> ChatCompletionResponse:
             field = prompt_logprobs_field(final.prompt_logprobs) if k is not None else None
+            ids = ({"prompt_token_ids": final.prompt_token_ids}
+                   if request.return_token_ids else {})
             return ChatCompletionResponse(id=request_id, model=self.response_model(request.model),
                                           choices=[], usage=usage, prompt_logprobs=field,
-                                          metrics=self.timing([final], num_completion))
+                                          metrics=self.timing([final], num_completion), **ids)
 
         size = prompt_logprobs_bytes(k, 1, len(final.prompt_token_ids)) + logprobs_bytes(
             request.top_logprobs or 0 if request.logprobs else None, num_completion)
@@ -330,24 +334,28 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
                       streams: list, plan: ToolPlan, phase: Phase | None,
-                      ) -> AsyncIterator[str]:
+                      prompt_ids: list[int] | None = None) -> AsyncIterator[str]:
         states = {i: ChoiceState(reasoning=self._reasoning_reader(phase),
                                   tools=plan.new_reader()) for i in range(request.n)}
         num_prompt_tokens = 0
         latest = None  # the latest output (its timestamps)
 
-        def chunk(choice: ChatStreamChoice) -> str:
+        def chunk(choice: ChatStreamChoice, **extra: Any) -> str:
             return sse(ChatCompletionStreamResponse(
                 id=request_id, model=self.response_model(request.model),
-                choices=[choice]).model_dump_json())
+                choices=[choice], **extra).model_dump_json())
 
         try:
             # OpenAI's first chunk per choice carries the role.
             role = self._reply_role(request)
             echo = _echo_text(request)
             for i in range(request.n):
+                # return_token_ids: the prompt's ids once, on the first chunk.
+                first = ({"prompt_token_ids": prompt_ids}
+                         if request.return_token_ids and i == 0 else {})
                 yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role=role,
-                                                                         content="")))
+                                                                         content="")),
+                            **first)
                 if echo:
                     yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)))
             async for _, ro in merge_streams(streams):
@@ -371,11 +379,12 @@ class OpenAIServingChat(OpenAIServing):
                     message, finish_reason = self._delta(st, delta, out.finish_reason)
                     if not request.include_reasoning:
                         message.reasoning = message.reasoning_content = None
+                    ids = {"token_ids": list(new_ids)} if request.return_token_ids else {}
                     if (message.content or message.reasoning or message.tool_calls
-                            or logprobs or st.is_finished):
+                            or logprobs or st.is_finished or (ids and new_ids)):
                         yield chunk(ChatStreamChoice(
                             index=out.index, delta=message, logprobs=logprobs,
-                            finish_reason=finish_reason, stop_reason=out.stop_reason))
+                            finish_reason=finish_reason, stop_reason=out.stop_reason, **ids))
             if request.include_usage or self.serve_config.enable_force_include_usage:
                 num_completion = sum(s.num_tokens for s in states.values())
                 usage = self.usage(num_prompt_tokens, num_completion, num_cached_tokens)

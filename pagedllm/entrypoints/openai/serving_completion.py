@@ -203,10 +203,12 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs = self._logprobs(out.token_ids, out.logprobs, request.logprobs,
                                       len(prefix), prompt_lp,
                                       as_ids=self.tokens_as_ids(request))
+        ids = ({"prompt_token_ids": ro.prompt_token_ids, "token_ids": list(out.token_ids)}
+               if request.return_token_ids else {})
         return CompletionResponseChoice(
             index=index, text=prefix + out.text, logprobs=logprobs,
             finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-            prompt_logprobs=prompt_field())
+            prompt_logprobs=prompt_field(), **ids)
 
     def _prompt_text(self, prompt: Prompt) -> str:
         text, ids = prompt
@@ -278,6 +280,7 @@ class OpenAIServingCompletion(OpenAIServing):
         index = i * request.n + out.index
         st = state.choices.get(index)
         prefix, logprobs = "", None
+        first = st is None
         if st is None:
             st = state.choices[index] = _ChoiceState()
             if request.echo:
@@ -301,11 +304,16 @@ class OpenAIServingCompletion(OpenAIServing):
         st.num_chars = max(st.num_chars, len(out.text))
         st.num_tokens = len(out.token_ids)
         st.is_finished = out.finish_reason is not None
-        if not (prefix or delta_text or st.is_finished or logprobs):
+        if not (prefix or delta_text or st.is_finished or logprobs or
+                (request.return_token_ids and (new_ids or first))):
             return None
+        ids = {}
+        if request.return_token_ids:
+            ids = {"token_ids": list(new_ids)} | (
+                {"prompt_token_ids": ro.prompt_token_ids} if first else {})
         choice = CompletionResponseChoice(index=index, text=prefix + delta_text,
                                           logprobs=logprobs, finish_reason=out.finish_reason,
-                                          stop_reason=out.stop_reason)
+                                          stop_reason=out.stop_reason, **ids)
         chunk = CompletionResponse(id=request_id, model=self.response_model(request.model),
                                    choices=[choice])
         if request.stream_options and request.stream_options.continuous_usage_stats:
