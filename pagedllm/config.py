@@ -705,6 +705,8 @@ class ObservabilityConfig:
     """Bucket bounds replacing the defaults of a histogram family (HISTOGRAM_FAMILIES)."""
     enable_mfu_metrics: bool = False
     """Count each step's estimated FLOPs and bytes moved per worker (core/perf.py)."""
+    enable_logging_iteration_details: bool = False
+    """Log a line per step: its prefill and decode requests and tokens, and its time."""
 
     def __post_init__(self) -> None:
         sample = self.kv_cache_metrics_sample

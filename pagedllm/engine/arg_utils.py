@@ -320,6 +320,9 @@ class EngineArgs:
                "counters pagedllm:estimated_flops_per_gpu_total and "
                "estimated_{read,write}_bytes_per_gpu_total, and TFLOP/s and GB/s in the "
                "stats log line")
+    enable_logging_iteration_details: bool = _arg(
+        False, "log a line per engine step (vLLM's): its prefill and decode requests and "
+               "tokens, and the milliseconds from scheduling it to its output")
     kv_cache_metrics: bool = _arg(False, "measure how long a sample of KV blocks stay "
                                          "(lifetime, idle time before eviction, reuse "
                                          "gaps: /metrics histograms), as vLLM's")
@@ -521,7 +524,8 @@ class EngineArgs:
         return ObservabilityConfig(
             kv_cache_metrics_sample=self.kv_cache_metrics_sample if self.kv_cache_metrics
             else 0.0, histogram_buckets=dict(buckets or {}),
-            enable_mfu_metrics=self.enable_mfu_metrics)
+            enable_mfu_metrics=self.enable_mfu_metrics,
+            enable_logging_iteration_details=self.enable_logging_iteration_details)
 
     def _kv_transfer_config(self, cache: CacheConfig, parallel: ParallelConfig,
                             speculative: SpeculativeConfig | None,

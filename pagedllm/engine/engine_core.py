@@ -24,6 +24,7 @@ token bitmask, and their matchers take the tokens that come back.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -99,6 +100,11 @@ class EngineCore:
         # Estimated FLOPs and bytes of the steps (enable_mfu_metrics).
         self.perf = (make_perf_counter(config) if config.observability.enable_mfu_metrics
                      else None)
+        # enable_logging_iteration_details: id(SchedulerOutput) -> (step number, when
+        # scheduled, prefill requests and tokens, decode requests and tokens).
+        self.iteration_details = config.observability.enable_logging_iteration_details
+        self._steps_in_flight: dict[int, tuple[int, float, int, int, int, int]] = {}
+        self._num_steps = 0
         # (SchedulerOutput, future of its ModelRunnerOutput), oldest first.
         self.batch_queue: deque[tuple[Any, Any]] = deque()
         limits = config.structured_outputs
@@ -190,6 +196,17 @@ class EngineCore:
         self.structured_output.fill_bitmask(scheduler_output)
         if self.perf is not None:
             self.perf.observe(self._step_work(scheduler_output))
+        if self.iteration_details and not scheduler_output.is_empty:
+            self._num_steps += 1
+            so = scheduler_output
+            # A request whose tokens this step include prompt tokens is a prefill.
+            prefill = [n for req_id, n in so.num_scheduled_tokens.items()
+                       if (self.scheduler.requests[req_id].num_computed_tokens - n
+                           < self.scheduler.requests[req_id].num_prompt_tokens)]
+            self._steps_in_flight[id(so)] = (
+                self._num_steps, time.perf_counter(), len(prefill), sum(prefill),
+                len(so.num_scheduled_tokens) - len(prefill),
+                so.total_num_scheduled_tokens - sum(prefill))
         return scheduler_output
 
     def _step_work(self, so: SchedulerOutput) -> list[tuple[int, int, int]]:
@@ -217,6 +234,12 @@ class EngineCore:
             failed += self.scheduler.fail_requests(runner_output.errored_requests,
                                                    invalid=False)
         self.structured_output.accept_tokens(runner_output)
+        details = self._steps_in_flight.pop(id(scheduler_output), None)
+        if details is not None:
+            step, start, num_prefill, prefill_tokens, num_decode, decode_tokens = details
+            logger.info("Iteration %d: %d prefill requests (%d tokens), %d decode requests "
+                        "(%d tokens), %.2f ms", step, num_prefill, prefill_tokens,
+                        num_decode, decode_tokens, 1e3 * (time.perf_counter() - start))
         return failed + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def step(self) -> list[Request]:

@@ -94,3 +94,28 @@ def test_the_counters_and_the_log_line():
     plain = EngineMetrics("m")
     plain.observe_scheduler_stats(_stats(1e12, 2e9, 1e9))
     assert b"estimated_flops" not in plain.render()
+
+
+def test_iteration_details_log_each_steps_requests_and_tokens(path, caplog):
+    """--enable-logging-iteration-details (vLLM's): one line per step."""
+    import logging
+    import re
+
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True,
+              enable_logging_iteration_details=True, max_num_batched_tokens=8,
+              long_prefill_token_threshold=0)
+    with caplog.at_level(logging.INFO, logger="pagedllm.engine.engine_core"):
+        llm.generate([{"prompt_token_ids": list(range(1, 13))},
+                      {"prompt_token_ids": [5, 6]}],
+                     SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                     use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Iteration")]
+    parsed = [tuple(map(int, re.match(r"Iteration (\d+): (\d+) prefill requests \((\d+) "
+                                      r"tokens\), (\d+) decode requests \((\d+) tokens\), "
+                                      r"[\d.]+ ms$", line).groups())) for line in lines]
+    assert [p[0] for p in parsed] == list(range(1, len(parsed) + 1))
+    # Every prompt token is a prefill token once; each request decodes twice.
+    assert sum(p[2] for p in parsed) == 14 and sum(p[4] for p in parsed) == 4
+    assert all(p[2] + p[4] <= 8 for p in parsed)  # the step budget
+    assert not [r for r in caplog.records if r.getMessage().startswith("Iteration")
+                and r.name != "pagedllm.engine.engine_core"]
