@@ -307,7 +307,7 @@ def _add_engine_routes(app: FastAPI, engine: AsyncLLM, version_str: str) -> None
 
 def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
                        serve_config: ServeConfig, offloader: Offloader,
-                       ) -> OpenAIServingResponses:
+                       ) -> OpenAIServingResponses | None:
     """The OpenAI routes; returns the Responses handler (shutdown cancels its
     background responses), None where the server has only the Tokens In<>Out ones."""
     # A model card's `created`: when this server began serving (the same in every
@@ -350,7 +350,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
                             f"successfully.", media_type="text/plain")
 
     post = BodyRoutes(app, offloader).post
-    _add_generate_routes(app, post, engine,
+    _add_generate_routes(app, post,
                          OpenAIServingGenerate(engine, models, serve_config, offloader))
     if serve_config.tokens_only:
         return None
@@ -494,8 +494,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     return responses
 
 
-def _add_generate_routes(app: FastAPI, post: Any, engine: AsyncLLM,
-                         generate: OpenAIServingGenerate) -> None:
+def _add_generate_routes(app: FastAPI, post: Any, generate: OpenAIServingGenerate) -> None:
     """vLLM's Tokens In<>Out routes: /inference/v1/generate and the abort of its
     requests by id (also at /abort_requests, vLLM's path for --tokens-only servers)."""
 
