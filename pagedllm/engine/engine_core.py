@@ -446,6 +446,7 @@ def _num_lookahead_tokens(config: EngineConfig) -> int:
 
 def make_perf_counter(config: EngineConfig) -> PerfCounter:
     """The perf estimates' counter for this engine's model and layout."""
+    import dataclasses
     import os
 
     model = config.model
@@ -456,6 +457,6 @@ def make_perf_counter(config: EngineConfig) -> PerfCounter:
                                       else dtype_bytes, config.parallel.world_size)
     if model.quantization == "gguf" and os.path.isfile(model.path):
         # Blocks of several sizes: the file's bytes over its weights, on average.
-        shape = ModelShape(**{**shape.__dict__, "weight_bytes_per_param":
-                              os.path.getsize(model.path) / shape.weight_params})
+        shape = dataclasses.replace(
+            shape, weight_bytes_per_param=os.path.getsize(model.path) / shape.weight_params)
     return PerfCounter(shape)
