@@ -18,32 +18,42 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pagedllm.entrypoints.anthropic import protocol as anthropic
 from pagedllm.entrypoints.openai.serving_common import error_body
+
+# The routes of Anthropic's Messages API, whose errors take Anthropic's form.
+ANTHROPIC_PATH = "/v1/messages"
 
 
 def error_response(message: str, status: int, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status,
-                        headers=headers)
+                   headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    """The error answer: OpenAI's body, or Anthropic's on its routes (`path`)."""
+    body = (anthropic.error_body(message, status) if ANTHROPIC_PATH in path
+            else error_body(message, status, param))
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class APIKeyMiddleware:
-    """Pure ASGI check of 'Authorization: Bearer KEY' on every route but `open_paths`
-    (a pure middleware leaves `receive` alone, so streams still see client
-    disconnects)."""
+    """Pure ASGI check of 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY')
+    on every route but `open_paths` (a pure middleware leaves `receive` alone, so
+    streams still see client disconnects)."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: set[str]) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] == "http" and scope["method"] != "OPTIONS"
                 and scope["path"] not in self.open_paths):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            key = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)
+            if not (bearer or key):
                 response = error_response("Unauthorized: a valid API key is required "
-                                          "(Authorization: Bearer KEY).", 401)
+                                          "(Authorization: Bearer KEY, or x-api-key: KEY).",
+                                          401, path=scope["path"])
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -84,7 +94,8 @@ class ServerLoad:
 LOAD_PATHS = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/pooling",
     "/v1/responses", "/score", "/v1/score", "/classify", "/v1/classify", "/rerank",
-    "/v1/rerank", "/v2/rerank", "/invocations", "/inference/v1/generate"})
+    "/v1/rerank", "/v2/rerank", "/invocations", "/inference/v1/generate",
+    "/v1/messages"})
 
 
 class LoadMiddleware:
@@ -135,7 +146,7 @@ class BodyLimitMiddleware:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await _rejection_response(self._too_large())(scope, receive, send)
+            await _rejection_response(self._too_large(), scope)(scope, receive, send)
             return
         received = 0
         body_done = False
@@ -171,7 +182,7 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, send_wrapper)
         except _BodyRejected as e:
             if not started:
-                await _rejection_response(e)(scope, receive, send)
+                await _rejection_response(e, scope)(scope, receive, send)
 
 
 class _BodyRejected(StarletteHTTPException):
@@ -179,5 +190,5 @@ class _BodyRejected(StarletteHTTPException):
     error handlers (anything else would become its generic 400)."""
 
 
-def _rejection_response(e: _BodyRejected) -> JSONResponse:
-    return error_response(str(e.detail), e.status_code, headers=e.headers)
+def _rejection_response(e: _BodyRejected, scope: Scope) -> JSONResponse:
+    return error_response(str(e.detail), e.status_code, headers=e.headers, path=scope["path"])

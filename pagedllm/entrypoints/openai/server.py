@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /v1/responses (OpenAI's Responses API; with --enable-responses-store also
+POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API, its errors
+in Anthropic's form; the API key also as x-api-key), POST /v1/responses (OpenAI's
+Responses API; with --enable-responses-store also
 GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and
 POST /v1/responses/{id}/cancel), GET /v1/models/{id},
 POST /v1/embeddings, POST /pooling, GET|POST /ping and POST /invocations (SageMaker's),
@@ -58,6 +60,8 @@ from pagedllm.entrypoints.openai.dashboard import (PAGE_PATHS, STATE_PATH, Dashb
                                                    add_dashboard_routes)
 from pagedllm.entrypoints.openai.connections import (ConnectionGuard, default_max_connections,
                                                      raise_open_file_limit)
+from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagedllm.entrypoints.anthropic.serving import AnthropicServingMessages
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, PoolingRequest
 from pagedllm.entrypoints.openai.generate_protocol import AbortRequest, GenerateRequest
 from pagedllm.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware,
@@ -101,7 +105,7 @@ MAX_ERRORS_SHOWN = 8
 TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/pooling",
                "/v1/responses", "/score", "/v1/score", "/classify", "/v1/classify",
                "/rerank", "/v1/rerank", "/v2/rerank", "/invocations", "/tokenize",
-               "/detokenize", "/tokenizer_info")
+               "/detokenize", "/tokenizer_info", "/v1/messages", "/v1/messages/count_tokens")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -362,6 +366,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     embeddings = OpenAIServingEmbedding(engine, models, serve_config, offloader)
     scores = OpenAIServingScore(engine, models, serve_config, offloader)
     responses = OpenAIServingResponses(engine, models, serve_config, offloader)
+    messages = AnthropicServingMessages(engine, models, serve_config, offloader)
 
     @post("/v1/completions", body=CompletionRequest)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
@@ -419,6 +424,19 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
         @app.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject)
         async def cancel_response(response_id: str) -> Any:
             return await responses.cancel(response_id)
+
+    @post("/v1/messages", body=MessagesRequest)
+    async def create_message(request: MessagesRequest, raw_request: Request) -> Any:
+        given = raw_request.headers.get("x-request-id")
+        if request.request_id is None and given:
+            request.request_id = f"msg_{given[:128]}"
+        if request.stream:
+            return await messages.create_message(request)
+        return await _cancel_on_disconnect(raw_request, messages.create_message(request))
+
+    @post("/v1/messages/count_tokens", body=CountTokensRequest)
+    async def count_message_tokens(request: CountTokensRequest, _: Request) -> Any:
+        return await messages.count_tokens(request)
 
     @post("/score", "/v1/score", body=ScoreRequest)
     async def create_score(request: ScoreRequest, raw_request: Request) -> Any:
@@ -562,19 +580,21 @@ def tokenizer_info_of(tokenizer: Any, max_model_len: int) -> dict[str, Any]:
 
 def _install_error_handlers(app: FastAPI, log_error_stack: bool = False) -> None:
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(request: Request, exc: RequestValidationError,
+                                  ) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(message, 400, param)
+        return error_response(message, 400, param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail = str(exc.detail)
         if detail == "There was an error parsing the body":  # FastAPI's, for any cause
             detail = ("The request body could not be read as JSON: it must be UTF-8 text, "
                       "uncompressed, with integers of at most 4300 digits")
-        return error_response(detail, exc.status_code, headers=exc.headers)
+        return error_response(detail, exc.status_code, headers=exc.headers,
+                              path=request.url.path)
 
-    async def on_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
         status = int(error_status(exc))
         if status >= 500 and not isinstance(exc, (EngineDeadError, QueueFullError,
                                                   EngineSleepingError)):
@@ -583,7 +603,8 @@ def _install_error_handlers(app: FastAPI, log_error_stack: bool = False) -> None
             logger.info("request answered %d", status, exc_info=exc)
         headers = ({"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, QueueFullError)
                    else None)
-        return error_response(exception_message(exc), status, headers=headers)
+        return error_response(exception_message(exc), status, headers=headers,
+                              path=request.url.path)
 
     # Typed errors go through Starlette's ExceptionMiddleware (answered, not re-raised);
     # the catch-all `Exception` handler also answers but Starlette re-raises to log it.

@@ -167,20 +167,29 @@ class OpenAIServingResponses(OpenAIServingChat):
         fits (a binary search over the turns' starts: fewer items are never longer);
         `too_long`, the whole conversation's error, when even the last turn does not."""
         starts = request.turn_starts(earlier)
-        found: tuple[ChatCompletionRequest, PreparedChat] | None = None
-        low, high = 0, len(starts) - 1
-        while low <= high:
-            middle = (low + high) // 2
+
+        async def attempt(i: int) -> tuple[ChatCompletionRequest, PreparedChat] | None:
             chat = await self.offloader.run(
-                "reading the input", MESSAGE_COST_BYTES * (num_items - starts[middle]),
-                request.to_chat_request, earlier, starts[middle])
+                "reading the input", MESSAGE_COST_BYTES * (num_items - starts[i]),
+                request.to_chat_request, earlier, starts[i])
             try:
-                found = chat, await self.prepare(chat)
-                high = middle - 1
+                return chat, await self.prepare(chat)
             except ContextLengthError:
-                low = middle + 1
+                return None
+
+        # The last turn first: when even it does not fit, one short render says so (a
+        # search would render half the conversation, then a quarter, ...).
+        found = await attempt(len(starts) - 1)
         if found is None:
             raise too_long
+        low, high = 0, len(starts) - 2
+        while low <= high:
+            middle = (low + high) // 2
+            fits = await attempt(middle)
+            if fits is not None:
+                found, high = fits, middle - 1
+            else:
+                low = middle + 1
         return found
 
     def _finished(self, request: ResponsesRequest, response_id: str, final: RequestOutput,

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API over the chat handler (protocol.py, serving.py)."""
