@@ -87,16 +87,8 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """The `serve` flags beyond the engine's."""
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--uds", default=None, metavar="PATH",
-                        help="listen on this Unix domain socket instead of --host and "
-                             "--port (a socket file left by an earlier server is replaced)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on every route but /health "
-                             "(default: env PAGEDLLM_API_KEY, which `ps` does not show)")
+def add_model_serving_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of how the API serves the model (`serve` and `run-batch`)."""
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) clients use (default: the model argument)")
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -108,6 +100,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-log-stats", dest="log_stats_interval",
                         action="store_const", const=0.0,
                         help="no throughput log lines (--log-stats-interval 0; vLLM's flag)")
+    from pagedllm.entrypoints.openai.serve_config import ServeConfig
+
+    add_dataclass_args(parser.add_argument_group("request limits and policies"),
+                       ServeConfig)
+    parser.add_argument("--disable-log-requests", dest="enable_log_requests",
+                        action="store_false", default=False,
+                        help="no per-request log lines: the default (vLLM's older flag; "
+                             "--enable-log-requests turns them on)")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags beyond the engine's."""
+    add_model_serving_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--uds", default=None, metavar="PATH",
+                        help="listen on this Unix domain socket instead of --host and "
+                             "--port (a socket file left by an earlier server is replaced)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "(default: env PAGEDLLM_API_KEY, which `ps` does not show)")
     parser.add_argument("--root-path", default=None,
                         help="the path prefix a proxy serves the API under (FastAPI's "
                              "root_path)")
@@ -140,14 +153,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level")
-    from pagedllm.entrypoints.openai.serve_config import ServeConfig
-
-    add_dataclass_args(parser.add_argument_group("request limits and policies"),
-                       ServeConfig)
-    parser.add_argument("--disable-log-requests", dest="enable_log_requests",
-                        action="store_false", default=False,
-                        help="no per-request log lines: the default (vLLM's older flag; "
-                             "--enable-log-requests turns them on)")
 
 
 def serve_config_from(ns: argparse.Namespace) -> Any:
@@ -203,6 +208,14 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
     asyncio.run(serve(ns, engine_args_from(ns), serve_config_from(ns)))
     return 0
+
+
+def _cmd_run_batch(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from pagedllm.entrypoints.openai.run_batch import run_batch
+
+    return asyncio.run(run_batch(ns, engine_args_from(ns), serve_config_from(ns)))
 
 
 def _cmd_chat(ns: argparse.Namespace) -> int:
@@ -267,6 +280,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_logging_args(serve)
     add_engine_args(serve, positional_model=True)
     serve.set_defaults(func=_cmd_serve)
+    batch = sub.add_parser(
+        "run-batch", help="run a file of API requests (OpenAI's batch format) offline",
+        description="Run each line of INPUT ({\"custom_id\", \"method\": \"POST\", "
+                    "\"url\": \"/v1/chat/completions\", \"body\": {...}}; also "
+                    "/v1/completions, /v1/embeddings, /v1/messages, /score, /rerank, "
+                    "...) through the server's routes in-process, writing one line per "
+                    "request to OUTPUT in input order ({\"id\", \"custom_id\", "
+                    "\"response\": {\"status_code\", \"request_id\", \"body\"}, "
+                    "\"error\"}), as vLLM's run-batch.")
+    batch.add_argument("-i", "--input-file", required=True, metavar="INPUT",
+                       help="the requests, one JSON object a line (- for stdin)")
+    batch.add_argument("-o", "--output-file", required=True, metavar="OUTPUT",
+                       help="where the results go, one JSON object a line (- for stdout)")
+    batch.add_argument("--max-concurrency", type=int, default=1024,
+                       help="most requests in flight at once (the engine batches them; "
+                            "results wait, in order, for the oldest)")
+    add_model_serving_args(batch)
+    add_logging_args(batch)
+    add_engine_args(batch, positional_model=True)
+    batch.set_defaults(func=_cmd_run_batch)
     chat = sub.add_parser("chat", help="interactive chat in the terminal (reads stdin lines)")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-tokens", type=int, default=512, help="tokens per reply at most")

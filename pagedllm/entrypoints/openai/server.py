@@ -755,6 +755,21 @@ async def serve(args: argparse.Namespace, engine_args: Any,
                 os.unlink(uds)
 
 
+def make_engine(config: Any, model_name: str, serve_config: ServeConfig,
+                core: EngineProcess, log_stats_interval: float) -> AsyncLLM:
+    """The server's AsyncLLM (not started) over the engine process `core`."""
+    # Constraints are parsed in a child process, each under --render-timeout of CPU time
+    # (constraint_check.py: a few bytes of JSON schema can take xgrammar minutes).
+    constraints = ConstraintChecker(
+        serve_config.render_timeout,
+        int(config.structured_outputs.compile_memory_gib * (1 << 30)),
+        limit_names=("--render-timeout", "--grammar-compile-memory"))
+    return AsyncLLM(config, model_name=model_name, log_stats_interval_s=log_stats_interval,
+                    constraints=constraints, core_process=core,
+                    skip_tokenizer_init=(serve_config.tokens_only
+                                         or serve_config.skip_tokenizer_init))
+
+
 async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, config: Any,
                     names: list[str], serve_config: ServeConfig | None,
                     lora_modules: list[tuple[str, str]], core: EngineProcess) -> None:
@@ -776,17 +791,7 @@ async def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, conf
                             or default_max_connections(raise_open_file_limit()),
                             serve_config.h11_max_incomplete_event_size,
                             serve_config.h11_max_header_count)
-    # Constraints are parsed in a child process, each under --render-timeout of CPU time
-    # (constraint_check.py: a few bytes of JSON schema can take xgrammar minutes).
-    constraints = ConstraintChecker(
-        serve_config.render_timeout,
-        int(config.structured_outputs.compile_memory_gib * (1 << 30)),
-        limit_names=("--render-timeout", "--grammar-compile-memory"))
-    engine = AsyncLLM(config, model_name=names[0],
-                      log_stats_interval_s=args.log_stats_interval, constraints=constraints,
-                      core_process=core,
-                      skip_tokenizer_init=(serve_config.tokens_only
-                                           or serve_config.skip_tokenizer_init))
+    engine = make_engine(config, names[0], serve_config, core, args.log_stats_interval)
     try:
         await engine.start()
         # Start-up objects (torch, transformers, the tokenizer) are permanent: keep
