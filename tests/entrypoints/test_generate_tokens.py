@@ -280,3 +280,67 @@ def test_completions_and_chat_return_token_ids_when_asked(server):
     assert chunks[0]["prompt_token_ids"] == prompt_ids
     assert all("prompt_token_ids" not in c for c in chunks[1:])
     assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == expected
+
+
+def test_render_gives_the_generate_body_that_runs_the_request(server):
+    """vLLM's render routes: the /inference/v1/generate body of a chat, completion or
+    Anthropic request runs it, token for token (structured outputs included)."""
+    messages = [{"role": "user", "content": "Give a name and an age."}]
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    chat = {"messages": messages, "temperature": 0, "max_tokens": 24, "seed": 3,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "p", "schema": schema}}}
+    body = _post(server, "/v1/chat/completions/render", chat).json()
+    assert body["request_id"].startswith("chatcmpl-") and body["stream"] is False
+    assert body["token_ids"] == _post(server, "/tokenize", {"messages": messages}
+                                      ).json()["tokens"]
+    params = body["sampling_params"]
+    assert (params["max_tokens"], params["temperature"], params["seed"]) == (24, 0, 3)
+    assert params["structured_outputs"]["json"] == schema
+    out = _post(server, GENERATE, body | {"output_mode": "text"}).json()["choices"][0]
+    ref = _post(server, "/v1/chat/completions", chat).json()["choices"][0]
+    assert out["text"] == ref["message"]["content"]
+    json.loads(out["text"])  # the constraint ran
+    # max_tokens left out: what the context leaves, as the route would run it.
+    free = _post(server, "/v1/chat/completions/render", {"messages": messages}).json()
+    assert free["sampling_params"]["max_tokens"] == 512 - len(free["token_ids"])
+
+    bodies = _post(server, "/v1/completions/render", {
+        "prompt": ["The sky is", "Once upon"], "max_tokens": 5, "temperature": 0,
+        "request_id": "r1", "stop": ["\n"]}).json()
+    assert [b["request_id"] for b in bodies] == ["r1-0", "r1-1"]
+    assert bodies[1]["token_ids"] == _post(server, "/tokenize", {"prompt": "Once upon"}
+                                           ).json()["tokens"]
+    assert bodies[0]["sampling_params"]["stop"] == ["\n"]
+    for b, prompt in zip(bodies, ["The sky is", "Once upon"]):
+        out = _post(server, GENERATE, b | {"output_mode": "text"}).json()["choices"][0]
+        assert out["text"] == _completion(server, prompt=prompt, max_tokens=5,
+                                          stop=["\n"])["text"]
+
+    anthropic = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0,
+                 "system": "Be brief.", "messages": messages}
+    body = _post(server, "/v1/messages/render", anthropic).json()
+    assert body["request_id"].startswith("msg_")
+    out = _post(server, GENERATE, body | {"output_mode": "text"}).json()["choices"][0]
+    reply = _post(server, "/v1/messages", anthropic).json()
+    assert out["text"] == reply["content"][0]["text"]
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/v1/chat/completions/render", {"messages": []}, "messages must not be empty"),
+    ("/v1/chat/completions/render", {"messages": [{"role": "user", "content": "x"}],
+                                     "echo": True}, "echo"),
+    ("/v1/completions/render", {"prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions/render", {"prompt": "x", "max_tokens": 10 ** 6},
+     "maximum context length"),
+    ("/v1/messages/render", {"model": MODEL_NAME, "max_tokens": 0,
+                             "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+])
+def test_render_refuses_what_its_route_would(server, path, body, message):
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"]
+    assert ("type" in r.json()) == path.startswith("/v1/messages")  # Anthropic's form

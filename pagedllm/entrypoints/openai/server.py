@@ -2,7 +2,9 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
 POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API, its errors
-in Anthropic's form; the API key also as x-api-key), POST /v1/responses (OpenAI's
+in Anthropic's form; the API key also as x-api-key), POST /v1/chat/completions/render,
+/v1/completions/render and /v1/messages/render (vLLM's: the /inference/v1/generate body
+a request renders to), POST /v1/responses (OpenAI's
 Responses API; with --enable-responses-store also
 GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and
 POST /v1/responses/{id}/cancel), GET /v1/models/{id},
@@ -84,6 +86,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_generate import (GENERATE_ID_PREFIX,
                                                           OpenAIServingGenerate)
+from pagedllm.entrypoints.openai.serving_render import OpenAIServingRender
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.errors import (ConfigError, EngineBusyError, EngineDeadError,
@@ -105,7 +108,8 @@ MAX_ERRORS_SHOWN = 8
 TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/pooling",
                "/v1/responses", "/score", "/v1/score", "/classify", "/v1/classify",
                "/rerank", "/v1/rerank", "/v2/rerank", "/invocations", "/tokenize",
-               "/detokenize", "/tokenizer_info", "/v1/messages", "/v1/messages/count_tokens")
+               "/detokenize", "/tokenizer_info", "/v1/messages", "/v1/messages/count_tokens",
+               "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -437,6 +441,20 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     @post("/v1/messages/count_tokens", body=CountTokensRequest)
     async def count_message_tokens(request: CountTokensRequest, _: Request) -> Any:
         return await messages.count_tokens(request)
+
+    render = OpenAIServingRender(chat, completions)
+
+    @post("/v1/chat/completions/render", body=ChatCompletionRequest)
+    async def render_chat_completion(request: ChatCompletionRequest, _: Request) -> Any:
+        return await render.render_chat(request)
+
+    @post("/v1/completions/render", body=CompletionRequest)
+    async def render_completion(request: CompletionRequest, _: Request) -> Any:
+        return await render.render_completion(request)
+
+    @post("/v1/messages/render", body=MessagesRequest)
+    async def render_message(request: MessagesRequest, _: Request) -> Any:
+        return await render.render_messages(request)
 
     @post("/score", "/v1/score", body=ScoreRequest)
     async def create_score(request: ScoreRequest, raw_request: Request) -> Any:

@@ -25,6 +25,7 @@ from pagedllm.engine.prompt_embeds import (PLACEHOLDER_ID, check_embeds,
                                            decode_prompt_embeds, embeds_input)
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
 
 Prompt = tuple[str | None, list[int]]  # (text or None, token ids)
 
@@ -53,6 +54,31 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest,
                                 ) -> CompletionResponse | Response | SSEResponse:
+        prompts, embeds, params = await self.prepare(request)
+        request_id = request.request_id or random_id("cmpl")
+        streams = self.add_requests(request_id, prompts, params, request, embeds=embeds)
+        if request.stream:
+            return SSEResponse(self._stream(request, request_id, prompts, streams),
+                               self.serve_config.sse_keep_alive_interval)
+        try:
+            finals: list[RequestOutput | None] = [None] * len(prompts)
+            async for i, out in merge_streams(streams):
+                finals[i] = out
+        finally:
+            self.abort_all(request_id, len(prompts))  # no-op unless cancelled
+        num_prompt_tokens = sum(len(ids) for _, ids in prompts)
+        num_tokens = sum(len(o.token_ids) for ro in finals for o in ro.outputs)
+        size = (prompt_logprobs_bytes(request.prompt_logprobs, request.n, num_prompt_tokens)
+                + logprobs_bytes(request.logprobs,
+                                 num_tokens + request.echo * request.n * num_prompt_tokens))
+        envelope, choices = self._response(request, request_id, prompts, finals)
+        return await self.choices_response(envelope, choices, size)
+
+    async def prepare(self, request: CompletionRequest,
+                      ) -> tuple[list[Prompt], list[Any] | None, list[SamplingParams]]:
+        """Check a completion request and read its prompts: (text, ids) each, the
+        tensors of a prompt_embeds request, and each prompt's SamplingParams (400s for
+        what is wrong)."""
         self.check_model(request.model)
         self.check_generation()
         if request.suffix is not None:
@@ -79,24 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                request.stream,
                                                self.engine.config.model.sampling_defaults))
         await self.check_constraints(params[0])
-        request_id = request.request_id or random_id("cmpl")
-        streams = self.add_requests(request_id, prompts, params, request, embeds=embeds)
-        if request.stream:
-            return SSEResponse(self._stream(request, request_id, prompts, streams),
-                               self.serve_config.sse_keep_alive_interval)
-        try:
-            finals: list[RequestOutput | None] = [None] * len(prompts)
-            async for i, out in merge_streams(streams):
-                finals[i] = out
-        finally:
-            self.abort_all(request_id, len(prompts))  # no-op unless cancelled
-        num_prompt_tokens = sum(len(ids) for _, ids in prompts)
-        num_tokens = sum(len(o.token_ids) for ro in finals for o in ro.outputs)
-        size = (prompt_logprobs_bytes(request.prompt_logprobs, request.n, num_prompt_tokens)
-                + logprobs_bytes(request.logprobs,
-                                 num_tokens + request.echo * request.n * num_prompt_tokens))
-        envelope, choices = self._response(request, request_id, prompts, finals)
-        return await self.choices_response(envelope, choices, size)
+        return prompts, embeds, params
 
     async def _parse_prompts(self, request: CompletionRequest,
                              ) -> tuple[list[Prompt], list[Any] | None]:
