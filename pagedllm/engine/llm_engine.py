@@ -105,6 +105,17 @@ class LLMEngine:
         self.output_processor.add_request(requests, text, request.sampling_params,
                                           request_id)
 
+    def check_request(self, prompt: PromptType, params: SamplingParams,
+                      priority: int = 0, timeout: float | None = None,
+                      lora_request: LoRARequest | None = None) -> None:
+        """add_request's checks of a request, without queueing it (InvalidRequestError
+        for what add_request would refuse)."""
+        self._validate_priority(priority)
+        if timeout is not None:
+            _check_timeout(timeout)
+        self.input_processor.process("check", prompt, params, time.monotonic(),
+                                     priority=priority, lora_request=lora_request)
+
     def _validate_priority(self, priority: int) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an int, got "

@@ -337,6 +337,13 @@ def test_render_gives_the_generate_body_that_runs_the_request(server):
      "maximum context length"),
     ("/v1/messages/render", {"model": MODEL_NAME, "max_tokens": 0,
                              "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+    # What the engine refuses when the request is added: refused here too.
+    ("/v1/completions/render", {"prompt": "x", "priority": 1}, "Priority scheduling"),
+    ("/v1/completions/render", {"prompt": "x", "stop_token_ids": [10 ** 8]},
+     "out of vocabulary"),
+    ("/v1/chat/completions/render", {"messages": [{"role": "user", "content": "x"}],
+                                     "cache_salt": ""}, "cache_salt"),
+    ("/v1/completions/render", {"prompt": "x", "request_id": "r" * 300}, "request_id"),
 ])
 def test_render_refuses_what_its_route_would(server, path, body, message):
     r = _post(server, path, body)

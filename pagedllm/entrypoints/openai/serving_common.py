@@ -344,13 +344,8 @@ class OpenAIServing:
         streams = []
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
-                prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
-                if embeds:
-                    prompt = {"prompt_embeds": embeds[i]}
-                if images:
-                    prompt["multi_modal_data"] = {"image": images}
-                if getattr(request, "cache_salt", None) is not None:
-                    prompt["cache_salt"] = request.cache_salt
+                prompt = _engine_prompt(text, ids, request, images, embeds[i] if embeds
+                                        else None)
                 stream = self.engine.add_request(
                     f"{request_id}-{i}", prompt, sp, priority=request.priority,
                     timeout=timeout, lora_request=lora)
@@ -362,6 +357,16 @@ class OpenAIServing:
             self.abort_all(request_id, len(streams))
             raise
         return streams
+
+    def check_requests(self, prompts: list[tuple[str | None, list[int]]],
+                       params: list[SamplingParams], request: SamplingFields) -> None:
+        """What the engine would refuse of these requests (add_requests' checks,
+        nothing queued): InvalidRequestError."""
+        lora = self.models.resolve(request.model)
+        for (text, ids), sp in zip(prompts, params):
+            self.engine.engine.check_request(
+                _engine_prompt(text, ids, request, None, None), sp,
+                priority=request.priority, timeout=request.timeout, lora_request=lora)
 
     async def pool_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
                        params: list[PoolingParams], request: Any) -> list[list[float]]:
@@ -477,6 +482,18 @@ class OpenAIServing:
         token = self.token_text(token_id, lp, as_ids)
         return ChatLogprobTop(token=token, logprob=clamp_logprob(lp.logprob),
                               bytes=list(token.encode("utf-8")))
+
+
+def _engine_prompt(text: str | None, ids: list[int], request: SamplingFields,
+                   images: list[Any] | None, embeds: Any) -> dict[str, Any]:
+    """The engine's prompt dict of one prompt of an API request."""
+    prompt: dict[str, Any] = ({"prompt_embeds": embeds} if embeds is not None
+                              else {"prompt": text, "prompt_token_ids": ids})
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    if getattr(request, "cache_salt", None) is not None:
+        prompt["cache_salt"] = request.cache_salt
+    return prompt
 
 
 def logprobs_bytes(k: int | None, num_tokens: int) -> int:

@@ -2,7 +2,8 @@
 /v1/messages/render. A request is checked and rendered exactly as its own route would
 (chat template, tools, truncation, max_tokens from the context left, structured-output
 constraints) and answered, without generating, with the body of the Tokens In<>Out API
-(/inference/v1/generate) that runs it: {request_id, token_ids, sampling_params, model,
+(/inference/v1/generate) that runs it (the engine's own checks of the request, which
+adding it would run, included): {request_id, token_ids, sampling_params, model,
 stream, stream_options, cache_salt, priority}; a list of them for a completion request
 with several prompts. A front end can render and route while --tokens-only servers
 generate. What only a route's answer uses (chat's tool-call and reasoning parsing,
@@ -16,13 +17,18 @@ import uuid
 from typing import Any
 
 from pagedllm.entrypoints.anthropic.protocol import MessagesRequest
-from pagedllm.entrypoints.openai.generate_protocol import GenerateSamplingParams
+from pagedllm.entrypoints.openai.generate_protocol import (GenerateRequest,
+                                                           GenerateSamplingParams)
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   random_id)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams
+
+
+# GenerateRequest's limit on request_id.
+MAX_REQUEST_ID = GenerateRequest.model_fields["request_id"].metadata[0].max_length
 
 
 class OpenAIServingRender:
@@ -40,6 +46,7 @@ class OpenAIServingRender:
         if prepared.images:
             raise InvalidRequestError("a conversation with images cannot be rendered: the "
                                       "Tokens In<>Out API takes no images")
+        self.chat.check_requests([(prepared.text, prepared.ids)], [prepared.params], request)
         return _body(request, request.request_id or random_id("chatcmpl"), prepared.ids,
                      prepared.params)
 
@@ -59,6 +66,7 @@ class OpenAIServingRender:
         if embeds is not None:
             raise InvalidRequestError("prompt_embeds cannot be rendered: the Tokens In<>Out "
                                       "API takes token ids")
+        self.completions.check_requests(prompts, params, request)
         base = request.request_id or random_id("cmpl")
         return [_body(request, base if len(prompts) == 1 else f"{base}-{i}", ids, p)
                 for i, ((_, ids), p) in enumerate(zip(prompts, params))]
@@ -67,6 +75,10 @@ class OpenAIServingRender:
 def _body(request: ChatCompletionRequest | CompletionRequest, request_id: str,
           ids: list[int], params: SamplingParams) -> dict[str, Any]:
     """The /inference/v1/generate body of one prepared prompt."""
+    if len(request_id) > MAX_REQUEST_ID:
+        raise InvalidRequestError(f"request_id: at most {MAX_REQUEST_ID} characters to be "
+                                  f"rendered (the generate route's limit), got "
+                                  f"{len(request_id)}")
     body: dict[str, Any] = {"request_id": request_id, "token_ids": list(ids),
                             "sampling_params": sampling_params_body(params),
                             "model": request.model, "stream": request.stream,
