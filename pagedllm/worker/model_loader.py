@@ -19,6 +19,7 @@ from pagedllm.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pagedllm.errors import ModelLoadError
 from pagedllm.loader import iter_weights
 from pagedllm.models.layers.linear import finalize_quantized_weights
+from pagedllm.models.layers.rotary import RotaryEmbedding
 from pagedllm.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,11 @@ def load_model(model_config: ModelConfig, attn_backend: str, device: torch.devic
     if model is None:
         raise _weights_do_not_fit(cls, kwargs, model_config, attn_backend, device, dtype)
     model.eval()
+    # Every position the engine may run has its rotary angles (max_model_len may exceed
+    # the model's max_position_embeddings, as llama.cpp allows a larger context).
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.cover(model_config.max_model_len)
     logger.info("loaded %s in %.1f s", cls.__name__, time.perf_counter() - start)
     return model
 

@@ -50,12 +50,28 @@ class RotaryEmbedding(Module):
         super().__init__()
         self.head_size, self.rotary_dim = head_size, rotary_dim
         self.is_neox_style = is_neox_style
-        positions = torch.arange(max_position, dtype=torch.float32)
-        # [max_position, rotary_dim // 2]
-        freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
+        self._inv_freq, self._attention_factor = inv_freq, attention_factor
+        self._cos, self._sin = self._table(max_position)
+
+    def _table(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(num_positions, dtype=torch.float32)
+        # [num_positions, rotary_dim // 2]
+        freqs = positions[:, None] * self._inv_freq.to(positions.device)[None, :]
         # Plain tensors (not buffers): models are built on the meta device and loaded later.
-        self._cos = (freqs.cos() * attention_factor)
-        self._sin = (freqs.sin() * attention_factor)
+        return (freqs.cos() * self._attention_factor), (freqs.sin() * self._attention_factor)
+
+    @property
+    def num_positions(self) -> int:
+        return self._cos.shape[0]
+
+    def cover(self, num_positions: int) -> None:
+        """Tabulate at least `num_positions` positions: a max_model_len past the model's
+        max_position_embeddings runs positions past the table, which the kernels read
+        without a bounds check (memory beyond it: NaN logits some tokens later)."""
+        if num_positions > self.num_positions:
+            device, dtype = self._cos.device, self._cos.dtype
+            cos, sin = self._table(num_positions)
+            self._cos, self._sin = cos.to(device, dtype), sin.to(device, dtype)
 
     def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [max_position, rotary_dim // 2] on `device` in `dtype` (converted once)."""
