@@ -213,6 +213,10 @@ class Scheduler:
         self.kv_store = kv_store
         self.kv_load_failure_policy = kv_load_failure_policy
         self._preempted_since_step: set[str] = set()
+        # Paused admissions (vLLM's pause_generation, modes "abort" and "wait"): the
+        # waiting requests that never ran, and those that arrive, wait here, out of the
+        # queue, until release_held(); the running ones run on. None: not holding.
+        self.held: dict[str, Request] | None = None
 
     # ---------------------------------------------------------------- requests
 
@@ -221,7 +225,10 @@ class Scheduler:
         self.check_request(request)
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
-        self.waiting.add(request)
+        if self.held is not None:
+            self.held[request.req_id] = request
+        else:
+            self.waiting.add(request)
         self._num_needing_host_tokens += needs_host_tokens(request)
         if request.deadline is not None:
             self._deadlines.push(request)
@@ -255,7 +262,24 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.held or ())
+
+    def hold_new_requests(self) -> None:
+        """Admit no request that has not run yet (they and new arrivals are held)
+        until release_held(); preempted and swapped requests are still resumed."""
+        if self.held is not None:
+            return
+        self.held = {}
+        for request in list(self.waiting):
+            if request.num_preemptions == 0:
+                self.waiting.remove(request)
+                self.held[request.req_id] = request
+
+    def release_held(self) -> None:
+        """Admit again: the held requests go back to the queue, in arrival order."""
+        held, self.held = self.held or {}, None
+        for request in sorted(held.values(), key=lambda r: r.arrival_time):
+            self.waiting.add(request)
 
     @property
     def num_swapped(self) -> int:
@@ -267,6 +291,8 @@ class Scheduler:
         return self.swap_space.num_swapped_blocks if self.swap_space is not None else 0
 
     def get_num_unfinished_requests(self) -> int:
+        """Requests the scheduler may run now (held ones are not counted: an engine
+        with only those is idle)."""
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def has_unfinished_requests(self) -> bool:
@@ -684,6 +710,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
+        elif self.held is not None and request.req_id in self.held:
+            del self.held[request.req_id]
         else:
             self.waiting.remove(request)
         request.status = status

@@ -28,7 +28,8 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineProcess
 from pagedllm.engine.core_proc import EngineCoreOutputs
 from pagedllm.engine.dp_client import make_core_client
-from pagedllm.engine.engine_core import check_sleep_level, check_wake_tags
+from pagedllm.engine.engine_core import (check_pause_mode, check_sleep_level,
+                                         check_wake_tags)
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_collector import RequestOutputCollector
 from pagedllm.errors import EngineDeadError, EngineSleepingError, InvalidRequestError
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 # How often the output loop checks that the core process is alive while it is silent.
 POLL_INTERVAL_S = 0.2
 UTILITY_TIMEOUT_S = 10.0
+# Seconds between a waiting pause's checks that no request runs any more.
+PAUSE_POLL_S = 0.02
 
 
 class EngineGenerateError(RuntimeError):
@@ -304,6 +307,34 @@ class AsyncLLM:
 
     async def is_sleeping(self) -> bool:
         return bool(await self.call_utility("is_sleeping"))
+
+    # ------------------------------------------------------------------ pause
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's: stop generating (to update weights, say) until resume_generation().
+        "abort": the requests in flight end now (finish_reason "abort"); "wait": they
+        run to their end first (this returns then); "keep": they stay where they are
+        and go on at resume. Requests that arrive meanwhile are taken and wait. With
+        `clear_cache` ("abort", "wait") the prefix cache is reset once none runs."""
+        check_pause_mode(mode)
+        # The requests in flight now (no await before the core holds the rest).
+        in_flight = list(self._collectors)
+        await self.call_utility("pause", mode)
+        if mode == "abort":
+            for request_id in in_flight:
+                self.abort(request_id)
+        if mode == "keep":
+            return
+        while await self.call_utility("num_unheld"):
+            await asyncio.sleep(PAUSE_POLL_S)
+        if clear_cache:
+            await self.call_utility("reset_prefix_cache")
+
+    async def resume_generation(self) -> None:
+        await self.call_utility("resume")
+
+    async def is_paused(self) -> bool:
+        return bool(await self.call_utility("is_paused"))
 
     async def start_profile(self) -> None:
         await self.call_utility("start_profile")

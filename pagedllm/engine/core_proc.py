@@ -170,7 +170,7 @@ class EngineCoreProc:
 
     UTILITIES = ("get_stats", "reset_prefix_cache", "ping", "kv_snapshot", "sleep",
                  "wake_up", "is_sleeping", "start_profile", "stop_profile",
-                 "collective_rpc")
+                 "collective_rpc", "pause", "resume", "is_paused", "num_unheld")
 
     def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
                  parent_pid: int) -> None:
@@ -211,7 +211,7 @@ class EngineCoreProc:
 
     def run(self) -> None:
         while self._running:
-            busy = self.core.has_unfinished_requests()
+            busy = self.core.has_unfinished_requests() and not self.core.frozen
             # Idle: block on the socket, waking every second to notice an orphaned process.
             if self.input_sock.poll(0 if busy else 1000):
                 errors, results = self._handle_inputs()
@@ -224,7 +224,8 @@ class EngineCoreProc:
                 errors, results = [], []
             if not self._running:
                 return
-            outputs = self._step(errors) if self.core.has_unfinished_requests() else []
+            runs = self.core.has_unfinished_requests() and not self.core.frozen
+            outputs = self._step(errors) if runs else []
             self._send(EngineCoreOutputs(outputs=outputs, scheduler_stats=self._stats(),
                                          timestamp=time.monotonic(), errors=errors,
                                          utility_results=results,
@@ -361,7 +362,7 @@ class EngineCoreProc:
             except Exception as e:  # noqa: BLE001 - the caller's call failed: its answer
                 return e
         if call.method in ("sleep", "wake_up", "is_sleeping", "start_profile",
-                           "stop_profile"):
+                           "stop_profile", "pause", "resume", "is_paused", "num_unheld"):
             try:
                 return getattr(self.core, call.method)(*call.args)
             except (ValueError, EngineBusyError) as e:  # the caller's: answered, not fatal

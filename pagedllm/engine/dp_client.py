@@ -230,8 +230,10 @@ def combine_utility(method: str, results: list[Any]) -> Any:
         return out | {"replicas": results}
     if method == "reset_prefix_cache":
         return all(results)
-    if method == "is_sleeping":
+    if method in ("is_sleeping", "is_paused"):
         return any(results)
+    if method == "num_unheld":
+        return sum(results)
     if method in ("stop_profile", "collective_rpc"):  # per replica, per rank
         return [item for items in results for item in items]
     if method == "kv_snapshot":

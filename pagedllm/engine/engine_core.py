@@ -52,6 +52,8 @@ class EngineCore:
         self.config = config
         # Sleep mode: the released parts (SLEEP_TAGS), empty while awake.
         self.asleep: set[str] = set()
+        # pause(mode="keep"): the core's loop runs no step until resume().
+        self.frozen = False
         # Whether the torch profiler records the steps (start_profile).
         self.profiling = False
         self.executor = create_executor(config)
@@ -408,11 +410,45 @@ class EngineCore:
         """Whether any part is asleep (requests are refused until all is awake)."""
         return bool(self.asleep)
 
+    # ------------------------------------------------------------------ pause
+
+    def pause(self, mode: str) -> None:
+        """vLLM's pause_generation, the core's part. "keep": every request stays where
+        it is, the loop runs no step until resume(). "abort" / "wait": the requests
+        that have not run yet, and new ones, are held (the front end aborts the others,
+        or waits for them: num_unheld()). Requests are taken all along."""
+        check_pause_mode(mode)
+        if mode == "keep":
+            self.frozen = True
+        else:
+            self.scheduler.hold_new_requests()
+
+    def resume(self) -> None:
+        self.frozen = False
+        self.scheduler.release_held()
+
+    def is_paused(self) -> bool:
+        return self.frozen or self.scheduler.held is not None
+
+    def num_unheld(self) -> int:
+        """Requests that may still run (not held), steps in flight included."""
+        return (self.scheduler.get_num_unfinished_requests() + len(self.batch_queue)
+                + self.num_compiling)
+
     def shutdown(self) -> None:
         self.structured_output.shutdown()
         self.executor.shutdown()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.shutdown()
+
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+def check_pause_mode(mode: Any) -> None:
+    if mode not in PAUSE_MODES:
+        raise InvalidRequestError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got "
+                                  f"{str(mode)[:40]!r}")
 
 
 def check_sleep_level(level: Any) -> None:

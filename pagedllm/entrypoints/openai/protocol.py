@@ -68,6 +68,16 @@ class UnloadLoRAAdapterRequest(OpenAIBaseModel):
     lora_int_id: int | None = None  # accepted for vLLM clients; the name decides
 
 
+class CollectiveRPCRequest(RequestModel):
+    """POST /collective_rpc (--enable-dev-endpoints): a worker method by name, with
+    JSON arguments."""
+
+    method: str = Field(min_length=1)
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout: float | None = Field(default=None, gt=0)
+
+
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]

@@ -79,6 +79,11 @@ class ServeConfig:
               "prefill tokens/s)")
     metrics_without_key: bool = _flag(False, "serve /metrics (and the dashboard's feed, "
                                              "/dashboard/state) without the API key")
+    enable_dev_endpoints: bool = _flag(
+        False, "serve vLLM's development routes (its VLLM_SERVER_DEV_MODE): POST /pause "
+               "and /resume, GET /is_paused (stop generating, e.g. to update weights "
+               "between RL steps) and POST /collective_rpc (a worker method by name); "
+               "whoever holds the API key can then stop the server's work")
     chat_template: str | None = _flag(
         None, "a Jinja chat template, or the path of a file holding one, used instead of "
               "the model's (e.g. one that renders `tools`); a request's own `chat_template` "

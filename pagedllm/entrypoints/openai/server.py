@@ -12,7 +12,9 @@ POST /v1/embeddings, POST /pooling, GET|POST /ping and POST /invocations (SageMa
 POST /score, /rerank and /classify (vLLM's; also under /v1, /v2/rerank),
 POST /tokenize, POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
 GET /debug/stats, with --enable-sleep-mode POST /sleep, POST /wake_up and GET
-/is_sleeping, with --profiler-dir POST /start_profile and /stop_profile (vLLM's),
+/is_sleeping, with --profiler-dir POST /start_profile and /stop_profile, with
+--enable-dev-endpoints POST /pause, /resume, GET /is_paused and POST /collective_rpc
+(vLLM's),
 GET /dashboard (a live page; its files need no key, its feed
 GET /dashboard/state is keyed like /metrics: dashboard/routes.py).
 Errors use OpenAI's body ({"error": {message, type, param, code}}, plus vLLM's
@@ -52,7 +54,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineProcess
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
+                                                  CollectiveRPCRequest, CompletionRequest,
                                                   DetokenizeRequest, DetokenizeResponse,
                                                   LoadLoRAAdapterRequest, ModelCard,
                                                   ModelList, TokenizeRequest,
@@ -234,6 +237,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str],
                        allow_headers=serve_config.allowed_headers,
                        allow_credentials=serve_config.allow_credentials)
     _add_engine_routes(app, engine, __version__)
+    if serve_config.enable_dev_endpoints:
+        _add_dev_routes(app, engine)
     responses = _add_openai_routes(app, engine, models, serve_config, offloader)
     add_dashboard_routes(app, dashboard)
     return app
@@ -552,6 +557,42 @@ def _add_generate_routes(app: FastAPI, post: Any, generate: OpenAIServingGenerat
             for request_id in {given, GENERATE_ID_PREFIX + given}:
                 generate.abort_all(request_id, 1)
         return Response(status_code=200)
+
+
+def _add_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
+    """vLLM's development routes (--enable-dev-endpoints): pause and resume generation,
+    collective_rpc on the workers."""
+
+    @app.post("/pause")
+    async def pause(mode: str = "abort", clear_cache: bool = True) -> dict[str, str]:
+        """?mode=abort (the requests in flight end), wait (they finish first: answered
+        then) or keep (they go on at /resume); new requests wait meanwhile."""
+        await engine.pause_generation(mode, clear_cache)
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume() -> dict[str, str]:
+        await engine.resume_generation()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused() -> dict[str, bool]:
+        return {"is_paused": await engine.is_paused()}
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: CollectiveRPCRequest) -> dict[str, Any]:
+        """Each rank's result, as JSON (other values as their str(), as vLLM's)."""
+        try:
+            results = await engine.collective_rpc(request.method, timeout=request.timeout,
+                                                  args=tuple(request.args),
+                                                  kwargs=request.kwargs)
+        except (EngineBusyError, EngineDeadError, TimeoutError):
+            raise
+        except Exception as e:  # the call's own failure (no such method, it raised)
+            raise InvalidRequestError(f"collective_rpc {request.method!r} failed: "
+                                      f"{type(e).__name__}: {e}") from e
+        plain = (type(None), dict, list, str, int, float, bool)
+        return {"results": [r if isinstance(r, plain) else str(r) for r in results]}
 
 
 def _refuse_text_routes(app: FastAPI) -> None:
