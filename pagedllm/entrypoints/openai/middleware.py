@@ -95,7 +95,7 @@ LOAD_PATHS = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/pooling",
     "/v1/responses", "/score", "/v1/score", "/classify", "/v1/classify", "/rerank",
     "/v1/rerank", "/v2/rerank", "/invocations", "/inference/v1/generate",
-    "/v1/messages"})
+    "/v1/messages", "/v1/chat/completions/batch"})
 
 
 class LoadMiddleware:

@@ -541,6 +541,44 @@ class ChatResponseMessage(_OmitsNoToolCalls):
     tool_calls: list[ToolCall] | None = None
 
 
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """POST /v1/chat/completions/batch (vLLM's): `messages` is a list of conversations,
+    each run as a chat request with the other fields and answered as choice i. Not
+    streamed; no tools, n 1, no echo or prompt_logprobs (as vLLM's)."""
+
+    messages: list[list[ChatMessage]] = Field(min_length=1)  # type: ignore[assignment]
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_exchanges(cls, conversations: list[list[ChatMessage]],
+                        ) -> list[list[ChatMessage]]:
+        for i, conversation in enumerate(conversations):
+            if not conversation:
+                raise InvalidRequestError(f"messages[{i}] must not be empty")
+            try:
+                check_tool_exchanges(conversation)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"conversation {i}: {e}") from None
+        return conversations
+
+    @model_validator(mode="after")
+    def _batch_limits(self) -> BatchChatCompletionRequest:
+        refused = [name for name, asked in (
+            ("stream", self.stream), ("tools", self.tools), ("n", self.n != 1),
+            ("best_of", self.best_of not in (None, 1)), ("echo", self.echo),
+            ("prompt_logprobs", self.prompt_logprobs is not None)) if asked]
+        if refused:
+            raise InvalidRequestError(f"{refused[0]} is not supported by the batch route "
+                                      f"(send each conversation to /v1/chat/completions)")
+        return self
+
+    def conversation(self, i: int) -> ChatCompletionRequest:
+        """Conversation i as its own chat request (the fields checked already)."""
+        fields = {name: getattr(self, name) for name in ChatCompletionRequest.model_fields}
+        return ChatCompletionRequest.model_construct(
+            _fields_set=self.model_fields_set, **(fields | {"messages": self.messages[i]}))
+
+
 class ChatCompletionResponseChoice(OpenAIBaseModel):
     index: int
     message: ChatResponseMessage

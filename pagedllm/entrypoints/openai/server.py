@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (and vLLM's
+/v1/chat/completions/batch: several conversations, a choice each),
 POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API, its errors
 in Anthropic's form; the API key also as x-api-key), POST /v1/chat/completions/render,
 /v1/completions/render and /v1/messages/render (vLLM's: the /inference/v1/generate body
@@ -54,7 +55,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineProcess
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest,
+from pagedllm.entrypoints.openai.protocol import (BatchChatCompletionRequest,
+                                                  ChatCompletionRequest,
                                                   CollectiveRPCRequest, CompletionRequest,
                                                   DetokenizeRequest, DetokenizeResponse,
                                                   LoadLoRAAdapterRequest, ModelCard,
@@ -81,6 +83,8 @@ from pagedllm.entrypoints.openai.offload import INLINE_BYTES, Offloader
 from pagedllm.entrypoints.openai.request_body import BodyRoutes, JSONObject, validate_body
 from pagedllm.entrypoints.openai.serve_config import ServeConfig
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_chat_batch import (
+    create_batch_chat_completion as run_chat_batch)
 from pagedllm.entrypoints.openai.served_models import (ModelNotFoundError, ServedModels,
                                                        parse_lora_module)
 from pagedllm.entrypoints.openai.serving_common import (RequestTimeoutError, error_status,
@@ -112,7 +116,8 @@ TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/po
                "/v1/responses", "/score", "/v1/score", "/classify", "/v1/classify",
                "/rerank", "/v1/rerank", "/v2/rerank", "/invocations", "/tokenize",
                "/detokenize", "/tokenizer_info", "/v1/messages", "/v1/messages/count_tokens",
-               "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render")
+               "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
+               "/v1/chat/completions/batch")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -391,6 +396,12 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
         if request.stream:
             return await chat.create_chat_completion(request)
         return await _cancel_on_disconnect(raw_request, chat.create_chat_completion(request))
+
+    @post("/v1/chat/completions/batch", body=BatchChatCompletionRequest)
+    async def create_batch_chat_completion(request: BatchChatCompletionRequest,
+                                           raw_request: Request) -> Any:
+        _take_header_request_id(request, raw_request, "chatcmpl")
+        return await _cancel_on_disconnect(raw_request, run_chat_batch(chat, request))
 
     @post("/v1/embeddings", body=EmbeddingRequest)
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Any:
