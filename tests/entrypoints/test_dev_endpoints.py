@@ -151,6 +151,11 @@ def test_bad_pause_mode_and_collective_rpc(server):
     assert r.status_code == 400 and "no_such_method" in r.json()["error"]["message"]
     r = rpc({"method": ""})
     assert r.status_code == 400
+    for name in ("__class__", "_private", "model.forward"):
+        r = rpc({"method": name})
+        assert r.status_code == 400 and "public worker method" in r.json()["error"]["message"]
+    r = rpc({"method": "recall", "timeout": 1e-9})  # the call runs on; the answer waits
+    assert r.status_code == 408 and "did not answer" in r.json()["error"]["message"]
     r = rpc({"method": "recall", "shell": "rm -rf /"})
     assert r.status_code == 400 and "shell" in r.json()["error"]["message"]
 

@@ -77,6 +77,15 @@ class CollectiveRPCRequest(RequestModel):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     timeout: float | None = Field(default=None, gt=0)
 
+    @field_validator("method")
+    @classmethod
+    def _public_method(cls, method: str) -> str:
+        # A name, not a path into the worker's internals ("__class__" would build one).
+        if not method.isidentifier() or method.startswith("_"):
+            raise InvalidRequestError(f"method must name a public worker method, got "
+                                      f"{method[:80]!r}")
+        return method
+
 
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"

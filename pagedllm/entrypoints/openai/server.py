@@ -597,7 +597,11 @@ def _add_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
             results = await engine.collective_rpc(request.method, timeout=request.timeout,
                                                   args=tuple(request.args),
                                                   kwargs=request.kwargs)
-        except (EngineBusyError, EngineDeadError, TimeoutError):
+        except TimeoutError:
+            raise RequestTimeoutError(f"collective_rpc {request.method!r} did not answer "
+                                      f"within {request.timeout:g} s (the call runs on in "
+                                      f"the workers)") from None
+        except (EngineBusyError, EngineDeadError):
             raise
         except Exception as e:  # the call's own failure (no such method, it raised)
             raise InvalidRequestError(f"collective_rpc {request.method!r} failed: "
