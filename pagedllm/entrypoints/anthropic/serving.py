@@ -74,11 +74,9 @@ class AnthropicServingMessages(OpenAIServingChat):
         if chat.effective_tool_choice == "none" and (
                 self.serve_config.exclude_tools_when_tool_choice_none):
             tools = []
-        _, ids, images = await self.render_chat(
+        ids = await self.prompt_token_ids(
             chat.messages, chat.add_generation_prompt, chat.continue_final_message,
-            chat.chat_template, chat.chat_template_kwargs, tools=tools or None)
-        if images:  # each placeholder as the engine expands it (nothing is decoded)
-            ids, _ = self.engine.image_processor.expand(ids, len(images))
+            chat.chat_template, chat.chat_template_kwargs, tools)
         return CountTokensResponse(input_tokens=len(ids))
 
     async def _events(self, request: MessagesRequest, message_id: str, model: str,

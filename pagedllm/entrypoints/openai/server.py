@@ -514,12 +514,10 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
             raise InvalidRequestError("give exactly one of prompt or messages")
         if request.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in request.tools or ()]
-            _, ids, images = await chat.render_chat(
+            ids = await chat.prompt_token_ids(
                 request.messages, request.add_generation_prompt,
                 request.continue_final_message, request.chat_template,
-                request.chat_template_kwargs, tools=tools or None)
-            if images:  # each placeholder as the engine expands it (nothing is decoded)
-                ids, _ = engine.image_processor.expand(ids, len(images))
+                request.chat_template_kwargs, tools)
         else:
             ids = await chat.encode(request.prompt, request.add_special_tokens)
         strs = (engine.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs

@@ -330,6 +330,20 @@ class OpenAIServingChat(OpenAIServing):
         return (text, await self.encode(text, add_special_tokens=False, check_bytes=False),
                 sources)
 
+    async def prompt_token_ids(self, messages: list[ChatMessage],
+                               add_generation_prompt: bool, continue_final_message: bool,
+                               chat_template: str | None,
+                               chat_template_kwargs: dict | None,
+                               tools: list[dict[str, Any]] | None) -> list[int]:
+        """A conversation's prompt ids as the engine runs them (/tokenize, Anthropic's
+        count_tokens): rendered, each image placeholder expanded (nothing decoded)."""
+        _, ids, images = await self.render_chat(
+            messages, add_generation_prompt, continue_final_message, chat_template,
+            chat_template_kwargs, tools=tools or None)
+        if images:
+            ids, _ = self.engine.image_processor.expand(ids, len(images))
+        return ids
+
     # ------------------------------------------------------------------ streaming
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
