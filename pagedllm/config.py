@@ -342,6 +342,11 @@ class SchedulerConfig:
     """Fraction of the KV blocks an admission (waiting or swapped request) must leave
     free when the step already runs another request (vLLM's): headroom for the running
     requests' next blocks, so admissions do not end in preemptions. 0: none."""
+    reserve_full_prompt: bool = True
+    """Admit a request only when the free blocks hold its whole prompt besides the rest
+    of the running requests' prompts (vLLM's scheduler_reserve_full_isl, on by default
+    there too): prompts prefilled in chunks never preempt each other to finish. False:
+    a prompt is admitted for the blocks of its first chunk."""
 
     def __post_init__(self) -> None:
         if self.max_num_active_seqs is not None and (

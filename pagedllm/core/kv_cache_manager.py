@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pagedllm.core.block_hash import BlockHash, update_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_events import BlockStored, KVCacheEvent, coalesce
-from pagedllm.core.kv_groups import cdiv, num_skipped_blocks
+from pagedllm.core.kv_groups import cdiv, max_blocks_per_request, num_skipped_blocks
 from pagedllm.core.kv_residency import BlockResidency, ResidencyEvent
 from pagedllm.request import Request
 
@@ -93,6 +93,24 @@ class KVCacheManager:
         always be (re)computed in one chunk, every group holding every position
         (a preempted request is recomputed from scratch)."""
         return num_usable_blocks // self.num_groups * self.block_size
+
+    def num_blocks_to_finish(self, num_tokens: int, blocks: GroupBlocks | None,
+                             chunk: int) -> int:
+        """Blocks a request still needs, at its peak, to hold `num_tokens` tokens computed
+        at most `chunk` at a time, beyond `blocks` (per group: the ones it holds, or its
+        prefix hits): a full-attention group one per position; a window group only the
+        window's and a chunk's, as it gives back the blocks its queries have passed
+        (`max_blocks_per_request`, widened by a chunk)."""
+        num_needed = self.num_blocks_needed(num_tokens)
+        total = 0
+        for g, window in enumerate(self.group_windows):
+            have = blocks[g] if blocks else ()
+            if window is None:
+                total += max(0, num_needed - len(have))
+            else:
+                peak = max_blocks_per_request(window + chunk, num_tokens, self.block_size)
+                total += max(0, peak - sum(1 for b in have if not b.is_null))
+        return total
 
     def get_blocks(self, req_id: str, group: int = 0) -> list[KVCacheBlock]:
         """The request's blocks of one group ([] when it holds none)."""

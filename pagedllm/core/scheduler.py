@@ -4,8 +4,9 @@ Each `schedule()` call decides `num_scheduled_tokens` per request: running reque
 continue (a decode asks for 1 token, a prompt being prefilled for a chunk), then waiting
 requests are admitted in queue order while blocks, budget and `max_num_seqs` allow
 (`max_num_active_seqs` running at most, if lower; beside requests the step already runs,
-an admission must leave the watermark's blocks free). When a running request cannot get
-a block, the last running request is preempted.
+an admission must leave the watermark's blocks free, and with `reserve_full_prompt`
+the free blocks must hold its whole prompt besides the rest of the running prompts).
+When a running request cannot get a block, the last running request is preempted.
 
 Preemption modes (`SchedulerConfig.preemption_mode`):
 - "recompute": its blocks are freed and it re-enters the waiting queue, to be
@@ -107,7 +108,7 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.deadlines import DeadlineHeap
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import GroupBlocks, KVCacheManager
 from pagedllm.core.kv_store import KVStore
 from pagedllm.core.output_update import apply_runner_output
 from pagedllm.core.request_queue import RequestQueue, create_request_queue, priority_key
@@ -147,6 +148,7 @@ class Scheduler:
         self.max_num_active_seqs = (scheduler_config.max_num_active_seqs
                                     or self.max_num_seqs)
         self.watermark_blocks = int(scheduler_config.watermark * num_blocks)
+        self.reserve_full_prompt = scheduler_config.reserve_full_prompt
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
@@ -509,6 +511,8 @@ class Scheduler:
         num_new_tokens = step.num_tokens_to_schedule(request, num_computed_tokens)
         if num_new_tokens == 0:
             return False
+        if self.reserve_full_prompt and not self._prompt_fits(request, computed_blocks, step):
+            return False
         new_blocks = self.kv_cache_manager.allocate_slots(
             request, num_new_tokens, computed_blocks, num_computed_tokens,
             step.num_lookahead(request, num_computed_tokens, num_new_tokens),
@@ -521,7 +525,37 @@ class Scheduler:
         request.num_computed_tokens = num_computed_tokens
         request.num_cached_tokens = num_computed_tokens
         self._start_running(request, num_new_tokens, step)
+        if step.prompt_blocks_reserved is not None:
+            step.prompt_blocks_reserved += self._blocks_to_finish(request)
         return True
+
+    def _prompt_fits(self, request: Request, computed_blocks: GroupBlocks,
+                     step: StepState) -> bool:
+        """Whether the free blocks hold all of waiting `request`'s prompt (beyond its
+        prefix hits) besides what the running requests still need to finish theirs and
+        the watermark (`reserve_full_prompt`, vLLM's scheduler_reserve_full_isl).
+        Without it a long prompt is admitted for the blocks of its first chunk, and
+        prompts admitted side by side preempt each other to finish: each preemption
+        recomputes what was prefilled. (vLLM counts only the new prompt; counting the
+        running prompts' rest too keeps two long prompts from both being admitted into
+        room for one.)"""
+        kvm = self.kv_cache_manager
+        if step.prompt_blocks_reserved is None:
+            step.prompt_blocks_reserved = sum(self._blocks_to_finish(r) for r in self.running)
+        # Hits no request holds sit among the free blocks; touching them takes them out.
+        num_evictable_hits = sum(1 for group in computed_blocks for b in group
+                                 if not b.is_null and b.ref_cnt == 0)
+        num_needed = kvm.num_blocks_to_finish(request.num_tokens, computed_blocks,
+                                              self.max_num_batched_tokens)
+        return (num_needed + step.prompt_blocks_reserved + self._reserve(step)
+                <= kvm.get_num_free_blocks() - num_evictable_hits)
+
+    def _blocks_to_finish(self, request: Request) -> int:
+        """Blocks running `request` still needs to hold all its tokens (0 once it
+        decodes: its next token's block is not reserved)."""
+        kvm = self.kv_cache_manager
+        return kvm.num_blocks_to_finish(request.num_tokens, kvm.req_to_blocks.get(request.req_id),
+                                        self.max_num_batched_tokens)
 
     def _swap_in(self, request: Request, step: StepState) -> bool:
         """Bring the swapped head back with its num_computed_tokens (the caller pops it);
@@ -613,6 +647,9 @@ class Scheduler:
         with the watermark's blocks to spare while running requests remain."""
         computed_blocks, _ = self._get_computed_blocks(request)
         reserve = self.watermark_blocks if len(victims) < len(self.running) else 0
+        if self.reserve_full_prompt:  # (as _prompt_fits: the rest of the others' prompts)
+            reserve += sum(self._blocks_to_finish(r) for r in self.running
+                           if r not in victims)
         return self.kv_cache_manager.fits_after_freeing(
             request.num_tokens, computed_blocks, [r.req_id for r in victims], reserve)
 

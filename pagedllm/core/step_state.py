@@ -46,6 +46,9 @@ class StepState:
     # SchedulerConfig.long_prefill_token_threshold: most tokens of one prompt a step
     # takes (0: no cap).
     long_prefill_token_threshold: int = 0
+    # Blocks the running requests still need to finish their prompts (the scheduler's
+    # `_prompt_fits`; None until an admission asks).
+    prompt_blocks_reserved: int | None = None
 
     def __post_init__(self) -> None:
         # What the step's prefill chunks may cost, in tokens: as much as a fresh prompt

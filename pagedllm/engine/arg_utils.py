@@ -145,6 +145,11 @@ class EngineArgs:
     watermark: float = _arg(0.0, "fraction of the KV blocks a request admitted beside "
                                  "running ones must leave free (headroom against "
                                  "preemptions), as vLLM's; 0: none")
+    scheduler_reserve_full_isl: bool = _arg(
+        True, "admit a request only when the free KV blocks hold its whole prompt besides "
+              "the rest of the prompts being prefilled, as vLLM's (stricter: vLLM counts "
+              "only the new prompt); off: admit for the blocks of its first chunk, and "
+              "long prompts admitted side by side may preempt each other")
     scheduling_policy: str = _arg("fcfs", "fcfs: serve requests in arrival order; priority: "
                                           "by each request's priority (lower first, then "
                                           "arrival), preempting lower-priority ones",
@@ -462,6 +467,7 @@ class EngineArgs:
                                 max_model_len=max_model_len,
                                 max_num_active_seqs=self.max_num_active_seqs,
                                 watermark=self.watermark,
+                                reserve_full_prompt=self.scheduler_reserve_full_isl,
                                 enable_chunked_prefill=self.enable_chunked_prefill,
                                 policy=self.scheduling_policy,
                                 preemption_mode=self.preemption_mode,

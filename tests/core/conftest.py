@@ -38,14 +38,16 @@ def _make_scheduler(num_blocks: int = 10, block_size: int = 4, max_num_seqs: int
                     preemption_mode: str = "recompute",
                     num_swap_blocks: int = 0, pipeline_depth: int = 1,
                     attention_pairs_per_token: int = 0,
-                    long_prefill_token_threshold: int = 0) -> Scheduler:
+                    long_prefill_token_threshold: int = 0,
+                    reserve_full_prompt: bool = True) -> Scheduler:
     sched_config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len,
                                    enable_chunked_prefill=enable_chunked_prefill,
                                    policy=policy, preemption_mode=preemption_mode,
                                    attention_pairs_per_token=attention_pairs_per_token,
-                                   long_prefill_token_threshold=long_prefill_token_threshold)
+                                   long_prefill_token_threshold=long_prefill_token_threshold,
+                                   reserve_full_prompt=reserve_full_prompt)
     cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
                                enable_prefix_caching=enable_prefix_caching)
     kw = {} if clock is None else {"clock": clock}

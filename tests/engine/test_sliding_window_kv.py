@@ -113,8 +113,11 @@ def test_outputs_equal_the_cache_that_keeps_every_block(model, prompts, expected
     swap, llm = _generate(path, prompts, preemption_mode="swap", swap_space=0.01, **small)
     scheduler = llm.llm_engine.engine_core.scheduler
     assert scheduler.num_swaps_out > 0 and scheduler.num_swaps_in > 0
+    # (Prompts admitted for their first chunks, as without scheduler_reserve_full_isl,
+    # preempt each other mid-prefill: recomputes that hit the prefix cache.)
     recompute, llm = _generate(path, prompts, enable_chunked_prefill=True,
-                               max_num_batched_tokens=24, **small)
+                               max_num_batched_tokens=24, scheduler_reserve_full_isl=False,
+                               **small)
     kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     assert kv.prefix_cache_hits > 0

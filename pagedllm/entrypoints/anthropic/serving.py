@@ -53,8 +53,8 @@ class AnthropicServingMessages(OpenAIServingChat):
         if request.max_tokens == 0:  # the prompt only: its one token is not returned
             content, reason, sequence, num_output = [], "max_tokens", None, 0
         else:
-            message, _ = self._message(out, self._reasoning_reader(prepared.phase),
-                                       prepared.plan.new_reader())
+            message, _ = self.message_of(out, self.reasoning_reader(prepared.phase),
+                                         prepared.plan.new_reader())
             content = _blocks(message, request.show_thinking)
             reason, sequence = stop_reason(out, bool(message.tool_calls))
             num_output = len(out.token_ids)
@@ -81,7 +81,7 @@ class AnthropicServingMessages(OpenAIServingChat):
 
     async def _events(self, request: MessagesRequest, message_id: str, model: str,
                       streams: list, prepared: PreparedChat) -> AsyncIterator[str]:
-        st = ChoiceState(reasoning=self._reasoning_reader(prepared.phase),
+        st = ChoiceState(reasoning=self.reasoning_reader(prepared.phase),
                          tools=prepared.plan.new_reader())
         blocks = _BlockStream(request.show_thinking)
         prompt_only = request.max_tokens == 0
@@ -106,7 +106,7 @@ class AnthropicServingMessages(OpenAIServingChat):
                 st.num_chars = max(st.num_chars, len(out.text))
                 st.num_tokens = len(out.token_ids)
                 st.is_finished = out.finish_reason is not None
-                message, _ = self._delta(st, text, out.finish_reason)
+                message, _ = self.delta_of(st, text, out.finish_reason)
                 if message.reasoning:
                     yield blocks.delta("thinking", message.reasoning)
                 if message.content:

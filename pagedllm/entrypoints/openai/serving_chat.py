@@ -102,9 +102,9 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         echo = _echo_text(request)
         for out in sorted(final.outputs, key=lambda o: o.index):
-            message, finish_reason = self._message(out, self._reasoning_reader(phase),
-                                                   plan.new_reader())
-            message.role = self._reply_role(request)
+            message, finish_reason = self.message_of(out, self.reasoning_reader(phase),
+                                                     plan.new_reader())
+            message.role = self.reply_role(request)
             if not request.include_reasoning:
                 message.reasoning = message.reasoning_content = None
             if echo:
@@ -199,22 +199,22 @@ class OpenAIServingChat(OpenAIServing):
         phase = self.reasoning.initial_phase(ids) if self.reasoning is not None else None
         return PreparedChat(text, ids, params, plan, phase, images)
 
-    def _reply_role(self, request: ChatCompletionRequest) -> str:
+    def reply_role(self, request: ChatCompletionRequest) -> str:
         """The role a reply names, as vLLM's: --response-role after the generation
         prompt; a continued (or prompt-less) last message's own role otherwise."""
         if request.add_generation_prompt and not request.continue_final_message:
             return self.serve_config.response_role
         return request.messages[-1].role
 
-    def _reasoning_reader(self, phase: Phase | None) -> ReasoningReader | None:
+    def reasoning_reader(self, phase: Phase | None) -> ReasoningReader | None:
         """A reader of one choice's reasoning (None: no reasoning parser)."""
         if self.reasoning is None or phase is None:
             return None
         return ReasoningReader(self.reasoning.format, phase)
 
     @staticmethod
-    def _message(out: CompletionOutput, reasoner: ReasoningReader | None,
-                 reader: ToolCallReader | None) -> tuple[ChatResponseMessage, str | None]:
+    def message_of(out: CompletionOutput, reasoner: ReasoningReader | None,
+                   reader: ToolCallReader | None) -> tuple[ChatResponseMessage, str | None]:
         """A choice's message (its reasoning split off, its calls read from the rest)
         and finish reason."""
         text, reasoning = out.text, None
@@ -349,7 +349,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
                       streams: list, plan: ToolPlan, phase: Phase | None,
                       prompt_ids: list[int] | None = None) -> AsyncIterator[str]:
-        states = {i: ChoiceState(reasoning=self._reasoning_reader(phase),
+        states = {i: ChoiceState(reasoning=self.reasoning_reader(phase),
                                   tools=plan.new_reader()) for i in range(request.n)}
         num_prompt_tokens = 0
         latest = None  # the latest output (its timestamps)
@@ -361,7 +361,7 @@ class OpenAIServingChat(OpenAIServing):
 
         try:
             # OpenAI's first chunk per choice carries the role.
-            role = self._reply_role(request)
+            role = self.reply_role(request)
             echo = _echo_text(request)
             for i in range(request.n):
                 # return_token_ids: the prompt's ids once, on the first chunk.
@@ -390,7 +390,7 @@ class OpenAIServingChat(OpenAIServing):
                     st.num_chars = max(st.num_chars, len(out.text))
                     st.num_tokens = len(out.token_ids)
                     st.is_finished = out.finish_reason is not None
-                    message, finish_reason = self._delta(st, delta, out.finish_reason)
+                    message, finish_reason = self.delta_of(st, delta, out.finish_reason)
                     if not request.include_reasoning:
                         message.reasoning = message.reasoning_content = None
                     ids = {"token_ids": list(new_ids)} if request.return_token_ids else {}
@@ -413,8 +413,8 @@ class OpenAIServingChat(OpenAIServing):
         yield sse("[DONE]")
 
     @staticmethod
-    def _delta(st: ChoiceState, text: str, finish_reason: str | None,
-               ) -> tuple[DeltaMessage, str | None]:
+    def delta_of(st: ChoiceState, text: str, finish_reason: str | None,
+                 ) -> tuple[DeltaMessage, str | None]:
         """A chunk's message of new text: its reasoning split off, the rest through the
         choice's tool-call reader (both may hold text back until they know where it
         belongs)."""

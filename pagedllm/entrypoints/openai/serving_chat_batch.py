@@ -38,9 +38,9 @@ async def create_batch_chat_completion(chat: OpenAIServingChat,
     choices = []
     for i, (conversation, p, final) in enumerate(zip(conversations, prepared, finals)):
         out = final.outputs[0]
-        message, finish_reason = chat._message(out, chat._reasoning_reader(p.phase),
-                                               p.plan.new_reader())
-        message.role = chat._reply_role(conversation)
+        message, finish_reason = chat.message_of(out, chat.reasoning_reader(p.phase),
+                                                 p.plan.new_reader())
+        message.role = chat.reply_role(conversation)
         if not request.include_reasoning:
             message.reasoning = message.reasoning_content = None
         logprobs = (chat.chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,

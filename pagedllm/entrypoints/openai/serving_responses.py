@@ -196,8 +196,8 @@ class OpenAIServingResponses(OpenAIServingChat):
                   prepared: PreparedChat) -> ResponseObject:
         """The response of a finished reply: its output items read the chat way."""
         out = final.outputs[0]
-        message, finish_reason = self._message(
-            out, self._reasoning_reader(prepared.phase), prepared.plan.new_reader())
+        message, finish_reason = self.message_of(
+            out, self.reasoning_reader(prepared.phase), prepared.plan.new_reader())
         status = "incomplete" if finish_reason == "length" else "completed"
         output: list[Any] = []
         if message.reasoning:
@@ -414,7 +414,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             return f"event: {kind}\ndata: {fields_json(payload)}\n\n"
 
         items = ItemStream(event)
-        st = ChoiceState(reasoning=self._reasoning_reader(prepared.phase),
+        st = ChoiceState(reasoning=self.reasoning_reader(prepared.phase),
                           tools=prepared.plan.new_reader())
         final: RequestOutput | None = None
         finish_reason = None
@@ -436,7 +436,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                 delta = out.text[st.num_chars:]
                 st.num_chars = max(st.num_chars, len(out.text))
                 st.is_finished = out.finish_reason is not None
-                message, finish_reason = self._delta(st, delta, out.finish_reason)
+                message, finish_reason = self.delta_of(st, delta, out.finish_reason)
                 # A text delta carries the logprobs of the tokens since the last one.
                 for chunk in items.feed(message.reasoning or "", message.content or "",
                                         message.tool_calls or [], lambda: logprobs_since(out)):
