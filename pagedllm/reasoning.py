@@ -83,6 +83,17 @@ class ReasoningTokens:
                 return Phase.REASONING
         return Phase.REASONING if self.format.implicit_start else Phase.OPENING
 
+    def reasoning_in_prompt(self, prompt_ids: list[int]) -> int:
+        """Tokens of reasoning the prompt already holds: those after its last tag when
+        that is the start tag (a template that opens the reasoning, or a continued one);
+        0 otherwise."""
+        for i in range(len(prompt_ids) - 1, -1, -1):
+            if prompt_ids[i] == self.end_id:
+                return 0
+            if prompt_ids[i] == self.start_id:
+                return len(prompt_ids) - 1 - i
+        return 0
+
 
 def tokens_of(fmt: ReasoningFormat, tokenizer: Any) -> ReasoningTokens:
     """The tags' ids in `tokenizer` (a Hugging Face tokenizer); ValueError when either
@@ -101,12 +112,24 @@ def tokens_of(fmt: ReasoningFormat, tokenizer: Any) -> ReasoningTokens:
 
 class ReasoningGate:
     """One request's phase read from its output tokens (the engine core's reader):
-    which tokens belong to the answer, which a grammar then constrains."""
+    which tokens belong to the answer, which a grammar then constrains; and, with a
+    thinking budget, when the reasoning must end."""
 
-    def __init__(self, tokens: ReasoningTokens, phase: Phase) -> None:
+    def __init__(self, tokens: ReasoningTokens, phase: Phase, budget: int | None = None,
+                 num_reasoning: int = 0) -> None:
         self.start_id = tokens.start_id
         self.end_id = tokens.end_id
         self.phase = phase
+        # SamplingParams.thinking_token_budget, and the reasoning's tokens so far (the
+        # prompt's included, as vLLM counts; the tags not).
+        self.budget = budget
+        self.num_reasoning = num_reasoning
+
+    @classmethod
+    def for_prompt(cls, tokens: ReasoningTokens, prompt_ids: list[int],
+                   budget: int | None = None) -> ReasoningGate:
+        return cls(tokens, tokens.initial_phase(prompt_ids), budget,
+                   tokens.reasoning_in_prompt(prompt_ids))
 
     def accept(self, token_id: int) -> bool:
         """Take the next output token; True if it is part of the answer."""
@@ -117,7 +140,15 @@ class ReasoningGate:
             return self.phase is Phase.CONTENT
         if token_id == self.end_id:
             self.phase = Phase.CONTENT
+        elif token_id != self.start_id:  # (an implicit reasoning may still write it)
+            self.num_reasoning += 1
         return False
+
+    def must_end(self) -> bool:
+        """Whether the budget is spent inside the reasoning: the next token must be the
+        end tag."""
+        return (self.budget is not None and self.phase is Phase.REASONING
+                and self.num_reasoning >= self.budget)
 
 
 class ReasoningReader:

@@ -201,6 +201,9 @@ class SamplingParams:
     """What streamed outputs carry (LLM.generate always returns final outputs)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Grammar constraint (JSON schema, regex, choice, EBNF, any JSON object)."""
+    thinking_token_budget: int | None = None
+    """Most reasoning tokens (vLLM's; needs a reasoning parser): once the reasoning holds
+    this many, its end tag is the next token. -1 or None: no limit."""
     truncate_prompt_tokens: int | None = None
     """Keep only the prompt's last k tokens (left truncation); -1: its last
     max_model_len; None: the whole prompt."""
@@ -230,6 +233,9 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.thinking_token_budget == -1 and not isinstance(self.thinking_token_budget,
+                                                                bool):
+            self.thinking_token_budget = None  # vLLM's "unlimited"
         self._verify()
 
     # ------------------------------------------------------------------ checks
@@ -294,6 +300,11 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be a non-negative integer, "
                                           f"got {value}.")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        budget = self.thinking_token_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or not 0 <= budget <= _MAX_INT32):
+            raise InvalidRequestError(f"thinking_token_budget must be an integer in [0, "
+                                      f"{_MAX_INT32}] or -1 (no limit), got {budget!r}.")
         if self.seed is not None and (not isinstance(self.seed, int)
                                       or not -2**63 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be a 64-bit integer, got {self.seed!r}.")

@@ -796,4 +796,4 @@ def needs_host_tokens(request: Request) -> bool:
     sp = request.sampling_params
     return bool(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1
                 or sp.bad_words or sp.bad_words_token_ids or sp.min_tokens
-                or sp.structured_outputs is not None)
+                or sp.structured_outputs is not None or sp.thinking_token_budget is not None)

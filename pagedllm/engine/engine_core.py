@@ -141,6 +141,8 @@ class EngineCore:
         self.scheduler.check_request(request)
         if request.sampling_params.structured_outputs is None:
             self.scheduler.add_request(request)
+            if request.sampling_params.thinking_token_budget is not None:
+                self.structured_output.track(request)  # its budget's end tag is masked
         else:
             self.structured_output.submit(request)  # to the scheduler once compiled
 

@@ -145,9 +145,10 @@ class InputProcessor:
         request = Request(req_id, ids, params, self.eos_token_id, arrival_time,
                           priority=priority, max_tokens=max_tokens, deadline=deadline,
                           lora_request=lora_request, mm_inputs=images, cache_salt=salt)
-        if self.reasoning is not None and params.structured_outputs is not None:
-            request.reasoning_gate = ReasoningGate(self.reasoning,
-                                                   self.reasoning.initial_phase(ids))
+        if self.reasoning is not None and (params.structured_outputs is not None
+                                           or params.thinking_token_budget is not None):
+            request.reasoning_gate = ReasoningGate.for_prompt(self.reasoning, ids,
+                                                              params.thinking_token_budget)
         return request, text
 
     def _embedded(self, embeds: Any, params: SamplingParams,
@@ -294,6 +295,10 @@ class InputProcessor:
         if needs_tokenizer and self.tokenizer is None:
             raise InvalidRequestError(f"{needs_tokenizer[0]} needs a tokenizer, and this "
                                       f"engine was started without one")
+        if params.thinking_token_budget is not None and self.reasoning is None:
+            raise InvalidRequestError("thinking_token_budget needs the engine started with a "
+                                      "reasoning parser (--reasoning-parser): without one "
+                                      "there is no reasoning to bound")
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
         if params.structured_outputs is not None:

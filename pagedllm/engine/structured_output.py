@@ -14,6 +14,11 @@ sample in it into the SchedulerOutput (the runner applies them to the logits), a
 `accept_tokens` advances the matchers with the tokens that come back. With a reasoning
 parser (pagedllm/reasoning.py) a request's grammar starts after its reasoning: the
 request's `ReasoningGate` reads its tokens, and while it reasons no mask is sent for it.
+
+A thinking budget (SamplingParams.thinking_token_budget) rides on the same path: the
+request's gate counts its reasoning tokens (`track` registers one without a grammar), and
+once they reach the budget inside the reasoning, the request's row allows only the end
+tag: the next token closes the reasoning, greedy or sampled, and the answer follows.
 """
 
 from __future__ import annotations
@@ -42,8 +47,8 @@ class StructuredOutputManager:
         self._pool = SmallestFirstExecutor("grammar-compile", initializer=_lower_priority)
         # Requests whose grammar is compiling, in arrival order.
         self._pending: dict[str, tuple[Request, Future]] = {}
-        # Requests with a matcher, until they finish (pruned by fill_bitmask): a step
-        # with none skips the per-request loops below.
+        # Requests with a matcher or a thinking budget, until they finish (pruned by
+        # fill_bitmask): a step with none skips the per-request loops below.
         self._live: dict[str, Request] = {}
 
     def warm_up(self) -> None:
@@ -65,6 +70,12 @@ class StructuredOutputManager:
         key = params.cache_key()  # once: the queue orders by it, the cache keys by it
         self._pending[request.req_id] = (request, self._pool.submit(
             constraint_size(key), self.grammar.compile, params, key))
+
+    def track(self, request: Request) -> None:
+        """Mask the steps of a request with a thinking budget and no grammar (it goes to
+        the scheduler as it is)."""
+        assert request.reasoning_gate is not None
+        self._live[request.req_id] = request
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._pending
@@ -127,19 +138,27 @@ class StructuredOutputManager:
         if not self._live:
             return
         self._live = {req_id: r for req_id, r in self._live.items() if not r.is_finished}
-        # A request still reasoning samples freely (no row): its grammar waits for the
-        # answer. One whose output may yet open a reasoning may also take the start tag.
+        # A request still reasoning samples freely (no row), its grammar waiting for the
+        # answer, unless its budget is spent: then its row allows the end tag alone. One
+        # whose output may yet open a reasoning may also take the start tag.
         sampling = [request for req_id, request in self._live.items()
                     if req_id in so.num_scheduled_tokens
-                    and request.num_computed_tokens >= request.num_tokens
-                    and _phase(request) is not Phase.REASONING]
+                    and request.num_computed_tokens >= request.num_tokens]
+        ending = [r for r in sampling if r.reasoning_gate is not None
+                  and r.reasoning_gate.must_end()]
+        constrained = [r for r in sampling if r.structured_output is not None
+                       and _phase(r) is not Phase.REASONING]
+        sampling = constrained + ending
         if not sampling:
             return
         bitmask = self.grammar.allocate_bitmask(len(sampling))
-        fill_bitmask([request.structured_output for request in sampling], bitmask)
-        for row, request in enumerate(sampling):
+        fill_bitmask([request.structured_output for request in constrained], bitmask)
+        for row, request in enumerate(constrained):
             if _phase(request) is Phase.OPENING:
                 allow_token(bitmask, row, request.reasoning_gate.start_id)
+        for row, request in enumerate(ending, len(constrained)):
+            bitmask[row].zero_()
+            allow_token(bitmask, row, request.reasoning_gate.end_id)
         so.grammar_bitmask = bitmask.numpy()
         so.structured_output_rows = {request.req_id: i for i, request in enumerate(sampling)}
 
@@ -151,11 +170,13 @@ class StructuredOutputManager:
             request = self._live.get(req_id)
             if not token_ids or request is None or request.is_finished:
                 continue
-            matcher: Any = request.structured_output
+            matcher: Any = request.structured_output  # (None: a budget alone)
             gate = request.reasoning_gate
             for token_id in token_ids:
                 if gate is not None and not gate.accept(token_id):
                     continue  # reasoning, or its tags: not the grammar's
+                if matcher is None:
+                    continue
                 if not matcher.is_terminated() and not matcher.accept_token(token_id):
                     logger.warning("request %s: grammar rejected sampled token %d",
                                    req_id, token_id)

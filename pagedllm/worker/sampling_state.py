@@ -108,7 +108,9 @@ class SamplingState:
         self.has_extra[row] = (row in self.logit_bias or row in self.disallowed
                                or row in self.bad_words)
         self._add_generator(row, new)
-        self.has_grammar[row] = sp.structured_outputs is not None
+        # (A thinking budget's forced end tag comes through the grammar's bitmask too.)
+        self.has_grammar[row] = (sp.structured_outputs is not None
+                                 or sp.thinking_token_budget is not None)
         # Asked again when a preempted request comes back (its function then sees the
         # output so far).
         custom = []

@@ -342,3 +342,48 @@ def test_thinking_and_auto_tool_use(scripted):
                                       "content": "plain"}]}], **GREEDY)
     assert [b.type for b in reply.content] == ["thinking"]
     assert reply.content[0].thinking.split()[:2] == ["text", "done"]
+
+
+def test_thinking_token_budget(scripted, server):
+    """thinking_token_budget on the OpenAI routes (vLLM's field) and Anthropic's
+    budget_tokens mapped to it: the reasoning ends after that many tokens."""
+    def post(path, body, srv=scripted):
+        return httpx.post(srv.url + path, json=body, headers=srv.headers, timeout=120)
+
+    chat = {"model": "scripted", "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 16, "temperature": 0,
+            "tools": [{"type": "function", "function": {
+                "name": WEATHER["name"], "parameters": WEATHER["input_schema"]}}]}
+    full = post("/v1/chat/completions", chat).json()["choices"][0]["message"]
+    cut = post("/v1/chat/completions", chat | {"thinking_token_budget": 1}).json()
+    cut = cut["choices"][0]["message"]
+    assert (full["reasoning_content"].split(), cut["reasoning_content"].split()) == (
+        ["hmm", "well"], ["hmm"])
+    assert cut["tool_calls"][0]["function"]["name"] == "get_weather"
+    r = post("/v1/completions", {"model": "scripted", "prompt": "go", "max_tokens": 4,
+                                 "temperature": 0, "thinking_token_budget": 0})
+    assert r.json()["choices"][0]["text"].split() == ["</think>", CALL[0], CALL[1], CALL[2]]
+    # Rendered for /inference/v1/generate, the budget comes along and holds there.
+    body = post("/v1/chat/completions/render", chat | {"thinking_token_budget": 1}).json()
+    assert body["sampling_params"]["thinking_token_budget"] == 1
+    out = post("/inference/v1/generate", body | {"output_mode": "text"}).json()
+    assert out["choices"][0]["text"] == post(
+        "/v1/completions", {"model": "scripted", "prompt": body["token_ids"],
+                            "max_tokens": 16, "temperature": 0,
+                            "thinking_token_budget": 1}).json()["choices"][0]["text"]
+    # Bad values, and a server without a reasoning parser: 400s naming the field.
+    for bad in (-2, 1.5, True, "1"):
+        r = post("/v1/chat/completions", chat | {"thinking_token_budget": bad})
+        assert r.status_code == 400 and "thinking_token_budget" in r.text, (bad, r.text)
+    r = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "thinking_token_budget": 5}, srv=server)
+    assert r.status_code == 400 and "reasoning parser" in r.text
+    # Anthropic's budget_tokens: the chat request's budget when the server reads
+    # reasoning; on a server without a parser, thinking is only the template's switch.
+    from pagedllm.entrypoints.anthropic.protocol import MessagesRequest
+
+    msg = MessagesRequest.model_validate({
+        "model": "m", "max_tokens": 2048, "messages": [{"role": "user", "content": "go"}],
+        "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert msg.to_chat_request(True).thinking_token_budget == 1024
+    assert msg.to_chat_request(False).thinking_token_budget is None

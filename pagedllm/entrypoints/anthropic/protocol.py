@@ -21,8 +21,10 @@ The conversion (`MessagesRequest.to_chat_request`):
   `disable_parallel_tool_use` -> parallel_tool_calls false. With tools and no choice,
   "auto", as Anthropic's (it needs --enable-auto-tool-choice, as for chat).
 - `thinking` -> the chat template's `enable_thinking` (true for "enabled" and
-  "adaptive", false for "disabled"; templates that do not read it ignore it). The
-  budget is not enforced: max_tokens bounds the reasoning and the answer together.
+  "adaptive", false for "disabled"; templates that do not read it ignore it), and
+  "enabled"'s `budget_tokens` -> thinking_token_budget (as vLLM's) when the server has a
+  reasoning parser (without one there is no reasoning to bound: max_tokens bounds the
+  whole reply).
 - `output_config.format` / `output_format` (a JSON schema) -> response_format.
 """
 
@@ -360,7 +362,9 @@ class MessagesRequest(CountTokensRequest):
     def show_thinking(self) -> bool:
         return getattr(self.thinking, "display", None) != "omitted"
 
-    def to_chat_request(self) -> ChatCompletionRequest:
+    def to_chat_request(self, budget_thinking: bool = False) -> ChatCompletionRequest:
+        """`budget_thinking`: the server reads reasoning (a reasoning parser), so
+        thinking's budget_tokens bounds it."""
         body = self.chat_body() | {
             # max_tokens 0 computes the prompt all the same: one token, not returned.
             "max_tokens": max(self.max_tokens, 1), "stop": self.stop_sequences,
@@ -368,6 +372,8 @@ class MessagesRequest(CountTokensRequest):
             "top_k": self.top_k, "cache_salt": self.cache_salt, "seed": self.seed,
             "priority": self.priority, "request_id": self.request_id,
             "vllm_xargs": self.vllm_xargs}
+        if budget_thinking and isinstance(self.thinking, ThinkingEnabled):
+            body["thinking_token_budget"] = self.thinking.budget_tokens
         return _chat_request(body)
 
 

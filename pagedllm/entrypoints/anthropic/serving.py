@@ -39,7 +39,7 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 class AnthropicServingMessages(OpenAIServingChat):
 
     async def create_message(self, request: MessagesRequest) -> Any:
-        chat = request.to_chat_request()
+        chat = request.to_chat_request(self.reasoning is not None)
         prepared = await self.prepare(chat)
         message_id = chat.request_id or f"msg_{uuid.uuid4().hex}"
         streams = self.add_requests(message_id, [(prepared.text, prepared.ids)],

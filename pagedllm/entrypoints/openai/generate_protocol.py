@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, SerializeAsAny, field_validator
+from pydantic import Field, SerializeAsAny, StrictInt, field_validator
 
 from pagedllm.entrypoints.openai.protocol import (ChatLogprobs, PerRequestMetrics,
                                                   PromptLogprobs, StreamOptions, UsageInfo)
@@ -49,6 +49,7 @@ class GenerateSamplingParams(RequestModel):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     structured_outputs: dict[str, Any] | None = None
+    thinking_token_budget: StrictInt | None = None  # (vLLM's: no bool, float or str)
     extra_args: dict[str, Any] | None = None
     # vLLM's, set by its own server: a caller's value is ignored (the stream decides).
     output_kind: int | str | None = None

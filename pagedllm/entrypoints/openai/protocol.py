@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import (Field, ValidationInfo, field_validator, model_serializer,
+from pydantic import (Field, StrictInt, ValidationInfo, field_validator, model_serializer,
                       model_validator)
 
 from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel
@@ -163,6 +163,9 @@ class SamplingFields(RequestModel):
     truncate_prompt_tokens: int | None = None
     """Keep the prompt's last k tokens (-1: max_model_len), before the length checks."""
     structured_outputs: dict[str, Any] | None = None
+    thinking_token_budget: StrictInt | None = None
+    """Most reasoning tokens before the end tag is forced (vLLM's; needs
+    --reasoning-parser); -1: no limit. Strict, as vLLM's: no bool, float or string."""
     return_tokens_as_token_ids: bool | None = None
     """Logprobs name tokens "token_id:<id>" instead of their text (for tokens that are
     no valid UTF-8 alone); default: --return-tokens-as-token-ids."""
@@ -204,7 +207,7 @@ class SamplingFields(RequestModel):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "logit_bias": self.logit_bias, "allowed_token_ids": self.allowed_token_ids,
             "bad_words": self.bad_words, "prompt_logprobs": self.prompt_logprobs,
-            "extra_args": self.vllm_xargs,
+            "extra_args": self.vllm_xargs, "thinking_token_budget": self.thinking_token_budget,
         }
         structured = self.structured_outputs_kwargs()
         if structured is not None:

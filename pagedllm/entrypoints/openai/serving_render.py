@@ -54,7 +54,7 @@ class OpenAIServingRender:
         if request.max_tokens == 0:
             raise InvalidRequestError("max_tokens 0 (a prefix-cache warm-up) cannot be "
                                       "rendered: give at least 1")
-        chat = request.to_chat_request()
+        chat = request.to_chat_request(self.chat.reasoning is not None)
         chat.request_id = chat.request_id or f"msg_{uuid.uuid4().hex}"
         return await self.render_chat(chat)
 
