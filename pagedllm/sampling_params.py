@@ -137,6 +137,8 @@ def _check_range(name: str, value: float, low: float, high: float) -> None:
 MAX_TEMPERATURE = 100.0
 # Integer fields are kept in int64 / int32 arrays by the runner; bigger is meaningless.
 _MAX_INT32 = 2**31 - 1
+MAX_LOGPROB_TOKEN_IDS = 128
+"""Most token ids one request's logprob_token_ids may name (vLLM's bound)."""
 
 
 @dataclass
@@ -187,6 +189,10 @@ class SamplingParams:
     """Return the logprobs of this many most likely tokens per step, plus the chosen one."""
     prompt_logprobs: int | None = None
     """Return the logprobs of this many most likely tokens per prompt position."""
+    logprob_token_ids: list[int] | None = None
+    """Return the logprobs of exactly these tokens (at most 128, each once, in this
+    order) at every generated position, besides the chosen token's, in place of the
+    most likely ones (vLLM's; logprobs, when given, must be their count)."""
     detokenize: bool = True
     """Produce text (stop strings need it)."""
     skip_special_tokens: bool = True
@@ -233,6 +239,10 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.logprob_token_ids, list | tuple):
+            self.logprob_token_ids = list(self.logprob_token_ids)
+            if self.logprobs is None:
+                self.logprobs = len(self.logprob_token_ids)
         if self.thinking_token_budget == -1 and not isinstance(self.thinking_token_budget,
                                                                 bool):
             self.thinking_token_budget = None  # vLLM's "unlimited"
@@ -276,6 +286,20 @@ class SamplingParams:
             raise InvalidRequestError(f"structured_outputs must be StructuredOutputsParams, "
                                       f"got {type(self.structured_outputs).__name__}")
 
+    def _verify_logprob_token_ids(self) -> None:
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_LOGPROB_TOKEN_IDS or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise InvalidRequestError(f"logprob_token_ids must be a list of 1 to "
+                                      f"{MAX_LOGPROB_TOKEN_IDS} token ids, got {ids!r:.200}")
+        if len(set(ids)) != len(ids):
+            raise InvalidRequestError("logprob_token_ids must not repeat a token id")
+        if self.logprobs != len(ids):
+            raise InvalidRequestError(f"with logprob_token_ids, logprobs must be their count "
+                                      f"({len(ids)}) or unset, got {self.logprobs}")
+
     def _verify_counts(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
             raise InvalidRequestError(f"n must be at least 1, got {self.n}.")
@@ -300,6 +324,7 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be a non-negative integer, "
                                           f"got {value}.")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        self._verify_logprob_token_ids()
         budget = self.thinking_token_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
                                    or not 0 <= budget <= _MAX_INT32):

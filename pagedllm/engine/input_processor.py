@@ -283,7 +283,8 @@ class InputProcessor:
         for name in ("logprobs", "prompt_logprobs"):
             check_num_logprobs(name, getattr(params, name), self.max_logprobs,
                                self.vocab_size)
-        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids",
+                     "logprob_token_ids"):
             ids = getattr(params, name) or ()
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:

@@ -88,3 +88,20 @@ def score_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Log
             lp[bad], ids[bad], ranks[bad] = rest.logprobs, rest.token_ids, rest.ranks
         return LogprobsTensors(token_ids=ids, logprobs=lp, ranks=ranks)
     return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), token_ids, k)
+
+
+def put_label_logprobs(lp: LogprobsTensors, values: torch.Tensor,
+                       label_ids: dict[int, torch.Tensor], as_logits: bool) -> None:
+    """Rows that name their tokens (SamplingParams.logprob_token_ids): columns 1..n of
+    row i become label_ids[i] in their order, with their log-softmax of `values` (the
+    values themselves `as_logits`) and ranks, in place of the top-n. `lp` has at least
+    n + 1 columns (its k is the batch's most, which counts these rows' n)."""
+    for row, ids in label_ids.items():
+        v = values[row].float()
+        if not as_logits:
+            v = torch.log_softmax(v, dim=-1)
+        picked = v[ids]
+        n = ids.numel()
+        lp.token_ids[row, 1:1 + n] = ids
+        lp.logprobs[row, 1:1 + n] = picked
+        lp.ranks[row, 1:1 + n] = 1 + (v[None, :] > picked[:, None]).sum(dim=-1)

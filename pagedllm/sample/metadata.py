@@ -72,3 +72,6 @@ class SamplingMetadata:
     custom_failures: dict[int, str] | None = None
     # Most top-k logprobs any row asked for (0: chosen token only); None: no row asked.
     max_num_logprobs: int | None = None
+    # logits row -> the token ids whose logprobs it returns in place of its top-k
+    # (SamplingParams.logprob_token_ids); None when no row has any.
+    label_ids: dict[int, torch.Tensor] | None = None

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from pagedllm.logits_process import processor_failure
-from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs, score_logprobs
+from pagedllm.sample.logprobs import (LogprobsTensors, gather_logprobs, put_label_logprobs,
+                                      score_logprobs)
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import (apply_min_p, apply_penalties, apply_top_k_top_p,
                                  argmax_rows, draw_tempered, draw_top_k_top_p,
@@ -66,6 +67,9 @@ class Sampler:
         lp = None
         if scored is not None:
             lp = score_values(scored, sampled, md.max_num_logprobs, self.logprobs_mode)
+            if md.label_ids:
+                put_label_logprobs(lp, scored, md.label_ids,
+                                   self.logprobs_mode.endswith("_logits"))
         return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
 
     @staticmethod

@@ -72,6 +72,8 @@ class SamplingState:
         self.logits_processors = logits_processors
         # Per row with any: (processor, the function it gave the row's request) pairs.
         self.custom: dict[int, list[tuple[Any, RequestLogitsProcessor]]] = {}
+        # Per row with SamplingParams.logprob_token_ids: those ids ([n] int64).
+        self.label_ids: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ rows
 
@@ -102,6 +104,9 @@ class SamplingState:
             disallowed = torch.ones(self.vocab_size, dtype=torch.bool)
             disallowed[torch.tensor(sp.allowed_token_ids)] = False
             self.disallowed[row] = disallowed.to(self.device)
+        if sp.logprob_token_ids:
+            self.label_ids[row] = torch.tensor(sp.logprob_token_ids, dtype=torch.int64,
+                                               device=self.device)
         if sp.bad_words_token_ids:
             self.bad_words[row] = [(np.array(word[:-1], dtype=self.token_ids.dtype),
                                     word[-1]) for word in sp.bad_words_token_ids]
@@ -165,7 +170,7 @@ class SamplingState:
 
     def remove(self, row: int) -> None:
         for extra in (self.generators, self.min_tokens_ids, self.logit_bias,
-                      self.disallowed, self.bad_words, self.custom):
+                      self.disallowed, self.bad_words, self.custom, self.label_ids):
             extra.pop(row, None)
         self.has_generator[row] = self.has_extra[row] = self.has_grammar[row] = False
         self.is_plain_greedy[row] = False
@@ -177,12 +182,13 @@ class SamplingState:
         step. The sampler treats the k + 1 positions of a verified request as copies of
         one row, so rows whose logits transform depends on the tokens before each
         position are left out: penalties, bad words, a grammar, and min_tokens bans
-        still ahead."""
+        still ahead; and rows whose logprobs name given tokens (the verifier scores the
+        top-k)."""
         num_output = self.num_tokens[rows] - self.num_prompt_tokens[rows]
         ok = ((self.presence[rows] == 0) & (self.frequency[rows] == 0)
               & (self.repetition[rows] == 1) & ~self.has_grammar[rows]
               & (num_output >= self.min_tokens[rows]))
-        for per_row in (self.bad_words, self.custom):
+        for per_row in (self.bad_words, self.custom, self.label_ids):
             if per_row:
                 ok &= np.fromiter((r not in per_row for r in rows.tolist()), bool,
                                   len(rows))
@@ -231,6 +237,9 @@ class SamplingState:
         num_logprobs = self.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             md.max_num_logprobs = int(num_logprobs.max())
+            if self.label_ids:
+                md.label_ids = {i: self.label_ids[r] for i, r in enumerate(rows.tolist())
+                                if r in self.label_ids} or None
         return md
 
     def _custom(self, rows: np.ndarray,

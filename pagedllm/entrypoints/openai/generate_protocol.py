@@ -41,6 +41,7 @@ class GenerateSamplingParams(RequestModel):
     """None: what the context leaves (vLLM's server default, not SamplingParams' 16)."""
     min_tokens: int = 0
     logprobs: int | None = None
+    logprob_token_ids: list[StrictInt] | None = Field(default=None, max_length=128)
     prompt_logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True

@@ -431,6 +431,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     # vLLM extras
+    logprob_token_ids: list[StrictInt] | None = Field(default=None, max_length=128)
+    """With logprobs: each token's top_logprobs are these tokens' (in this order)
+    instead of the most likely ones (vLLM's; e.g. the label tokens of a classifier)."""
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -494,9 +497,19 @@ class ChatCompletionRequest(SamplingFields):
         return "auto" if self.tools else "none"
 
     def sampling_kwargs(self, max_tokens: int | None) -> dict[str, Any]:
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise InvalidRequestError("logprob_token_ids needs logprobs: true")
         num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.common_sampling_kwargs() | {"max_tokens": max_tokens,
-                                                "logprobs": num_logprobs}
+        if self.logprob_token_ids is not None:  # (top_logprobs then gives way, as vLLM's)
+            num_logprobs = len(self.logprob_token_ids)
+        return self.common_sampling_kwargs() | {
+            "max_tokens": max_tokens, "logprobs": num_logprobs,
+            "logprob_token_ids": self.logprob_token_ids}
+
+    @property
+    def top(self) -> int | list[int]:
+        """What each token's top_logprobs list: the given tokens, or the k most likely."""
+        return self.logprob_token_ids or self.top_logprobs or 0
 
     def structured_outputs_kwargs(self) -> dict[str, Any] | None:
         fmt = self.response_format

@@ -10,7 +10,8 @@ Responses API; with --enable-responses-store also
 GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and
 POST /v1/responses/{id}/cancel), GET /v1/models/{id},
 POST /v1/embeddings, POST /pooling, GET|POST /ping and POST /invocations (SageMaker's),
-POST /score, /rerank and /classify (vLLM's; also under /v1, /v2/rerank),
+POST /score, /rerank and /classify (vLLM's; also under /v1, /v2/rerank), POST
+/generative_scoring (vLLM's: label tokens' probabilities after query + item),
 POST /tokenize, POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
 GET /debug/stats, with --enable-sleep-mode POST /sleep, POST /wake_up and GET
 /is_sleeping, with --profiler-dir POST /start_profile and /stop_profile, with
@@ -93,6 +94,8 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_generate import (GENERATE_ID_PREFIX,
                                                           OpenAIServingGenerate)
+from pagedllm.entrypoints.openai.serving_generative_scoring import (
+    GenerativeScoringRequest, OpenAIServingGenerativeScoring)
 from pagedllm.entrypoints.openai.serving_render import OpenAIServingRender
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
@@ -381,6 +384,8 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     scores = OpenAIServingScore(engine, models, serve_config, offloader)
     responses = OpenAIServingResponses(engine, models, serve_config, offloader)
     messages = AnthropicServingMessages(engine, models, serve_config, offloader)
+    generative_scoring = OpenAIServingGenerativeScoring(engine, models, serve_config,
+                                                        offloader)
 
     @post("/v1/completions", body=CompletionRequest)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
@@ -402,6 +407,13 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
                                            raw_request: Request) -> Any:
         _take_header_request_id(request, raw_request, "chatcmpl")
         return await _cancel_on_disconnect(raw_request, run_chat_batch(chat, request))
+
+    @post("/generative_scoring", body=GenerativeScoringRequest)
+    async def create_generative_scoring(request: GenerativeScoringRequest,
+                                        raw_request: Request) -> Any:
+        _take_header_request_id(request, raw_request, "generative-scoring")
+        return await _cancel_on_disconnect(
+            raw_request, generative_scoring.create_generative_scoring(request))
 
     @post("/v1/embeddings", body=EmbeddingRequest)
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Any:

@@ -112,8 +112,7 @@ class OpenAIServingChat(OpenAIServing):
 
             def choice(out=out, message=message, finish_reason=finish_reason,
                        ) -> ChatCompletionResponseChoice:
-                logprobs = (self.chat_logprobs(out.token_ids, out.logprobs,
-                                           request.top_logprobs or 0,
+                logprobs = (self.chat_logprobs(out.token_ids, out.logprobs, request.top,
                                            self.tokens_as_ids(request))
                             if request.logprobs else None)
                 ids = {"token_ids": list(out.token_ids)} if request.return_token_ids else {}
@@ -385,7 +384,7 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if request.logprobs and new_ids:
                         new_lps = out.logprobs[st.num_tokens:] if out.logprobs else None
-                        logprobs = self.chat_logprobs(new_ids, new_lps, request.top_logprobs or 0,
+                        logprobs = self.chat_logprobs(new_ids, new_lps, request.top,
                                                   self.tokens_as_ids(request))
                     st.num_chars = max(st.num_chars, len(out.text))
                     st.num_tokens = len(out.token_ids)

@@ -43,7 +43,7 @@ async def create_batch_chat_completion(chat: OpenAIServingChat,
         message.role = chat.reply_role(conversation)
         if not request.include_reasoning:
             message.reasoning = message.reasoning_content = None
-        logprobs = (chat.chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
+        logprobs = (chat.chat_logprobs(out.token_ids, out.logprobs, request.top,
                                        chat.tokens_as_ids(request))
                     if request.logprobs else None)
         ids = {"token_ids": list(out.token_ids)} if request.return_token_ids else {}

@@ -458,9 +458,10 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id])
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list | None,
-                  num_top: int, as_ids: bool = False) -> ChatLogprobs:
+                      num_top: int | list[int], as_ids: bool = False) -> ChatLogprobs:
         """Chat's logprobs of `token_ids` (each token's text, bytes and top
-        alternatives). `as_ids`: tokens named "token_id:<id>"
+        alternatives: the `num_top` most likely, or a list's tokens in its order
+        (logprob_token_ids)). `as_ids`: tokens named "token_id:<id>"
         (return_tokens_as_token_ids)."""
         content = []
         for k, token_id in enumerate(token_ids):
@@ -469,7 +470,9 @@ class OpenAIServing:
             chosen = step.get(token_id) if step else None
             token = self.token_text(token_id, chosen, as_ids)
             top = []
-            if step:
+            if step and isinstance(num_top, list):
+                top = [self._chat_top(t, step[t], as_ids) for t in num_top if t in step]
+            elif step:
                 ranked = sorted((lp.rank, t, lp) for t, lp in step.items()
                                 if lp.rank is not None and lp.rank <= num_top)
                 top = [self._chat_top(t, lp, as_ids) for _, t, lp in ranked[:num_top]]

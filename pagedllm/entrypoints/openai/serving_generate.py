@@ -107,7 +107,8 @@ class OpenAIServingGenerate(OpenAIServing):
                 text: str | None, logprobs: list | None) -> GenerateChoice:
         """One choice (of a response, or a stream chunk's new part: `token_ids`, `text`
         and `logprobs` are then that part's)."""
-        num_top = request.sampling_params.logprobs
+        sp = request.sampling_params
+        num_top: int | list[int] | None = sp.logprob_token_ids or sp.logprobs
         lps: Any = None
         if num_top is not None:
             lps = (self.chat_logprobs(token_ids, logprobs, num_top,
@@ -180,9 +181,10 @@ def _nones(chunk: GenerateResponse) -> set[str]:
 
 
 def token_logprobs(token_ids: list[int], logprobs: list | None,
-                   num_top: int) -> GenerateLogProbs:
+                   num_top: int | list[int]) -> GenerateLogProbs:
     """Logprobs keyed by token id: per token its own and max(`num_top`, 1) entries,
-    the sampled token's first and then the most likely others by rank (vLLM's list)."""
+    the sampled token's first and then the most likely others by rank (vLLM's list);
+    or, `num_top` a list (logprob_token_ids), the sampled token's then the list's."""
     content = []
     for k, token_id in enumerate(token_ids):
         step: dict[int, Logprob] | None = logprobs[k] if logprobs and k < len(
@@ -191,12 +193,16 @@ def token_logprobs(token_ids: list[int], logprobs: list | None,
         if chosen is None:
             content.append(GenerateLogProbsContent(token_id=token_id, logprob=-9999.0))
             continue
-        ranked = sorted((lp.rank, t, lp) for t, lp in step.items()
-                        if t != token_id and lp.rank is not None and lp.rank <= num_top)
         top = [GenerateLogProb(token_id=token_id, logprob=clamp_logprob(chosen.logprob),
                                rank=chosen.rank)]
-        top += [GenerateLogProb(token_id=t, logprob=clamp_logprob(lp.logprob), rank=rank)
-                for rank, t, lp in ranked[:max(num_top, 1) - 1]]
+        if isinstance(num_top, list):
+            top += [GenerateLogProb(token_id=t, logprob=clamp_logprob(step[t].logprob),
+                                    rank=step[t].rank) for t in num_top if t in step]
+        else:
+            ranked = sorted((lp.rank, t, lp) for t, lp in step.items()
+                            if t != token_id and lp.rank is not None and lp.rank <= num_top)
+            top += [GenerateLogProb(token_id=t, logprob=clamp_logprob(lp.logprob), rank=rank)
+                    for rank, t, lp in ranked[:max(num_top, 1) - 1]]
         content.append(GenerateLogProbsContent(token_id=token_id,
                                                logprob=clamp_logprob(chosen.logprob),
                                                rank=chosen.rank, top_logprobs=top))
