@@ -753,6 +753,10 @@ class StructuredOutputsConfig:
     disable_any_whitespace: bool = False
     """Every JSON grammar compact, as if each request had set its
     disable_any_whitespace (vLLM's structured_outputs_config field)."""
+    reasoning_end_str: str | None = None
+    """What a request's spent thinking budget forces, token by token (vLLM's
+    reasoning_config field): a phrase ending with the format's end tag; None: the end
+    tag alone."""
 
     def __post_init__(self) -> None:
         for name in ("compile_timeout_s", "compile_memory_gib"):
@@ -760,7 +764,15 @@ class StructuredOutputsConfig:
             if not (isinstance(value, (int, float)) and value >= 0):
                 raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
         if self.reasoning_parser is not None:
-            get_reasoning_format(self.reasoning_parser)  # ValueError naming the choices
+            fmt = get_reasoning_format(self.reasoning_parser)  # ValueError naming choices
+            if self.reasoning_end_str is not None and not (
+                    isinstance(self.reasoning_end_str, str)
+                    and self.reasoning_end_str.endswith(fmt.end)):
+                raise ConfigError(f"reasoning_end_str must end with the reasoning parser's "
+                                  f"end tag {fmt.end!r} (it is what closes the reasoning), "
+                                  f"got {self.reasoning_end_str!r}")
+        elif self.reasoning_end_str is not None:
+            raise ConfigError("reasoning_end_str needs a reasoning parser")
 
 
 @dataclass

@@ -72,6 +72,13 @@ class ReasoningTokens:
     format: ReasoningFormat
     start_id: int
     end_id: int
+    forced_end: tuple[int, ...] = ()
+    """What a spent thinking budget forces, token by token (it ends with end_id);
+    empty: the end tag alone."""
+
+    @property
+    def forced_end_ids(self) -> tuple[int, ...]:
+        return self.forced_end or (self.end_id,)
 
     def initial_phase(self, prompt_ids: list[int]) -> Phase:
         """The phase an output starts in after this prompt: its last tag decides (see
@@ -95,9 +102,12 @@ class ReasoningTokens:
         return 0
 
 
-def tokens_of(fmt: ReasoningFormat, tokenizer: Any) -> ReasoningTokens:
-    """The tags' ids in `tokenizer` (a Hugging Face tokenizer); ValueError when either
-    tag is not one token of it (a model without this reasoning format)."""
+def tokens_of(fmt: ReasoningFormat, tokenizer: Any,
+              end_str: str | None = None) -> ReasoningTokens:
+    """The tags' ids in `tokenizer` (a Hugging Face tokenizer), and `end_str`'s (the
+    forced end; it must end with the end tag, written as that one token and holding no
+    other tag); ValueError when either tag is not one token of it (a model without this
+    reasoning format) or `end_str` is not so."""
     ids = []
     for tag in (fmt.start, fmt.end):
         encoded = tokenizer.encode(tag, add_special_tokens=False)
@@ -107,7 +117,13 @@ def tokens_of(fmt: ReasoningFormat, tokenizer: Any) -> ReasoningTokens:
                 f"model's tokenizer ({len(encoded)} tokens); this model does not write "
                 f"its reasoning that way")
         ids.append(encoded[0])
-    return ReasoningTokens(fmt, ids[0], ids[1])
+    forced: tuple[int, ...] = ()
+    if end_str is not None:
+        forced = tuple(tokenizer.encode(end_str, add_special_tokens=False))
+        if not forced or forced[-1] != ids[1] or set(forced[:-1]) & set(ids):
+            raise ValueError(f"reasoning_end_str {end_str!r} must end with {fmt.end!r} "
+                             f"(as its own token) and hold no other reasoning tag")
+    return ReasoningTokens(fmt, ids[0], ids[1], forced)
 
 
 class ReasoningGate:
@@ -119,6 +135,7 @@ class ReasoningGate:
                  num_reasoning: int = 0) -> None:
         self.start_id = tokens.start_id
         self.end_id = tokens.end_id
+        self.forced = tokens.forced_end_ids
         self.phase = phase
         # SamplingParams.thinking_token_budget, and the reasoning's tokens so far (the
         # prompt's included, as vLLM counts; the tags not).
@@ -144,11 +161,14 @@ class ReasoningGate:
             self.num_reasoning += 1
         return False
 
-    def must_end(self) -> bool:
-        """Whether the budget is spent inside the reasoning: the next token must be the
-        end tag."""
-        return (self.budget is not None and self.phase is Phase.REASONING
-                and self.num_reasoning >= self.budget)
+    def forced_token(self) -> int | None:
+        """The next token when the budget is spent inside the reasoning: the forced end's
+        next one (the phrase before the end tag counts as reasoning, so how far past the
+        budget the reasoning is says which); None otherwise."""
+        if self.budget is None or self.phase is not Phase.REASONING:
+            return None
+        past = self.num_reasoning - self.budget
+        return self.forced[past] if past >= 0 else None
 
 
 class ReasoningReader:

@@ -25,7 +25,7 @@ from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, LOA
                              env_num_threads, env_profiler_dir)
 from pagedllm.errors import ConfigError, ModelLoadError
 from pagedllm.kernels.cpu.features import has_avx512_bf16, has_quant_simd
-from pagedllm.reasoning import REASONING_FORMATS
+from pagedllm.reasoning import REASONING_FORMATS, get_reasoning_format
 
 logger = logging.getLogger(__name__)
 
@@ -344,6 +344,12 @@ class EngineArgs:
               "reasoning_parser (as --reasoning-parser); vLLM's guidance-only "
               "disable_additional_properties, reasoning_parser_plugin and "
               "enable_in_reasoning are refused by name")
+    reasoning_config: dict[str, Any] | None = _arg(
+        None, "vLLM's reasoning options as a JSON object: reasoning_parser (as "
+              "--reasoning-parser), reasoning_start_str (the parser's start tag: no "
+              "other is read) and reasoning_end_str (what a spent thinking_token_budget "
+              "forces, token by token: a phrase ending with the end tag, such as "
+              "\"Time is up.</think>\"; default: the end tag)")
     grammar_compile_timeout: float = _arg(
         60.0, "CPU seconds the grammar of one structured-output request may take to "
               "compile; past it the compile is killed and the request fails as invalid "
@@ -390,18 +396,37 @@ class EngineArgs:
             if values.get(name):
                 raise ConfigError(f"structured_outputs_config {name}: {why} is not "
                                   f"supported by pagedllm")
-        reasoning_parser = self.reasoning_parser
-        if values.get("reasoning_parser"):
-            if reasoning_parser not in (None, values["reasoning_parser"]):
-                raise ConfigError(f"structured_outputs_config reasoning_parser "
-                                  f"{values['reasoning_parser']!r} and --reasoning-parser "
-                                  f"{reasoning_parser!r} disagree")
-            reasoning_parser = values["reasoning_parser"]
+        reasoning_parser = _agreeing_parser("structured_outputs_config", values,
+                                            self.reasoning_parser)
         flag = values.get("disable_any_whitespace", False)
         if not isinstance(flag, bool):
             raise ConfigError(f"structured_outputs_config disable_any_whitespace must be "
                               f"true or false, got {flag!r}")
         return values.get("backend", self.guided_decoding_backend), reasoning_parser, flag
+
+    def _reasoning_options(self, reasoning_parser: str | None,
+                           ) -> tuple[str | None, str | None]:
+        """(reasoning parser, the forced end string) with reasoning_config's fields."""
+        if self.reasoning_config is None:
+            return reasoning_parser, None
+        require_json_object("reasoning_config", self.reasoning_config)
+        values = dict(self.reasoning_config)
+        known = {"reasoning_parser", "reasoning_start_str", "reasoning_end_str"}
+        unknown = set(values) - known
+        if unknown:
+            raise ConfigError(f"unknown reasoning_config keys {sorted(unknown)}; valid: "
+                              f"{sorted(known)}")
+        for name in known:
+            if values.get(name) is not None and not isinstance(values[name], str):
+                raise ConfigError(f"reasoning_config {name} must be a string, "
+                                  f"got {values[name]!r}")
+        reasoning_parser = _agreeing_parser("reasoning_config", values, reasoning_parser)
+        start = values.get("reasoning_start_str")
+        if start and (reasoning_parser is None
+                      or start != get_reasoning_format(reasoning_parser).start):
+            raise ConfigError(f"reasoning_config reasoning_start_str {start!r}: only the "
+                              f"reasoning parser's own start tag is read")
+        return reasoning_parser, values.get("reasoning_end_str") or None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -413,6 +438,7 @@ class EngineArgs:
         from pagedllm.loader.hf_config import load_hf_config
 
         backend, reasoning_parser, compact_json = self._structured_outputs_options()
+        reasoning_parser, reasoning_end = self._reasoning_options(reasoning_parser)
         if backend not in _GUIDED_DECODING_BACKENDS:
             raise ConfigError(f"guided_decoding_backend must be one of "
                               f"{_GUIDED_DECODING_BACKENDS} (pagedllm's structured outputs "
@@ -493,7 +519,8 @@ class EngineArgs:
         structured_outputs = StructuredOutputsConfig(
             compile_timeout_s=self.grammar_compile_timeout,
             compile_memory_gib=self.grammar_compile_memory,
-            reasoning_parser=reasoning_parser, disable_any_whitespace=compact_json)
+            reasoning_parser=reasoning_parser, disable_any_whitespace=compact_json,
+            reasoning_end_str=reasoning_end)
         lora = self._lora_config(parallel, model)
         logits_processors = self._logits_processors(speculative)
         sched.max_loras = lora.max_loras if lora is not None else None
@@ -856,6 +883,18 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None,
         hf_config.classifier_token_ids = ids
         hf_config.num_labels = 1 if len(ids) == 2 else len(ids)
     return hf_config
+
+
+def _agreeing_parser(option: str, values: dict[str, Any], parser: str | None) -> str | None:
+    """The reasoning parser once `option`'s reasoning_parser (if any) is taken: it must
+    agree with the one already chosen (--reasoning-parser)."""
+    given = values.get("reasoning_parser")
+    if not given:
+        return parser
+    if parser not in (None, given):
+        raise ConfigError(f"{option} reasoning_parser {given!r} and --reasoning-parser "
+                          f"{parser!r} disagree")
+    return given
 
 
 def _set_embedding_traits(model: ModelConfig, compile: bool) -> None:

@@ -30,7 +30,8 @@ class InputProcessor:
                  reasoning_parser: str | None = None,
                  constraints: ConstraintChecker | None = None,
                  logits_processors: tuple[type, ...] = (),
-                 disable_any_whitespace: bool = False) -> None:
+                 disable_any_whitespace: bool = False,
+                 reasoning_end_str: str | None = None) -> None:
         """`constraints` checks structured-output constraints (default: parsed in the
         caller's thread, no limits); `logits_processors`: the custom processors' classes,
         whose validate_params each request passes."""
@@ -56,7 +57,7 @@ class InputProcessor:
         # None: LoRA is off and a request naming an adapter is refused.
         self.adapters = (AdapterChecks(model_config.hf_config, lora_config.max_lora_rank)
                          if lora_config is not None else None)
-        self.reasoning = _reasoning_tokens(reasoning_parser, tokenizer)
+        self.reasoning = _reasoning_tokens(reasoning_parser, tokenizer, reasoning_end_str)
         self.enable_prompt_embeds = model_config.enable_prompt_embeds
         self.hidden_size = model_config.hf_config.get_text_config().hidden_size
         # The model's image processor (None: a text model, and images are refused).
@@ -355,15 +356,17 @@ def prompt_images(prompt: PromptType) -> list[Any]:
     return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
-def _reasoning_tokens(name: str | None, tokenizer: Any | None) -> ReasoningTokens | None:
-    """The reasoning format's tags in this tokenizer (None without a parser); ValueError
-    when the model has no such tags, or no tokenizer to find them in."""
+def _reasoning_tokens(name: str | None, tokenizer: Any | None,
+                      end_str: str | None = None) -> ReasoningTokens | None:
+    """The reasoning format's tags in this tokenizer, with `end_str` (what a spent
+    thinking budget forces) as ids (None without a parser); ValueError when the model
+    has no such tags, or no tokenizer to find them in."""
     if name is None:
         return None
     if tokenizer is None:
         raise ValueError(f"reasoning parser {name!r} needs the tokenizer (it finds the "
                          f"reasoning tags there): do not skip its initialization")
-    return tokens_of(get_reasoning_format(name), tokenizer)
+    return tokens_of(get_reasoning_format(name), tokenizer, end_str)
 
 
 def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None,

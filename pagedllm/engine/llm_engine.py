@@ -54,7 +54,8 @@ class LLMEngine:
             config.model, self.tokenizer, config.lora,
             reasoning_parser=config.structured_outputs.reasoning_parser,
             constraints=constraints, logits_processors=config.logits_processors,
-            disable_any_whitespace=config.structured_outputs.disable_any_whitespace)
+            disable_any_whitespace=config.structured_outputs.disable_any_whitespace,
+            reasoning_end_str=config.structured_outputs.reasoning_end_str)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Samples 2..n of n > 1 requests, waiting for sample 1 to fill the prefix cache.
         self.deferred = DeferredSiblings()

@@ -17,8 +17,9 @@ request's `ReasoningGate` reads its tokens, and while it reasons no mask is sent
 
 A thinking budget (SamplingParams.thinking_token_budget) rides on the same path: the
 request's gate counts its reasoning tokens (`track` registers one without a grammar), and
-once they reach the budget inside the reasoning, the request's row allows only the end
-tag: the next token closes the reasoning, greedy or sampled, and the answer follows.
+once they reach the budget inside the reasoning, the request's row allows only the
+forced end's next token (the end tag, or reasoning_end_str's tokens one by one): the
+reasoning closes, greedy or sampled, and the answer follows.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class StructuredOutputManager:
                     if req_id in so.num_scheduled_tokens
                     and request.num_computed_tokens >= request.num_tokens]
         ending = [r for r in sampling if r.reasoning_gate is not None
-                  and r.reasoning_gate.must_end()]
+                  and r.reasoning_gate.forced_token() is not None]
         constrained = [r for r in sampling if r.structured_output is not None
                        and _phase(r) is not Phase.REASONING]
         sampling = constrained + ending
@@ -158,7 +159,7 @@ class StructuredOutputManager:
                 allow_token(bitmask, row, request.reasoning_gate.start_id)
         for row, request in enumerate(ending, len(constrained)):
             bitmask[row].zero_()
-            allow_token(bitmask, row, request.reasoning_gate.end_id)
+            allow_token(bitmask, row, request.reasoning_gate.forced_token())
         so.grammar_bitmask = bitmask.numpy()
         so.structured_output_rows = {request.req_id: i for i, request in enumerate(sampling)}
 

@@ -126,3 +126,33 @@ def test_what_it_refuses(scripted, r1):
         with pytest.raises(InvalidRequestError, match="thinking_token_budget"):
             SamplingParams(thinking_token_budget=bad)
     assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None
+
+
+def test_reasoning_config_forces_a_phrase(scripted, r1):
+    """vLLM's reasoning_config reasoning_end_str: a spent budget forces the phrase token
+    by token, the end tag last (the phrase is part of the reasoning)."""
+    llm = LLM(model=str(scripted), dtype="float32", num_kv_blocks=64, max_model_len=64,
+              reasoning_config={"reasoning_parser": "deepseek_r1",
+                                "reasoning_start_str": "<think>",
+                                "reasoning_end_str": "plain text </think>"})
+    assert words(llm, ["go"], thinking_token_budget=1) == [
+        ["<think>", "hmm", "plain", "text", "</think>", "maybe", "so"]]
+    # A reasoning that ends before the budget is not touched; without a budget neither.
+    assert words(llm, ["go"], thinking_token_budget=9) == words(llm, ["go"]) == [FULL]
+    outs = llm.generate(["go"], SamplingParams(max_tokens=8, temperature=0,
+                                               thinking_token_budget=0), use_tqdm=False)
+    assert outs[0].outputs[0].text.split()[:3] == ["plain", "text", "</think>"]
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"reasoning_parser": "deepseek_r1", "reasoning_end_str": "time is up"}, "end tag"),
+    ({"reasoning_parser": "deepseek_r1", "reasoning_start_str": "<t>"}, "start tag"),
+    ({"reasoning_end_str": "</think>"}, "needs a reasoning parser"),
+    ({"reasoning_parser": "qwen3", "other": 1}, "unknown reasoning_config keys"),
+    ({"reasoning_parser": 3}, "must be a string")])
+def test_reasoning_config_is_checked(scripted, config, match):
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        EngineArgs(model=str(scripted), reasoning_config=config).create_engine_config()
