@@ -1,4 +1,4 @@
-"""The pooling a sentence-transformers model directory declares.
+"""The pooling (and the prompts) a sentence-transformers model directory declares.
 
 A sentence-transformers model lists its modules in `modules.json`; its Pooling module's
 `config.json` (e.g. `1_Pooling/config.json`) says how token vectors become one:
@@ -36,3 +36,19 @@ def load_st_pooling_type(model_path: str) -> str | None:
     enabled = [kind for key, kind in _MODES if config.get(key)]
     # More than one mode concatenates vectors in sentence-transformers: not supported.
     return enabled[0] if len(enabled) == 1 else None
+
+
+def load_st_prompts(model_path: str) -> dict[str, str] | None:
+    """The `prompts` of the directory's config_sentence_transformers.json: a text put
+    before each input of a kind (e.g. "query": "query: "), as sentence-transformers'
+    `encode(prompt_name=...)` does; None without any."""
+    file = Path(model_path) / "config_sentence_transformers.json"
+    if not file.is_file():
+        return None
+    try:
+        prompts = json.loads(file.read_text()).get("prompts")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(prompts, dict):
+        return None
+    return {k: v for k, v in prompts.items() if isinstance(k, str) and isinstance(v, str)} or None

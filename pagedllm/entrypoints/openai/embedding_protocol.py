@@ -3,6 +3,7 @@ POST /pooling (the same inputs; each one's pooled output, whatever the model's t
 
 from __future__ import annotations
 
+import builtins
 import time
 from typing import Literal
 
@@ -70,3 +71,55 @@ class PoolingResponse(OpenAIBaseModel):
     model: str
     data: list[PoolingData]
     usage: EmbeddingUsage
+
+
+class CohereEmbedRequest(RequestModel):
+    """Cohere's POST /v2/embed body (as vLLM serves it): texts, each embedded as its own
+    engine request. Images and mixed `inputs` are refused by name (this server embeds
+    texts)."""
+
+    model: str | None = None
+    texts: list[StrictStr] | None = None
+    images: list[StrictStr] | None = None
+    inputs: list[dict] | None = None
+    input_type: str | None = None
+    """A kind of input the model's sentence-transformers prompts name (search_query,
+    search_document, ...): that prompt goes before each text."""
+    embedding_types: list[Literal["float", "binary", "ubinary", "base64"]] | None = None
+    """Default ["float"]."""
+    output_dimension: int | None = None
+    truncate: Literal["NONE", "START", "END"] = "END"
+    """Past max_tokens (default: the context): END drops the text's end, START its
+    start, NONE refuses it."""
+    max_tokens: int | None = Field(default=None, ge=1)
+    priority: int = 0
+    timeout: float | None = Field(default=None, gt=0)
+
+
+class CohereEmbeddings(OpenAIBaseModel):
+    # (builtins.float: the field's name shadows the type in the class body)
+    float: list[list[builtins.float]] | None = None
+    binary: list[list[int]] | None = None
+    ubinary: list[list[int]] | None = None
+    base64: list[str] | None = None
+
+
+class CohereApiVersion(OpenAIBaseModel):
+    version: str = "2"
+
+
+class CohereBilledUnits(OpenAIBaseModel):
+    input_tokens: int
+
+
+class CohereMeta(OpenAIBaseModel):
+    api_version: CohereApiVersion = Field(default_factory=CohereApiVersion)
+    billed_units: CohereBilledUnits
+
+
+class CohereEmbedResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("embd"))
+    embeddings: CohereEmbeddings
+    texts: list[str]
+    meta: CohereMeta
+    response_type: Literal["embeddings_by_type"] = "embeddings_by_type"

@@ -9,7 +9,8 @@ a request renders to), POST /v1/responses (OpenAI's
 Responses API; with --enable-responses-store also
 GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and
 POST /v1/responses/{id}/cancel), GET /v1/models/{id},
-POST /v1/embeddings, POST /pooling, GET|POST /ping and POST /invocations (SageMaker's),
+POST /v1/embeddings (and Cohere's /v2/embed), POST /pooling, GET|POST /ping and POST
+/invocations (SageMaker's),
 POST /score, /rerank and /classify (vLLM's; also under /v1, /v2/rerank), POST
 /generative_scoring (vLLM's: label tokens' probabilities after query + item),
 POST /tokenize, POST /detokenize, GET /tokenizer_info, GET|HEAD /health, GET /version, GET /metrics,
@@ -70,7 +71,8 @@ from pagedllm.entrypoints.openai.connections import (ConnectionGuard, default_ma
                                                      raise_open_file_limit)
 from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagedllm.entrypoints.anthropic.serving import AnthropicServingMessages
-from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, PoolingRequest
+from pagedllm.entrypoints.openai.embedding_protocol import (CohereEmbedRequest, EmbeddingRequest,
+                                                            PoolingRequest)
 from pagedllm.entrypoints.openai.generate_protocol import AbortRequest, GenerateRequest
 from pagedllm.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware,
                                                     LoadMiddleware, RequestIdMiddleware,
@@ -120,7 +122,7 @@ TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/po
                "/rerank", "/v1/rerank", "/v2/rerank", "/invocations", "/tokenize",
                "/detokenize", "/tokenizer_info", "/v1/messages", "/v1/messages/count_tokens",
                "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
-               "/v1/chat/completions/batch")
+               "/v1/chat/completions/batch", "/v2/embed")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -419,6 +421,12 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Any:
         return await _cancel_on_disconnect(raw_request,
                                            embeddings.create_embedding(request))
+
+    @post("/v2/embed", body=CohereEmbedRequest)
+    async def create_cohere_embedding(request: CohereEmbedRequest, raw_request: Request,
+                                      ) -> Any:
+        return await _cancel_on_disconnect(raw_request,
+                                           embeddings.create_cohere_embedding(request))
 
     @post("/pooling", body=PoolingRequest)
     async def create_pooling(request: PoolingRequest, raw_request: Request) -> Any:
