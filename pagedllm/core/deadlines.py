@@ -21,6 +21,11 @@ class DeadlineHeap:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def earliest(self) -> float | None:
+        """The earliest deadline held (perhaps of a request already finished: a stale
+        entry only wakes its caller early)."""
+        return self._heap[0][0] if self._heap else None
+
     def push(self, request: Request) -> None:
         assert request.deadline is not None
         heapq.heappush(self._heap, (request.deadline, request.req_id))

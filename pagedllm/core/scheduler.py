@@ -313,6 +313,17 @@ class Scheduler:
         timed_out, self.timed_out_reqs = self.timed_out_reqs, []
         return timed_out
 
+    def expire(self) -> list[Request]:
+        """Finish the requests past their deadline now, outside schedule(): what an engine
+        that runs no step (its requests held, or itself frozen) still does. Returns
+        every request timed out since the last pop_timed_out_requests."""
+        self._finish_expired_requests()
+        return self.pop_timed_out_requests()
+
+    def next_deadline(self) -> float | None:
+        """The clock's time of the earliest deadline of a live request (or earlier)."""
+        return self._deadlines.earliest()
+
     # ---------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:

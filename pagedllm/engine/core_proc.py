@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import pickle
 import signal
@@ -212,13 +213,15 @@ class EngineCoreProc:
     def run(self) -> None:
         while self._running:
             busy = self.core.has_unfinished_requests() and not self.core.frozen
-            # Idle: block on the socket, waking every second to notice an orphaned process.
-            if self.input_sock.poll(0 if busy else 1000):
+            # Idle: block on the socket, waking every second to notice an orphaned process
+            # (and at the next deadline: held or frozen requests still time out).
+            if self.input_sock.poll(0 if busy else self._idle_wait_ms()):
                 errors, results = self._handle_inputs()
             elif not busy:
                 if os.getppid() != self.parent_pid:
                     logger.warning("front end exited; engine core stops")
                     return
+                self._send_expired()
                 continue
             else:
                 errors, results = [], []
@@ -264,6 +267,24 @@ class EngineCoreProc:
             else:
                 self._running = False
                 return errors, results
+
+    def _idle_wait_ms(self) -> int:
+        deadline = self.core.scheduler.next_deadline()
+        if deadline is None:
+            return 1000
+        return max(0, min(1000, math.ceil((deadline - time.monotonic()) * 1000)))
+
+    def _send_expired(self) -> None:
+        """Idle: the requests whose deadline passed, finished and sent."""
+        expired = self.core.expire_idle()
+        if not expired:
+            return
+        outputs = [self._make_output(req) for req in expired]
+        for req in expired:
+            self._forget(req.req_id)
+        self._send(EngineCoreOutputs(outputs=outputs, scheduler_stats=self._stats(),
+                                     timestamp=time.monotonic(), errors=[],
+                                     utility_results=[], engine_index=self.engine_index))
 
     def _step(self, errors: list[RequestError]) -> list[EngineCoreOutput]:
         """The step's outputs; a request the engine failed goes to `errors` instead,

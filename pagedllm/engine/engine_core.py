@@ -432,6 +432,11 @@ class EngineCore:
     def is_paused(self) -> bool:
         return self.frozen or self.scheduler.held is not None
 
+    def expire_idle(self) -> list[Request]:
+        """The requests whose deadline passed while no step runs (held ones, or all of
+        them while frozen), finished as FINISHED_TIMEOUT: the loop's step would have."""
+        return self.scheduler.expire()
+
     def num_unheld(self) -> int:
         """Requests that may still run (not held), steps in flight included."""
         return (self.scheduler.get_num_unfinished_requests() + len(self.batch_queue)

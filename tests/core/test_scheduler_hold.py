@@ -48,3 +48,20 @@ def test_release_keeps_arrival_order_and_preempted_requests_stay_queued(
     assert list(sched.held) == ["a", "c"]
     sched.release_held()
     assert [r.req_id for r in sched.waiting] == ["b", "a", "c"]
+
+
+def test_held_requests_expire_without_a_step(make_scheduler, make_request):
+    """Nothing schedules while only held requests are left: `expire` (the idle engine's
+    call) still finishes those past their deadline."""
+    now = [0.0]
+    sched = make_scheduler(clock=lambda: now[0])
+    sched.hold_new_requests()
+    sched.add_request(make_request("soon", 3, deadline=1.0))
+    sched.add_request(make_request("later", 3, deadline=5.0))
+    sched.add_request(make_request("never", 3))
+    assert sched.next_deadline() == 1.0 and not sched.has_unfinished_requests()
+    assert sched.expire() == []
+    now[0] = 2.0
+    [expired] = sched.expire()
+    assert expired.req_id == "soon" and expired.status == RequestStatus.FINISHED_TIMEOUT
+    assert list(sched.held) == ["later", "never"] and sched.next_deadline() == 5.0

@@ -170,3 +170,21 @@ def test_dev_routes_are_off_by_default(tmp_path):
             assert httpx.request(method, srv.url + route, timeout=30).status_code == 404
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("mode", ["wait", "keep"])
+def test_requests_time_out_while_paused(server, mode):
+    """A held (or frozen) request's deadline passes while no step runs: it is answered
+    with its 408 then, not at resume."""
+    _post(server, "/pause", mode=mode)
+    start = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "prompt": "go", "max_tokens": 4, "temperature": 0, "timeout": 1.0})
+    waited = time.monotonic() - start
+    assert r.status_code == 408, r.text
+    assert 0.9 < waited < 5, waited
+    assert _is_paused(server)
+    _post(server, "/resume")
+    ok = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "prompt": "go", "max_tokens": 4, "temperature": 0}).json()
+    assert ok["choices"][0]["text"] == _expected(4)
