@@ -283,8 +283,9 @@ def test_completions_and_chat_return_token_ids_when_asked(server):
 
 
 def test_render_gives_the_generate_body_that_runs_the_request(server):
-    """vLLM's render routes: the /inference/v1/generate body of a chat, completion or
-    Anthropic request runs it, token for token (structured outputs included)."""
+    """vLLM's render routes: the /inference/v1/generate body of a chat, completion,
+    Anthropic or Responses request runs it, token for token (structured outputs
+    included)."""
     messages = [{"role": "user", "content": "Give a name and an age."}]
     schema = {"type": "object", "properties": {"name": {"type": "string"},
                                                "age": {"type": "integer"}},
@@ -327,6 +328,15 @@ def test_render_gives_the_generate_body_that_runs_the_request(server):
     reply = _post(server, "/v1/messages", anthropic).json()
     assert out["text"] == reply["content"][0]["text"]
 
+    response = {"input": "Give a name and an age.", "instructions": "Be brief.",
+                "max_output_tokens": 8, "temperature": 0, "store": False}
+    body = _post(server, "/v1/responses/render", response).json()
+    assert body["request_id"].startswith("resp_")
+    assert body["sampling_params"]["max_tokens"] == 8
+    out = _post(server, GENERATE, body | {"output_mode": "text"}).json()["choices"][0]
+    reply = _post(server, "/v1/responses", response).json()
+    assert out["text"] == reply["output"][0]["content"][0]["text"]
+
 
 @pytest.mark.parametrize("path, body, message", [
     ("/v1/chat/completions/render", {"messages": []}, "messages must not be empty"),
@@ -344,6 +354,10 @@ def test_render_gives_the_generate_body_that_runs_the_request(server):
     ("/v1/chat/completions/render", {"messages": [{"role": "user", "content": "x"}],
                                      "cache_salt": ""}, "cache_salt"),
     ("/v1/completions/render", {"prompt": "x", "request_id": "r" * 300}, "request_id"),
+    ("/v1/responses/render", {"input": "x", "max_output_tokens": 10 ** 6},
+     "maximum context length"),
+    ("/v1/responses/render", {"input": "x", "previous_response_id": "resp_none"},
+     "--enable-responses-store"),
 ])
 def test_render_refuses_what_its_route_would(server, path, body, message):
     r = _post(server, path, body)

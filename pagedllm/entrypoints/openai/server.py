@@ -4,8 +4,8 @@ Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (and vLL
 /v1/chat/completions/batch: several conversations, a choice each),
 POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API, its errors
 in Anthropic's form; the API key also as x-api-key), POST /v1/chat/completions/render,
-/v1/completions/render and /v1/messages/render (vLLM's: the /inference/v1/generate body
-a request renders to), POST /v1/responses (OpenAI's
+/v1/completions/render, /v1/messages/render and /v1/responses/render (vLLM's: the
+/inference/v1/generate body a request renders to), POST /v1/responses (OpenAI's
 Responses API; with --enable-responses-store also
 GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and
 POST /v1/responses/{id}/cancel), GET /v1/models/{id},
@@ -122,7 +122,7 @@ TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/po
                "/rerank", "/v1/rerank", "/v2/rerank", "/invocations", "/tokenize",
                "/detokenize", "/tokenizer_info", "/v1/messages", "/v1/messages/count_tokens",
                "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
-               "/v1/chat/completions/batch", "/v2/embed")
+               "/v1/chat/completions/batch", "/v2/embed", "/v1/responses/render")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -478,7 +478,7 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     async def count_message_tokens(request: CountTokensRequest, _: Request) -> Any:
         return await messages.count_tokens(request)
 
-    render = OpenAIServingRender(chat, completions)
+    render = OpenAIServingRender(chat, completions, responses)
 
     @post("/v1/chat/completions/render", body=ChatCompletionRequest)
     async def render_chat_completion(request: ChatCompletionRequest, _: Request) -> Any:
@@ -491,6 +491,10 @@ def _add_openai_routes(app: FastAPI, engine: AsyncLLM, models: ServedModels,
     @post("/v1/messages/render", body=MessagesRequest)
     async def render_message(request: MessagesRequest, _: Request) -> Any:
         return await render.render_messages(request)
+
+    @post("/v1/responses/render", body=ResponsesRequest)
+    async def render_response(request: ResponsesRequest, _: Request) -> Any:
+        return await render.render_response(request)
 
     @post("/score", "/v1/score", body=ScoreRequest)
     async def create_score(request: ScoreRequest, raw_request: Request) -> Any:

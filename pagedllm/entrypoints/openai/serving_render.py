@@ -1,5 +1,5 @@
-"""vLLM's render routes: POST /v1/chat/completions/render, /v1/completions/render and
-/v1/messages/render. A request is checked and rendered exactly as its own route would
+"""vLLM's render routes: POST /v1/chat/completions/render, /v1/completions/render,
+/v1/messages/render and /v1/responses/render. A request is checked and rendered exactly as its own route would
 (chat template, tools, truncation, max_tokens from the context left, structured-output
 constraints) and answered, without generating, with the body of the Tokens In<>Out API
 (/inference/v1/generate) that runs it (the engine's own checks of the request, which
@@ -7,7 +7,8 @@ adding it would run, included): {request_id, token_ids, sampling_params, model,
 stream, stream_options, cache_salt, priority}; a list of them for a completion request
 with several prompts. A front end can render and route while --tokens-only servers
 generate. What only a route's answer uses (chat's tool-call and reasoning parsing,
-echo) is not part of the body: the caller reads the tokens.
+echo; a response's store and background) is not part of the body: the caller reads the
+tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from pagedllm.entrypoints.openai.generate_protocol import (GenerateRequest,
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   random_id)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, item_id
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams
 
@@ -34,9 +37,10 @@ MAX_REQUEST_ID = GenerateRequest.model_fields["request_id"].metadata[0].max_leng
 class OpenAIServingRender:
 
     def __init__(self, chat: OpenAIServingChat, completions: OpenAIServingCompletion,
-                 ) -> None:
+                 responses: OpenAIServingResponses) -> None:
         self.chat = chat
         self.completions = completions
+        self.responses = responses
 
     async def render_chat(self, request: ChatCompletionRequest) -> dict[str, Any]:
         if request.echo:
@@ -57,6 +61,17 @@ class OpenAIServingRender:
         chat = request.to_chat_request(self.chat.reasoning is not None)
         chat.request_id = chat.request_id or f"msg_{uuid.uuid4().hex}"
         return await self.render_chat(chat)
+
+    async def render_response(self, request: ResponsesRequest) -> dict[str, Any]:
+        """The conversation it continues (previous_response_id, stored) and its input,
+        rendered and truncated as /v1/responses would."""
+        _, chat, prepared = await self.responses.prepare_response(request)
+        if prepared.images:
+            raise InvalidRequestError("a conversation with images cannot be rendered: the "
+                                      "Tokens In<>Out API takes no images")
+        self.responses.check_requests([(prepared.text, prepared.ids)], [prepared.params],
+                                      chat)
+        return _body(chat, item_id("resp"), prepared.ids, prepared.params)
 
     async def render_completion(self, request: CompletionRequest) -> list[dict[str, Any]]:
         if request.echo:

@@ -127,8 +127,10 @@ class OpenAIServingResponses(OpenAIServingChat):
         large = self._large(request, len(final.outputs[0].token_ids))
         return await self.offloader.run_in_thread(build) if large else build()
 
-    async def create_response(self, request: ResponsesRequest,
-                              ) -> ResponseObject | Response | SSEResponse:
+    async def prepare_response(self, request: ResponsesRequest,
+                               ) -> tuple[tuple[Any, ...], ChatCompletionRequest, PreparedChat]:
+        """(the earlier items it continues, the chat request it becomes, that request
+        checked and rendered), truncated as `truncation` allows."""
         earlier = self._earlier_items(request)
         # Off the event loop for a long conversation, as the chat API reads one.
         num_items = len(earlier) + (1 if isinstance(request.input, str)
@@ -141,6 +143,11 @@ class OpenAIServingResponses(OpenAIServingChat):
             if request.truncation != "auto":
                 raise
             chat, prepared = await self._truncated(request, earlier, num_items, e)
+        return earlier, chat, prepared
+
+    async def create_response(self, request: ResponsesRequest,
+                              ) -> ResponseObject | Response | SSEResponse:
+        earlier, chat, prepared = await self.prepare_response(request)
         response_id = item_id("resp")
         if request.background and len(self._background) >= self._max_background:
             raise QueueFullError(f"The server is busy: {len(self._background)} background "
