@@ -1,14 +1,14 @@
 """vLLM's render routes: POST /v1/chat/completions/render, /v1/completions/render,
 /v1/messages/render and /v1/responses/render. A request is checked and rendered exactly
 as its own route would (chat template, tools, truncation, max_tokens from the context
-left, structured-output constraints) and answered, without generating, with the body of the Tokens In<>Out API
-(/inference/v1/generate) that runs it (the engine's own checks of the request, which
-adding it would run, included): {request_id, token_ids, sampling_params, model,
-stream, stream_options, cache_salt, priority}; a list of them for a completion request
-with several prompts. A front end can render and route while --tokens-only servers
-generate. What only a route's answer uses (chat's tool-call and reasoning parsing,
-echo; a response's store and background) is not part of the body: the caller reads the
-tokens.
+left, structured-output constraints) and answered, without generating, with the body of
+the Tokens In<>Out API (/inference/v1/generate) that runs it (the engine's own checks of
+the request, which adding it would run, included): {request_id, token_ids,
+sampling_params, model, stream, stream_options, cache_salt, priority}; a list of them
+for a completion request with several prompts. A front end can render and route while
+--tokens-only servers generate. What only a route's answer uses (chat's tool-call and
+reasoning parsing, echo; a response's store and background) is not part of the body:
+the caller reads the tokens.
 """
 
 from __future__ import annotations
