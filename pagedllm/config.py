@@ -294,9 +294,13 @@ class SchedulerConfig:
     max_num_seqs: int
     """Most requests in one step."""
     max_num_batched_tokens: int
-    """Token budget of one step (prefill chunks and decodes together)."""
+    """Token budget of one step (prefill chunks and decodes together); the runner's
+    buffers are sized for it."""
     max_model_len: int
     """Copied from the model config: the longest sequence."""
+    max_num_scheduled_tokens: int | None = None
+    """What the scheduler may put in one step, below max_num_batched_tokens (vLLM's);
+    None: max_num_batched_tokens."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps to fit the token budget."""
     policy: str = "fcfs"
@@ -381,6 +385,22 @@ class SchedulerConfig:
             raise ConfigError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})")
+        scheduled = self.max_num_scheduled_tokens
+        if scheduled is not None and (
+                isinstance(scheduled, bool) or not isinstance(scheduled, int)
+                or not 1 <= scheduled <= self.max_num_batched_tokens):
+            raise ConfigError(f"max_num_scheduled_tokens must be an integer in [1, "
+                              f"max_num_batched_tokens ({self.max_num_batched_tokens})], "
+                              f"got {scheduled!r}")
+        if scheduled is not None and not self.enable_chunked_prefill and (
+                scheduled < self.max_model_len):
+            raise ConfigError(f"without chunked prefill max_num_scheduled_tokens "
+                              f"({scheduled}) must be >= max_model_len ({self.max_model_len})")
+
+    @property
+    def step_budget(self) -> int:
+        """The tokens one step may schedule."""
+        return self.max_num_scheduled_tokens or self.max_num_batched_tokens
 
 
 @dataclass

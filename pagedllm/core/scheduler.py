@@ -149,7 +149,8 @@ class Scheduler:
                                     or self.max_num_seqs)
         self.watermark_blocks = int(scheduler_config.watermark * num_blocks)
         self.reserve_full_prompt = scheduler_config.reserve_full_prompt
-        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        # The step's budget (max_num_scheduled_tokens when set, below the runner's size).
+        self.max_num_batched_tokens = scheduler_config.step_budget
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.attention_pairs_per_token = scheduler_config.attention_pairs_per_token
@@ -253,7 +254,8 @@ class Scheduler:
             raise InvalidRequestError(
                 f"the prompt of an embedding request is computed in one step, but it has "
                 f"{request.num_prompt_tokens} tokens and a step holds at most "
-                f"{self.max_num_batched_tokens} (max_num_batched_tokens)")
+                f"{self.max_num_batched_tokens} (max_num_batched_tokens, or "
+                f"max_num_scheduled_tokens)")
 
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)

@@ -168,7 +168,14 @@ class EngineArgs:
                                choices=KV_CACHE_DTYPES)
     max_num_batched_tokens: int | None = _arg(None, "token budget per step (default 2048 with "
                                                     "chunked prefill, else max_model_len)")
+    max_num_scheduled_tokens: int | None = _arg(
+        None, "tokens the scheduler may put in one step, below max_num_batched_tokens "
+              "(which sizes the runner), as vLLM's (default: max_num_batched_tokens)")
     enable_prefix_caching: bool = _arg(True, "reuse KV blocks of equal prompt prefixes")
+    prefix_caching_hash_algo: str = _arg(
+        "sha256", "vLLM's: the prefix cache's block hash; pagedllm's is sha256 over its "
+                  "own canonical encoding of the tokens (vLLM's sha256_cbor, xxhash and "
+                  "xxhash_cbor are not built)", choices=("sha256",))
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
     long_prefill_token_threshold: int | None = _arg(
         None, "most tokens of one prompt a step prefills while other requests are live "
@@ -491,6 +498,7 @@ class EngineArgs:
             budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len,
+                                max_num_scheduled_tokens=self.max_num_scheduled_tokens,
                                 max_num_active_seqs=self.max_num_active_seqs,
                                 watermark=self.watermark,
                                 reserve_full_prompt=self.scheduler_reserve_full_isl,

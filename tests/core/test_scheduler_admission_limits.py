@@ -87,3 +87,36 @@ def test_priority_preemption_counts_the_watermark(make_scheduler, make_request,
     output, _ = step(sched)
     assert "c" in output.preempted_req_ids
     assert {r.req_id for r in sched.running} == {"a", "h"}
+
+
+def test_max_num_scheduled_tokens_caps_the_steps(tmp_path) -> None:
+    """vLLM's max_num_scheduled_tokens: the scheduler's budget, below the runner's
+    max_num_batched_tokens; the same tokens either way."""
+    from pagedllm import LLM, SamplingParams
+    from tests.utils import save_tiny_model, tiny_llama_config
+
+    path = save_tiny_model(tmp_path, tiny_llama_config())
+    prompts = [{"prompt_token_ids": [(i * 7 + j) % 200 + 1 for j in range(50)]}
+               for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for scheduled in (None, 32):
+        llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=100,
+                  max_num_scheduled_tokens=scheduled)
+        sched = llm.llm_engine.engine_core.scheduler
+        steps = []
+        original = sched.schedule
+
+        def schedule(original=original, steps=steps):
+            out = original()
+            steps.append(out.total_num_scheduled_tokens)
+            return out
+        sched.schedule = schedule
+        outs[scheduled] = [o.outputs[0].token_ids
+                           for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.llm_engine.config.scheduler.max_num_batched_tokens == 2048
+        assert max(steps) == (150 if scheduled is None else 32)
+    assert outs[None] == outs[32]
+    with pytest.raises(ConfigError, match="max_num_scheduled_tokens"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                        max_num_scheduled_tokens=65)

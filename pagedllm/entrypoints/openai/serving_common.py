@@ -411,7 +411,7 @@ class OpenAIServing:
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {num_tokens} tokens in the input for embedding "
                 f"generation ({where}). Please reduce the length of the input.")
-        max_batched = self.engine.config.scheduler.max_num_batched_tokens
+        max_batched = self.engine.config.scheduler.step_budget
         if num_tokens > max_batched:
             raise InvalidRequestError(
                 f"{where} has {num_tokens} tokens, but an embedding input is computed in "
