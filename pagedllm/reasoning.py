@@ -145,8 +145,11 @@ class ReasoningGate:
     @classmethod
     def for_prompt(cls, tokens: ReasoningTokens, prompt_ids: list[int],
                    budget: int | None = None) -> ReasoningGate:
+        # A prompt holding more reasoning than the budget ends it at once: counted as
+        # just spent, so the forced end starts from its first token.
+        num = tokens.reasoning_in_prompt(prompt_ids)
         return cls(tokens, tokens.initial_phase(prompt_ids), budget,
-                   tokens.reasoning_in_prompt(prompt_ids))
+                   num if budget is None else min(num, budget))
 
     def accept(self, token_id: int) -> bool:
         """Take the next output token; True if it is part of the answer."""
@@ -168,7 +171,9 @@ class ReasoningGate:
         if self.budget is None or self.phase is not Phase.REASONING:
             return None
         past = self.num_reasoning - self.budget
-        return self.forced[past] if past >= 0 else None
+        if past < 0:
+            return None
+        return self.forced[min(past, len(self.forced) - 1)]  # (the end tag, at worst)
 
 
 class ReasoningReader:

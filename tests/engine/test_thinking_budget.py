@@ -60,6 +60,9 @@ def test_reasoning_in_the_prompt_counts(r1):
     # The prompt opened the reasoning and holds one token of it ("hmm"): one more fits.
     assert words(r1, ["go <think> hmm"], max_tokens=4, thinking_token_budget=2) == [
         ["well", "</think>", "maybe", "so"]]
+    # One holding more than the budget: the end tag comes first.
+    assert words(r1, ["go <think> hmm well ok"], max_tokens=3, thinking_token_budget=1) == [
+        ["</think>", "maybe", "so"]]
     # A reasoning the prompt closed is not bounded.
     assert words(r1, ["go <think> </think>"], max_tokens=2, thinking_token_budget=0) == [
         ["maybe", "so"]]
@@ -142,6 +145,9 @@ def test_reasoning_config_forces_a_phrase(scripted, r1):
     outs = llm.generate(["go"], SamplingParams(max_tokens=8, temperature=0,
                                                thinking_token_budget=0), use_tqdm=False)
     assert outs[0].outputs[0].text.split()[:3] == ["plain", "text", "</think>"]
+    # A prompt past the budget gets the whole phrase.
+    assert words(llm, ["go <think> hmm well ok"], max_tokens=4, thinking_token_budget=1) == [
+        ["plain", "text", "</think>", "maybe"]]
 
 
 @pytest.mark.parametrize("config, match", [

@@ -363,6 +363,11 @@ def test_thinking_token_budget(scripted, server):
     r = post("/v1/completions", {"model": "scripted", "prompt": "go", "max_tokens": 4,
                                  "temperature": 0, "thinking_token_budget": 0})
     assert r.json()["choices"][0]["text"].split() == ["</think>", CALL[0], CALL[1], CALL[2]]
+    # A prompt already past the budget (its reasoning opened and written): ended at once.
+    r = post("/v1/completions", {"model": "scripted", "prompt": "go <think> hmm well",
+                                 "max_tokens": 2, "temperature": 0, "thinking_token_budget": 1})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].split() == [
+        "</think>", CALL[0]]
     # Rendered for /inference/v1/generate, the budget comes along and holds there.
     body = post("/v1/chat/completions/render", chat | {"thinking_token_budget": 1}).json()
     assert body["sampling_params"]["thinking_token_budget"] == 1
