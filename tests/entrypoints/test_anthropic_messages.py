@@ -83,9 +83,14 @@ def test_reply_is_the_chat_reply(server, client):
     finish = ref["choices"][0]["finish_reason"]
     assert msg.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[finish]
     assert msg.stop_sequence is None
-    # Anthropic's counts: input_tokens leaves out what the prefix cache held.
+    # Anthropic's counts: input_tokens leaves out what the prefix cache held and what
+    # this request wrote to it (its prompt's full blocks of 16 beyond the hits).
     usage = msg.usage
-    assert usage.input_tokens + usage.cache_read_input_tokens == ref["usage"]["prompt_tokens"]
+    total = ref["usage"]["prompt_tokens"]
+    assert usage.input_tokens + usage.cache_read_input_tokens + (
+        usage.cache_creation_input_tokens) == total
+    assert usage.cache_read_input_tokens + usage.cache_creation_input_tokens == (
+        total // 16 * 16)
     assert usage.output_tokens == ref["usage"]["completion_tokens"]
     count = client.messages.count_tokens(model=MODEL_NAME, system=SYSTEM, messages=messages)
     assert count.input_tokens == ref["usage"]["prompt_tokens"]
@@ -94,6 +99,8 @@ def test_reply_is_the_chat_reply(server, client):
                                    messages=messages, **GREEDY)
     assert again.content[0].text == block.text
     assert again.usage.cache_read_input_tokens >= 16
+    assert again.usage.cache_creation_input_tokens == (
+        total // 16 * 16 - again.usage.cache_read_input_tokens)
 
 
 def test_stream_assembles_to_the_message(server, client):
@@ -184,8 +191,8 @@ def test_forced_tool_use_and_its_result(server, client):
         {"role": "user", "content": "Answer in one sentence."}],
         max_tokens=24, tools=[tool], tool_choice="none")
     assert msg.content[0].text == ref["choices"][0]["message"]["content"]
-    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == (
-        ref["usage"]["prompt_tokens"])
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens + (
+        msg.usage.cache_creation_input_tokens) == ref["usage"]["prompt_tokens"]
 
 
 def test_max_tokens_zero_fills_the_prefix_cache(server, client):
@@ -198,7 +205,8 @@ def test_max_tokens_zero_fills_the_prefix_cache(server, client):
     assert warm.usage.output_tokens == 0 and warm.usage.cache_read_input_tokens == 0
     msg = client.messages.create(model=MODEL_NAME, max_tokens=4, messages=messages,
                                  extra_body=salted | {"temperature": 0})
-    total = warm.usage.input_tokens
+    total = warm.usage.input_tokens + warm.usage.cache_creation_input_tokens
+    assert warm.usage.cache_creation_input_tokens == total // 16 * 16 > 0
     assert msg.usage.cache_read_input_tokens == (total - 1) // 16 * 16 > 0
     events = _events(server, {"model": MODEL_NAME, "max_tokens": 0, "messages": messages})
     assert [n for n, _ in events] == ["message_start", "message_delta", "message_stop"]

@@ -471,7 +471,8 @@ def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
 
 class Usage(OpenAIBaseModel):
     """Anthropic's usage: input_tokens excludes the prompt tokens read from the prefix
-    cache (cache_read_input_tokens), as Anthropic counts them."""
+    cache (cache_read_input_tokens) and those the request wrote to it
+    (cache_creation_input_tokens), as Anthropic counts them."""
 
     input_tokens: int
     output_tokens: int

@@ -62,8 +62,19 @@ class AnthropicServingMessages(OpenAIServingChat):
         def build() -> MessageResponse:
             return MessageResponse(id=message_id, model=model, content=content,
                                    stop_reason=reason, stop_sequence=sequence,
-                                   usage=_usage(final, num_output))
+                                   usage=self._usage(final, num_output))
         return await self.json_response(build, len(out.text.encode("utf-8")))
+
+    def _usage(self, ro: RequestOutput, num_output: int) -> Usage:
+        """Anthropic's counts: the prompt tokens read from the prefix cache, those this
+        request wrote to it (its prompt's full blocks beyond the hits: each is cached once
+        computed, as vLLM counts cache creation), and the rest."""
+        num_prompt, cached = len(ro.prompt_token_ids), ro.num_cached_tokens or 0
+        cache = self.engine.config.cache
+        created = (max(0, num_prompt // cache.block_size * cache.block_size - cached)
+                   if cache.enable_prefix_caching else 0)
+        return Usage(input_tokens=num_prompt - cached - created, output_tokens=num_output,
+                     cache_read_input_tokens=cached, cache_creation_input_tokens=created)
 
     async def count_tokens(self, request: CountTokensRequest) -> CountTokensResponse:
         """The prompt's tokens as /v1/messages would run it (system, tools and images
@@ -93,13 +104,13 @@ class AnthropicServingMessages(OpenAIServingChat):
                 if not started:
                     started = True
                     start = MessageResponse(id=message_id, model=model, content=[],
-                                            stop_reason=None, usage=_usage(ro, 0))
+                                            stop_reason=None, usage=self._usage(ro, 0))
                     yield event("message_start", message=start.model_dump())
                 if prompt_only:
                     if out.finish_reason is not None:
                         yield event("message_delta", delta={"stop_reason": "max_tokens",
                                                             "stop_sequence": None},
-                                    usage=_usage(ro, 0).model_dump())
+                                    usage=self._usage(ro, 0).model_dump())
                         yield event("message_stop")
                     continue
                 text = out.text[st.num_chars:]
@@ -123,7 +134,7 @@ class AnthropicServingMessages(OpenAIServingChat):
                     yield blocks.open("text")
                 yield blocks.close()
                 reason, sequence = stop_reason(out, used_tools)
-                usage = _usage(ro, st.num_tokens).model_dump()
+                usage = self._usage(ro, st.num_tokens).model_dump()
                 yield event("message_delta", delta={"stop_reason": reason,
                                                     "stop_sequence": sequence}, usage=usage)
                 yield event("message_stop")
@@ -235,7 +246,3 @@ def stop_reason(out: CompletionOutput, used_tools: bool) -> tuple[str | None, st
     return "end_turn", None
 
 
-def _usage(ro: RequestOutput, num_output: int) -> Usage:
-    cached = ro.num_cached_tokens or 0
-    return Usage(input_tokens=len(ro.prompt_token_ids) - cached, output_tokens=num_output,
-                 cache_read_input_tokens=cached)
