@@ -635,28 +635,39 @@ class KVEventsConfig:
         return dataclass_from_dict(cls, values, "kv_events_config")
 
 
-KV_CONNECTORS = ("ExampleConnector", "SharedStorageConnector")
+KV_CONNECTORS = ("ExampleConnector", "SharedStorageConnector", "OffloadingConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
 @dataclass
 class KVTransferConfig:
-    """KV blocks shared between engines through a directory (vLLM's
-    `kv_transfer_config` with its ExampleConnector, once SharedStorageConnector): a
-    producer writes the K/V of each full prompt block it computes, keyed by the block's
-    hash; a consumer loads the blocks it finds instead of computing them (disaggregated
-    prefill: a prefill engine and a decode engine; or a prefix cache that outlives the
-    process). core/kv_store.py decides what moves, worker/kv_transfer.py moves it."""
+    """KV blocks kept beyond the KV cache, keyed by their prefix-cache hashes (vLLM's
+    `kv_transfer_config`), by one of two connectors:
+
+    - "ExampleConnector" (once "SharedStorageConnector"): blocks shared between engines
+      through a directory. A producer writes the K/V of each full prompt block it
+      computes; a consumer loads the blocks it finds instead of computing them
+      (disaggregated prefill: a prefill engine and a decode engine; or a prefix cache
+      that outlives the process). core/kv_store.py decides what moves,
+      worker/kv_transfer.py moves it.
+    - "OffloadingConnector" (what vLLM's --kv-offloading-size sets up): a second tier of
+      the prefix cache in host memory. Every full block computed is copied there; a
+      request whose prefix left the KV cache loads it back instead of recomputing it.
+      core/kv_offload.py decides, worker/kv_offload.py copies."""
 
     kv_connector: str | None = None
-    """"ExampleConnector" (or its old name "SharedStorageConnector")."""
+    """"ExampleConnector" (or its old name "SharedStorageConnector"), or
+    "OffloadingConnector"."""
     kv_role: str | None = None
-    """"kv_producer" (writes blocks), "kv_consumer" (reads them) or "kv_both"."""
+    """"kv_producer" (writes blocks), "kv_consumer" (reads them) or "kv_both" (the only
+    role of the OffloadingConnector)."""
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-    """"shared_storage_path": the directory (default /tmp, vLLM's); pagedllm's files go
-    in a pagedllm-kv/ folder there, one subfolder per model and layout.
-    "min_free_disk_gb": saving pauses while the file system has less free (default 2)."""
+    """ExampleConnector: "shared_storage_path": the directory (default /tmp, vLLM's);
+    pagedllm's files go in a pagedllm-kv/ folder there, one subfolder per model and
+    layout. "min_free_disk_gb": saving pauses while the file system has less free
+    (default 2). OffloadingConnector: "cpu_bytes_to_use" (required): the host memory of
+    the tier, all ranks together; "eviction_policy": "lru" (the only one built)."""
     kv_load_failure_policy: str = "fail"
     """A block that cannot be loaded (its file vanished or is not what its name says):
     "fail" ends the requests that hold it with an error (vLLM's default); "recompute"
@@ -678,6 +689,9 @@ class KVTransferConfig:
         if not isinstance(extra, dict):
             raise ConfigError(f"kv_transfer_config kv_connector_extra_config must be a "
                               f"JSON object, got {extra!r}")
+        if self.is_offloading:
+            self._check_offloading(extra)
+            return
         unknown = set(extra) - {"shared_storage_path", "min_free_disk_gb"}
         if unknown:
             raise ConfigError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
@@ -690,6 +704,34 @@ class KVTransferConfig:
         if isinstance(floor, bool) or not isinstance(floor, int | float) or not floor >= 0:
             raise ConfigError(f"kv_connector_extra_config min_free_disk_gb must be a "
                               f"number >= 0, got {floor!r}")
+
+    def _check_offloading(self, extra: dict[str, Any]) -> None:
+        if self.kv_role != "kv_both":
+            raise ConfigError(f"kv_transfer_config: the OffloadingConnector's kv_role is "
+                              f"kv_both, got {self.kv_role!r}")
+        unknown = set(extra) - {"cpu_bytes_to_use", "eviction_policy"}
+        if unknown:
+            raise ConfigError(f"unknown kv_connector_extra_config keys {sorted(unknown)} "
+                              f"for the OffloadingConnector; valid: ['cpu_bytes_to_use', "
+                              f"'eviction_policy']")
+        size = extra.get("cpu_bytes_to_use")
+        if isinstance(size, bool) or not isinstance(size, int | float) or not size >= 1:
+            raise ConfigError(f"kv_connector_extra_config cpu_bytes_to_use must be a "
+                              f"number of bytes >= 1, got {size!r}")
+        policy = extra.get("eviction_policy", "lru")
+        if policy != "lru":
+            raise ConfigError(f"kv_connector_extra_config eviction_policy: only 'lru' is "
+                              f"built, got {policy!r}")
+
+    @property
+    def is_offloading(self) -> bool:
+        """Blocks go to this process's host memory (OffloadingConnector), not to files."""
+        return self.kv_connector == "OffloadingConnector"
+
+    @property
+    def offload_bytes(self) -> int:
+        """The host memory of the OffloadingConnector's tier, all ranks together."""
+        return int(self.kv_connector_extra_config["cpu_bytes_to_use"])
 
     @property
     def is_producer(self) -> bool:

@@ -131,9 +131,10 @@ class EngineMetrics:
                                          "Prompt tokens served from the prefix cache.")
         self.external_prefix_cache_queries = counter(
             "external_prefix_cache_queries",
-            "Prompt tokens looked up in the KV store of kv_transfer_config.")
+            "Prompt tokens looked up in the KV store or host tier of kv_transfer_config.")
         self.external_prefix_cache_hits = counter(
-            "external_prefix_cache_hits", "Prompt tokens loaded from the KV store.")
+            "external_prefix_cache_hits",
+            "Prompt tokens loaded from the KV store or host tier.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
                                          "Tokens proposed by speculative decoding.")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",

@@ -100,9 +100,11 @@ class SchedulerOutput:
     # KV blocks shared with other engines (core/kv_store.py): (file stem, block id) to
     # read into the cache before the forward pass, after the swaps (blocks a newly
     # admitted request found in the store), and (block id, file stem) to write after it
-    # (prompt blocks this step completes).
-    kv_blocks_to_load: list[tuple[str, int]] = field(default_factory=list)
-    kv_blocks_to_save: list[tuple[int, str]] = field(default_factory=list)
+    # (prompt blocks this step completes). With the prefix cache's host tier instead
+    # (core/kv_offload.py) the same, with host slots for file stems (and every full
+    # block this step completes saved).
+    kv_blocks_to_load: list[tuple[str | int, int]] = field(default_factory=list)
+    kv_blocks_to_save: list[tuple[int, str | int]] = field(default_factory=list)
     # Speculative decoding: req_id -> the proposed tokens this step verifies after the
     # request's last token (its num_scheduled_tokens count them: 1 + len(drafts)).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)

@@ -90,7 +90,9 @@ rest; each step asks the runner to save the prompt blocks it completes that the 
 lacks (`kv_blocks_to_save`). A block whose load fails is dropped from the prefix cache
 and every request holding it fails, or (kv_load_failure_policy "recompute") goes back
 to the front of the waiting queue as a recompute preemption would, unless a step in
-flight still holds it (async scheduling): then it fails.
+flight still holds it (async scheduling): then it fails. The prefix cache's host tier
+(core/kv_offload.py, kv_offloading_size) takes the store's place through the same calls:
+its loads are (host slot, block id), its saves every full block a step completes.
 
 Deadlines: a request with `deadline` (absolute `time.monotonic()` time) still live at
 the start of a `schedule()` at or after it is finished as FINISHED_TIMEOUT, waiting,
@@ -109,6 +111,7 @@ from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.deadlines import DeadlineHeap
 from pagedllm.core.kv_cache_manager import GroupBlocks, KVCacheManager
+from pagedllm.core.kv_offload import HostKVStore
 from pagedllm.core.kv_store import KVStore
 from pagedllm.core.output_update import apply_runner_output
 from pagedllm.core.request_queue import RequestQueue, create_request_queue, priority_key
@@ -139,7 +142,8 @@ class Scheduler:
                  pipeline_depth: int = 1,
                  group_windows: Sequence[int | None] = (None,),
                  num_lookahead_tokens: int = 0, hash_prompt_rows: bool = False,
-                 enable_kv_events: bool = False, kv_store: KVStore | None = None,
+                 enable_kv_events: bool = False,
+                 kv_store: KVStore | HostKVStore | None = None,
                  kv_load_failure_policy: str = "fail",
                  residency_sample_rate: float = 0.0) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs

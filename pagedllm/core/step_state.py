@@ -31,9 +31,9 @@ class StepState:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # KV store transfers (core/kv_store.py): (file stem, block id) loads, (block id,
-    # file stem) saves.
-    kv_loads: list[tuple[str, int]] = field(default_factory=list)
-    kv_saves: list[tuple[int, str]] = field(default_factory=list)
+    # file stem) saves; host slots for file stems with the host tier (core/kv_offload.py).
+    kv_loads: list[tuple[str | int, int]] = field(default_factory=list)
+    kv_saves: list[tuple[int, str | int]] = field(default_factory=list)
     # req_id -> proposed tokens scheduled after the request's last token.
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # A running request could not get its blocks (set by _allocate_or_preempt, not by

@@ -300,7 +300,16 @@ class EngineArgs:
               "\"kv_connector_extra_config\": {\"shared_storage_path\": \"/data/kv\"}}' "
               "(kv_producer saves each prompt block it computes, kv_consumer loads the "
               "blocks it finds: disaggregated prefill, or a prefix cache that outlives "
-              "the process)")
+              "the process); or vLLM's OffloadingConnector (kv_offloading_size)")
+    kv_offloading_size: float | None = _arg(
+        None, "GiB of host memory (all ranks together) for a second tier of the prefix "
+              "cache, as vLLM's: every full block computed is copied there, and a prompt "
+              "whose prefix left the KV cache loads it back instead of recomputing it "
+              "(vLLM's OffloadingConnector; needs prefix caching)")
+    kv_offloading_backend: str = _arg("native", "the tier of kv_offloading_size: native "
+                                                "(this process's host memory; vLLM's "
+                                                "lmcache is not built)",
+                                      choices=("native", "lmcache"))
 
     enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT directories) per request: "
                                     "LLM.generate(lora_request=...), the server's "
@@ -571,19 +580,51 @@ class EngineArgs:
     def _kv_transfer_config(self, cache: CacheConfig, parallel: ParallelConfig,
                             speculative: SpeculativeConfig | None,
                             ) -> KVTransferConfig | None:
-        if self.kv_transfer_config is None:
+        values = self.kv_transfer_config
+        if self.kv_offloading_size is not None:
+            values = self._offloading_config()
+        if values is None:
             return None
-        require_json_object("kv_transfer_config", self.kv_transfer_config)
-        config = KVTransferConfig.from_dict(self.kv_transfer_config)
+        require_json_object("kv_transfer_config", values)
+        config = KVTransferConfig.from_dict(values)
+        offloading = config.is_offloading
         refused = [what for what, used in (
             ("enable_prefix_caching off (stored blocks are found by their prefix-cache "
              "hashes)", not cache.enable_prefix_caching),
-            ("pipeline parallelism", parallel.pipeline_parallel_size > 1),
+            # (The host tier copies every rank's own layers and the draft's K/V too.)
+            ("pipeline parallelism", parallel.pipeline_parallel_size > 1 and not offloading),
             ("a draft model (its K/V is not stored)",
-             speculative is not None and speculative.method == "draft_model")) if used]
+             speculative is not None and speculative.method == "draft_model"
+             and not offloading)) if used]
         if refused:
-            raise ConfigError(f"kv_transfer_config does not work with {refused[0]}")
+            raise ConfigError(f"{'kv_offloading_size' if offloading else 'kv_transfer_config'}"
+                              f" does not work with {refused[0]}")
+        if offloading:
+            import psutil
+
+            # Its pages are mapped as blocks arrive: too large a tier would start, then
+            # be killed once it filled.
+            total = psutil.virtual_memory().total
+            if config.offload_bytes > total:
+                raise ConfigError(f"kv_offloading_size: {config.offload_bytes / (1 << 30):.1f}"
+                                  f" GiB is more than this machine's memory "
+                                  f"({total / (1 << 30):.1f} GiB)")
         return config
+
+    def _offloading_config(self) -> dict[str, Any]:
+        """vLLM's translation of kv_offloading_size into kv_transfer_config."""
+        size = self.kv_offloading_size
+        if self.kv_transfer_config is not None:
+            raise ConfigError("kv_offloading_size and kv_transfer_config together are not "
+                              "supported (vLLM's MultiConnector is not built): give one")
+        if self.kv_offloading_backend != "native":
+            raise ConfigError(f"kv_offloading_backend {self.kv_offloading_backend!r} is not "
+                              f"built; the native backend is")
+        if isinstance(size, bool) or not isinstance(size, int | float) or not size > 0:
+            raise ConfigError(f"kv_offloading_size must be a number of GiB > 0, got "
+                              f"{size!r}")
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": int(size * (1 << 30))}}
 
     def _logits_processors(self, speculative: SpeculativeConfig | None,
                            ) -> tuple[type, ...]:

@@ -60,7 +60,14 @@ class EngineCore:
         self.num_blocks = self.executor.determine_num_blocks()
         # Host blocks of swap preemption (0 unless preemption_mode is "swap").
         self.num_swap_blocks = self.executor.determine_num_swap_blocks()
-        self.executor.initialize_kv_cache(self.num_blocks, self.num_swap_blocks)
+        # Slots of the prefix cache's host tier (kv_offloading_size; 0: none).
+        self.num_offload_blocks = 0
+        if config.kv_transfer is not None and config.kv_transfer.is_offloading:
+            from pagedllm.engine.kv_transfer import num_offload_blocks
+            self.num_offload_blocks = num_offload_blocks(config,
+                                                         self.executor.kv_bytes_per_block())
+        self.executor.initialize_kv_cache(self.num_blocks, self.num_swap_blocks,
+                                          self.num_offload_blocks)
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self.async_scheduling = config.scheduler.async_scheduling
         # Steps the loop keeps in flight: the pipeline's stages, or async scheduling's
@@ -72,7 +79,8 @@ class EngineCore:
             from pagedllm.engine.kv_transfer import make_kv_store
             try:
                 kv_store = make_kv_store(config, tuple(group_windows),
-                                         self.executor.splits_prompt_rows())
+                                         self.executor.splits_prompt_rows(),
+                                         self.num_offload_blocks)
             except BaseException:
                 self.executor.shutdown()
                 raise
@@ -117,7 +125,10 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", self.num_blocks,
                     config.cache.block_size, (self.num_blocks - 1) * config.cache.block_size,
                     config.kv_cache_dtype)
-        if kv_store is not None:
+        if self.num_offload_blocks:
+            logger.info("KV host tier: %d blocks (%d tokens)", self.num_offload_blocks,
+                        self.num_offload_blocks * config.cache.block_size)
+        elif kv_store is not None:
             logger.info("KV store (%s): %s/%s", config.kv_transfer.kv_role, kv_store.root,
                         kv_store.namespace)
         if group_windows != (None,):
@@ -392,6 +403,8 @@ class EngineCore:
             raise EngineBusyError(f"{num} requests are unfinished: the engine sleeps only "
                                   f"when idle")
         self.reset_prefix_cache()
+        if self.num_offload_blocks:
+            self.scheduler.kv_store.clear()  # (the tier is allocated anew on wake_up)
         self.executor.sleep(level)
         self.asleep |= {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
 

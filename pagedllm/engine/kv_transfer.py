@@ -1,6 +1,6 @@
 """Setting up the KV store of `kv_transfer_config` (core/kv_store.py) for an engine: the
 checks, and the namespace folder that keeps engines whose blocks are not interchangeable
-apart.
+apart; or the host tier of kv_offloading_size (core/kv_offload.py): its size.
 
 Two engines share blocks only when a block's K/V means the same to both: the same
 weights (told apart by the model's file names and sizes and its config, not by reading
@@ -19,6 +19,7 @@ import os
 import uuid
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_offload import HostKVStore
 from pagedllm.core.kv_store import KVStore, store_root
 from pagedllm.errors import ConfigError
 
@@ -26,14 +27,19 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 
 def make_kv_store(config: EngineConfig, group_windows: tuple[int | None, ...],
-                  hash_prompt_rows: bool) -> KVStore:
-    """The scheduler's KVStore for `config.kv_transfer`; ConfigError where the engine
-    cannot share blocks."""
+                  hash_prompt_rows: bool, num_offload_blocks: int = 0,
+                  ) -> KVStore | HostKVStore:
+    """The scheduler's store for `config.kv_transfer`: the directory's KVStore, or the
+    host tier's HostKVStore of `num_offload_blocks` slots; ConfigError where the engine
+    cannot keep blocks there."""
     kvt = config.kv_transfer
     assert kvt is not None
     if group_windows != (None,):
-        raise ConfigError("kv_transfer_config: models with sliding-window layers (more "
-                          "than one KV cache group) are not supported")
+        what = "kv_offloading_size" if kvt.is_offloading else "kv_transfer_config"
+        raise ConfigError(f"{what}: models with sliding-window layers (more than one KV "
+                          f"cache group) are not supported")
+    if kvt.is_offloading:
+        return HostKVStore(num_offload_blocks, config.cache.block_size)
     root = store_root(kvt.storage_path)
     try:
         os.makedirs(root, exist_ok=True)
@@ -45,6 +51,19 @@ def make_kv_store(config: EngineConfig, group_windows: tuple[int | None, ...],
                    num_ranks=config.parallel.tensor_parallel_size,
                    block_size=config.cache.block_size, load=kvt.is_consumer,
                    save=kvt.is_producer, min_free_bytes=kvt.min_free_disk_bytes)
+
+
+def num_offload_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+    """Slots of the host tier: its bytes over one block's K and V on every rank
+    (vLLM's kv_offloading_size counts all ranks together); ConfigError for none."""
+    size = config.kv_transfer.offload_bytes
+    if not bytes_per_block:
+        raise ConfigError("kv_offloading_size: the model keeps no KV cache")
+    num = size // bytes_per_block
+    if num < 1:
+        raise ConfigError(f"kv_offloading_size: {size} bytes hold no KV block of "
+                          f"{bytes_per_block} bytes")
+    return num
 
 
 def namespace(config: EngineConfig, hash_prompt_rows: bool) -> str:

@@ -24,6 +24,10 @@ class Executor(Protocol):
 
     def determine_num_swap_blocks(self) -> int: ...
 
+    def kv_bytes_per_block(self) -> int:
+        """K and V bytes of one block summed over every rank (sizes the host tier)."""
+        ...
+
     def kv_cache_group_windows(self) -> tuple[int | None, ...]:
         """Per KV cache group, its sliding window (core/kv_groups.py)."""
         ...
@@ -33,7 +37,8 @@ class Executor(Protocol):
         (worker/prompt_rows.py)."""
         ...
 
-    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None: ...
+    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0,
+                            num_offload_blocks: int = 0) -> None: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
                       ) -> ModelRunnerOutput | StepFuture: ...
@@ -84,14 +89,18 @@ class InProcExecutor:
     def determine_num_swap_blocks(self) -> int:
         return self.runner.determine_num_swap_blocks()
 
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
     def kv_cache_group_windows(self) -> tuple[int | None, ...]:
         return self.runner.kv_cache_group_windows()
 
     def splits_prompt_rows(self) -> bool:
         return self.runner.splits_prompt_rows()
 
-    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
-        self.runner.initialize_kv_cache(num_blocks, num_swap_blocks)
+    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0,
+                            num_offload_blocks: int = 0) -> None:
+        self.runner.initialize_kv_cache(num_blocks, num_swap_blocks, num_offload_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
                       ) -> ModelRunnerOutput | StepFuture:

@@ -32,8 +32,13 @@ class WorkerGroupExecutor:
         # Every rank must hold the same host block ids too.
         return min(self._call_all("determine_num_swap_blocks"))
 
-    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
-        self._call_all("initialize_kv_cache", num_blocks, num_swap_blocks)
+    def kv_bytes_per_block(self) -> int:
+        # vLLM's kv_offloading_size is the host memory of every rank together.
+        return sum(self._call_all("kv_bytes_per_block"))
+
+    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0,
+                            num_offload_blocks: int = 0) -> None:
+        self._call_all("initialize_kv_cache", num_blocks, num_swap_blocks, num_offload_blocks)
 
     def sleep(self, level: int) -> None:
         self._call_all("sleep", level)

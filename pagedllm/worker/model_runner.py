@@ -31,6 +31,7 @@ from pagedllm.sample.sampler import Sampler
 from pagedllm.models.pipeline import layer_range
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_layout import check_layer_windows, kv_cache_layout
+from pagedllm.worker.kv_offload import HostKVTier
 from pagedllm.worker.kv_transfer import KVTransfer
 from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.invariance import batch_invariance_caveat
@@ -128,9 +129,12 @@ class ModelRunner:
         # Host blocks of swap preemption, one tensor per KV cache tensor ([] unless
         # swapping).
         self.host_kv_caches: list[torch.Tensor] = []
-        # Blocks shared with other engines through a directory (None: not configured).
-        self.kv_transfer = (KVTransfer(config.kv_transfer.storage_path, parallel)
-                            if config.kv_transfer is not None else None)
+        # Blocks kept beyond the cache, keyed by hash (None: not configured): shared
+        # with other engines through a directory, or the prefix cache's host tier (its
+        # slots are allocated with the cache).
+        self.kv_transfer: KVTransfer | HostKVTier | None = None
+        if config.kv_transfer is not None and not config.kv_transfer.is_offloading:
+            self.kv_transfer = KVTransfer(config.kv_transfer.storage_path, parallel)
         # Captured decode steps (CUDA; None: every step runs eagerly).
         self.graphs: DecodeGraphs | None = None
         # Async scheduling: a step's sampled ids are read when the engine asks for its
@@ -264,14 +268,24 @@ class ModelRunner:
         (worker/prompt_rows.py)."""
         return self._step_rows is not None
 
+    def kv_bytes_per_block(self) -> int:
+        """K and V bytes of one block on this worker (the draft's included)."""
+        return (kv_bytes_per_block(self.model, self.block_size, self.kv_cache_dtype,
+                                   self.kv_layout, self.first_layer)
+                + self._draft_bytes_per_block())
+
     def determine_num_swap_blocks(self) -> int:
         return determine_num_swap_blocks(self.model, self.config.cache,
                                          self.config.scheduler, self.kv_cache_dtype,
                                          self.kv_layout, self.first_layer,
                                          self._draft_bytes_per_block())
 
-    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0) -> None:
+    def initialize_kv_cache(self, num_blocks: int, num_swap_blocks: int = 0,
+                            num_offload_blocks: int = 0) -> None:
+        """`num_offload_blocks`: slots of the prefix cache's host tier (0: none)."""
         self._kv_sizes = (num_blocks, num_swap_blocks)
+        if num_offload_blocks:
+            self.kv_transfer = HostKVTier(num_offload_blocks)
         self._allocate_kv_cache()
         self.input_batch = InputBatch(self.config.scheduler.max_num_seqs, self.max_model_len,
                                       self._max_blocks_per_req, self.vocab_size, self.device,
@@ -298,6 +312,8 @@ class ModelRunner:
                                                 self.block_size, self.kv_cache_dtype,
                                                 self.device)
         self.host_kv_caches = allocate_host_kv_cache(self.kv_caches, num_swap_blocks)
+        if isinstance(self.kv_transfer, HostKVTier):
+            self.kv_transfer.bind(self.kv_caches)
         if self._graphs_apply():
             # After the KV cache: the graphs hold its addresses.
             self.graphs = DecodeGraphs(self._forward, self.config.scheduler.max_num_seqs,
@@ -361,6 +377,8 @@ class ModelRunner:
         for model in self._models():
             unbind_kv_cache(model)
         self.kv_caches, self.host_kv_caches, self.graphs = [], [], None
+        if isinstance(self.kv_transfer, HostKVTier):
+            self.kv_transfer.host_caches = []  # (the engine forgot what it held)
 
     def sleep(self, level: int) -> None:
         """Release the KV cache (its contents are lost: the engine is idle and its
@@ -454,14 +472,13 @@ class ModelRunner:
                                        **self._image_embeds(inputs))
             else:
                 hidden = self._forward_stage(inputs)
-                if not self.parallel.is_last_stage:
-                    return StepOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+        if not self.parallel.is_last_stage:
+            if so.kv_blocks_to_save:  # (this stage's layers, written by its forward pass)
+                self.kv_transfer.save(self.kv_caches, so.kv_blocks_to_save)
+            return StepOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         output = ModelRunnerOutput(req_ids=inputs.req_ids,
                                    sampled_token_ids=[[] for _ in inputs.req_ids],
                                    kv_load_failures=load_failures or None)
-        if so.kv_blocks_to_save:
-            # The forward pass has written them.
-            self.kv_transfer.save(self.kv_caches, so.kv_blocks_to_save)
         if failed_loras:
             output.failed_requests = self._requests_of_loras(inputs.req_ids, failed_loras)
         deferred = None
@@ -472,6 +489,10 @@ class ModelRunner:
             deferred = None
         if self.spec is not None:
             self.spec.propose(self.input_batch, inputs, output)
+        if so.kv_blocks_to_save:
+            # The forward pass has written them, and a draft model its K/V of the same
+            # positions (its catch-up in propose).
+            self.kv_transfer.save(self.kv_caches, so.kv_blocks_to_save)
         if self.input_batch.sampling.has_prompt_logprobs():
             output.prompt_logprobs = prompt_logprobs_chunks(
                 self.model, hidden, self.input_batch, inputs.req_ids,

@@ -59,9 +59,9 @@ class Worker:
 
     def execute(self, method: str, *args: Any) -> Any:
         """Run one of the runner's executor-facing methods: determine_num_blocks,
-        determine_num_swap_blocks, kv_cache_group_windows, splits_prompt_rows,
-        initialize_kv_cache, execute_model, sleep, wake_up, start_profile,
-        stop_profile, update_weights; or collective_rpc (worker/rpc.py)."""
+        determine_num_swap_blocks, kv_bytes_per_block, kv_cache_group_windows,
+        splits_prompt_rows, initialize_kv_cache, execute_model, sleep, wake_up,
+        start_profile, stop_profile, update_weights; or collective_rpc (worker/rpc.py)."""
         if method == "collective_rpc":
             from pagedllm.worker.rpc import make_rank_worker, run_call
 

@@ -20,7 +20,7 @@ import transformers as tf
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.block_hash import hash_block_tokens
 from pagedllm.errors import ConfigError
-from tests.utils import random_prompts, save_tiny_model, tiny_llama_config
+from tests.utils import save_tiny_model
 
 VOCAB = 256
 BLOCK = 4
@@ -28,22 +28,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny_kv_transfer"),
-                           tiny_llama_config(vocab_size=VOCAB), seed=5)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    # Two share a 12-token beginning; the others are unrelated. 9..30 tokens.
-    ps = random_prompts(6, VOCAB, 9, 30, seed=4)
-    ps.append(ps[0][:12] + [7, 8, 9, 10, 11, 12, 13])
-    return ps
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_path, prompts):
-    return _run(_llm(tiny_path), prompts)
+def reference(kv_tiny_path, kv_prompts):
+    return _run(_llm(kv_tiny_path), kv_prompts)
 
 
 def _llm(path, store: Path | None = None, role: str = "kv_both", **kw) -> LLM:
@@ -82,46 +68,46 @@ def _prompt_block_hashes(prompt: list[int]) -> list[str]:
 
 
 def test_a_consumer_gets_the_producers_outputs_from_the_blocks_it_loads(
-        tiny_path, prompts, reference, tmp_path):
-    producer = _llm(tiny_path, tmp_path, "kv_producer")
-    assert _run(producer, prompts) == reference
+        kv_tiny_path, kv_prompts, reference, tmp_path):
+    producer = _llm(kv_tiny_path, tmp_path, "kv_producer")
+    assert _run(producer, kv_prompts) == reference
     # Exactly the full prompt blocks, by hash (a prompt's last partial block and the
     # generated tokens' blocks are not saved).
-    expected = {h for p in prompts for h in _prompt_block_hashes(p)}
+    expected = {h for p in kv_prompts for h in _prompt_block_hashes(p)}
     assert set(_files(tmp_path)) == expected
     pstore = _core(producer).scheduler.kv_store
     assert pstore.hits == 0 and pstore.num_saved == len(expected)
 
-    consumer = _llm(tiny_path, tmp_path, "kv_consumer")
-    assert _run(consumer, prompts) == reference
+    consumer = _llm(kv_tiny_path, tmp_path, "kv_consumer")
+    assert _run(consumer, kv_prompts) == reference
     core = _core(consumer)
     store, kv = core.scheduler.kv_store, core.scheduler.kv_cache_manager
     # What it loaded it did not compute: every token was computed, a local prefix
     # hit, or loaded, once.
-    total = sum(len(p) + PARAMS.max_tokens - 1 for p in prompts)
+    total = sum(len(p) + PARAMS.max_tokens - 1 for p in kv_prompts)
     assert store.hits > 0 and store.num_saved == 0
     assert core.scheduler.num_scheduled_tokens_total + kv.prefix_cache_hits + store.hits \
         == total
     # A prompt of exactly k blocks loads k - 1: its last token is computed for logits.
-    exact = prompts[0][:16]
-    fresh = _llm(tiny_path, tmp_path, "kv_consumer")
+    exact = kv_prompts[0][:16]
+    fresh = _llm(kv_tiny_path, tmp_path, "kv_consumer")
     _run(fresh, [exact])
     assert _core(fresh).scheduler.kv_store.hits == 12
     assert set(_files(tmp_path)) == expected  # a consumer writes nothing
 
 
-def test_chunked_prefill_and_preemption_keep_the_outputs(tiny_path, prompts, reference,
+def test_chunked_prefill_and_preemption_keep_the_outputs(kv_tiny_path, kv_prompts, reference,
                                                          tmp_path):
-    _run(_llm(tiny_path, tmp_path, "kv_producer"), prompts[:4])
-    # 8 tokens a step and 14 usable blocks: prompts come in chunks, requests are
+    _run(_llm(kv_tiny_path, tmp_path, "kv_producer"), kv_prompts[:4])
+    # 8 tokens a step and 14 usable blocks: kv_prompts come in chunks, requests are
     # preempted and recomputed (loading again what the store has).
-    llm = _llm(tiny_path, tmp_path, "kv_both", max_num_batched_tokens=8,
+    llm = _llm(kv_tiny_path, tmp_path, "kv_both", max_num_batched_tokens=8,
                num_kv_blocks=15, long_prefill_token_threshold=0)
-    assert _run(llm, prompts) == reference
+    assert _run(llm, kv_prompts) == reference
     core = _core(llm)
     assert core.scheduler.num_preemptions > 0 and core.scheduler.kv_store.hits > 0
     # kv_both saved what the producer had not.
-    assert set(_files(tmp_path)) == {h for p in prompts for h in _prompt_block_hashes(p)}
+    assert set(_files(tmp_path)) == {h for p in kv_prompts for h in _prompt_block_hashes(p)}
 
 
 def _damage(store: Path, prompt: list[int], block: int, how: str) -> None:
@@ -137,35 +123,35 @@ def _damage(store: Path, prompt: list[int], block: int, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["truncate", "header"])
 def test_a_block_that_fails_to_load_fails_the_requests_holding_it(
-        tiny_path, prompts, reference, tmp_path, how, caplog):
-    _run(_llm(tiny_path, tmp_path, "kv_producer"), prompts)
-    _damage(tmp_path, prompts[1], 1, how)
-    llm = _llm(tiny_path, tmp_path, "kv_consumer")
+        kv_tiny_path, kv_prompts, reference, tmp_path, how, caplog):
+    _run(_llm(kv_tiny_path, tmp_path, "kv_producer"), kv_prompts)
+    _damage(tmp_path, kv_prompts[1], 1, how)
+    llm = _llm(kv_tiny_path, tmp_path, "kv_consumer")
     with caplog.at_level("WARNING", logger="pagedllm.worker.kv_transfer"):
-        out = _run(llm, prompts[:3])
+        out = _run(llm, kv_prompts[:3])
     assert "KV store: cannot load" in caplog.text
     assert [o[2] for o in out] == ["length", "abort", "length"]
     assert out[0] == reference[0] and out[2] == reference[2]
     assert _core(llm).scheduler.kv_store.num_load_failures == 1
     # The block is kept out of lookups from then on: the request runs again, computing it.
-    assert _run(llm, [prompts[1]]) == [reference[1]]
+    assert _run(llm, [kv_prompts[1]]) == [reference[1]]
 
 
-def test_recompute_policy_computes_what_failed_to_load(tiny_path, prompts, reference,
+def test_recompute_policy_computes_what_failed_to_load(kv_tiny_path, kv_prompts, reference,
                                                        tmp_path):
-    _run(_llm(tiny_path, tmp_path, "kv_producer"), prompts)
-    _damage(tmp_path, prompts[1], 2, "truncate")
-    llm = _llm(tiny_path, tmp_path, "kv_consumer",
+    _run(_llm(kv_tiny_path, tmp_path, "kv_producer"), kv_prompts)
+    _damage(tmp_path, kv_prompts[1], 2, "truncate")
+    llm = _llm(kv_tiny_path, tmp_path, "kv_consumer",
                transfer={"kv_load_failure_policy": "recompute"})
-    assert _run(llm, prompts) == reference
+    assert _run(llm, kv_prompts) == reference
     assert _core(llm).scheduler.num_preemptions == 1
 
 
-def test_a_file_removed_after_the_lookup_is_a_failed_load(tiny_path, prompts, reference,
+def test_a_file_removed_after_the_lookup_is_a_failed_load(kv_tiny_path, kv_prompts, reference,
                                                           tmp_path):
     """A lookup sees the file, another process removes it before the step runs."""
-    _run(_llm(tiny_path, tmp_path, "kv_producer"), prompts[:1])
-    llm = _llm(tiny_path, tmp_path, "kv_consumer",
+    _run(_llm(kv_tiny_path, tmp_path, "kv_producer"), kv_prompts[:1])
+    llm = _llm(kv_tiny_path, tmp_path, "kv_consumer",
                transfer={"kv_load_failure_policy": "recompute"})
     executor = _core(llm).executor
     execute = executor.execute_model
@@ -176,58 +162,58 @@ def test_a_file_removed_after_the_lookup_is_a_failed_load(tiny_path, prompts, re
         return execute(so, *args, **kw)
 
     executor.execute_model = remove_then_execute
-    assert _run(llm, prompts[:1]) == reference[:1]
+    assert _run(llm, kv_prompts[:1]) == reference[:1]
     assert _core(llm).scheduler.num_preemptions == 1
 
 
-def test_saving_pauses_when_the_disk_is_short_of_room(tiny_path, prompts, reference,
+def test_saving_pauses_when_the_disk_is_short_of_room(kv_tiny_path, kv_prompts, reference,
                                                       tmp_path):
-    llm = _llm(tiny_path, tmp_path, "kv_producer",
+    llm = _llm(kv_tiny_path, tmp_path, "kv_producer",
                transfer={"kv_connector_extra_config": {
                    "shared_storage_path": str(tmp_path), "min_free_disk_gb": 1e9}})
-    assert _run(llm, prompts) == reference
+    assert _run(llm, kv_prompts) == reference
     assert _files(tmp_path) == {} and _core(llm).scheduler.kv_store.disk_full
 
 
-def test_new_weights_use_a_new_folder(tiny_path, prompts, reference, tmp_path):
-    llm = _llm(tiny_path, tmp_path, "kv_both")
-    _run(llm, prompts[:2])
+def test_new_weights_use_a_new_folder(kv_tiny_path, kv_prompts, reference, tmp_path):
+    llm = _llm(kv_tiny_path, tmp_path, "kv_both")
+    _run(llm, kv_prompts[:2])
     store = _core(llm).scheduler.kv_store
     before = store.namespace
     from safetensors.torch import load_file
-    llm.update_weights(load_file(str(tiny_path / "model.safetensors")))
+    llm.update_weights(load_file(str(kv_tiny_path / "model.safetensors")))
     assert store.namespace != before
     hits = store.hits
-    assert _run(llm, prompts[:2]) == reference[:2]
+    assert _run(llm, kv_prompts[:2]) == reference[:2]
     assert store.hits == hits  # nothing found in the new folder...
     assert any(p.parent.parent.name == store.namespace for p in tmp_path.rglob("*.kv"))
 
 
-def test_engines_of_other_layouts_do_not_share_blocks(tiny_path, prompts, tmp_path):
-    _run(_llm(tiny_path, tmp_path, "kv_producer"), prompts[:2])
-    other = _llm(tiny_path, tmp_path, "kv_consumer", kv_cache_dtype="fp8_e4m3")
-    _run(other, prompts[:2])
+def test_engines_of_other_layouts_do_not_share_blocks(kv_tiny_path, kv_prompts, tmp_path):
+    _run(_llm(kv_tiny_path, tmp_path, "kv_producer"), kv_prompts[:2])
+    other = _llm(kv_tiny_path, tmp_path, "kv_consumer", kv_cache_dtype="fp8_e4m3")
+    _run(other, kv_prompts[:2])
     assert _core(other).scheduler.kv_store.hits == 0
 
 
-def test_tensor_parallel_ranks_store_their_heads(tiny_path, prompts, reference, tmp_path):
+def test_tensor_parallel_ranks_store_their_heads(kv_tiny_path, kv_prompts, reference, tmp_path):
     # (Two ranks sum their partial products in another order than one: the logprobs
     # of tp=2 are compared with tp=2's own.)
-    producer = _llm(tiny_path, tmp_path, "kv_producer", tensor_parallel_size=2)
-    expected = _run(producer, prompts[:3])
+    producer = _llm(kv_tiny_path, tmp_path, "kv_producer", tensor_parallel_size=2)
+    expected = _run(producer, kv_prompts[:3])
     assert [o[0] for o in expected] == [o[0] for o in reference[:3]]
     files = sorted(p.name.split(".")[1] for p in tmp_path.rglob("*.kv"))
     assert files and files.count("r0") == files.count("r1") == len(files) // 2
-    consumer = _llm(tiny_path, tmp_path, "kv_consumer", tensor_parallel_size=2)
-    assert _run(consumer, prompts[:3]) == expected
+    consumer = _llm(kv_tiny_path, tmp_path, "kv_consumer", tensor_parallel_size=2)
+    assert _run(consumer, kv_prompts[:3]) == expected
     assert _core(consumer).scheduler.kv_store.hits > 0
 
 
-def test_what_cannot_share_blocks_is_refused(tiny_path, tmp_path):
+def test_what_cannot_share_blocks_is_refused(kv_tiny_path, tmp_path):
     def make(transfer=None, **kw):
         t = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
              "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
-        return LLM(str(kw.pop("path", tiny_path)), dtype="float32",
+        return LLM(str(kw.pop("path", kv_tiny_path)), dtype="float32",
                    skip_tokenizer_init=True, kv_transfer_config=t | (transfer or {}), **kw)
 
     for transfer, match in (
@@ -245,9 +231,9 @@ def test_what_cannot_share_blocks_is_refused(tiny_path, tmp_path):
     with pytest.raises(ConfigError, match="pipeline parallelism"):
         make(pipeline_parallel_size=2)
     with pytest.raises(ConfigError, match="a draft model"):
-        make(speculative_config={"model": str(tiny_path), "num_speculative_tokens": 2})
+        make(speculative_config={"model": str(kv_tiny_path), "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match="must be a dict"):
-        LLM(str(tiny_path), skip_tokenizer_init=True, kv_transfer_config="on")
+        LLM(str(kv_tiny_path), skip_tokenizer_init=True, kv_transfer_config="on")
     windowed = save_tiny_model(tmp_path / "mistral", tf.MistralConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
@@ -263,26 +249,26 @@ def test_what_cannot_share_blocks_is_refused(tiny_path, tmp_path):
           "kv_buffer_device": "cpu"})
 
 
-def test_async_scheduling(tiny_path, prompts, reference, tmp_path):
+def test_async_scheduling(kv_tiny_path, kv_prompts, reference, tmp_path):
     """Loads and saves with a step launched while the one before runs; a block whose
     load failed is held by a request already in the next step: it fails even under
     "recompute" (its token of that step is on its way)."""
-    producer = _llm(tiny_path, tmp_path, "kv_producer", async_scheduling=True)
-    assert _run(producer, prompts) == reference
-    consumer = _llm(tiny_path, tmp_path, "kv_consumer", async_scheduling=True)
-    assert _run(consumer, prompts) == reference
+    producer = _llm(kv_tiny_path, tmp_path, "kv_producer", async_scheduling=True)
+    assert _run(producer, kv_prompts) == reference
+    consumer = _llm(kv_tiny_path, tmp_path, "kv_consumer", async_scheduling=True)
+    assert _run(consumer, kv_prompts) == reference
     assert _core(consumer).scheduler.kv_store.hits > 0
-    _damage(tmp_path, prompts[3], 1, "truncate")
-    llm = _llm(tiny_path, tmp_path, "kv_consumer", async_scheduling=True,
+    _damage(tmp_path, kv_prompts[3], 1, "truncate")
+    llm = _llm(kv_tiny_path, tmp_path, "kv_consumer", async_scheduling=True,
                transfer={"kv_load_failure_policy": "recompute"})
-    out = _run(llm, prompts[2:5])
+    out = _run(llm, kv_prompts[2:5])
     assert [o[2] for o in out] == ["length", "abort", "length"]
     assert [out[0], out[2]] == [reference[2], reference[4]]
 
 
-def test_reset_external_clears_this_models_folder(tiny_path, prompts, reference, tmp_path):
-    llm = _llm(tiny_path, tmp_path, "kv_both")
-    _run(llm, prompts[:2])
+def test_reset_external_clears_this_models_folder(kv_tiny_path, kv_prompts, reference, tmp_path):
+    llm = _llm(kv_tiny_path, tmp_path, "kv_both")
+    _run(llm, kv_prompts[:2])
     store = _core(llm).scheduler.kv_store
     other = tmp_path / "pagedllm-kv" / "another-model" / "ab" / "ab.r0.kv"
     other.parent.mkdir(parents=True)
@@ -297,5 +283,5 @@ def test_reset_external_clears_this_models_folder(tiny_path, prompts, reference,
         time.sleep(0.05)
     assert list(_files(tmp_path).values()) == [other]  # another model's folder stays
     hits = store.hits
-    assert _run(llm, prompts[:2]) == reference[:2]
+    assert _run(llm, kv_prompts[:2]) == reference[:2]
     assert store.hits == hits and len(_files(tmp_path)) > 1  # computed, saved again
