@@ -368,20 +368,27 @@ class OpenAIServing:
                 _engine_prompt(text, ids, request, None, None), sp,
                 priority=request.priority, timeout=request.timeout, lora_request=lora)
 
-    async def pool_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                       params: list[PoolingParams], request: Any) -> list[list[float]]:
-        """Run one pooling (embedding or score) request per prompt, all or none; their
-        vectors in prompt order. RequestTimeoutError when one ended without a result."""
+    async def run_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
+                      params: list[Any], request: Any) -> list[Any]:
+        """Run one engine request per prompt (`add_requests`), all in flight together;
+        each one's final output, in prompt order. Cancelled, or one failing, the others
+        are aborted."""
         streams = self.add_requests(request_id, prompts, params, request)
-        finals: list[EmbeddingRequestOutput | None] = [None] * len(prompts)
+        finals: list[Any] = [None] * len(prompts)
         try:
             async for i, out in merge_streams(streams):
                 finals[i] = out
         finally:
-            self.abort_all(request_id, len(prompts))  # no-op unless one failed
+            self.abort_all(request_id, len(prompts))  # no-op once every one finished
+        return finals
+
+    async def pool_all(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
+                       params: list[PoolingParams], request: Any) -> list[list[float]]:
+        """Run one pooling (embedding or score) request per prompt, all or none; their
+        vectors in prompt order. RequestTimeoutError when one ended without a result."""
         vectors = []
-        for out in finals:
-            assert out is not None and out.finished, "every stream ends finished"
+        for out in await self.run_all(request_id, prompts, params, request):
+            assert out.finished, "every stream ends finished"
             if out.finish_reason != "stop":
                 raise RequestTimeoutError(f"The request ended without a result "
                                           f"({out.finish_reason}).")

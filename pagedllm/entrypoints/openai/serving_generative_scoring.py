@@ -22,10 +22,9 @@ from pydantic import Field, StrictInt
 
 from pagedllm.entrypoints.openai.protocol import UsageInfo, random_id
 from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel
-from pagedllm.entrypoints.openai.serving_common import OpenAIServing, merge_streams
+from pagedllm.entrypoints.openai.serving_common import OpenAIServing
 from pagedllm.entrypoints.openai.serving_embedding import MAX_INPUTS
 from pagedllm.errors import InvalidRequestError
-from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import MAX_LOGPROB_TOKEN_IDS, SamplingParams
 
 
@@ -92,16 +91,9 @@ class OpenAIServingGenerativeScoring(OpenAIServing):
                                 logprob_token_ids=list(request.label_token_ids))
         request_id = request.request_id or random_id("generative-scoring")
         # The engine checks each prompt (vocabulary, labels, cache_salt) as it takes it.
-        streams = self.add_requests(request_id, prompts, [params] * len(prompts), request)
-        finals: list[RequestOutput | None] = [None] * len(prompts)
-        try:
-            async for i, out in merge_streams(streams):
-                finals[i] = out
-        finally:
-            self.abort_all(request_id, len(prompts))  # no-op unless cancelled or refused
+        finals = await self.run_all(request_id, prompts, [params] * len(prompts), request)
         data = []
         for i, final in enumerate(finals):
-            assert final is not None
             out = final.outputs[0]
             step = out.logprobs[0] if out.logprobs else None
             if step is None or out.finish_reason not in ("length", "stop"):
