@@ -419,6 +419,12 @@ class DeviceConfig:
     """On-disk cache of compiled graphs (under cache_root())."""
     enforce_eager: bool = False
     """CUDA: run every step eagerly, without capturing CUDA graphs for decode steps."""
+    cuda_graph_sizes: tuple[int, ...] | None = None
+    """CUDA: the batch sizes of the decode steps captured (vLLM's
+    cudagraph_capture_sizes); None: 1, 2, 4, then steps of 8 up to max_num_seqs."""
+    max_cuda_graph_size: int | None = None
+    """CUDA: the largest batch captured (vLLM's max_cudagraph_capture_size); larger
+    batches run eagerly. None: max_num_seqs."""
     cpu_ids: tuple[int, ...] | None = None
     """CPUs the engine process (and its workers) may run on: a data parallel replica's
     own cores. None: the process's affinity is left as it is."""

@@ -23,6 +23,7 @@ from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, LOA
                              SpeculativeConfig, StructuredOutputsConfig,
                              cache_root, default_model_path, env_kv_cache_space,
                              env_num_threads, env_profiler_dir)
+from pagedllm.engine.compilation import resolve_graphs
 from pagedllm.errors import ConfigError, ModelLoadError
 from pagedllm.kernels.cpu.features import has_avx512_bf16, has_quant_simd
 from pagedllm.reasoning import REASONING_FORMATS, get_reasoning_format
@@ -223,6 +224,17 @@ class EngineArgs:
               "PAGEDLLM_TORCH_PROFILER_DIR or VLLM_TORCH_PROFILER_DIR; unset: off)")
     enforce_eager: bool = _arg(False, "CUDA: run every step eagerly, without capturing CUDA "
                                       "graphs for decode steps")
+    optimization_level: int | None = _arg(
+        None, "vLLM's -O0..-O3: 0 runs every step eagerly (no CUDA graphs, no compile); "
+              "1-3 keep the defaults, pagedllm's optimized path (native kernels, CUDA "
+              "graphs of decode steps; torch.compile is --compile's)",
+        aliases=("-O",), choices=(0, 1, 2, 3))
+    compilation_config: dict[str, Any] | None = _arg(
+        None, "vLLM's --compilation-config (-cc), as far as it means something here: "
+              "cudagraph_capture_sizes (the decode batch sizes captured as CUDA graphs), "
+              "max_cudagraph_capture_size, cudagraph_mode NONE (eager) or another "
+              "(decode steps captured), mode 0-3 (0: no compile); vLLM's compiler "
+              "tuning keys are taken and change nothing", aliases=("-cc",))
     async_scheduling: bool | None = _arg(
         None, "schedule and launch each step while the previous one runs, so the host's "
               "work overlaps the device's (outputs unchanged); default: on for CUDA with "
@@ -522,10 +534,14 @@ class EngineArgs:
                                     max_model_len, budget),
                                 stream_interval=self.stream_interval)
         backend = self.attention_backend or ("cpu" if device == "cpu" else "triton")
+        graphs = resolve_graphs(self.enforce_eager, self.compile, self.optimization_level,
+                                self.compilation_config)
         device_config = DeviceConfig(
             device=device, attention_backend=backend,
             num_threads=_resolve_num_threads(self.num_threads), compile=self.compile,
-            compile_cache_dir=str(cache_root() / "inductor"), enforce_eager=self.enforce_eager,
+            compile_cache_dir=str(cache_root() / "inductor"),
+            enforce_eager=graphs.enforce_eager, cuda_graph_sizes=graphs.cuda_graph_sizes,
+            max_cuda_graph_size=graphs.max_cuda_graph_size,
             enable_sleep_mode=self.enable_sleep_mode,
             profiler_dir=_resolve_profiler_dir(self.profiler_dir))
         parallel = self._parallel_config(hf_config, device)

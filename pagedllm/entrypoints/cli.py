@@ -15,6 +15,7 @@ import typing
 from typing import Any
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.dotted_flags import expand_dotted_flags, json_object_flags
 from pagedllm.errors import ConfigError, ModelLoadError
 
 
@@ -446,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     from pagedllm import log_config
 
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = expand_dotted_flags(list(sys.argv[1:] if argv is None else argv),
+                               json_object_flags(EngineArgs))
     try:
         _apply_config_file(parser, argv)
     except ConfigError as e:

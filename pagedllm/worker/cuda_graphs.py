@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -38,12 +38,17 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
 Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
 
 
-def graph_buckets(max_num_seqs: int) -> list[int]:
-    """Batch sizes that get a graph: 1, 2, 4, 8, then steps of 8 up to max_num_seqs
-    (vLLM's sizes); a batch runs in the smallest bucket that holds it."""
-    sizes = [b for b in (1, 2, 4) if b < max_num_seqs]
-    sizes += range(8, max_num_seqs + 8, 8)
-    return sorted({min(b, max_num_seqs) for b in sizes})
+def graph_buckets(max_num_seqs: int, sizes: Sequence[int] | None = None,
+                  max_size: int | None = None) -> list[int]:
+    """Batch sizes that get a graph: `sizes` (vLLM's cudagraph_capture_sizes), or 1, 2,
+    4, 8, then steps of 8 up to `max_size` (vLLM's sizes; default max_num_seqs); none
+    past max_num_seqs. A batch runs in the smallest bucket that holds it, eagerly past
+    the largest."""
+    top = max_num_seqs if max_size is None else min(max_size, max_num_seqs)
+    if sizes is None:
+        sizes = [b for b in (1, 2, 4) if b < top]
+        sizes += range(8, top + 8, 8)
+    return sorted({min(b, top) for b in sizes})
 
 
 class CudaGraphCapture:
@@ -92,8 +97,10 @@ class DecodeGraphs:
 
     def __init__(self, forward: Forward, max_num_seqs: int, max_blocks_per_req: int,
                  num_groups: int, max_model_len: int, device: torch.device,
-                 capture: Capture) -> None:
-        self.buckets = graph_buckets(max_num_seqs)
+                 capture: Capture, sizes: Sequence[int] | None = None,
+                 max_size: int | None = None) -> None:
+        """`sizes`, `max_size`: the batch sizes captured (`graph_buckets`)."""
+        self.buckets = graph_buckets(max_num_seqs, sizes, max_size)
         self.max_model_len = max_model_len
         n = self.buckets[-1]
         # name -> (host, device) buffer pairs; rows are requests, padding included.
@@ -116,8 +123,9 @@ class DecodeGraphs:
             run = _bound(forward, self.dev["input_ids"][:bucket],
                          self.dev["positions"][:bucket], self._metadata(bucket))
             self._replay[bucket] = capture(run)
-        logger.info("captured CUDA graphs of decode steps for %d batch sizes (1..%d) in "
-                    "%.1f s", len(self.buckets), n, time.perf_counter() - start)
+        logger.info("captured CUDA graphs of decode steps for %d batch sizes (%d..%d) in "
+                    "%.1f s", len(self.buckets), self.buckets[0], n,
+                    time.perf_counter() - start)
 
     def _metadata(self, bucket: int) -> AttentionMetadata:
         """The metadata every replay of `bucket` reads: views of the static buffers."""

@@ -316,9 +316,11 @@ class ModelRunner:
             self.kv_transfer.bind(self.kv_caches)
         if self._graphs_apply():
             # After the KV cache: the graphs hold its addresses.
+            dev = self.config.device
             self.graphs = DecodeGraphs(self._forward, self.config.scheduler.max_num_seqs,
                                        self._max_blocks_per_req, self.kv_layout.num_groups,
-                                       self.max_model_len, self.device, CudaGraphCapture())
+                                       self.max_model_len, self.device, CudaGraphCapture(),
+                                       dev.cuda_graph_sizes, dev.max_cuda_graph_size)
 
     # ------------------------------------------------------------------ profiling
 

@@ -35,6 +35,20 @@ def test_buckets_are_powers_of_two_then_steps_of_eight():
     assert graph_buckets(1) == [1]
 
 
+def test_vllms_capture_sizes_choose_the_buckets():
+    """compilation_config's cudagraph_capture_sizes / max_cudagraph_capture_size
+    (engine/compilation.py): sizes past max_num_seqs come down to it; a batch past the
+    largest bucket runs eagerly."""
+    assert graph_buckets(64, sizes=(3, 16, 100)) == [3, 16, 64]
+    assert graph_buckets(256, max_size=20) == [1, 2, 4, 8, 16, 20]
+    assert graph_buckets(8, max_size=20) == [1, 2, 4, 8]
+    graphs = DecodeGraphs(lambda ids, pos, md: ids.float()[:, None], max_num_seqs=32,
+                          max_blocks_per_req=4, num_groups=1, max_model_len=64,
+                          device=torch.device("cpu"), capture=eager_capture, sizes=(2, 6))
+    assert graphs.buckets == [2, 6]
+    assert [graphs.bucket_for(n, 1) for n in (1, 2, 3, 6, 7)] == [2, 2, 6, 6, None]
+
+
 def test_staging_pads_to_the_bucket_with_null_block_rows():
     """3 decode requests in the 4-row bucket, two KV cache groups: the step's values in
     its rows, padding rows on the null block, the step's own sizes in its metadata."""
