@@ -380,7 +380,7 @@ class ModelRunner:
             unbind_kv_cache(model)
         self.kv_caches, self.host_kv_caches, self.graphs = [], [], None
         if isinstance(self.kv_transfer, HostKVTier):
-            self.kv_transfer.host_caches = []  # (the engine forgot what it held)
+            self.kv_transfer.release()  # (the engine forgot what it held)
 
     def sleep(self, level: int) -> None:
         """Release the KV cache (its contents are lost: the engine is idle and its
