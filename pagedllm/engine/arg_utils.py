@@ -229,6 +229,12 @@ class EngineArgs:
               "1-3 keep the defaults, pagedllm's optimized path (native kernels, CUDA "
               "graphs of decode steps; torch.compile is --compile's)",
         aliases=("-O",), choices=(0, 1, 2, 3))
+    cudagraph_capture_sizes: list[int] | None = _arg(
+        None, "vLLM's shortcut for compilation_config's cudagraph_capture_sizes: the decode "
+              "batch sizes captured as CUDA graphs", nargs="+")
+    max_cudagraph_capture_size: int | None = _arg(
+        None, "vLLM's shortcut for compilation_config's max_cudagraph_capture_size: the "
+              "largest decode batch captured (larger ones run eagerly; 0: none)")
     compilation_config: dict[str, Any] | None = _arg(
         None, "vLLM's --compilation-config (-cc), as far as it means something here: "
               "cudagraph_capture_sizes (the decode batch sizes captured as CUDA graphs), "
@@ -535,7 +541,7 @@ class EngineArgs:
                                 stream_interval=self.stream_interval)
         backend = self.attention_backend or ("cpu" if device == "cpu" else "triton")
         graphs = resolve_graphs(self.enforce_eager, self.compile, self.optimization_level,
-                                self.compilation_config)
+                                self._compilation_config())
         device_config = DeviceConfig(
             device=device, attention_backend=backend,
             num_threads=_resolve_num_threads(self.num_threads), compile=self.compile,
@@ -626,6 +632,24 @@ class EngineArgs:
                                   f" GiB is more than this machine's memory "
                                   f"({total / (1 << 30):.1f} GiB)")
         return config
+
+    def _compilation_config(self) -> Any:
+        """compilation_config with vLLM's shortcut flags in it (each excludes its key)."""
+        cc = self.compilation_config
+        shortcuts = {k: v for k, v in (
+            ("cudagraph_capture_sizes", self.cudagraph_capture_sizes),
+            ("max_cudagraph_capture_size", self.max_cudagraph_capture_size)) if v is not None}
+        if not shortcuts:
+            return cc
+        cc = {} if cc is None else cc
+        if not isinstance(cc, dict):
+            raise ConfigError(f"compilation_config must be a JSON object, got {cc!r}")
+        both = sorted(set(shortcuts) & set(cc))
+        if both:
+            raise ConfigError(f"{both[0]} and compilation_config's {both[0]} are mutually "
+                              f"exclusive: give one")
+        return cc | {k: list(v) if isinstance(v, list | tuple) else v
+                     for k, v in shortcuts.items()}
 
     def _offloading_config(self) -> dict[str, Any]:
         """vLLM's translation of kv_offloading_size into kv_transfer_config."""

@@ -41,8 +41,8 @@ def add_dataclass_args(group: Any, cls: type,
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         hint = hints[f.name]
-        if "nargs" in f.metadata:  # a list given as words: --flag a b
-            kw["nargs"], kw["type"] = f.metadata["nargs"], str
+        if "nargs" in f.metadata:  # a list given as words: --flag a b (its items' type)
+            kw["nargs"], kw["type"] = f.metadata["nargs"], _item_type(hint)
         elif hint is bool or hint == (bool | None):
             # bool | None: --flag / --no-flag, or neither (None: decided later).
             kw["action"] = argparse.BooleanOptionalAction
@@ -64,6 +64,14 @@ def _scalar_type(hint: Any) -> Any:
     if typing.get_origin(args[0]) is list:
         return _json_list
     return args[0]
+
+
+def _item_type(hint: Any) -> Any:
+    """list[X] | None -> X where X is int or float; str otherwise."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    items = typing.get_args(hint)
+    return items[0] if items and items[0] in (int, float) else str
 
 
 def _json_list(text: str) -> list[Any]:

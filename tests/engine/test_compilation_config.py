@@ -60,6 +60,17 @@ def test_compilation_config_keys_that_mean_something_here():
     assert resolve_graphs(False, False, None, 0).enforce_eager is False
 
 
+def test_vllms_shortcut_flags():
+    assert _graphs(_device("--cudagraph-capture-sizes", "4", "1", "2")) \
+        == (False, (1, 2, 4), None)
+    assert _graphs(_device("--max-cudagraph-capture-size", "24")) == (False, None, 24)
+    assert _graphs(_device("--max-cudagraph-capture-size", "0"))[0]
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        _device("--cudagraph-capture-sizes", "1", "-cc", '{"cudagraph_capture_sizes": [2]}')
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--cudagraph-capture-sizes", "one"])
+
+
 @pytest.mark.parametrize("cc, match", [
     ({"mode": 0}, "mode 0 .* contradict"),
     ({"mode": 4}, "mode must be 0-3"), ({"mode": "fast"}, "mode must be"),
