@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from pagedllm.core.block_hash import BlockHash, update_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
-from pagedllm.core.kv_events import BlockStored, KVCacheEvent, coalesce
+from pagedllm.core.kv_events import KVCacheEvent, coalesce, stored_runs
 from pagedllm.core.kv_groups import cdiv, max_blocks_per_request, num_skipped_blocks
 from pagedllm.core.kv_residency import BlockResidency, ResidencyEvent
 from pagedllm.request import Request
@@ -372,20 +372,7 @@ class KVCacheManager:
                        stored: list[int]) -> None:
         """One BlockStored per run of consecutive blocks that entered the cache (group
         0's hashes: the other groups' keys derive from them)."""
-        B = self.block_size
-        lora = request.lora_request
-        start = 0
-        for k in range(1, len(stored) + 1):
-            if k < len(stored) and stored[k] == stored[k - 1] + 1:
-                continue
-            first, last = stored[start], stored[k - 1]
-            self.events.append(BlockStored(
-                block_hashes=tuple(block_hashes[first:last + 1]),
-                parent_block_hash=block_hashes[first - 1] if first else None,
-                token_ids=tuple(request.all_token_ids[first * B:(last + 1) * B]),
-                block_size=B, lora_id=lora.lora_int_id if lora is not None else None,
-                lora_name=lora.lora_name if lora is not None else None))
-            start = k
+        self.events += stored_runs(request, block_hashes, stored, self.block_size)
 
     def take_residency_events(self) -> list[ResidencyEvent]:
         """The sampled blocks' stays that ended since the last call ([] when off)."""

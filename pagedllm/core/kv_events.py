@@ -11,9 +11,11 @@ the engine's set of cached hashes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedllm.core.block_hash import BlockHash
+from pagedllm.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +30,9 @@ class BlockStored:
     block_size: int
     lora_id: int | None
     lora_name: str | None
+    medium: str = "GPU"
+    """Which tier: "GPU", vLLM's name for the engine's own KV cache whatever the device,
+    or "CPU", the prefix cache's host tier (core/kv_offload.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +40,7 @@ class BlockRemoved:
     """Blocks left the prefix cache (their memory went to other tokens)."""
 
     block_hashes: tuple[BlockHash, ...]
+    medium: str = "GPU"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +51,36 @@ class AllBlocksCleared:
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+def stored_runs(request: Request, block_hashes: Sequence[BlockHash],
+                stored: Sequence[int], block_size: int,
+                medium: str = "GPU") -> list[BlockStored]:
+    """One BlockStored per run of consecutive block indices in `stored` (ascending) of
+    `request`'s blocks that entered a tier."""
+    lora = request.lora_request
+    events, start = [], 0
+    for k in range(1, len(stored) + 1):
+        if k < len(stored) and stored[k] == stored[k - 1] + 1:
+            continue
+        first, last = stored[start], stored[k - 1]
+        events.append(BlockStored(
+            block_hashes=tuple(block_hashes[first:last + 1]),
+            parent_block_hash=block_hashes[first - 1] if first else None,
+            token_ids=tuple(request.all_token_ids[first * block_size:
+                                                  (last + 1) * block_size]),
+            block_size=block_size, lora_id=lora.lora_int_id if lora is not None else None,
+            lora_name=lora.lora_name if lora is not None else None, medium=medium))
+        start = k
+    return events
+
+
 def coalesce(events: list[KVCacheEvent]) -> list[KVCacheEvent]:
-    """Merge runs of BlockRemoved (the pool records one per evicted block) into one
-    event each; the order of everything else is kept."""
+    """Merge runs of BlockRemoved of one medium (the pool records one per evicted
+    block) into one event each; the order of everything else is kept."""
     out: list[KVCacheEvent] = []
     for event in events:
-        if isinstance(event, BlockRemoved) and out and isinstance(out[-1], BlockRemoved):
-            out[-1] = BlockRemoved(out[-1].block_hashes + event.block_hashes)
+        if (isinstance(event, BlockRemoved) and out and isinstance(out[-1], BlockRemoved)
+                and out[-1].medium == event.medium):
+            out[-1] = BlockRemoved(out[-1].block_hashes + event.block_hashes, event.medium)
         else:
             out.append(event)
     return out

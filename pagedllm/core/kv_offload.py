@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pagedllm.core.block_hash import BlockHash
+from pagedllm.core.kv_events import (AllBlocksCleared, BlockRemoved, KVCacheEvent, coalesce,
+                                     stored_runs)
 from pagedllm.request import Request
 
 if TYPE_CHECKING:
@@ -42,10 +44,13 @@ class HostKVStore:
     load = True
     save = True
 
-    def __init__(self, num_slots: int, block_size: int) -> None:
+    def __init__(self, num_slots: int, block_size: int, enable_events: bool = False) -> None:
         assert num_slots >= 1, num_slots
         self.num_slots = num_slots
         self.block_size = block_size
+        # KV cache events of the tier (medium "CPU"), drained with the cache's; None:
+        # not recorded.
+        self.events: list[KVCacheEvent] | None = [] if enable_events else None
         # Hash -> slot, least recently used first.
         self.slots: OrderedDict[BlockHash, int] = OrderedDict()
         self.free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
@@ -107,6 +112,7 @@ class HostKVStore:
                 continue
             self.next_block[req_id] = end
             blocks = kv.get_blocks(req_id)
+            stored = []
             for i in range(first, end):
                 h = hashes[i]
                 if h in self.slots:
@@ -114,6 +120,9 @@ class HostKVStore:
                 elif h not in planned and len(saves) < self.num_slots:
                     planned.add(h)
                     saves.append((blocks[i].block_id, self._take_slot(h)))
+                    stored.append(i)
+            if self.events is not None and stored:
+                self.events += stored_runs(request, hashes, stored, B, medium="CPU")
         if len(self.next_block) > 2 * len(requests):  # (finished requests' entries)
             self.next_block = {r: i for r, i in self.next_block.items() if r in requests}
         self.num_saved += len(saves)
@@ -124,8 +133,10 @@ class HostKVStore:
         if self.free:
             slot = self.free.pop()
         else:
-            _, slot = self.slots.popitem(last=False)
+            evicted, slot = self.slots.popitem(last=False)
             self.num_evicted += 1
+            if self.events is not None:
+                self.events.append(BlockRemoved((evicted,), medium="CPU"))
         self.slots[block_hash] = slot
         return slot
 
@@ -138,6 +149,17 @@ class HostKVStore:
         self.slots.clear()
         self.free = list(range(self.num_slots - 1, -1, -1))
         self.next_block.clear()
+        if self.events is not None:
+            # (Its stores still unpublished would follow the cache's own clear.)
+            self.events = [AllBlocksCleared()]
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The tier's KV cache events since the last call, removals merged."""
+        if not self.events:
+            return []
+        events = coalesce(self.events)
+        self.events.clear()
+        return events
 
     def renew_namespace(self, salt: str) -> None:
         """The engine's weights changed: no block held here is this model's K/V."""

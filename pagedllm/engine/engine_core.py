@@ -271,6 +271,8 @@ class EngineCore:
         if self.kv_event_publisher is None:
             return
         events = self.scheduler.kv_cache_manager.take_events()
+        if self.num_offload_blocks:  # (the host tier's, medium "CPU")
+            events += self.scheduler.kv_store.take_events()
         if events:
             self.kv_event_publisher.publish(events)
 

@@ -9,7 +9,8 @@ three frames: the topic, its sequence number (8 bytes, big-endian) and the paylo
 consumer that missed some (ZeroMQ drops for a subscriber past the high-water mark, or
 one that joined late) asks the replay socket for the batches from a sequence number on.
 The medium is "GPU", vLLM's name for the engine's own KV pool, whatever the device: a
-router reads it as "the engine's cache", not as hardware.
+router reads it as "the engine's cache", not as hardware; the prefix cache's host tier
+(kv_offloading_size) reports its blocks as "CPU", as vLLM's offloading does.
 
 The engine's thread encodes and sends each batch itself (microseconds; a PUB socket
 never waits: ZeroMQ drops for a subscriber past the high-water mark). A publishing
@@ -36,7 +37,6 @@ from pagedllm.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-MEDIUM = "GPU"
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -81,10 +81,10 @@ def to_wire(event: KVCacheEvent) -> WireEvent:
             block_hashes=[external_hash(h) for h in event.block_hashes],
             parent_block_hash=external_hash(parent) if parent is not None else None,
             token_ids=list(event.token_ids), block_size=event.block_size,
-            lora_id=event.lora_id, medium=MEDIUM, lora_name=event.lora_name)
+            lora_id=event.lora_id, medium=event.medium, lora_name=event.lora_name)
     if isinstance(event, BlockRemoved):
         return WireBlockRemoved(block_hashes=[external_hash(h) for h in event.block_hashes],
-                                medium=MEDIUM)
+                                medium=event.medium)
     assert isinstance(event, AllBlocksCleared), event
     return WireAllBlocksCleared()
 

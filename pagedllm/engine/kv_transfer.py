@@ -39,7 +39,8 @@ def make_kv_store(config: EngineConfig, group_windows: tuple[int | None, ...],
         raise ConfigError(f"{what}: models with sliding-window layers (more than one KV "
                           f"cache group) are not supported")
     if kvt.is_offloading:
-        return HostKVStore(num_offload_blocks, config.cache.block_size)
+        return HostKVStore(num_offload_blocks, config.cache.block_size,
+                           enable_events=config.kv_events is not None)
     root = store_root(kvt.storage_path)
     try:
         os.makedirs(root, exist_ok=True)

@@ -200,6 +200,42 @@ def test_consumer_state_equals_the_cache_midway(llm, endpoints):
     assert live and live == cached_hashes(llm)
 
 
+def test_the_host_tier_reports_its_blocks_as_cpu(tiny_path, tmp_path):
+    """kv_offloading_size: the tier's saves and recycled slots are events of medium
+    "CPU" (vLLM's offloading), so a consumer holds both tiers' hashes apart; a reset
+    with reset_external clears both."""
+    llm = LLM(str(tiny_path), dtype="float32", skip_tokenizer_init=True, block_size=BLOCK,
+              num_kv_blocks=25, max_model_len=64, kv_offloading_size=4e-6,
+              kv_events_config={"enable_kv_cache_events": True, "topic": "kv",
+                                "endpoint": f"ipc://{tmp_path}/pub"})
+    tier = llm.llm_engine.engine_core.scheduler.kv_store
+    assert tier.num_slots < 30  # (a few blocks' worth: slots are recycled)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(f"ipc://{tmp_path}/pub")
+    time.sleep(0.3)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for seed in range(3):
+        llm.generate([{"prompt_token_ids": p} for p in random_prompts(4, VOCAB, 5, 20,
+                                                                       seed=seed)], params)
+    live: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
+    for _, batch in receive(sub):
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                assert not live[event.medium] & set(event.block_hashes)
+                live[event.medium].update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                assert set(event.block_hashes) <= live[event.medium]
+                live[event.medium].difference_update(event.block_hashes)
+    assert tier.num_evicted > 0
+    assert live["CPU"] == {low64(h) for h in tier.slots}
+    assert live["GPU"] == cached_hashes(llm)
+    assert llm.llm_engine.engine_core.reset_prefix_cache(reset_external=True)
+    events = [e for _, b in receive(sub) for e in b.events]
+    assert events == [AllBlocksCleared(), AllBlocksCleared()]
+    sub.close(linger=0)
+
+
 def test_replay_ignores_malformed_requests(llm, endpoints):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(endpoints[1])
