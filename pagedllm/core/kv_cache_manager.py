@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from pagedllm.core.block_hash import BlockHash, update_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
-from pagedllm.core.kv_events import KVCacheEvent, coalesce, stored_runs
+from pagedllm.core.kv_events import KVCacheEvent, drain, stored_runs
 from pagedllm.core.kv_groups import cdiv, max_blocks_per_request, num_skipped_blocks
 from pagedllm.core.kv_residency import BlockResidency, ResidencyEvent
 from pagedllm.request import Request
@@ -380,11 +380,7 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV cache events recorded since the last call, removals merged."""
-        if not self.events:
-            return []
-        events = coalesce(self.events)
-        self.events.clear()
-        return events
+        return drain(self.events)
 
     def free(self, request: Request, forget: bool = False) -> None:
         """Release all of the request's blocks, last block first (evicted first);

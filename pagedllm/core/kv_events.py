@@ -84,3 +84,13 @@ def coalesce(events: list[KVCacheEvent]) -> list[KVCacheEvent]:
         else:
             out.append(event)
     return out
+
+
+def drain(events: list[KVCacheEvent] | None) -> list[KVCacheEvent]:
+    """The recorded `events`, removals merged (`coalesce`); `events` is emptied (None:
+    none recorded)."""
+    if not events:
+        return []
+    out = coalesce(events)
+    events.clear()
+    return out

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pagedllm.core.block_hash import BlockHash
-from pagedllm.core.kv_events import (AllBlocksCleared, BlockRemoved, KVCacheEvent, coalesce,
+from pagedllm.core.kv_events import (AllBlocksCleared, BlockRemoved, KVCacheEvent, drain,
                                      stored_runs)
 from pagedllm.request import Request
 
@@ -155,11 +155,7 @@ class HostKVStore:
 
     def take_events(self) -> list[KVCacheEvent]:
         """The tier's KV cache events since the last call, removals merged."""
-        if not self.events:
-            return []
-        events = coalesce(self.events)
-        self.events.clear()
-        return events
+        return drain(self.events)
 
     def renew_namespace(self, salt: str) -> None:
         """The engine's weights changed: no block held here is this model's K/V."""
