@@ -12,8 +12,10 @@ copy of each request (tokens, block_ids, num_computed_tokens) built only from
 `SchedulerOutput`, "writes" K/V into a slot -> context map through the block table and
 checks every token it attends to (in a window group: the keys its window sees) was
 written for the same context, in every group. Swaps copy those
-slot contexts between the device map and a host one, swap-outs first. So a wrong prefix
-hit, a block handed to two requests, a bad preemption or a wrong swap pair shows up as a
+slot contexts between the device map and a host one, swap-outs first; the prefix
+cache's host tier (core/kv_offload.py) loads whole blocks from a third map before the
+step and saves them after it. So a wrong prefix hit, a block handed to two requests, a
+bad preemption, a wrong swap pair or a tier slot that holds another block shows up as a
 wrong read.
 """
 
@@ -30,6 +32,7 @@ from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.request_queue import priority_key
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_groups import cdiv, num_skipped_blocks
+from pagedllm.core.kv_offload import HostKVStore
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.errors import InvalidRequestError
 from pagedllm.request import Request, RequestStatus
@@ -62,6 +65,15 @@ class FakeRunner:
     kv: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # The same for host slots (swap preemption).
     host_kv: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
+    # The same for the prefix cache's host tier (core/kv_offload.py), by tier slot.
+    tier_kv: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
+
+    def tier_copy(self, src: dict, dst: dict, pairs: list[tuple[int, int]]) -> None:
+        """Whole blocks between the device map and the tier's (its slot 0 is a slot)."""
+        for src_id, dst_id in pairs:
+            for offset in range(self.block_size):
+                dst[dst_id * self.block_size + offset] = src.get(
+                    src_id * self.block_size + offset)
 
     def slot(self, state: _RunnerRequest, pos: int, group: int) -> int:
         block_id = state.block_ids[group][pos // self.block_size]
@@ -79,6 +91,9 @@ class FakeRunner:
         # Before the forward pass: all swap-outs, then all swap-ins.
         self.swap(self.kv, self.host_kv, out.blocks_to_swap_out)
         self.swap(self.host_kv, self.kv, out.blocks_to_swap_in)
+        # Then the tier's loads, into fresh blocks.
+        assert all(block != 0 for _, block in out.kv_blocks_to_load)
+        self.tier_copy(self.tier_kv, self.kv, out.kv_blocks_to_load)
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(req_id, None)
         for new in out.scheduled_new_reqs:
@@ -118,6 +133,21 @@ class FakeRunner:
                 for pos in range(first, state.num_computed_tokens):
                     assert self.kv.get(self.slot(state, pos, group)) == \
                         tuple(state.token_ids[:pos + 1])
+        # After the forward pass, the tier's saves: whole blocks, every position of
+        # them computed (a block's position p holds a context of p + 1 tokens), one slot
+        # each.
+        saved_slots = [slot for _, slot in out.kv_blocks_to_save]
+        assert len(set(saved_slots)) == len(saved_slots)
+        for block, _ in out.kv_blocks_to_save:
+            contexts = [self.kv.get(block * self.block_size + o)
+                        for o in range(self.block_size)]
+            assert all(c is not None for c in contexts)
+            assert [len(c) for c in contexts] == list(range(
+                len(contexts[0]), len(contexts[0]) + self.block_size))
+            assert len(contexts[0]) % self.block_size == 1 % self.block_size
+        self.tier_copy(self.kv, self.tier_kv, out.kv_blocks_to_save)
+        for req_id in req_ids:
+            state = self.requests[req_id]
             if state.num_computed_tokens == len(state.token_ids):
                 token = fake_next_token(state.token_ids)
                 state.token_ids.append(token)
@@ -240,7 +270,8 @@ _OPS = st.one_of(_ADD, _ADD, _ADD, _STEP, _STEP, _STEP, _STEP, _ABORT)
 
 
 @st.composite
-def scenarios(draw: st.DrawFn, preemption_mode: str = "recompute") -> dict:
+def scenarios(draw: st.DrawFn, preemption_mode: str = "recompute",
+              host_tier: bool = False) -> dict:
     chunked = draw(st.booleans())
     block_size = draw(st.sampled_from([1, 2, 4]))
     # 8..32 usable slots: a few requests fit, growing ones run out (preemption).
@@ -254,8 +285,11 @@ def scenarios(draw: st.DrawFn, preemption_mode: str = "recompute") -> dict:
         num_blocks=num_blocks,
         preemption_mode=preemption_mode,
         num_swap_blocks=num_swap_blocks,
-        enable_prefix_caching=draw(st.booleans()),
-        group_windows=draw(_GROUP_WINDOWS),
+        # The host tier: from one slot (recycled every save) to twice the device pool;
+        # it needs prefix caching and one KV cache group.
+        tier_slots=draw(st.integers(1, 2 * num_blocks)) if host_tier else 0,
+        enable_prefix_caching=host_tier or draw(st.booleans()),
+        group_windows=(None,) if host_tier else draw(_GROUP_WINDOWS),
         enable_chunked_prefill=chunked,
         budget=draw(st.integers(1, 12)) if chunked else MAX_MODEL_LEN,
         max_num_seqs=draw(st.integers(1, 6)),
@@ -280,6 +314,16 @@ def test_random_operations_keep_invariants_with_swap(scenario: dict) -> None:
     assert sched.num_swapped == sched.num_swapped_blocks == 0
 
 
+@settings(max_examples=80, deadline=None)
+@given(scenario=scenarios(host_tier=True))
+def test_random_operations_keep_invariants_with_a_host_tier(scenario: dict) -> None:
+    sched = run_scenario(scenario)
+    target(float(sched.kv_store.hits), label="tier hits")
+    # Every slot is either free or holds one block.
+    tier = sched.kv_store
+    assert sorted([*tier.slots.values(), *tier.free]) == list(range(tier.num_slots))
+
+
 def run_scenario(scenario: dict) -> Scheduler:
     """Play the ops, then step until every request finished; check as it goes."""
     block_size, num_blocks = scenario["block_size"], scenario["num_blocks"]
@@ -295,6 +339,8 @@ def run_scenario(scenario: dict) -> Scheduler:
                     enable_prefix_caching=scenario["enable_prefix_caching"]),
         num_blocks, num_swap_blocks=scenario["num_swap_blocks"], clock=clock,
         group_windows=scenario["group_windows"])
+    if scenario.get("tier_slots"):
+        sched.kv_store = HostKVStore(scenario["tier_slots"], block_size)
     runner = FakeRunner(block_size, scenario["group_windows"])
     added: list[Request] = []
     for op in scenario["ops"]:
