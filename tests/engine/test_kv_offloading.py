@@ -172,19 +172,13 @@ def test_reset_external_sleep_and_new_weights_empty_the_tier(kv_tiny_path, kv_pr
     assert not tier.slots
 
 
-def test_tensor_parallel_ranks_keep_their_heads(kv_tiny_path, kv_prompts, reference):
-    # (Two ranks sum their partial products in another order than one: the logprobs
-    # of tp=2 are compared with tp=2's own.)
-    llm = _llm(kv_tiny_path, tensor_parallel_size=2)
-    expected = _run(llm, kv_prompts[:3])
-    assert [o[0] for o in expected] == [o[0] for o in reference[:3]]
-    assert _core(llm).reset_prefix_cache()
-    assert _run(llm, kv_prompts[:3]) == expected
-    assert _tier(llm).hits > 0
-
-
-def test_pipeline_stages_keep_their_layers(kv_tiny_path, kv_prompts, reference):
-    llm = _llm(kv_tiny_path, pipeline_parallel_size=2)
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(pipeline_parallel_size=2)])
+def test_ranks_and_stages_keep_their_part(kv_tiny_path, kv_prompts, reference, parallel):
+    """Each tensor-parallel rank keeps its heads, each pipeline stage its layers. (Two
+    ranks sum their partial products in another order than one: the logprobs are
+    compared with the parallel engine's own.)"""
+    llm = _llm(kv_tiny_path, **parallel)
     expected = _run(llm, kv_prompts[:3])
     assert [o[0] for o in expected] == [o[0] for o in reference[:3]]
     assert _core(llm).reset_prefix_cache()
