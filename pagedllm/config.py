@@ -438,6 +438,7 @@ class DeviceConfig:
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+EXPERT_PLACEMENT_STRATEGIES = ("linear", "round_robin")
 
 
 @dataclass
@@ -459,8 +460,22 @@ class ParallelConfig:
     worker_extension_cls: str = ""
     """A class (package.module:Class) whose methods every rank's worker gets, for
     collective_rpc to call (vLLM's; worker/rpc.py)."""
+    enable_expert_parallel: bool = False
+    """Mixture-of-experts layers: each TP rank holds whole experts, its share of them,
+    instead of a slice of every expert (ParallelState.expert_parallel)."""
+    expert_placement_strategy: str = "linear"
+    """Which experts each rank holds under expert parallelism: "linear" or
+    "round_robin" (ParallelState.local_experts)."""
 
     def __post_init__(self) -> None:
+        require_one_of("expert_placement_strategy", self.expert_placement_strategy,
+                       EXPERT_PLACEMENT_STRATEGIES)
+        if self.enable_expert_parallel and self.data_parallel_size > 1:
+            raise ConfigError(
+                "enable_expert_parallel with data_parallel_size > 1: here expert "
+                "parallelism splits the experts among one replica's tensor parallel "
+                "ranks; vLLM's experts shared across data parallel replicas (which run "
+                "their steps in lockstep) are not built")
         if self.data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size must be >= 1, "
                               f"got {self.data_parallel_size}")
@@ -507,8 +522,14 @@ class ParallelConfig:
                               f"divisible by tensor parallel size ({tp}), or divide it "
                               f"(each KV head is then replicated on tp / {num_kv_heads} "
                               f"ranks).")
-        for key in ("intermediate_size", "ffn_dim", "n_inner"):
+        # The experts' width: sliced among the ranks, unless they hold whole experts.
+        expert_key = ("moe_intermediate_size" if hasattr(hf_config, "moe_intermediate_size")
+                      else "intermediate_size")
+        has_experts = bool(getattr(hf_config, "num_local_experts", 0))
+        for key in ("intermediate_size", "ffn_dim", "n_inner", "moe_intermediate_size"):
             width = getattr(hf_config, key, None)
+            if has_experts and key == expert_key and self.enable_expert_parallel:
+                continue
             if width and width % tp:
                 raise ConfigError(f"The MLP width {key}={width} must be divisible by "
                                   f"tensor parallel size ({tp}).")

@@ -45,6 +45,13 @@ class ParallelState:
     next_group: Any = None
     """Two-rank group with the same TP rank of the next stage (this worker rank 0);
     None on the last stage."""
+    expert_parallel: bool = False
+    """Mixture-of-experts layers split their experts among the stage's TP ranks (each
+    holds whole experts: vLLM's --enable-expert-parallel) instead of slicing every
+    expert's width; the rest of the model stays tensor parallel."""
+    expert_placement: str = "linear"
+    """Which experts a rank holds: "linear" (contiguous ranges) or "round_robin"
+    (expert e on rank e mod tp_size), as vLLM's --expert-placement-strategy."""
 
     def __post_init__(self) -> None:
         assert 0 <= self.tp_rank < self.tp_size, (self.tp_rank, self.tp_size)
@@ -67,6 +74,26 @@ class ParallelState:
         return self.tp_rank == 0 and self.is_last_stage
 
     @property
+    def ep_size(self) -> int:
+        """Ranks the experts are split among (1: every rank holds a slice of each)."""
+        return self.tp_size if self.expert_parallel else 1
+
+    def local_experts(self, num_experts: int) -> list[int]:
+        """The experts this rank holds, in the order it stores them: all of them without
+        expert parallelism; else as vLLM places them (its determine_expert_map): linear
+        gives each rank num_experts // ep_size contiguous experts, the first
+        num_experts % ep_size ranks one more; round_robin gives rank r experts r,
+        r + ep_size, ..."""
+        size, rank = self.ep_size, self.tp_rank
+        if size == 1:
+            return list(range(num_experts))
+        if self.expert_placement == "round_robin":
+            return list(range(rank, num_experts, size))
+        base, extra = divmod(num_experts, size)
+        start = rank * base + min(rank, extra)
+        return list(range(start, start + base + (rank < extra)))
+
+    @property
     def rank(self) -> int:
         """Global rank: pp_rank * tp_size + tp_rank."""
         return self.pp_rank * self.tp_size + self.tp_rank
@@ -82,7 +109,9 @@ def driver_rank(tp_size: int, pp_size: int) -> int:
 
 
 def init_parallel(host: str, port: int, rank: int, tp_size: int, pp_size: int = 1,
-                  timeout_s: float = DEFAULT_TIMEOUT_S, prefix: str = "") -> ParallelState:
+                  timeout_s: float = DEFAULT_TIMEOUT_S, prefix: str = "",
+                  expert_parallel: bool = False,
+                  expert_placement: str = "linear") -> ParallelState:
     """Join the groups of global `rank` among tp_size x pp_size ranks that meet at the
     TCP store host:port.
 
@@ -111,7 +140,9 @@ def init_parallel(host: str, port: int, rank: int, tp_size: int, pp_size: int = 
     if pp_rank < pp_size - 1:
         next_group = new_group(f"pp{pp_rank}-{pp_rank + 1}.{tp_rank}", 0, 2)
     return ParallelState(tp_rank=tp_rank, tp_size=tp_size, group=group, pp_rank=pp_rank,
-                         pp_size=pp_size, prev_group=prev_group, next_group=next_group)
+                         pp_size=pp_size, prev_group=prev_group, next_group=next_group,
+                         expert_parallel=expert_parallel and tp_size > 1,
+                         expert_placement=expert_placement)
 
 
 def init_tensor_parallel(host: str, port: int, tp_rank: int, tp_size: int,

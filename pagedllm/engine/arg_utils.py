@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS,
+from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, EXPERT_PLACEMENT_STRATEGIES,
+                             KV_CACHE_DTYPES, LOAD_FORMATS,
                              LOGPROBS_MODES, PREEMPTION_MODES, SCHEDULING_POLICIES,
                              CacheConfig,
                              DeviceConfig, EngineConfig, KVEventsConfig, KVTransferConfig,
@@ -257,6 +258,15 @@ class EngineArgs:
               "LogitsProcessor, by qualified name (package.module.Class or "
               "package.module:Class; offline also the classes); requests opt in "
               "through SamplingParams.extra_args (the server's vllm_xargs)", nargs="+")
+    enable_expert_parallel: bool = _arg(
+        False, "mixture-of-experts models (Mixtral, Qwen3-MoE) under tensor parallelism: "
+               "each rank holds whole experts, its share of them, instead of a slice of "
+               "every expert (vLLM's); attention and dense layers stay tensor parallel",
+        aliases=("-ep",))
+    expert_placement_strategy: str = _arg(
+        "linear", "which experts each rank holds under expert parallelism: linear "
+                  "(contiguous ranges) or round_robin (expert e on rank e mod N)",
+        choices=EXPERT_PLACEMENT_STRATEGIES)
     data_parallel_size: int = _arg(
         1, "server: replicas of the whole engine, each an engine-core process with its own "
            "scheduler and KV cache (--kv-cache-space each) on its own cores (CPU: the "
@@ -883,7 +893,9 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             data_parallel_size=self.data_parallel_size,
-            worker_extension_cls=self.worker_extension_cls)
+            worker_extension_cls=self.worker_extension_cls,
+            enable_expert_parallel=self.enable_expert_parallel,
+            expert_placement_strategy=self.expert_placement_strategy)
         parallel.verify_with_model(hf_config)
         if self.worker_extension_cls:
             from pagedllm.worker.rpc import extension_class

@@ -7,11 +7,15 @@ parameters, filled from HF's per-expert `experts.{e}.w1/w2/w3` tensors on load.
 
 Tensor parallel: every rank holds every expert, sliced along the intermediate dim (w1/w3
 rows, w2 columns), as a dense MLP is; the router is replicated, so all ranks route alike,
-and the block's partial outputs are all-reduced once.
+and the block's partial outputs are all-reduced once. With expert parallelism
+(ParallelState.expert_parallel) each rank holds whole experts, its share of them: it
+runs the rows routed to its experts, and the same all-reduce adds the ranks' partial
+sums (every rank has every token, after the attention's all-reduce, so no all-to-all).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -29,12 +33,15 @@ from pagedllm.models.utils import LLAMA_STACKED_PARAMS
 
 
 class ExpertLinear(nn.Module):
-    """One linear map per expert: weight [num_experts, sum(output_sizes), input_size].
+    """One linear map per expert this rank holds: weight [local experts,
+    sum(output_sizes), input_size].
 
     Shard (e, j) of a checkpoint is expert e's j-th output block (w13: w1 = gate rows,
     then w3 = up rows), as MergedColumnParallelLinear stacks them for a dense MLP.
     Sizes are this rank's; `tp_dim` is the checkpoint tensor's dim this rank takes a
-    1/tp_size slice of (0: output rows, w13; 1: input columns, w2).
+    1/tp_size slice of (0: output rows, w13; 1: input columns, w2) when experts are
+    sliced; under expert parallelism the rank holds whole experts
+    (`parallel.local_experts`) and skips the others' tensors.
     """
 
     def __init__(self, num_experts: int, output_sizes: list[int], input_size: int,
@@ -42,18 +49,25 @@ class ExpertLinear(nn.Module):
         super().__init__()
         self.output_sizes, self.tp_dim = output_sizes, tp_dim
         self.parallel = parallel or SINGLE_RANK
-        self.num_experts, self.input_size = num_experts, input_size
-        self.weight = nn.Parameter(torch.empty(num_experts, sum(output_sizes), input_size),
-                                   requires_grad=False)
+        # Global ids of the experts held here; expert_ids[i] is stored at index i.
+        self.expert_ids = self.parallel.local_experts(num_experts)
+        self._index = {e: i for i, e in enumerate(self.expert_ids)}
+        # Ranks each expert's width is sliced among (1: whole experts).
+        self.slices = 1 if self.parallel.expert_parallel else self.parallel.tp_size
+        self.num_experts, self.input_size = len(self.expert_ids), input_size
+        self.weight = nn.Parameter(
+            torch.empty(self.num_experts, sum(output_sizes), input_size),
+            requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        if self.parallel.tp_size == 1:  # GGUF blocks run whole experts only
+        if self.slices == 1:  # GGUF blocks run whole experts only
             self.weight.quant_loader = self._load_quantized
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int, int] | None = None) -> None:
-        tp_size = self.parallel.tp_size
-        if shard_id is None and tp_size > 1:  # stacked [E, sum(full sizes), in]: per shard
-            full = [s * tp_size if self.tp_dim == 0 else s for s in self.output_sizes]
+        slices = self.slices
+        if shard_id is None and (slices > 1 or self.parallel.ep_size > 1):
+            # Stacked [E, sum(full sizes), in]: per expert and shard.
+            full = [s * slices if self.tp_dim == 0 else s for s in self.output_sizes]
             for expert, per_expert in enumerate(loaded):
                 for j, part in enumerate(per_expert.split(full, dim=0)):
                     self.weight_loader(param, part, (expert, j))
@@ -62,10 +76,12 @@ class ExpertLinear(nn.Module):
             dst = param.data
         else:
             expert, j = shard_id
+            if expert not in self._index:
+                return  # another rank's expert
             offset = sum(self.output_sizes[:j])
-            dst = param.data[expert].narrow(0, offset, self.output_sizes[j])
-            if tp_size > 1:  # this rank's 1/tp of the expert's rows (w13) or columns (w2)
-                part = loaded.shape[self.tp_dim] // tp_size
+            dst = param.data[self._index[expert]].narrow(0, offset, self.output_sizes[j])
+            if slices > 1:  # this rank's 1/tp of the expert's rows (w13) or columns (w2)
+                part = loaded.shape[self.tp_dim] // slices
                 loaded = loaded.narrow(self.tp_dim, self.parallel.tp_rank * part, part)
         if dst.shape != loaded.shape:
             raise ValueError(f"weight shape mismatch: expected {tuple(dst.shape)}, "
@@ -83,6 +99,8 @@ class ExpertLinear(nn.Module):
     def _load_quantized(self, param: nn.Parameter, loaded: QuantizedWeight,
                         shard_id: tuple[int, int]) -> None:
         expert, j = shard_id
+        if expert not in self._index:
+            return  # another rank's expert
         if self._quant_parts is None:
             self._quant_parts = {}
         parts = self._quant_parts.setdefault(expert, {})
@@ -103,7 +121,7 @@ class ExpertLinear(nn.Module):
             return
         if self.quantized is None:
             self.quantized = [None] * self.num_experts
-        self.quantized[expert] = pack_quantized(
+        self.quantized[self._index[expert]] = pack_quantized(
             ordered, native_bias(None, sum(self.output_sizes)))
 
     def finalize_quantized(self) -> None:
@@ -132,7 +150,8 @@ class ExpertLinear(nn.Module):
             self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in] through expert `expert`'s linear map -> [rows, sum(output_sizes)]."""
+        """x [rows, in] through the linear map of the expert stored at index `expert`
+        (global id expert_ids[expert]) -> [rows, sum(output_sizes)]."""
         if self.quantized is not None and self.quantized[expert] is not None:
             return quantized_shards_linear(x, self.quantized[expert])
         if self.packed is None:
@@ -156,7 +175,8 @@ class MixtralMoE(nn.Module):
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
         self.renormalize = renormalize
         hidden = cfg.hidden_size
-        inter = (intermediate_size or cfg.intermediate_size) // self.parallel.tp_size
+        slices = 1 if self.parallel.expert_parallel else self.parallel.tp_size
+        inter = (intermediate_size or cfg.intermediate_size) // slices
         self.gate = LinearBase(hidden, self.num_experts, bias=False)  # the router
         self.experts = nn.Module()
         self.experts.w13 = ExpertLinear(self.num_experts, [inter, inter], hidden, 0,
@@ -180,16 +200,18 @@ class MixtralMoE(nn.Module):
         token_of = order // self.top_k  # [T*k] token of each sorted row
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # host sync
         rows = x[token_of]  # [T*k, hidden]
-        out = torch.empty_like(rows)
         w13, w2 = self.experts.w13, self.experts.w2
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
+        # Under expert parallelism the rows of other ranks' experts stay zero here: a
+        # token's sum then gains their outputs in the all-reduce.
+        partial = w13.num_experts < self.num_experts
+        out = (torch.zeros_like if partial else torch.empty_like)(rows)
+        starts = [0, *itertools.accumulate(counts)]
+        for index, expert in enumerate(w13.expert_ids):
+            start, end = starts[expert], starts[expert + 1]
+            if start == end:
                 continue
-            end = start + count
-            gate, up = w13(expert, rows[start:end]).chunk(2, dim=-1)
-            out[start:end] = w2(expert, F.silu(gate) * up)
-            start = end
+            gate, up = w13(index, rows[start:end]).chunk(2, dim=-1)
+            out[start:end] = w2(index, F.silu(gate) * up)
         # As HF: the float32 routing weight scales the expert output before the sum.
         out = (out * topk_weights.flatten()[order, None]).to(x.dtype)
         return all_reduce(torch.zeros_like(x).index_add_(0, token_of, out), self.parallel)

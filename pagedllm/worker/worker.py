@@ -46,8 +46,10 @@ class Worker:
         from pagedllm.distributed.parallel_state import init_parallel
         from pagedllm.worker.model_runner import ModelRunner
 
-        parallel = init_parallel(init.store_host, init.store_port, init.rank,
-                                 init.tp_size, init.pp_size)
+        parallel = init_parallel(
+            init.store_host, init.store_port, init.rank, init.tp_size, init.pp_size,
+            expert_parallel=init.config.parallel.enable_expert_parallel,
+            expert_placement=init.config.parallel.expert_placement_strategy)
         self.runner = ModelRunner(init.config, parallel)
         self.rank = init.rank
         self.rpc_worker: Any = None  # built on the first collective_rpc
