@@ -112,6 +112,25 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 
 
 @dataclass
+class PoolerConfig:
+    """What a pooling request that leaves a field unset gets (vLLM's PoolerConfig;
+    engine/arg_utils.py reads --pooler-config into it)."""
+
+    pooling_type: str | None = None
+    """"last", "mean" or "cls" in place of the model's default pooling."""
+    use_activation: bool | None = None
+    """Embeddings normalized, scores and classifications through the head's activation
+    (None: on)."""
+    dimensions: int | None = None
+    """Matryoshka models: the embedding's default number of dimensions."""
+    logit_mean: float | None = None
+    """Scores and classifications: subtracted from the head's logits before the
+    activation (Platt scaling: activation((logit - mean) / sigma))."""
+    logit_sigma: float | None = None
+    """Scores and classifications: what the logits are divided by after the mean."""
+
+
+@dataclass
 class ModelConfig:
     """What model to run and how its tensors are typed."""
 
@@ -148,6 +167,20 @@ class ModelConfig:
     runner: str = "auto"
     """Which requests it takes: "auto" (whatever the model can do), "generate"
     (sampling requests only), "pooling" (pooling requests only)."""
+    pooler: PoolerConfig = field(default_factory=lambda: PoolerConfig())
+    """Defaults of its pooling requests (vLLM's --pooler-config)."""
+
+    @property
+    def is_matryoshka(self) -> bool:
+        """Whether its embeddings may be cut to fewer dimensions (vLLM reads the same
+        two HF config fields)."""
+        return bool(getattr(self.hf_config, "matryoshka_dimensions", None)
+                    or getattr(self.hf_config, "is_matryoshka", False))
+
+    @property
+    def matryoshka_dimensions(self) -> list[int] | None:
+        """The only dimensions allowed, where the config lists them."""
+        return getattr(self.hf_config, "matryoshka_dimensions", None) or None
 
     @property
     def is_cross_encoder(self) -> bool:

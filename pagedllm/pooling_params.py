@@ -29,10 +29,17 @@ class PoolingParams:
     prompt token; "cls": the first prompt token's (BERT's [CLS]); None: the model's
     default ("last" for decoders, the sentence-transformers Pooling config or "mean"
     for encoders)."""
-    normalize: bool = True
-    """L2-normalize the pooled vector."""
+    normalize: bool | None = None
+    """Embeddings: L2-normalize the pooled vector (vLLM's older name of use_activation;
+    None: use_activation decides). Scores and classifications: None or False."""
+    use_activation: bool | None = None
+    """Embeddings: L2-normalize; scores and classifications: the head's activation (a
+    sigmoid or softmax; off: the raw logits). None: the model's default (its
+    pooler_config's use_activation, else on). The input processor resolves it."""
     dimensions: int | None = None
-    """Matryoshka truncation: not supported (a model must declare it), so only None."""
+    """Embeddings: keep the vector's first `dimensions` values (before normalizing), for
+    models trained so (Matryoshka: hf_config `is_matryoshka` or `matryoshka_dimensions`,
+    e.g. set by hf_overrides); None: the model's default (pooler_config), else all."""
     truncate_prompt_tokens: int | None = None
     """Embed only the prompt's last k tokens; -1: its last max_model_len; None: all."""
     task: str = "embed"
@@ -56,13 +63,24 @@ class PoolingParams:
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise InvalidRequestError(f"pooling_type must be one of {POOLING_TYPES}, got "
                                       f"{self.pooling_type!r}")
-        if not isinstance(self.normalize, bool):
-            raise InvalidRequestError(f"normalize must be a bool, got "
-                                      f"{type(self.normalize).__name__}")
-        if self.dimensions is not None:
-            raise InvalidRequestError(
-                "dimensions is not supported: this model does not support matryoshka "
-                "representation, so the embedding size cannot be changed")
+        for name in ("normalize", "use_activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise InvalidRequestError(f"{name} must be a bool, got "
+                                          f"{type(value).__name__}")
+        if self.task == "embed" and None not in (self.normalize, self.use_activation) \
+                and self.normalize != self.use_activation:
+            raise InvalidRequestError(f"normalize={self.normalize} and use_activation="
+                                      f"{self.use_activation} disagree (normalize is the "
+                                      f"older name of use_activation)")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not
+                                            isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise InvalidRequestError(f"dimensions must be an integer >= 1, got "
+                                      f"{self.dimensions!r}")
+        if self.dimensions is not None and self.task != "embed":
+            raise InvalidRequestError(f"dimensions applies to embeddings, not to a "
+                                      f"{self.task} request")
 
     @property
     def needs_all_positions(self) -> bool:

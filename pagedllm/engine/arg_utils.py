@@ -25,6 +25,7 @@ from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, EXPERT_PLACEMENT_STR
                              cache_root, default_model_path, env_kv_cache_space,
                              env_num_threads, env_profiler_dir)
 from pagedllm.engine.compilation import resolve_graphs
+from pagedllm.engine.pooling_options import CONVERTS, converted_architecture, pooler_config
 from pagedllm.errors import ConfigError, ModelLoadError
 from pagedllm.kernels.cpu.features import has_avx512_bf16, has_quant_simd
 from pagedllm.reasoning import REASONING_FORMATS, get_reasoning_format
@@ -69,6 +70,17 @@ class EngineArgs:
                                "decoder, pooling for an encoder or a classifier), "
                                "generate (generation only), pooling (embeddings, scores, "
                                "classification only)", choices=_RUNNERS)
+    convert: str = _arg("auto", "as vLLM's --convert: embed serves a generative model's "
+                                "embeddings only (runner pooling), classify reads a causal "
+                                "LM as its family's sequence classifier (the checkpoint's "
+                                "score head, or hf_overrides' classifier_from_token); "
+                                "auto / none change nothing", choices=CONVERTS)
+    pooler_config: dict[str, Any] | None = _arg(
+        None, "defaults of pooling requests, as vLLM's: a JSON object with pooling_type "
+              "(LAST, MEAN, CLS), use_activation (embeddings normalized, scores and "
+              "classifications through the head's activation), dimensions (Matryoshka "
+              "models), logit_mean / logit_sigma (scores calibrated before the "
+              "activation)")
     task: str | None = _arg(None, "vLLM's older name of runner: generate, or embed / "
                                   "embedding / classify / score / reward (pooling)",
                             choices=tuple(_TASK_RUNNERS))
@@ -409,6 +421,14 @@ class EngineArgs:
         runner = self.runner
         if runner not in _RUNNERS:
             raise ConfigError(f"runner must be one of {_RUNNERS}, got {runner!r}")
+        if self.convert in ("embed", "classify"):
+            if runner == "generate":
+                raise ConfigError(f"convert {self.convert!r} makes a pooling model: "
+                                  f"runner 'generate' disagrees")
+            if self.convert == "embed" and model.pooling_task != "embed":
+                raise ConfigError(f"convert 'embed': {model.architecture} does "
+                                  f"{model.pooling_task!r}, not embeddings")
+            runner = "pooling"
         if self.task is not None:
             if self.task not in _TASK_RUNNERS:
                 raise ConfigError(f"task must be one of {tuple(_TASK_RUNNERS)}, got "
@@ -497,6 +517,9 @@ class EngineArgs:
         hf_config = apply_hf_overrides(load_hf_config(config_path, self.trust_remote_code),
                                        self.hf_overrides, tokenizer or path,
                                        self.trust_remote_code)
+        converted = converted_architecture(hf_config, self.convert)
+        if converted is not None:
+            hf_config.architectures = [converted]
         device = _resolve_device(self.device)
         dtype = _resolve_dtype(self.dtype, device, hf_config)
         max_model_len = _resolve_max_model_len(self.max_model_len, hf_config)
@@ -511,6 +534,8 @@ class EngineArgs:
                             load_format=self.load_format)
         _set_embedding_traits(model, self.compile)
         model.runner = self._resolve_runner(model)
+        model.pooler = pooler_config(self.pooler_config, model)
+        model.default_pooling_type = model.pooler.pooling_type or model.default_pooling_type
         self._multimodal_traits(model)
         self._generation_defaults(model)
         space = self.kv_cache_space

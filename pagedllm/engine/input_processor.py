@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from pagedllm.config import LoRAConfig, ModelConfig
+from pagedllm.engine.pooling_options import check_dimensions
 from pagedllm.engine.prompt_embeds import (PLACEHOLDER_ID, check_embeds,
                                            check_embeds_params, embeds_input,
                                            prompt_embeds_of)
@@ -50,6 +51,7 @@ class InputProcessor:
         self.architecture = model_config.architecture
         self.is_encoder_only = model_config.is_encoder_only
         self.default_pooling_type = model_config.default_pooling_type
+        self.model_config = model_config  # pooling defaults and Matryoshka checks
         self.pooling_task = model_config.pooling_task
         self.can_generate = model_config.can_generate
         self.runner_refusal = model_config.runner_refusal
@@ -118,9 +120,7 @@ class InputProcessor:
             text, ids = self._truncated(text, ids, params.truncate_prompt_tokens)
             self.validate_prompt(ids)
             self.check_pooling_task(params, len(ids))
-            if params.pooling_type is None:
-                # A copy: one PoolingParams may be shared by many prompts.
-                params = replace(params, pooling_type=self.default_pooling_type)
+            params = self.resolved_pooling(params)
             # Placeholder sampling params: nothing samples for an embedding request.
             request = Request(req_id, ids, SamplingParams(max_tokens=1), self.eos_token_id,
                               arrival_time, priority=priority, max_tokens=1,
@@ -218,6 +218,24 @@ class InputProcessor:
                                       f"(--enable-lora)")
         self.adapters.check(lora_request)
 
+    def resolved_pooling(self, params: PoolingParams) -> PoolingParams:
+        """A copy of `params` (one may be shared by many prompts) with what it leaves
+        unset taken from the model: its pooling type, and its pooler_config's
+        use_activation (else on) and dimensions."""
+        defaults = self.model_config.pooler
+        embed = params.task == "embed"
+        activation = params.use_activation
+        if activation is None and embed:
+            activation = params.normalize
+        if activation is None:
+            activation = defaults.use_activation is not False
+        dimensions = params.dimensions
+        if embed and dimensions is None:
+            dimensions = defaults.dimensions
+        return replace(params, pooling_type=params.pooling_type or self.default_pooling_type,
+                       use_activation=activation, dimensions=dimensions,
+                       normalize=activation if embed else params.normalize)
+
     def check_pooling_task(self, params: PoolingParams, num_tokens: int) -> None:
         """A cross-encoder scores pairs (and, classifying, single texts: a reward
         model's use) and a classifier only classifies (their head reads the pooled
@@ -233,12 +251,14 @@ class InputProcessor:
             raise InvalidRequestError(f"task {params.task!r} is not this model's: "
                                       f"{self.architecture} {does[self.pooling_task]}")
         if params.task == "embed":
+            if params.dimensions is not None:
+                check_dimensions(params.dimensions, self.model_config, InvalidRequestError)
             return
         pooled = self.default_pooling_type
         if params.pooling_type not in (None, pooled) or params.normalize:
             raise InvalidRequestError(f"a {params.task} request reads the model's pooled "
                                       f"state as it is: pooling_type {pooled!r} (or None), "
-                                      f"normalize False")
+                                      f"normalize False or None")
         if params.token_type_start is not None and params.token_type_start >= num_tokens:
             raise InvalidRequestError(f"token_type_start {params.token_type_start} is past "
                                       f"the prompt's {num_tokens} tokens")

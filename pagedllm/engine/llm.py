@@ -188,12 +188,15 @@ class LLM:
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+              lora_request: LoRARequest | None = None,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
         """Score pairs of texts (vLLM's LLM.score): `data_1` against each of `data_2`
         (one text), or the two lists pairwise. A cross-encoder
         (BertForSequenceClassification) reads each pair as one prompt and scores it
-        with its head; an embedding model scores the cosine similarity of the two
-        texts' embeddings. Outputs in pair order."""
+        with its head (`pooling_params.use_activation` False: its logit); an embedding
+        model scores the cosine similarity of the two texts' embeddings. Outputs in
+        pair order."""
+        activation = pooling_params.use_activation if pooling_params is not None else None
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise InvalidRequestError("score needs a tokenizer (skip_tokenizer_init is set)")
@@ -203,7 +206,8 @@ class LLM:
             encoded = [encode_pair(tokenizer, a, b, max_len, truncate_prompt_tokens)
                        for a, b in pairs]
             outs = self.embed([{"prompt_token_ids": ids} for ids, _ in encoded],
-                              [cross_encoder_params(start) for _, start in encoded],
+                              [cross_encoder_params(start, activation)
+                               for _, start in encoded],
                               use_tqdm, lora_request)
             return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.embedding[0]),
                                          o.prompt_token_ids) for o in outs]
@@ -221,11 +225,15 @@ class LLM:
 
     def classify(self, prompts: PromptType | Sequence[PromptType],
                  truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+                 pooling_params: PoolingParams | None = None,
                  ) -> list[ClassificationRequestOutput]:
         """The label probabilities of every prompt (vLLM's LLM.classify), in input
         order: a sequence classifier (BertForSequenceClassification with several
-        labels) runs its head on the [CLS] state, softmax over the labels."""
-        outs = self.embed(prompts, classifier_params(truncate_prompt_tokens), use_tqdm)
+        labels) runs its head on the [CLS] state, softmax over the labels
+        (`pooling_params.use_activation` False: the logits)."""
+        activation = pooling_params.use_activation if pooling_params is not None else None
+        outs = self.embed(prompts, classifier_params(truncate_prompt_tokens, activation),
+                          use_tqdm)
         return [ClassificationRequestOutput(o.request_id,
                                             ClassificationOutput(o.outputs.embedding),
                                             o.prompt_token_ids) for o in outs]

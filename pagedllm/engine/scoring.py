@@ -58,17 +58,20 @@ def encode_pair(tokenizer: Any, text_1: str, text_2: str, max_model_len: int,
     return ids, start
 
 
-def cross_encoder_params(token_type_start: int | None) -> PoolingParams:
+def cross_encoder_params(token_type_start: int | None,
+                         use_activation: bool | None = None) -> PoolingParams:
     """The pooling of one cross-encoder pair: its head reads the raw state the model
-    pools ([CLS] for an encoder, the last token for a decoder)."""
-    return PoolingParams(task="score", pooling_type=None, normalize=False,
+    pools ([CLS] for an encoder, the last token for a decoder); `use_activation` False
+    gives the head's logit."""
+    return PoolingParams(task="score", pooling_type=None, use_activation=use_activation,
                          token_type_start=token_type_start)
 
 
-def classifier_params(truncate_prompt_tokens: int | None = None) -> PoolingParams:
+def classifier_params(truncate_prompt_tokens: int | None = None,
+                      use_activation: bool | None = None) -> PoolingParams:
     """The pooling of one text for a classifier: its head reads the raw state the model
-    pools."""
-    return PoolingParams(task="classify", pooling_type=None, normalize=False,
+    pools; `use_activation` False gives the head's logits."""
+    return PoolingParams(task="classify", pooling_type=None, use_activation=use_activation,
                          truncate_prompt_tokens=truncate_prompt_tokens)
 
 

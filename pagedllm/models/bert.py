@@ -178,7 +178,7 @@ class BertForSequenceClassification(BertModel):
     ms-marco-MiniLM-L-6-v2): BertModel over the pair "[CLS] a [SEP] b [SEP]", token type
     1 on b (the runner passes `token_type_ids` from each request's
     PoolingParams.token_type_start); with more a classifier of one text. Either way
-    `score_head` reads the [CLS] state: classifier(tanh(pooler.dense(h))), through the
+    `score_logits` reads the [CLS] state: classifier(tanh(pooler.dense(h))), then the
     model's activation (a classifier's: softmax over the labels)."""
 
     takes_token_type_ids = True
@@ -190,10 +190,11 @@ class BertForSequenceClassification(BertModel):
         self.classifier = ColumnParallelLinear(hidden, cfg.num_labels, bias=True)
         self.activation = head_activation(cfg)
 
-    def score_head(self, cls_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] pooled [CLS] states -> [N, num_labels] scores (float32)."""
+    def score_logits(self, cls_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] pooled [CLS] states -> [N, num_labels] logits (float32), before
+        `activation`."""
         x = self.pooler(cls_states.to(self.classifier.weight.dtype))
-        return self.activation(self.classifier(x).float())
+        return self.classifier(x).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # Unlike an embedding model, the pooler is part of the scoring head here.
@@ -203,7 +204,7 @@ class BertForSequenceClassification(BertModel):
 
 class RobertaForSequenceClassification(RobertaModel):
     """RoBERTa / XLM-RoBERTa with a classification head (bge-reranker-v2-m3 with one
-    label: a cross-encoder of "<s> a </s></s> b </s>", one token type): `score_head`
+    label: a cross-encoder of "<s> a </s></s> b </s>", one token type): `score_logits`
     is out_proj(tanh(dense(h))) on the <s> state (RobertaClassificationHead; no pooler),
     through the head's activation as for BERT."""
 
@@ -212,10 +213,11 @@ class RobertaForSequenceClassification(RobertaModel):
         self.classifier = RobertaClassificationHead(cfg)
         self.activation = head_activation(cfg)
 
-    def score_head(self, cls_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] pooled <s> states -> [N, num_labels] scores (float32)."""
+    def score_logits(self, cls_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] pooled <s> states -> [N, num_labels] logits (float32), before
+        `activation`."""
         x = cls_states.to(self.classifier.out_proj.weight.dtype)
-        return self.activation(self.classifier(x).float())
+        return self.classifier(x).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_stacked_weights(self, _hf_names(weights), _STACKED_PARAMS,

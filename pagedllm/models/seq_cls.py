@@ -68,9 +68,10 @@ class SequenceClassifierMixin:
 
         return super().load_weights(with_score())
 
-    def score_head(self, states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] pooled last-token states -> [N, num_labels] scores (float32)."""
-        return self.activation(self.score(states.to(self.score.weight.dtype)).float())
+    def score_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] pooled last-token states -> [N, num_labels] logits (float32),
+        before `activation`."""
+        return self.score(states.to(self.score.weight.dtype)).float()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         raise RuntimeError("a sequence classifier has no LM head: it only scores")

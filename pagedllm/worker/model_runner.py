@@ -44,7 +44,7 @@ from pagedllm.worker.model_loader import load_model
 from pagedllm.worker.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from pagedllm.worker.deferred_sample import DeferredSample, HostCopy
 from pagedllm.worker.draft_proposer import DraftModelProposer
-from pagedllm.worker.pooler import pool_hidden_states
+from pagedllm.worker.pooler import pool_hidden_states, score_head_of
 from pagedllm.worker.prompt_rows import attach_step_rows, prompt_rows
 from pagedllm.worker.prompt_logprobs import prompt_logprobs_chunks
 from pagedllm.worker.spec_decode import SpecDecoder, make_proposer
@@ -504,7 +504,7 @@ class ModelRunner:
             output.pooler_output = pool_hidden_states(
                 hidden, self.input_batch, inputs.req_ids, inputs.rows,
                 inputs.attn_metadata.query_start_loc_cpu,
-                getattr(self.model, "score_head", None))
+                score_head_of(self.model, self.config.model.pooler))
         if deferred is None:
             return StepOutput(output)
         return StepOutput(output, lambda out: self._read_sampled(deferred, out))

@@ -135,7 +135,11 @@ def test_embedding_requests_free_their_blocks(tiny_llama, prompts):
 @pytest.mark.parametrize("kwargs,field", [
     ({"pooling_type": "max"}, "pooling_type"),
     ({"normalize": "yes"}, "normalize"),
-    ({"dimensions": 8}, "dimensions"),
+    ({"dimensions": 0}, "dimensions"),
+    ({"dimensions": True}, "dimensions"),
+    ({"dimensions": 8, "task": "classify"}, "dimensions applies to embeddings"),
+    ({"use_activation": 1}, "use_activation"),
+    ({"normalize": True, "use_activation": False}, "disagree"),
 ])
 def test_bad_pooling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -152,6 +156,8 @@ def test_bad_embed_calls(tiny_llama):
         llm.embed(_ids([[]]), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="PoolingParams"):
         llm.embed(_ids([[1, 2]]), [SamplingParams()], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="does not support Matryoshka"):
+        llm.embed(_ids([[1, 2]]), PoolingParams(dimensions=8), use_tqdm=False)
     # The engine still serves after the rejections.
     assert len(llm.embed(_ids([[1, 2, 3]]), use_tqdm=False)[0].outputs.embedding) == 64
     assert not llm.llm_engine.has_unfinished_requests()

@@ -65,6 +65,21 @@ def test_float_and_base64_match_offline(server, offline):
         assert body["usage"] == {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
 
 
+def test_use_activation_and_normalize(server, offline):
+    """vLLM 0.32's use_activation (and older vLLM's normalize): false gives the pooled
+    state as it is, whose direction is the default embedding's."""
+    want, _ = offline
+    for body in ({"use_activation": False}, {"normalize": False},
+                 {"normalize": False, "use_activation": False}):
+        r = _post(server, {"input": TEXTS[0], **body})
+        assert r.status_code == 200, r.text
+        raw = embedding_vectors(r.json())[0]
+        assert np.linalg.norm(raw) > 2
+        np.testing.assert_allclose(raw / np.linalg.norm(raw), want[0], atol=TOL, rtol=0)
+    r = _post(server, {"input": "hi", "normalize": True, "use_activation": False})
+    assert r.status_code == 400 and "disagree" in r.json()["error"]["message"]
+
+
 def test_single_string_and_token_ids(server, offline):
     want, prompt_ids = offline
     single = _post(server, {"input": TEXTS[1]}).json()

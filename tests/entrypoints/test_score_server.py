@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 
 from tests.entrypoints.utils import RemoteServer
 from tests.utils import save_tiny_cross_encoder
@@ -137,6 +138,17 @@ def test_classify_matches_offline(classifier):
         assert d["data"] == pytest.approx(probs, abs=1e-6)
     r = _post(srv, "/pooling", {"input": "x", "task": "embed"})
     assert r.status_code == 400 and "is not this model's" in r.json()["error"]["message"]
+    # vLLM's use_activation: false gives the head's logits, whose softmax is the probs.
+    for route in ("/classify", "/pooling"):
+        r = _post(srv, route, {"input": DOCS, "use_activation": False})
+        assert r.status_code == 200, r.text
+        for d, probs in zip(r.json()["data"], want):
+            logits = torch.tensor(d["probs" if route == "/classify" else "data"])
+            assert torch.softmax(logits, dim=-1).tolist() == pytest.approx(probs, abs=1e-6)
+    for body, fragment in (({"input": "x", "normalize": True}, "normalize applies"),
+                           ({"input": "x", "dimensions": 2}, "dimensions applies")):
+        r = _post(srv, "/pooling", body)
+        assert r.status_code == 400 and fragment in r.text, r.text
     for body, fragment in (({"input": []}, "input must not be empty"),
                            ({"input": 5}, "input")):
         r = _post(srv, "/classify", body)

@@ -7,7 +7,7 @@ import builtins
 import time
 from typing import Literal
 
-from pydantic import Field, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel, random_id
 
@@ -19,12 +19,15 @@ class EmbeddingRequest(RequestModel):
     # Text, texts, token ids, or lists of token ids (strict: no coercion of 1 <-> "1").
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
-    # Matryoshka truncation: refused unless None (the handler says so).
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None
+    """Matryoshka models: the embedding's first `dimensions` values (normalized after)."""
     user: str | None = None
     # vLLM extras
     add_special_tokens: bool = True
-    normalize: bool = True
+    use_activation: StrictBool | None = None
+    """L2-normalize (None: the model's default, on unless --pooler-config says off)."""
+    normalize: StrictBool | None = None
+    """Older vLLM's name of use_activation."""
     truncate_prompt_tokens: int | None = None
     """Embed each input's last k tokens (-1: max_model_len), before the length check."""
     priority: int = 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import Field, StrictStr, model_validator
+from pydantic import Field, StrictBool, StrictStr, model_validator
 
 from pagedllm.entrypoints.openai.protocol_base import OpenAIBaseModel, RequestModel
 from pagedllm.errors import InvalidRequestError
@@ -26,6 +26,8 @@ class ScoreRequest(RequestModel):
     truncate_prompt_tokens: int | None = None
     """Cut each input (a cross-encoder's pair: the longer text first) to this many
     tokens; -1: max_model_len."""
+    use_activation: StrictBool | None = None
+    """A cross-encoder's head activation (False: its logit); None: the model's default."""
     priority: int = 0
     timeout: float | None = Field(default=None, gt=0)
     user: str | None = None
@@ -82,6 +84,7 @@ class RerankRequest(RequestModel):
     top_n: int = Field(default=0, ge=0)
     """The best top_n results; 0: all of them."""
     truncate_prompt_tokens: int | None = None
+    use_activation: StrictBool | None = None
     return_documents: bool = True
     """Cohere's: False leaves each result's document out."""
     priority: int = 0
@@ -116,6 +119,8 @@ class ClassifyRequest(RequestModel):
     model: str | None = None
     input: StrictStr | list[StrictStr]
     truncate_prompt_tokens: int | None = None
+    use_activation: StrictBool | None = None
+    """The head's activation (False: the logits); None: the model's default."""
     priority: int = 0
     timeout: float | None = Field(default=None, gt=0)
     user: str | None = None

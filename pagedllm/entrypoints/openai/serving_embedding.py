@@ -7,7 +7,8 @@ a byte (binary: signed, ubinary: unsigned; a bit is set where the value is >= 0)
 base64 of the float32 bytes.
 
 Every input becomes its own embedding request (PoolingParams: the model's default
-pooling, L2-normalized unless `normalize` is false), submitted all or none: a rejected input
+pooling, cut to `dimensions` for Matryoshka models, L2-normalized unless
+`use_activation` (older: `normalize`) is false), submitted all or none: a rejected input
 fails the whole call (400, or 503 once the engine is gone) and aborts the others.
 """
 
@@ -47,12 +48,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.task_prompts = load_st_prompts(self.engine.config.model.path)
 
     async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
-        if request.dimensions is not None:
-            raise InvalidRequestError(
-                "dimensions is not supported: this model does not support matryoshka "
-                "representation, so the embedding size cannot be changed")
-        outputs, usage = await self._pool(request, "embd",
-                                          PoolingParams(normalize=request.normalize))
+        outputs, usage = await self._pool(request, "embd", _embed_params(request))
         return EmbeddingResponse(data=[EmbeddingData(index=i, embedding=out)
                                        for i, out in enumerate(outputs)],
                                  model=self.response_model(request.model), usage=usage)
@@ -60,11 +56,15 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def create_pooling(self, request: PoolingRequest) -> PoolingResponse:
         """vLLM's /pooling: each input's pooled output (LLM.encode's), as the task reads
         it: the embedding, a classifier's probabilities or a cross-encoder's score."""
-        if request.dimensions is not None:
-            raise InvalidRequestError("dimensions is not supported by /pooling")
         task = request.task or self.engine.config.model.pooling_task
-        params = {"embed": PoolingParams(normalize=request.normalize),
-                  "classify": classifier_params(), "score": cross_encoder_params(None)}[task]
+        for name in ("dimensions", "normalize"):
+            if getattr(request, name) is not None and task != "embed":
+                raise InvalidRequestError(f"{name} applies to embeddings, not to task "
+                                          f"{task!r}")
+        activation = request.use_activation
+        params = {"embed": lambda: _embed_params(request),
+                  "classify": lambda: classifier_params(use_activation=activation),
+                  "score": lambda: cross_encoder_params(None, activation)}[task]()
         outputs, usage = await self._pool(request, "pool", params)
         return PoolingResponse(data=[PoolingData(index=i, data=out)
                                      for i, out in enumerate(outputs)],
@@ -189,3 +189,10 @@ def _encode(embedding: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode("ascii")
     return embedding
+
+
+def _embed_params(request: EmbeddingRequest) -> PoolingParams:
+    """An embeddings request's pooling (PoolingParams checks that `normalize` and
+    `use_activation` agree)."""
+    return PoolingParams(normalize=request.normalize, use_activation=request.use_activation,
+                         dimensions=request.dimensions)

@@ -66,7 +66,8 @@ class OpenAIServingScore(OpenAIServing):
                                              f"input[{i}]") for i, text in enumerate(texts)]
         request_id = random_id("classify")
         vectors = await self.pool_all(request_id, prompts,
-                                      [classifier_params()] * len(prompts), request)
+                                      [classifier_params(use_activation=request.use_activation)]
+                                      * len(prompts), request)
         labels = getattr(self.engine.config.model.hf_config, "id2label", None) or {}
         data = []
         for i, probs in enumerate(vectors):
@@ -97,7 +98,7 @@ class OpenAIServingScore(OpenAIServing):
                     self.max_model_len, request.truncate_prompt_tokens)
                 self.check_pooling_length(len(ids), f"pair {i}")
                 prompts.append((None, ids))
-                params.append(cross_encoder_params(start))
+                params.append(cross_encoder_params(start, request.use_activation))
             vectors = await self.pool_all(request_id, prompts, params, request)
             return [v[0] for v in vectors], sum(len(ids) for _, ids in prompts)
         texts = list(dict.fromkeys(text for pair in pairs for text in pair))
