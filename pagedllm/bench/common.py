@@ -181,14 +181,33 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def spec_decode_stats(config: Any, scheduler: Any, before: tuple[int, int] = (0, 0),
-                      ) -> dict[str, Any]:
-    """Speculative decoding counters since `before` (num_draft_tokens,
-    num_accepted_tokens); {} without speculative decoding."""
+# The offline engine's cumulative scheduler counters a benchmark reports the change of.
+COUNTERS = ("num_preemptions", "num_swaps_out", "num_scheduled_tokens_total",
+            "num_draft_tokens", "num_accepted_tokens")
+
+
+def engine_counters(engine: Any) -> dict[str, int | None]:
+    """COUNTERS of an offline LLMEngine now: its scheduler's, or with data parallel
+    replicas their sums (which do not count scheduled tokens: None)."""
+    scheduler = getattr(engine.engine_core, "scheduler", None)
+    if scheduler is not None:
+        return {name: getattr(scheduler, name) for name in COUNTERS}
+    stats = engine.engine_core.get_stats()
+    return {name: stats.get(name) for name in COUNTERS}
+
+
+def counter_changes(after: dict[str, int | None], before: dict[str, int | None],
+                    ) -> dict[str, int | None]:
+    return {name: None if after[name] is None else after[name] - before[name]
+            for name in after}
+
+
+def spec_decode_stats(config: Any, changes: dict[str, int | None]) -> dict[str, Any]:
+    """Speculative decoding counters (`changes` of engine_counters over the run); {}
+    without speculative decoding."""
     if config.speculative is None:
         return {}
-    drafts = scheduler.num_draft_tokens - before[0]
-    accepted = scheduler.num_accepted_tokens - before[1]
+    drafts, accepted = changes["num_draft_tokens"], changes["num_accepted_tokens"]
     return {"speculative_method": config.speculative.method,
             "num_speculative_tokens": config.speculative.num_speculative_tokens,
             "num_draft_tokens": drafts, "num_accepted_tokens": accepted,

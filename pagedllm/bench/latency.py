@@ -17,9 +17,9 @@ from typing import Any
 import psutil
 
 from pagedllm.bench.common import (BenchRequest, add_engine_bench_args, add_workload_args,
-                                   emit, load_dataset, lora_setup, peak_rss_mb,
-                                   random_requests, spec_decode_line, spec_decode_stats,
-                                   summarize)
+                                   counter_changes, emit, engine_counters, load_dataset,
+                                   lora_setup, peak_rss_mb, random_requests,
+                                   spec_decode_line, spec_decode_stats, summarize)
 from pagedllm.engine.arg_utils import EngineArgs
 
 
@@ -69,11 +69,10 @@ def run(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
                                    config.model.hf_config.vocab_size, ns.seed)
     ttfts, e2es, decode_rates = [], [], []
     startup_s = None
-    scheduler = engine.engine_core.scheduler
-    spec_before = (0, 0)
+    before = engine_counters(engine)
     for i in range(ns.num_iters_warmup + ns.num_iters):
         if i == ns.num_iters_warmup:
-            spec_before = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens)
+            before = engine_counters(engine)
         request = requests[i % len(requests)]
         ttft, e2e, num_tokens = time_request(engine, f"latency-{i}", request,
                                              not ns.skip_tokenizer_init, lora)
@@ -93,7 +92,8 @@ def run(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
               "output_len": requests[0].max_tokens,
               **summarize(ttfts, "ttft_s"), **summarize(decode_rates, "decode_tokens_per_s"),
               **summarize(e2es, "e2e_s"), "startup_s": startup_s, "peak_rss_mb": peak_rss_mb(),
-              **spec_decode_stats(config, scheduler, spec_before)}
+              **spec_decode_stats(config, counter_changes(engine_counters(engine),
+                                                          before))}
     emit(result, "latency", _summary(result))
     return result
 

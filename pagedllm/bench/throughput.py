@@ -13,7 +13,8 @@ import gc
 import time
 from typing import Any
 
-from pagedllm.bench.common import (add_engine_bench_args, add_workload_args, emit, lora_setup,
+from pagedllm.bench.common import (add_engine_bench_args, add_workload_args,
+                                   counter_changes, emit, engine_counters, lora_setup,
                                    result_of, spec_decode_line, spec_decode_stats,
                                    workload_from_args)
 from pagedllm.engine.arg_utils import EngineArgs
@@ -56,19 +57,13 @@ def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, A
                      SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
                                     detokenize=detokenize), use_tqdm=False,
                      lora_request=lora)
-    scheduler = llm.llm_engine.engine_core.scheduler
-    counters = (scheduler.num_preemptions, scheduler.num_swaps_out,
-                scheduler.num_scheduled_tokens_total)
-    spec_before = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens)
+    before = engine_counters(llm.llm_engine)
     start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
-    num_preemptions, num_swaps_out, num_scheduled = (
-        now - before for now, before in zip((scheduler.num_preemptions,
-                                             scheduler.num_swaps_out,
-                                             scheduler.num_scheduled_tokens_total),
-                                            counters))
+    changes = counter_changes(engine_counters(llm.llm_engine), before)
+    num_scheduled = changes["num_scheduled_tokens_total"]
     # Each prompt token and each output token but the last is computed once at least;
     # the rest were computed again after a recompute preemption (exact without prefix
     # caching, whose hits are never computed).
@@ -81,10 +76,13 @@ def run_pagedllm(ns: argparse.Namespace, engine_args: EngineArgs) -> dict[str, A
              "cpu_utilization": cpu / elapsed,
              "num_cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
              "preemption_mode": config.scheduler.preemption_mode,
-             "num_preemptions": num_preemptions, "num_swaps_out": num_swaps_out,
+             "num_preemptions": changes["num_preemptions"],
+             "num_swaps_out": changes["num_swaps_out"],
              "num_recomputed_tokens": (None if config.cache.enable_prefix_caching
+                                       or num_scheduled is None
                                        else num_scheduled - num_needed),
-             **spec_decode_stats(config, scheduler, spec_before)}
+             "data_parallel_size": config.parallel.data_parallel_size,
+             **spec_decode_stats(config, changes)}
     del llm, outputs
     gc.collect()
     return result_of("pagedllm", requests, num_output, elapsed, extra)

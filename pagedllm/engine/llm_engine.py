@@ -14,7 +14,7 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import DeferredSiblings, fan_out
-from pagedllm.errors import ConfigError, EngineBusyError, InvalidRequestError
+from pagedllm.errors import EngineBusyError, InvalidRequestError
 from pagedllm.inputs import PromptType
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -39,11 +39,6 @@ class LLMEngine:
                  engine_core: Any = None, constraints: ConstraintChecker | None = None,
                  ) -> None:
         self.config = config
-        if engine_core is None and config.parallel.data_parallel_size > 1:
-            raise ConfigError(
-                f"data_parallel_size={config.parallel.data_parallel_size} runs replicas "
-                f"behind the server (pagedllm serve --data-parallel-size N); an offline "
-                f"engine is one replica: start one process per replica instead")
         self.tokenizer = None
         if not skip_tokenizer_init:
             from pagedllm.loader import load_tokenizer
@@ -59,6 +54,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         # Samples 2..n of n > 1 requests, waiting for sample 1 to fill the prefix cache.
         self.deferred = DeferredSiblings()
+        if engine_core is None and config.parallel.data_parallel_size > 1:
+            from pagedllm.engine.dp_offline import OfflineDPCore
+
+            engine_core = OfflineDPCore(config)  # a process per replica
         self.engine_core = engine_core if engine_core is not None else EngineCore(config)
 
     @classmethod

@@ -32,6 +32,7 @@ from typing import Any
 
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.compile_queue import SmallestFirstExecutor
+from pagedllm.errors import ModelLoadError
 from pagedllm.reasoning import Phase
 from pagedllm.request import Request
 from pagedllm.sample.grammar_process import COMPILE_NICE, GrammarCompileError
@@ -60,6 +61,8 @@ class StructuredOutputManager:
     def _warm_up(self) -> None:
         try:
             self.grammar.warm_up()
+        except ModelLoadError as e:  # no tokenizer (token-id models): nothing to prepare
+            logger.warning("structured outputs will not compile: %s", e)
         except Exception:  # the first compile will try again, and fail its request
             if not self.grammar.closed:  # else: stopped by shutdown(), nothing went wrong
                 logger.exception("preparing the grammar compiler failed")

@@ -114,17 +114,6 @@ def test_data_parallel_options_refused():
         EngineArgs(data_parallel_size=4096).create_engine_config()
 
 
-def test_offline_engine_refuses_replicas():
-    import os
-
-    from pagedllm import LLM
-
-    if len(physical_cores(os.sched_getaffinity(0))) < 2:
-        pytest.skip("two replicas need two physical cores")
-    with pytest.raises(ValueError, match="runs replicas behind the server"):
-        LLM(data_parallel_size=2)
-
-
 def _request(ids, **kw) -> Request:
     return Request("r", list(ids), SamplingParams(max_tokens=4), None, **kw)
 
