@@ -468,6 +468,29 @@ class DeviceConfig:
     its weights) and woken up."""
     profiler_dir: str | None = None
     """Where start_profile / stop_profile write torch profiler traces (None: off)."""
+    profiler: ProfilerOptions = field(default_factory=lambda: ProfilerOptions())
+    """What the torch profiler records (vLLM's --profiler-config)."""
+
+
+@dataclass
+class ProfilerOptions:
+    """The torch profiler's options (engine/profiler_options.py reads vLLM's
+    --profiler-config into them; --profiler-dir alone keeps these defaults)."""
+
+    activities: tuple[str, ...] | None = None
+    """"CPU" and / or "CUDA"; None: the device's (CPU, and CUDA on a GPU)."""
+    with_stack: bool = False
+    record_shapes: bool = True
+    with_memory: bool = False
+    with_flops: bool = False
+    use_gzip: bool = False
+    """Write each trace gzipped (.trace.json.gz)."""
+    dump_time_total: bool = False
+    """Beside each trace, a table of the ops by their total time (.txt)."""
+    delay_iterations: int = 0
+    """Steps after start_profile that run before recording starts."""
+    max_iterations: int = 0
+    """Steps recorded at most (0: until stop_profile)."""
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")

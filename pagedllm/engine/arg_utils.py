@@ -26,6 +26,7 @@ from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, EXPERT_PLACEMENT_STR
                              env_num_threads, env_profiler_dir)
 from pagedllm.engine.compilation import resolve_graphs
 from pagedllm.engine.pooling_options import CONVERTS, converted_architecture, pooler_config
+from pagedllm.engine.profiler_options import profiler_options
 from pagedllm.errors import ConfigError, ModelLoadError
 from pagedllm.kernels.cpu.features import has_avx512_bf16, has_quant_simd
 from pagedllm.reasoning import REASONING_FORMATS, get_reasoning_format
@@ -235,6 +236,13 @@ class EngineArgs:
               "/stop_profile): torch profiler traces of the model's steps (Chrome trace "
               "JSON, one per worker) go to this directory (default: env "
               "PAGEDLLM_TORCH_PROFILER_DIR or VLLM_TORCH_PROFILER_DIR; unset: off)")
+    profiler_config: dict[str, Any] | None = _arg(
+        None, "the torch profiler's options, as vLLM's: a JSON object such as "
+              "'{\"profiler\": \"torch\", \"torch_profiler_dir\": \"/tmp/traces\", "
+              "\"delay_iterations\": 2, \"max_iterations\": 10}' (also "
+              "torch_profiler_with_stack, _record_shapes, _with_memory, _with_flops, "
+              "_use_gzip, _dump_cuda_time_total: a table of the ops' total times, "
+              "_activities); it turns profiling on as profiler_dir does")
     enforce_eager: bool = _arg(False, "CUDA: run every step eagerly, without capturing CUDA "
                                       "graphs for decode steps")
     optimization_level: int | None = _arg(
@@ -583,8 +591,10 @@ class EngineArgs:
             compile_cache_dir=str(cache_root() / "inductor"),
             enforce_eager=graphs.enforce_eager, cuda_graph_sizes=graphs.cuda_graph_sizes,
             max_cuda_graph_size=graphs.max_cuda_graph_size,
-            enable_sleep_mode=self.enable_sleep_mode,
-            profiler_dir=_resolve_profiler_dir(self.profiler_dir))
+            enable_sleep_mode=self.enable_sleep_mode)
+        profiler_dir, device_config.profiler = profiler_options(
+            self.profiler_config, _resolve_profiler_dir(self.profiler_dir))
+        device_config.profiler_dir = _resolve_profiler_dir(profiler_dir)
         parallel = self._parallel_config(hf_config, device)
         speculative = self._speculative_config(parallel, model, device)
         self._prompt_embeds(model, speculative)

@@ -384,8 +384,9 @@ class EngineCore:
         if not self.profiling:
             raise InvalidRequestError("the profiler is not recording: start_profile first")
         self.profiling = False
-        paths = self.executor.stop_profile()
-        logger.info("profiler traces: %s", ", ".join(paths))
+        # A worker that recorded no step (delay_iterations not reached) has no trace.
+        paths = [path for path in self.executor.stop_profile() if path]
+        logger.info("profiler traces: %s", ", ".join(paths) or "none (no step recorded)")
         return paths
 
     # ------------------------------------------------------------------ sleep mode

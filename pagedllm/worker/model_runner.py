@@ -51,6 +51,7 @@ from pagedllm.worker.spec_decode import SpecDecoder, make_proposer
 from pagedllm.worker.step_inputs import (StepInputs, apply_grammar, grammar_rows, placeholders,
                                          slot_tables, token_positions, verify_rows,
                                          write_drafts)
+from pagedllm.worker.step_profiler import StepProfiler
 from pagedllm.worker.swap import allocate_host_kv_cache, swap_blocks
 from pagedllm.worker.weight_pages import move_to_huge_pages, trim_heap
 
@@ -147,7 +148,7 @@ class ModelRunner:
         self.asleep: set[str] = set()
         self._kv_sizes = (0, 0)
         # The torch profiler while one records (start_profile).
-        self._profiler: torch.profiler.profile | None = None
+        self._profiler = StepProfiler(config.device.profiler, self.device.type)
         self._num_profiles = 0
 
     def _build_model(self, model: nn.Module | None = None) -> None:
@@ -326,26 +327,18 @@ class ModelRunner:
 
     def start_profile(self) -> None:
         """Record the steps from now on with torch's profiler (the engine checks that it
-        is on and not running already)."""
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        is on and not running already), as DeviceConfig.profiler says."""
         self._profiler.start()
 
-    def stop_profile(self) -> str:
-        """Stop recording; the trace's path (Chrome trace JSON in profiler_dir)."""
-        profiler, self._profiler = self._profiler, None
-        profiler.stop()
-        directory = Path(self.config.device.profiler_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / (f"pagedllm-dp{self.config.parallel.data_parallel_rank}-"
-                            f"pp{self.parallel.pp_rank}-tp{self.parallel.tp_rank}-"
-                            f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-"
-                            f"{self._num_profiles}.trace.json")
+    def stop_profile(self) -> str | None:
+        """Stop recording; the trace's path (Chrome trace JSON in profiler_dir), None
+        when no step was recorded (its delay_iterations not reached)."""
+        stem = Path(self.config.device.profiler_dir) / (
+            f"pagedllm-dp{self.config.parallel.data_parallel_rank}-"
+            f"pp{self.parallel.pp_rank}-tp{self.parallel.tp_rank}-"
+            f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._num_profiles}")
         self._num_profiles += 1
-        profiler.export_chrome_trace(str(path))
-        return str(path)
+        return self._profiler.stop(stem)
 
     # ------------------------------------------------------------------ sleep mode
 
@@ -445,6 +438,7 @@ class ModelRunner:
     def launch(self, so: SchedulerOutput) -> StepOutput:
         """Run the step; under async scheduling its sampled ids stay on the device until
         the output's `get()` (one runner: its sampling is never deferred otherwise)."""
+        self._profiler.before_step()
         # Before anything reads or writes the cache (even in a step with no tokens).
         if so.blocks_to_swap_out or so.blocks_to_swap_in:
             swap_blocks(self.kv_caches, self.host_kv_caches, so.blocks_to_swap_out,
