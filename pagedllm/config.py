@@ -221,6 +221,9 @@ class ModelConfig:
     max_images_per_prompt: int = 4
     """Most images one prompt of a multimodal model may hold (vLLM's
     limit_mm_per_prompt {"image": N})."""
+    language_model_only: bool = False
+    """A multimodal model without its vision encoder (vLLM's --language-model-only):
+    text prompts only, the encoder's weights never loaded."""
     enable_prompt_embeds: bool = False
     """Whether prompts may come as input embeddings (vLLM's enable_prompt_embeds)."""
     logprobs_mode: str = "raw_logprobs"

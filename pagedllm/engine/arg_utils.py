@@ -315,6 +315,10 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = _arg(
         None, "sampling defaults on top of the generation config, in its names: a JSON "
               "object such as '{\"temperature\": 0.5}'")
+    language_model_only: bool = _arg(
+        False, "multimodal models: serve the language model alone, as vLLM's: images are "
+               "refused and the vision encoder is neither built nor loaded (its memory "
+               "saved)")
     limit_mm_per_prompt: dict[str, Any] | None = _arg(
         None, "multimodal models: most images one prompt may hold, as vLLM's: a JSON "
               "object such as '{\"image\": 2}' (default 4)")
@@ -795,6 +799,8 @@ class EngineArgs:
             model.__post_init__()  # checks the limit
         if model.image_token_id is None:
             return
+        if self.language_model_only:
+            model.language_model_only, model.max_images_per_prompt = True, 0
         refused = [what for what, used in (
             ("compile", self.compile),
             ("a GGUF file", model.is_gguf),

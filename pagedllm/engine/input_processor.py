@@ -64,6 +64,7 @@ class InputProcessor:
         self.hidden_size = model_config.hf_config.get_text_config().hidden_size
         # The model's image processor (None: a text model, and images are refused).
         self.images = None
+        self.language_model_only = model_config.language_model_only
         if model_config.image_token_id is not None:
             from pagedllm.multimodal.processor import ImageProcessor
 
@@ -187,10 +188,12 @@ class InputProcessor:
                      truncate_prompt_tokens: int | None) -> tuple[list[int], list[ImageInput]]:
         """The prompt's ids with each image's placeholder run expanded, and its images
         (a multimodal model checks every prompt's placeholders, images or not)."""
-        if self.images is None:
+        if self.images is None or (images and self.language_model_only):
             if images:
-                raise InvalidRequestError(f"this model ({self.architecture}) does not take "
-                                          f"images")
+                raise InvalidRequestError(
+                    "images are not taken: the engine serves the language model only "
+                    "(--language-model-only)" if self.language_model_only else
+                    f"this model ({self.architecture}) does not take images")
             return ids, []
         if images and truncate_prompt_tokens is not None:
             raise InvalidRequestError("truncate_prompt_tokens cannot be used with images "

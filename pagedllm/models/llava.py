@@ -77,7 +77,8 @@ class LlavaForConditionalGeneration(Module):
         return windows(cfg) if windows is not None else [None] * cfg.num_hidden_layers
 
     def __init__(self, cfg: Any, attn_backend: str,
-                 parallel: ParallelState | None = None) -> None:
+                 parallel: ParallelState | None = None,
+                 language_model_only: bool = False) -> None:
         super().__init__()
         parallel = parallel or SINGLE_RANK
         text_cls = get_model_class(cfg.text_architecture)
@@ -89,10 +90,13 @@ class LlavaForConditionalGeneration(Module):
         self.language_model = text_cls(cfg, attn_backend, **kwargs)
         self.feature_layers = feature_layers(cfg)
         self.drop_class_token = cfg.vision_feature_select_strategy == "default"
-        self.vision_tower = CLIPVisionTransformer(cfg.vision_config,
-                                                  max(self.feature_layers))
-        self.multi_modal_projector = LlavaMultiModalProjector(cfg,
-                                                              len(self.feature_layers))
+        # --language-model-only: no encoder at all (its weights are skipped on load).
+        self.vision_tower = self.multi_modal_projector = None
+        if not language_model_only:
+            self.vision_tower = CLIPVisionTransformer(cfg.vision_config,
+                                                      max(self.feature_layers))
+            self.multi_modal_projector = LlavaMultiModalProjector(cfg,
+                                                                  len(self.feature_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata,
@@ -125,6 +129,9 @@ class LlavaForConditionalGeneration(Module):
                     continue
                 if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
                     name = name.removeprefix("model.")
+                if self.vision_tower is None and name.startswith(
+                        ("vision_tower.", "multi_modal_projector.")):
+                    continue  # language model only
                 if name.startswith("vision_tower."):
                     short = name.removeprefix("vision_tower.")
                     if self.vision_tower.load_weight(short, tensor):
@@ -138,6 +145,8 @@ class LlavaForConditionalGeneration(Module):
                     yield name, tensor
 
         loaded = self.language_model.load_weights(decoder_weights())
+        if self.vision_tower is None:
+            return loaded
         expected = {n for n, _ in self.vision_tower.named_parameters()}
         expected |= {f"multi_modal_projector.{n}"
                      for n, _ in self.multi_modal_projector.named_parameters()}

@@ -88,6 +88,8 @@ def load_model(model_config: ModelConfig, attn_backend: str, device: torch.devic
             raise ModelLoadError(f"pipeline parallelism is not supported for "
                                  f"{model_config.architecture} yet")
         kwargs["parallel"] = parallel
+    if model_config.language_model_only and getattr(cls, "is_multimodal", False):
+        kwargs["language_model_only"] = True
     start = time.perf_counter()
     model = None
     try:

@@ -233,6 +233,29 @@ def test_limit_and_unsupported_options(llava_dir):
                                                       "num_speculative_tokens": 2})
 
 
+def test_language_model_only(llava_dir, llm32):
+    """vLLM's --language-model-only: the vision encoder is neither built nor loaded, a
+    text prompt gives the whole model's tokens, and images are refused by name."""
+    from pagedllm.models.llava import LlavaForConditionalGeneration
+
+    llm = LLM(model=str(llava_dir), dtype="float32", max_model_len=256,
+              language_model_only=True)
+    model = llm.llm_engine.engine_core.executor.runner.model
+    assert isinstance(model, LlavaForConditionalGeneration)
+    assert model.vision_tower is None and model.multi_modal_projector is None
+    full = llm32.llm_engine.engine_core.executor.runner.model
+    params = sum(p.numel() for p in model.parameters())
+    assert params < sum(p.numel() for p in full.parameters()) - sum(
+        p.numel() for p in full.vision_tower.parameters())
+    text = "USER: w5 w7 w9 ASSISTANT:"
+    assert (llm.generate([text], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            == llm32.generate([text], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+    with pytest.raises(InvalidRequestError, match="--language-model-only"):
+        llm.generate([_image_prompt(PROMPT, random_image(0))], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    llm.shutdown()
+
+
 def test_beam_search_with_images(llm32):
     """Every beam's step carries the prompt's images: width 1 is greedy decoding."""
     from pagedllm.sampling_params import BeamSearchParams
