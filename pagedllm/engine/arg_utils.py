@@ -38,6 +38,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 _QUANTIZATIONS = ("auto", "gguf", "none")
 _TOKENIZER_MODES = ("auto", "hf")
+_CONFIG_FORMATS = ("auto", "hf")
+_MODEL_IMPLS = ("auto", "vllm")
 _RUNNERS = ("auto", "generate", "pooling")
 _GUIDED_DECODING_BACKENDS = ("auto", "xgrammar")
 # vLLM's --task values (before --runner), by the runner they chose.
@@ -90,6 +92,16 @@ class EngineArgs:
                                        "tokenizers library; vLLM's slow, mistral and "
                                        "custom modes are not available)",
                                choices=_TOKENIZER_MODES)
+    config_format: str = _arg("auto", "the model's config format, as vLLM's: auto or hf "
+                                      "(config.json; Mistral's params.json is not read)",
+                              choices=_CONFIG_FORMATS)
+    model_impl: str = _arg("auto", "whose model implementation runs, as vLLM's: auto or "
+                                   "vllm (pagedllm's own; transformers' modeling code is "
+                                   "not run)", choices=_MODEL_IMPLS)
+    disable_cascade_attn: bool = _arg(
+        False, "accepted for vLLM's command lines, where it is deprecated and changes "
+               "nothing; here too: the CPU kernels' shared-prefix (cascade) pass gives "
+               "the same bits as without it")
     revision: str | None = _arg(None, "branch, tag or commit of a Hugging Face model id")
     hf_config_path: str | None = _arg(
         None, "the HF config to use instead of the model's: a directory holding a "
@@ -519,6 +531,12 @@ class EngineArgs:
             raise ConfigError(f"guided_decoding_backend must be one of "
                               f"{_GUIDED_DECODING_BACKENDS} (pagedllm's structured outputs "
                               f"run on xgrammar), got {backend!r}")
+        for name, allowed in (("config_format", _CONFIG_FORMATS),
+                              ("model_impl", _MODEL_IMPLS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed} (pagedllm reads HF "
+                                  f"configs into its own model implementations), got "
+                                  f"{getattr(self, name)!r}")
         if self.tokenizer_mode not in _TOKENIZER_MODES:
             raise ConfigError(f"tokenizer_mode must be one of {_TOKENIZER_MODES} (transformers' "
                               f"tokenizer), got {self.tokenizer_mode!r}")
