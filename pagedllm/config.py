@@ -337,6 +337,9 @@ class SchedulerConfig:
     max_num_scheduled_tokens: int | None = None
     """What the scheduler may put in one step, below max_num_batched_tokens (vLLM's);
     None: max_num_batched_tokens."""
+    scheduler_cls: str = ""
+    """A subclass of core.scheduler.Scheduler by qualified name (vLLM's --scheduler-cls);
+    "": the Scheduler itself."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps to fit the token budget."""
     policy: str = "fcfs"

@@ -309,6 +309,10 @@ class EngineArgs:
               "ray (one Ray actor per worker, on any node of a Ray cluster: "
               "pip install pagedllm[ray]); default: uni for one worker, mp for more",
         choices=DISTRIBUTED_EXECUTOR_BACKENDS)
+    scheduler_cls: str = _arg(
+        "", "a scheduler class of your own (package.module:Class, a subclass of "
+            "pagedllm.core.scheduler.Scheduler taking its constructor's arguments), as "
+            "vLLM's --scheduler-cls; its names of vLLM's own schedulers mean pagedllm's")
     worker_extension_cls: str = _arg(
         "", "a class (package.module:Class) whose methods every worker gets, for "
             "LLM.collective_rpc to call on every rank (vLLM's; RL frameworks' weight "
@@ -591,6 +595,7 @@ class EngineArgs:
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=max_model_len,
                                 max_num_scheduled_tokens=self.max_num_scheduled_tokens,
+                                scheduler_cls=self.scheduler_cls,
                                 max_num_active_seqs=self.max_num_active_seqs,
                                 watermark=self.watermark,
                                 reserve_full_prompt=self.scheduler_reserve_full_isl,
@@ -956,6 +961,10 @@ class EngineArgs:
             enable_expert_parallel=self.enable_expert_parallel,
             expert_placement_strategy=self.expert_placement_strategy)
         parallel.verify_with_model(hf_config)
+        if self.scheduler_cls:  # a ConfigError now, not in the engine core's process
+            from pagedllm.engine.engine_core import scheduler_class
+
+            scheduler_class(self.scheduler_cls)
         if self.worker_extension_cls:
             from pagedllm.worker.rpc import extension_class
 

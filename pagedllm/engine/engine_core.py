@@ -84,19 +84,20 @@ class EngineCore:
             except BaseException:
                 self.executor.shutdown()
                 raise
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
-                                   num_swap_blocks=self.num_swap_blocks,
-                                   pipeline_depth=self.max_concurrent_batches,
-                                   group_windows=group_windows,
-                                   num_lookahead_tokens=_num_lookahead_tokens(config),
-                                   hash_prompt_rows=self.executor.splits_prompt_rows(),
-                                   enable_kv_events=config.kv_events is not None,
-                                   kv_store=kv_store,
-                                   kv_load_failure_policy=(
-                                       config.kv_transfer.kv_load_failure_policy
-                                       if config.kv_transfer is not None else "fail"),
-                                   residency_sample_rate=(
-                                       config.observability.kv_cache_metrics_sample))
+        scheduler_cls = scheduler_class(config.scheduler.scheduler_cls)
+        self.scheduler = scheduler_cls(config.scheduler, config.cache, self.num_blocks,
+                                       num_swap_blocks=self.num_swap_blocks,
+                                       pipeline_depth=self.max_concurrent_batches,
+                                       group_windows=group_windows,
+                                       num_lookahead_tokens=_num_lookahead_tokens(config),
+                                       hash_prompt_rows=self.executor.splits_prompt_rows(),
+                                       enable_kv_events=config.kv_events is not None,
+                                       kv_store=kv_store,
+                                       kv_load_failure_policy=(
+                                           config.kv_transfer.kv_load_failure_policy
+                                           if config.kv_transfer is not None else "fail"),
+                                       residency_sample_rate=(
+                                           config.observability.kv_cache_metrics_sample))
         # KV cache events (engine/kv_events.py; imported only when asked for).
         self.kv_event_publisher = None
         if config.kv_events is not None:
@@ -519,3 +520,24 @@ def make_perf_counter(config: EngineConfig) -> PerfCounter:
         shape = dataclasses.replace(
             shape, weight_bytes_per_param=os.path.getsize(model.path) / shape.weight_params)
     return PerfCounter(shape)
+
+
+# vLLM's own schedulers by the names its --scheduler-cls takes: pagedllm's here.
+_VLLM_SCHEDULERS = frozenset({"vllm.v1.core.sched.scheduler.Scheduler",
+                              "vllm.v1.core.sched.async_scheduler.AsyncScheduler"})
+
+
+def scheduler_class(name: str) -> type[Scheduler]:
+    """The scheduler class `name` names (ConfigError unless a Scheduler subclass)."""
+    if not name or name in _VLLM_SCHEDULERS:
+        return Scheduler
+    from pagedllm.qualname import import_by_name
+
+    try:
+        cls = import_by_name(name)
+    except ValueError as e:
+        raise ConfigError(f"scheduler_cls: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise ConfigError(f"scheduler_cls {name!r} is not a subclass of "
+                          f"pagedllm.core.scheduler.Scheduler")
+    return cls
