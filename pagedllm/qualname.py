@@ -25,3 +25,16 @@ def import_by_name(name: str) -> Any:
         return getattr(module, attr)
     except AttributeError:
         raise ValueError(f"module {module_name!r} has no {attr!r}") from None
+
+
+def import_subclass(name: str, base: type, what: str) -> type:
+    """The class `name` names (import_by_name), which must subclass `base`; ValueError
+    naming `what` (the option or the plug-in) otherwise."""
+    try:
+        cls = import_by_name(name)
+    except ValueError as e:
+        raise ValueError(f"{what} {name!r}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(f"{what} {name!r} is not a subclass of "
+                         f"{base.__module__}.{base.__qualname__}")
+    return cls

@@ -531,13 +531,9 @@ def scheduler_class(name: str) -> type[Scheduler]:
     """The scheduler class `name` names (ConfigError unless a Scheduler subclass)."""
     if not name or name in _VLLM_SCHEDULERS:
         return Scheduler
-    from pagedllm.qualname import import_by_name
+    from pagedllm.qualname import import_subclass
 
     try:
-        cls = import_by_name(name)
+        return import_subclass(name, Scheduler, "scheduler_cls")
     except ValueError as e:
-        raise ConfigError(f"scheduler_cls: {e}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
-        raise ConfigError(f"scheduler_cls {name!r} is not a subclass of "
-                          f"pagedllm.core.scheduler.Scheduler")
-    return cls
+        raise ConfigError(str(e)) from None

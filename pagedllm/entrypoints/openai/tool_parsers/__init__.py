@@ -17,7 +17,7 @@ import importlib.util
 import os
 
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolParser
-from pagedllm.qualname import import_by_name
+from pagedllm.qualname import import_subclass
 
 # name -> (module in this package, class)
 _PARSERS: dict[str, tuple[str, str]] = {
@@ -52,14 +52,7 @@ def get_tool_parser(name: str, plugin: str | None = None) -> type[ToolParser]:
         raise ValueError(f"unknown tool call parser {name!r}; choose one of "
                          f"{', '.join(TOOL_PARSER_NAMES)}, or name a ToolParser class "
                          f"(package.module:Class){where}")
-    try:
-        cls = import_by_name(name)
-    except ValueError as e:
-        raise ValueError(f"tool call parser {name!r}: {e}") from e
-    if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
-        raise ValueError(f"tool call parser {name!r} is not a subclass of "
-                         f"{ToolParser.__module__}.ToolParser")
-    return cls
+    return import_subclass(name, ToolParser, "tool call parser")
 
 
 def _load_plugin(path: str) -> object:
