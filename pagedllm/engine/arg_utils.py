@@ -933,8 +933,6 @@ class EngineArgs:
         why = None
         if device != "cpu":
             why = f"the device is {device} (the quantized GEMM is a CPU kernel)"
-        elif self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            why = "tensor or pipeline parallelism (layers are sharded as dense weights)"
         elif self.compile:
             why = "compile=True (compiled graphs run dense weights)"
         elif dtype not in ("bfloat16", "float32"):

@@ -82,6 +82,37 @@ class QuantizedWeight:
         blocks = self.raw.view(n, k // elems, raw_size)
         return _combine(self.qtype, *_file_fields(self.qtype, blocks)).reshape(n, k).to(dtype)
 
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
+        """Rows (dim 0), or columns (dim 1) cut at whole blocks (ValueError elsewhere),
+        as a tensor's narrow: a rank's slice of the weight under tensor parallelism."""
+        if dim == 0:
+            return QuantizedWeight(self.qtype, self.raw.narrow(0, start, length),
+                                   self.in_features)
+        elems, raw_size, _ = _SIZES[self.qtype]
+        if start % elems or length % elems:
+            raise ValueError(f"{self.qtype} blocks hold {elems} weights: columns "
+                             f"[{start}, {start + length}) do not fall on whole blocks")
+        raw = self.raw.narrow(1, start // elems * raw_size, length // elems * raw_size)
+        return QuantizedWeight(self.qtype, raw.contiguous(), length)
+
+    def split(self, sizes: list[int], dim: int = 0) -> list[QuantizedWeight]:
+        """Row blocks of `sizes`, as a tensor's split."""
+        assert dim == 0 and sum(sizes) == self.raw.shape[0], (dim, sizes)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [self.narrow(0, start, size) for start, size in zip(starts, sizes)]
+
+    def padded(self, rows: int) -> QuantizedWeight:
+        """Zero rows appended up to `rows`: all-zero blocks are zeros in every type (their
+        scales are zero)."""
+        extra = rows - self.raw.shape[0]
+        if extra <= 0:
+            return self
+        return QuantizedWeight(self.qtype, torch.cat(
+            [self.raw, self.raw.new_zeros(extra, self.raw.shape[1])]), self.in_features)
+
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Rows of `parts` stacked (same type and K)."""

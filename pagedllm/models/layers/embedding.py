@@ -41,6 +41,14 @@ class VocabShard:
         param.data[:self.num_real].copy_(loaded.narrow(0, self.start, self.num_real))
         param.data[self.num_real:].zero_()
 
+    def quantized_rows(self, param: nn.Parameter, loaded: QuantizedWeight,
+                       ) -> QuantizedWeight:
+        """This slice's rows of the full table's GGUF blocks, padded with zero rows."""
+        if loaded.shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"weight shape mismatch: expected ({self.vocab_size}, "
+                             f"{param.shape[1]}), got {loaded.shape}")
+        return loaded.narrow(0, self.start, self.num_real).padded(self.per_rank)
+
 
 class VocabEmbedding(Module):
     def __init__(self, vocab_size: int, hidden_size: int,
@@ -53,8 +61,7 @@ class VocabEmbedding(Module):
                                    requires_grad=False)
         if self.parallel.tp_size > 1:
             self.weight.weight_loader = self.shard.weight_loader
-        else:
-            self.weight.quant_loader = self._load_quantized
+        self.weight.quant_loader = self._load_quantized
 
     # GGUF blocks of the table, repacked (kernels/cpu/quant.py), else None: lookups
     # dequantize the rows they read, and a tied LM head runs the quantized GEMM on them.
@@ -63,8 +70,7 @@ class VocabEmbedding(Module):
 
     def _load_quantized(self, param: nn.Parameter, loaded: QuantizedWeight,
                         shard_id: object = None) -> None:
-        _check_shape(param, loaded)
-        self._quant = loaded
+        self._quant = self.shard.quantized_rows(param, loaded)
         self.finalize_quantized()  # now: the raw rows are freed as the load goes
 
     def finalize_quantized(self) -> None:
@@ -74,23 +80,27 @@ class VocabEmbedding(Module):
             self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.quant_weight is not None:
-            # The same values as F.embedding of the dequantized table (both ways).
-            if not cpu_ops.cpu_ops_available(input_ids):
-                return dequantize_rows(self.quant_weight, input_ids).to(self.weight.dtype)
-            ids = input_ids.reshape(-1).long().contiguous()
-            out = torch.empty(ids.numel(), self.hidden_size, dtype=self.weight.dtype)
-            cpu_ops.quant_rows(out, self.quant_weight, ids, self.shard.per_rank)
-            return out.view(*input_ids.shape, -1)
         if self.parallel.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         # Ids outside this rank's slice look up row 0 and are zeroed; the all-reduce
         # then sums exactly one non-zero row per token (exact in every dtype).
         local = input_ids - self.shard.start
         outside = (local < 0) | (local >= self.shard.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        out = self._lookup(local.masked_fill(outside, 0))  # [T, hidden]
         out.masked_fill_(outside[:, None], 0)
         return all_reduce(out, self.parallel)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of this rank's table."""
+        if self.quant_weight is None:
+            return F.embedding(ids, self.weight)
+        # The same values as F.embedding of the dequantized table (both ways).
+        if not cpu_ops.cpu_ops_available(ids):
+            return dequantize_rows(self.quant_weight, ids).to(self.weight.dtype)
+        flat = ids.reshape(-1).long().contiguous()
+        out = torch.empty(flat.numel(), self.hidden_size, dtype=self.weight.dtype)
+        cpu_ops.quant_rows(out, self.quant_weight, flat, self.shard.per_rank)
+        return out.view(*ids.shape, -1)
 
 
 class LMHead(Module):
@@ -110,8 +120,7 @@ class LMHead(Module):
             for param in (self.weight, self.bias):
                 if param is not None:
                     param.weight_loader = self.shard.weight_loader
-        else:
-            self.weight.quant_loader = self._load_quantized
+        self.weight.quant_loader = self._load_quantized
         # The embedding this head is tied to, in a tuple (not a submodule).
         self._tied: tuple[VocabEmbedding, ...] = ()
 
@@ -131,8 +140,7 @@ class LMHead(Module):
 
     def _load_quantized(self, param: nn.Parameter, loaded: QuantizedWeight,
                         shard_id: object = None) -> None:
-        _check_shape(param, loaded)
-        self._quant = loaded
+        self._quant = self.shard.quantized_rows(param, loaded)
         self.finalize_quantized()
 
     def finalize_quantized(self) -> None:
@@ -165,9 +173,3 @@ class LMHead(Module):
             return full
         return full[:, :self.shard.vocab_size].contiguous()  # drop the padding columns
 
-
-def _check_shape(param: nn.Parameter, loaded: QuantizedWeight) -> None:
-    """GGUF blocks hold whole tables only (no TP slicing): the shapes must agree."""
-    if loaded.shape != tuple(param.shape):
-        raise ValueError(f"weight shape mismatch: expected {tuple(param.shape)}, "
-                         f"got {loaded.shape}")

@@ -71,19 +71,23 @@ class LinearBase(Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
-        if self.tp_size == 1:  # GGUF blocks run whole weights only (no TP slicing)
-            self.weight.quant_loader = self._load_quantized
+        # GGUF blocks: this rank's part of them (rank_parts) run as they are stored.
+        self.weight.quant_loader = self._load_quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        prompt = self.step_rows.of(x) if self.step_rows is not None else None
-        if self.native_shards is not None:
-            y = quantized_shards_linear(x, self.native_shards, prompt)
-        else:
-            y = cpu_linear(x, self.weight, self.bias, self.packed_weight, self.native_weight,
-                           self.native_bias, prompt)
+        y = self._product(x, self.bias)
         if self.lora is not None and self.lora.batch.active:
             self.lora.apply(x, y)
         return y
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T through whichever form the weight has, plus `bias` (a packed form
+        adds its own: `_fused_bias`)."""
+        prompt = self.step_rows.of(x) if self.step_rows is not None else None
+        if self.native_shards is not None:
+            return quantized_shards_linear(x, self.native_shards, prompt)
+        return cpu_linear(x, self.weight, bias, self.packed_weight, self.native_weight,
+                          self.native_bias, prompt)
 
     # The model's StepRows (set by the runner where the quantized GEMM runs prompt rows
     # on other kernels: worker/prompt_rows.py); None: every row alike.
@@ -99,9 +103,18 @@ class LinearBase(Module):
         assert shard_id is None, shard_id
         return 0, self.output_size
 
+    def rank_parts(self, loaded: Any, shard_id: str | int | None = None,
+                   ) -> list[tuple[str | int | None, Any]]:
+        """This rank's part(s) of a checkpoint tensor (a torch.Tensor, or GGUF blocks:
+        QuantizedWeight slices alike) of shard `shard_id`, each with the shard of the
+        weight it fills (None: all of it)."""
+        return [(None, loaded)]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
-        _copy_checked(param.data, loaded)
+        for sid, part in self.rank_parts(loaded, shard_id):
+            dst = param.data if sid is None else param.data.narrow(0, *self.output_range(sid))
+            _copy_checked(dst, part)
 
     # oneDNN-packed copy of `weight` (CPU eager float32 runs; see pack_linear_weights).
     packed_weight: torch.Tensor | None = None
@@ -120,10 +133,15 @@ class LinearBase(Module):
 
     def _load_quantized(self, param: nn.Parameter, loaded: QuantizedWeight,
                         shard_id: str | int | None = None) -> None:
+        try:
+            parts = self.rank_parts(loaded, shard_id)
+        except ValueError:  # a rank's columns cut through blocks: it runs dense
+            self.weight_loader(param, loaded.dequantize(param.dtype), shard_id)
+            return
         if self._quant_shards is None:
             self._quant_shards = {}
-        self._quant_shards[shard_id] = loaded
-        if shard_id is None or set(self._shard_ids()) <= set(self._quant_shards):
+        self._quant_shards.update(parts)
+        if None in self._quant_shards or set(self._shard_ids()) <= set(self._quant_shards):
             # Repack now, not after the whole model: the raw rows are freed as the load
             # goes, and the packed copy reuses their memory (peak RSS ~ the file).
             self.finalize_quantized()
@@ -145,13 +163,11 @@ class LinearBase(Module):
         parts = [shards.get(i) for i in ids]
         whole = (None not in parts and sum(p.shape[0] for p in parts) == self.output_size
                  and all(p.in_features == self.input_size for p in parts))
-        if not whole:
+        if not whole:  # the parts are this rank's already: copied, not sliced again
             for shard_id, part in shards.items():
-                weight = part.dequantize(self.weight.dtype)
-                if shard_id is None:
-                    self.weight_loader(self.weight, weight)
-                else:
-                    self.weight_loader(self.weight, weight, shard_id)
+                dst = (self.weight.data if shard_id is None
+                       else self.weight.data.narrow(0, *self.output_range(shard_id)))
+                _copy_checked(dst, part.dequantize(self.weight.dtype))
             return
         shards = pack_quantized(parts, native_bias(self._fused_bias(), self.output_size))
         if len(shards) == 1:
@@ -388,8 +404,8 @@ class ColumnParallelLinear(LinearBase):
                  parallel: ParallelState | None = None) -> None:
         super().__init__(input_size, output_size // _tp_size(parallel), bias, parallel)
 
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
-        _copy_checked(param.data, _rank_slice(loaded, 0, self.tp_rank, self.tp_size))
+    def rank_parts(self, loaded, shard_id=None):
+        return [(None, _rank_slice(loaded, 0, self.tp_rank, self.tp_size))]
 
 
 class RowParallelLinear(LinearBase):
@@ -401,17 +417,16 @@ class RowParallelLinear(LinearBase):
                  parallel: ParallelState | None = None) -> None:
         super().__init__(input_size // _tp_size(parallel), output_size, bias, parallel)
 
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
-        dim = 1 if param.dim() == 2 else None
-        src = loaded if dim is None else _rank_slice(loaded, dim, self.tp_rank, self.tp_size)
-        _copy_checked(param.data, src)
+    def rank_parts(self, loaded, shard_id=None):
+        if loaded.dim() != 2:  # the bias: whole on every rank
+            return [(None, loaded)]
+        return [(None, _rank_slice(loaded, 1, self.tp_rank, self.tp_size))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
         # NOTE: the bias must be added once, after the all-reduce (not on every rank).
-        out = cpu_linear(x, self.weight, None, self.packed_weight, self.native_weight,
-                         self.native_bias)  # native_bias holds zeros here (_fused_bias)
+        out = self._product(x, None)  # a native_bias holds zeros here (_fused_bias)
         all_reduce(out, self.parallel)
         return out if self.bias is None else out + self.bias
 
@@ -430,16 +445,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def _shard_ids(self) -> list[str | int | None]:
         return list(range(len(self.output_sizes)))
 
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
+    def rank_parts(self, loaded, shard_id=None):
         if shard_id is None:  # checkpoint already fused: rows [shard 0 | shard 1 | ...]
             if self.tp_size == 1:
-                return super().weight_loader(param, loaded)
-            for j, part in enumerate(loaded.split(self.output_sizes, dim=0)):
-                self.weight_loader(param, part, j)
-            return None
-        offset, size = self.output_range(shard_id)
-        src = _rank_slice(loaded, 0, self.tp_rank, self.tp_size)
-        _copy_checked(param.data.narrow(0, offset, size), src)
+                return [(None, loaded)]
+            return [part for j, whole in enumerate(loaded.split(self.output_sizes, dim=0))
+                    for part in self.rank_parts(whole, j)]
+        return [(shard_id, _rank_slice(loaded, 0, self.tp_rank, self.tp_size))]
 
     def output_range(self, shard_id: str | int | None) -> tuple[int, int]:
         if shard_id is None:
@@ -471,20 +483,20 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _shard_ids(self) -> list[str | int | None]:
         return ["q", "k", "v"]
 
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
+    def rank_parts(self, loaded, shard_id=None):
         if shard_id is None:  # checkpoint already fused: rows [q | k | v] of all heads
             if self.tp_size == 1:
-                return super().weight_loader(param, loaded)
+                return [(None, loaded)]
             q_rows = self.total_num_heads * self.head_size
             kv_rows = self.total_num_kv_heads * self.head_size
-            for part, sid in zip(loaded.split([q_rows, kv_rows, kv_rows], dim=0), "qkv"):
-                self.weight_loader(param, part, sid)
-            return None
-        offset, size = self.output_range(shard_id)
+            return [part for whole, sid in zip(
+                loaded.split([q_rows, kv_rows, kv_rows], dim=0), "qkv")
+                for part in self.rank_parts(whole, sid)]
+        _, size = self.output_range(shard_id)
         # This rank's slice index: its q heads, or the KV head group it reads.
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
-        src = loaded if self.tp_size == 1 else loaded.narrow(0, rank * size, size)
-        _copy_checked(param.data.narrow(0, offset, size), src)
+        return [(shard_id, loaded if self.tp_size == 1 else loaded.narrow(0, rank * size,
+                                                                          size))]
 
     def output_range(self, shard_id: str | int | None) -> tuple[int, int]:
         if shard_id is None:
