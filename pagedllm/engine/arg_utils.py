@@ -755,7 +755,6 @@ class EngineArgs:
             return None
         reasons = [why for why, applies in (
             ("compile=True", self.compile),
-            ("more than one worker (the adapters are not sharded)", parallel.world_size > 1),
             ("an encoder-only model", model.is_encoder_only)) if applies]
         if reasons:
             raise ConfigError(f"enable_lora is not supported with {reasons[0]}")

@@ -23,6 +23,7 @@ from pagedllm.lora.adapter import read_adapter, targeted
 from pagedllm.lora.layers import LinearLoRA, LoRABatch
 from pagedllm.lora_request import LoRARequest
 from pagedllm.models.layers.linear import LinearBase
+from pagedllm.models.pipeline import missing_prefixes
 from pagedllm.models.utils import LLAMA_STACKED_PARAMS
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ class LoRAManager:
         self.batch = LoRABatch()
         self.linears = {name: m for name, m in model.named_modules()
                         if isinstance(m, LinearBase)}
+        # Layers another pipeline stage holds: their adapter weights are skipped here.
+        self.elsewhere = missing_prefixes(model)
         variant = getattr(model, "variant", None)
         self.stacked = getattr(variant, "stacked_params", LLAMA_STACKED_PARAMS)
         # The models whose forward picks a path by it (LlamaModel: the native stack
@@ -98,13 +101,17 @@ class LoRAManager:
         for module, (a, b) in weights.items():
             if not targeted(module, self.config.target_modules):
                 continue  # left unused (lora_target_modules)
+            if self.elsewhere and module.startswith(self.elsewhere):
+                continue  # another pipeline stage's layer
             name, shard_id = self._target(module)
             linear = self.linears[name]
-            start, rows = linear.output_range(shard_id)
-            if b.shape[0] != rows or a.shape[1] != linear.input_size:
-                raise ValueError(f"LoRA adapter {lora.lora_path}: {module} does not fit "
-                                 f"{name} ({rows} x {linear.input_size})")
-            shards.setdefault(name, []).append((start, a, b, spec.scale))
+            # Under tensor parallelism: this rank's rows of B, or its columns of A.
+            for sid, a_part, b_part in linear.lora_parts(a, b, shard_id):
+                start, rows = linear.output_range(sid)
+                if b_part.shape[0] != rows or a_part.shape[1] != linear.input_size:
+                    raise ValueError(f"LoRA adapter {lora.lora_path}: {module} does not "
+                                     f"fit {name} ({rows} x {linear.input_size})")
+                shards.setdefault(name, []).append((start, a_part, b_part, spec.scale))
         layers: list[LinearLoRA] = []
         try:
             for name, parts in shards.items():

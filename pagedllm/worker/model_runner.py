@@ -458,16 +458,11 @@ class ModelRunner:
             elif inputs.lora_ids is not None:
                 failed_loras = self.lora.begin_step(inputs.lora_ids, inputs.loras)
                 try:
-                    hidden = self._forward(inputs.input_ids, inputs.positions,
-                                           inputs.attn_metadata, **self._image_embeds(inputs))
+                    hidden = self._run_layers(inputs)
                 finally:
                     self.lora.end_step()
-            elif self.parallel.pp_size == 1:
-                hidden = self._forward(inputs.input_ids, inputs.positions,
-                                       inputs.attn_metadata, **self._token_types(inputs),
-                                       **self._image_embeds(inputs))
             else:
-                hidden = self._forward_stage(inputs)
+                hidden = self._run_layers(inputs)
         if not self.parallel.is_last_stage:
             if so.kv_blocks_to_save:  # (this stage's layers, written by its forward pass)
                 self.kv_transfer.save(self.kv_caches, so.kv_blocks_to_save)
@@ -502,6 +497,13 @@ class ModelRunner:
         if deferred is None:
             return StepOutput(output)
         return StepOutput(output, lambda out: self._read_sampled(deferred, out))
+
+    def _run_layers(self, inputs: StepInputs) -> torch.Tensor:
+        """The model's forward pass, or this pipeline stage's part of it."""
+        if self.parallel.pp_size > 1:
+            return self._forward_stage(inputs)
+        return self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata,
+                             **self._token_types(inputs), **self._image_embeds(inputs))
 
     def _forward_stage(self, inputs: StepInputs) -> torch.Tensor:
         """This pipeline stage's layers: on the previous stage's hidden states (received),

@@ -75,6 +75,34 @@ def test_adapters_match_transformers_in_one_batch(tiny):
     assert refs[1] != refs[0] and refs[2] != refs[0] and refs[1] != refs[2]
 
 
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2},
+                                      {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_adapters_with_tensor_and_pipeline_parallelism(tiny, parallel):
+    """Two worker processes: each rank keeps its rows of B (column-parallel layers) or
+    its columns of A (row-parallel: its partial delta joins the all-reduce); each stage
+    its layers' adapters. transformers' greedy tokens and prompt logprobs within 1e-4,
+    as with one worker."""
+    model, full, qv = tiny
+    prompts = random_prompts(3, 256, 5, 20, seed=3)
+    llm = LLM(str(model), skip_tokenizer_init=True, dtype="float32", enable_lora=True,
+              max_loras=2, **parallel)
+    try:
+        loras = [None, LoRARequest("full", 1, str(full)), LoRARequest("qv", 2, str(qv))]
+        sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                            prompt_logprobs=0)
+        outs = llm.generate(_ids(prompts * 3), sp, use_tqdm=False,
+                            lora_request=[lora for lora in loras for _ in prompts])
+    finally:
+        llm.shutdown()
+    for k, adapter in enumerate((None, full, qv)):
+        tokens, logprobs = _hf_reference(model, adapter, prompts)
+        got = outs[k * len(prompts):(k + 1) * len(prompts)]
+        assert _tokens(got) == tokens, adapter
+        for out, prompt, ref in zip(got, prompts, logprobs):
+            for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+                assert abs(entry[prompt[pos]].logprob - float(ref[pos - 1, prompt[pos]])) < 1e-4
+
+
 def test_outputs_do_not_depend_on_the_batch(tiny):
     """Default dtype, native kernels: a request's tokens and logprobs are the same bits
     alone and beside base and other-adapter requests, with chunked prefill (a small

@@ -119,7 +119,6 @@ def test_requests_and_settings_refused(tmp_path, model, llm):
         with pytest.raises(ValueError, match=message):
             LoRARequest(**{"lora_name": "a", "lora_int_id": 1, "lora_path": "x", **kw})
     for kw, message in (({"compile": True}, "compile=True"),
-                        ({"tensor_parallel_size": 2}, "more than one worker"),
                         ({"max_loras": 2, "max_cpu_loras": 1}, "max_cpu_loras"),
                         ({"max_lora_rank": 0}, "max_lora_rank")):
         with pytest.raises(ValueError, match=message):

@@ -110,6 +110,14 @@ class LinearBase(Module):
         weight it fills (None: all of it)."""
         return [(None, loaded)]
 
+    def lora_parts(self, a: torch.Tensor, b: torch.Tensor, shard_id: str | int | None,
+                   ) -> list[tuple[str | int | None, torch.Tensor, torch.Tensor]]:
+        """This rank's part of a LoRA adapter's A [r, in] and B [out, r] for shard
+        `shard_id`: [(shard, A, B)]. Output rows split as the weight's (B's rows, A
+        whole); input columns (a row-parallel layer) split A's columns, B whole, and
+        each rank's partial delta joins its partial output before the all-reduce."""
+        return [(sid, a, part) for sid, part in self.rank_parts(b, shard_id)]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
         for sid, part in self.rank_parts(loaded, shard_id):
@@ -422,11 +430,16 @@ class RowParallelLinear(LinearBase):
             return [(None, loaded)]
         return [(None, _rank_slice(loaded, 1, self.tp_rank, self.tp_size))]
 
+    def lora_parts(self, a, b, shard_id):
+        return [(sid, part, b) for sid, part in self.rank_parts(a, shard_id)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
         # NOTE: the bias must be added once, after the all-reduce (not on every rank).
         out = self._product(x, None)  # a native_bias holds zeros here (_fused_bias)
+        if self.lora is not None and self.lora.batch.active:
+            self.lora.apply(x, out)  # this rank's columns' share of the delta
         all_reduce(out, self.parallel)
         return out if self.bias is None else out + self.bias
 
