@@ -25,7 +25,7 @@ _NOT_BUILT = {
     "returned_token_ids": "process reward models",
 }
 # vLLM's task names of the pooling tasks here (ModelConfig.pooling_task).
-_TASKS = {"embed": "embed", "classify": ("classify", "score"), "score": ("score",)}
+_TASKS = {"embed": ("embed",), "classify": ("classify", "score"), "score": ("score",)}
 
 
 def pooler_config(values: dict[str, Any] | None, model: ModelConfig) -> PoolerConfig:
