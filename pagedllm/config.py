@@ -501,6 +501,7 @@ class ProfilerOptions:
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 EXPERT_PLACEMENT_STRATEGIES = ("linear", "round_robin")
+LORA_DTYPES = ("auto", "bfloat16", "float16")
 
 
 @dataclass
@@ -941,8 +942,12 @@ class LoRAConfig:
     """The linears adapters may change, by name (q_proj, ..., or a fused qkv_proj /
     gate_up_proj for its parts); an adapter's weights for others are left unused.
     None: every linear an adapter has weights for."""
+    lora_dtype: str = "auto"
+    """vLLM's --lora-dtype: "bfloat16" / "float16" round the adapters' weights to that
+    type on load; "auto" keeps the file's values. Deltas are computed in float32."""
 
     def __post_init__(self) -> None:
+        require_one_of("lora_dtype", self.lora_dtype, LORA_DTYPES)
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, EXPERT_PLACEMENT_STRATEGIES,
-                             KV_CACHE_DTYPES, LOAD_FORMATS,
+                             KV_CACHE_DTYPES, LOAD_FORMATS, LORA_DTYPES,
                              LOGPROBS_MODES, PREEMPTION_MODES, SCHEDULING_POLICIES,
                              CacheConfig,
                              DeviceConfig, EngineConfig, KVEventsConfig, KVTransferConfig,
@@ -388,6 +388,10 @@ class EngineArgs:
     max_cpu_loras: int | None = _arg(None, "LoRA adapters each worker keeps loaded (least "
                                            "recently used dropped first; default: "
                                            "max_loras)")
+    lora_dtype: str = _arg(
+        "auto", "the adapters' weights, as vLLM's: bfloat16 or float16 rounds them to that "
+                "type as they load; auto keeps the file's values (the deltas are computed "
+                "in float32 either way)", choices=LORA_DTYPES)
     lora_target_modules: list[str] | None = _arg(
         None, "the linears LoRA adapters may change (vLLM's): names such as o_proj or "
               "q_proj, or a fused qkv_proj / gate_up_proj for its parts; an adapter's "
@@ -770,7 +774,7 @@ class EngineArgs:
                                   f"is not a linear LoRA can adapt here; choose from "
                                   f"{', '.join(sorted(known))}")
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                          max_cpu_loras=self.max_cpu_loras,
+                          max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype,
                           target_modules=tuple(targets) if targets is not None else None)
 
     def _resolve_async_scheduling(self, parallel: ParallelConfig,

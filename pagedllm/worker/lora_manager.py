@@ -97,6 +97,10 @@ class LoRAManager:
     def _load(self, lora: LoRARequest) -> list[LinearLoRA]:
         spec, weights = read_adapter(lora.lora_path, self.hf_config,
                                      self.config.max_lora_rank)
+        if self.config.lora_dtype != "auto":  # rounded as vLLM would store them
+            rounded = getattr(torch, self.config.lora_dtype)
+            weights = {m: (a.to(rounded).float(), b.to(rounded).float())
+                       for m, (a, b) in weights.items()}
         shards: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}
         for module, (a, b) in weights.items():
             if not targeted(module, self.config.target_modules):

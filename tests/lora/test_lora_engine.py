@@ -344,3 +344,33 @@ def test_lora_target_modules_leave_the_other_linears_alone(tiny, tmp_path):
     with pytest.raises(ConfigError, match="lora_target_modules: lm_head"):
         LLM(str(model), skip_tokenizer_init=True, enable_lora=True,
             lora_target_modules=["lm_head"])
+
+
+def test_lora_dtype_rounds_the_adapter(tiny, tmp_path):
+    """vLLM's --lora-dtype bfloat16: the adapter's weights rounded to bfloat16 on load,
+    the very outputs of the same adapter stored rounded; auto keeps the file's values."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model, full, _ = tiny
+    rounded = tmp_path / "rounded"
+    shutil.copytree(full, rounded)
+    file = rounded / "adapter_model.safetensors"
+    save_file({k: v.bfloat16().float() for k, v in load_file(file).items()}, str(file))
+    prompts = random_prompts(2, 256, 5, 20, seed=3)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
+
+    def run(adapter, **kw):
+        llm = LLM(str(model), skip_tokenizer_init=True, dtype="float32", enable_lora=True,
+                  **kw)
+        outs = llm.generate(_ids(prompts), sp, use_tqdm=False,
+                            lora_request=LoRARequest("a", 1, str(adapter)))
+        llm.shutdown()
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    as_bf16 = run(full, lora_dtype="bfloat16")
+    assert as_bf16 == run(rounded)
+    assert as_bf16 != run(full)  # not vacuous: the rounding moves the logprobs
+    with pytest.raises(ValueError, match="lora_dtype must be one of"):
+        LLM(str(model), enable_lora=True, lora_dtype="float8")
