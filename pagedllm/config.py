@@ -221,6 +221,8 @@ class ModelConfig:
     max_images_per_prompt: int = 4
     """Most images one prompt of a multimodal model may hold (vLLM's
     limit_mm_per_prompt {"image": N})."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """The image processor's settings over its preprocessor_config.json's (vLLM's)."""
     language_model_only: bool = False
     """A multimodal model without its vision encoder (vLLM's --language-model-only):
     text prompts only, the encoder's weights never loaded."""

@@ -331,6 +331,11 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = _arg(
         None, "sampling defaults on top of the generation config, in its names: a JSON "
               "object such as '{\"temperature\": 0.5}'")
+    mm_processor_kwargs: dict[str, Any] | None = _arg(
+        None, "multimodal models: settings of the image processor over its "
+              "preprocessor_config.json's, as vLLM's: a JSON object such as "
+              "'{\"do_normalize\": false}' (each one the processor must have; images "
+              "must still come out at the vision tower's size)")
     language_model_only: bool = _arg(
         False, "multimodal models: serve the language model alone, as vLLM's: images are "
                "refused and the vision encoder is neither built nor loaded (its memory "
@@ -823,6 +828,11 @@ class EngineArgs:
                                   f"{{'image': 2}}, got {limit!r}")
             model.max_images_per_prompt = limit.get("image", model.max_images_per_prompt)
             model.__post_init__()  # checks the limit
+        if self.mm_processor_kwargs is not None:
+            if not isinstance(self.mm_processor_kwargs, dict):
+                raise ConfigError(f"mm_processor_kwargs must be a JSON object, got "
+                                  f"{self.mm_processor_kwargs!r}")
+            model.mm_processor_kwargs = self.mm_processor_kwargs
         if model.image_token_id is None:
             return
         if self.language_model_only:

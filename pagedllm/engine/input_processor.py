@@ -70,7 +70,8 @@ class InputProcessor:
 
             self.images = ImageProcessor(model_config.path, model_config.hf_config,
                                          model_config.max_images_per_prompt,
-                                         model_config.trust_remote_code)
+                                         model_config.trust_remote_code,
+                                         model_config.mm_processor_kwargs)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids)."""

@@ -32,7 +32,10 @@ def tokens_per_image(hf_config: Any) -> int:
 class ImageProcessor:
     def __init__(self, model_path: str, hf_config: Any,
                  max_images: int = DEFAULT_IMAGES_PER_PROMPT,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False,
+                 overrides: dict[str, Any] | None = None) -> None:
+        """`overrides`: fields of the processor's config set over the file's (vLLM's
+        mm_processor_kwargs), each one the processor must have."""
         from transformers import AutoImageProcessor
 
         try:
@@ -41,6 +44,12 @@ class ImageProcessor:
         except (OSError, ValueError, KeyError) as e:
             raise ModelLoadError(f"cannot load the image processor of {model_path!r} "
                                  f"(preprocessor_config.json): {e}") from e
+        for key, value in (overrides or {}).items():
+            if key.startswith("_") or not hasattr(self.hf, key) or callable(
+                    getattr(self.hf, key)):
+                raise ModelLoadError(f"mm_processor_kwargs: the image processor "
+                                     f"{type(self.hf).__name__} has no setting {key!r}")
+            setattr(self.hf, key, value)
         self.image_token_id = hf_config.image_token_id
         self.tokens_per_image = tokens_per_image(hf_config)
         self.max_images = max_images

@@ -256,6 +256,31 @@ def test_language_model_only(llava_dir, llm32):
     llm.shutdown()
 
 
+def test_mm_processor_kwargs(llava_dir, llm32):
+    """vLLM's mm_processor_kwargs: the image processor's settings over its file's (its
+    pixels then those of transformers' processor so set); unknown settings and an
+    output size the vision tower cannot take are refused at start-up."""
+    from transformers import AutoImageProcessor
+
+    image = random_image(2)
+    llm = LLM(model=str(llava_dir), dtype="float32", max_model_len=256,
+              mm_processor_kwargs={"do_normalize": False})
+    ours = llm.llm_engine.input_processor.images.pixels([image])[0]
+    want = AutoImageProcessor.from_pretrained(llava_dir, backend="pil", do_normalize=False)(
+        images=[image], return_tensors="np")["pixel_values"][0]
+    np.testing.assert_array_equal(ours, want)
+    default = llm32.llm_engine.input_processor.images.pixels([image])[0]
+    assert not np.array_equal(ours, default)
+    out = llm.generate([_image_prompt(PROMPT, image)], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == TOKENS
+    llm.shutdown()
+    for kwargs, match in [({"frobnicate": 1}, "no setting 'frobnicate'"),
+                          ({"crop_size": {"height": 14, "width": 14}}, "vision tower takes")]:
+        with pytest.raises(ValueError, match=match):
+            LLM(model=str(llava_dir), dtype="float32", max_model_len=256,
+                mm_processor_kwargs=kwargs)
+
+
 def test_beam_search_with_images(llm32):
     """Every beam's step carries the prompt's images: width 1 is greedy decoding."""
     from pagedllm.sampling_params import BeamSearchParams
