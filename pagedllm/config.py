@@ -603,6 +603,12 @@ class ParallelConfig:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
+def require_json_object(what: str, value: Any) -> None:
+    """ConfigError naming `what` unless `value` is a dict (a JSON object)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} must be a dict (JSON object), got {value!r}")
+
+
 def require_one_of(what: str, value: Any, choices: tuple[Any, ...]) -> None:
     """ConfigError naming `what` unless `value` is one of `choices`."""
     if value not in choices:

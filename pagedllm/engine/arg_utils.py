@@ -23,7 +23,7 @@ from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, EXPERT_PLACEMENT_STR
                              ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, StructuredOutputsConfig,
                              cache_root, default_model_path, env_kv_cache_space,
-                             env_num_threads, env_profiler_dir)
+                             env_num_threads, env_profiler_dir, require_json_object)
 from pagedllm.engine.compilation import resolve_graphs
 from pagedllm.engine.pooling_options import CONVERTS, converted_architecture, pooler_config
 from pagedllm.engine.profiler_options import profiler_options
@@ -829,9 +829,7 @@ class EngineArgs:
             model.max_images_per_prompt = limit.get("image", model.max_images_per_prompt)
             model.__post_init__()  # checks the limit
         if self.mm_processor_kwargs is not None:
-            if not isinstance(self.mm_processor_kwargs, dict):
-                raise ConfigError(f"mm_processor_kwargs must be a JSON object, got "
-                                  f"{self.mm_processor_kwargs!r}")
+            require_json_object("mm_processor_kwargs", self.mm_processor_kwargs)
             model.mm_processor_kwargs = self.mm_processor_kwargs
         if model.image_token_id is None:
             return
@@ -1237,8 +1235,3 @@ def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
                        "trained on: outputs past them may be poor", requested, derived)
     return requested
 
-
-def require_json_object(what: str, value: Any) -> None:
-    """ConfigError naming `what` unless `value` is a dict (a JSON object)."""
-    if not isinstance(value, dict):
-        raise ConfigError(f"{what} must be a dict (JSON object), got {value!r}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.config import ModelConfig, PoolerConfig
+from pagedllm.config import ModelConfig, PoolerConfig, require_json_object
 from pagedllm.errors import ConfigError
 
 CONVERTS = ("auto", "none", "embed", "classify")
@@ -32,8 +32,7 @@ def pooler_config(values: dict[str, Any] | None, model: ModelConfig) -> PoolerCo
     """The PoolerConfig of --pooler-config's JSON object, checked against the model."""
     if not values:
         return PoolerConfig()
-    if not isinstance(values, dict):
-        raise ConfigError(f"pooler_config must be a JSON object, got {values!r}")
+    require_json_object("pooler_config", values)
     values = dict(values)
     if "normalize" in values:
         raise ConfigError("pooler_config: normalize was removed (as in vLLM); use "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pagedllm.config import ProfilerOptions
+from pagedllm.config import ProfilerOptions, require_json_object
 from pagedllm.errors import ConfigError
 
 _BOOLS = {"torch_profiler_with_stack": "with_stack", "torch_profiler_with_flops": "with_flops",
@@ -35,8 +35,7 @@ def profiler_options(values: dict[str, Any] | None, profiler_dir: str | None,
     --profiler-dir; vLLM's defaults where the object leaves a field unset."""
     if values is None:
         return profiler_dir, ProfilerOptions()
-    if not isinstance(values, dict):
-        raise ConfigError(f"profiler_config must be a JSON object, got {values!r}")
+    require_json_object("profiler_config", values)
     values = dict(values)
     kind = values.pop("profiler", None)
     if kind not in (None, "torch"):
